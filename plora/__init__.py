@@ -1,0 +1,3 @@
+"""plora: packed LoRA hyperparameter sweeps."""
+
+__version__ = "0.1.0"
