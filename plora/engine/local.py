@@ -1,0 +1,129 @@
+"""Run packed jobs as local processes: `tune run <plora recipe> --config <job.yaml>`.
+
+Each job is its own process so that one crash, out-of-memory or hang never takes the sweep
+down with it. On CPU a job is a single-threaded process and the machine's cores are the
+slots: tiny matmuls on several OpenMP threads are many times slower than on one, and two
+one-thread jobs side by side keep both cores busy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
+RECIPE = "plora/recipes/packed_lora.py"
+
+
+@dataclass
+class JobProcess:
+    """A launched job and where it writes."""
+
+    job_id: str
+    job_dir: Path
+    slot: str
+    proc: subprocess.Popen
+    started: float
+    log: object = None
+    returncode: int | None = None
+    ended: float | None = None
+
+    def progress(self) -> dict:
+        try:
+            return json.loads((self.job_dir / "progress.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+
+def tune_command(job_yaml: Path, nproc: int = 1) -> list[str]:
+    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run"]
+    if nproc > 1:
+        cmd += ["--nproc_per_node", str(nproc)]
+    return cmd + [RECIPE, "--config", str(job_yaml)]
+
+
+def launch(job_id: str, job_dir: Path, slot: str, *, gpus: Sequence[int] = (), nproc: int = 1) -> JobProcess:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    else:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    log = open(job_dir / "log.txt", "w")
+    proc = subprocess.Popen(
+        tune_command(job_dir / "job.yaml", nproc),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=str(job_dir),
+        start_new_session=True,
+    )
+    return JobProcess(job_id, job_dir, slot, proc, time.time(), log)
+
+
+@dataclass
+class LocalPool:
+    """Slots (CPU cores or GPU ids) and the jobs waiting for them, first come first served."""
+
+    slots: list[str]
+    running: dict[str, JobProcess] = field(default_factory=dict)
+
+    def run(
+        self,
+        jobs: Sequence[tuple[str, Path]],
+        on_tick: Callable[[list[JobProcess], list[JobProcess]], None] | None = None,
+        poll_s: float = 0.25,
+    ) -> list[JobProcess]:
+        """Run every (job_id, job_dir) to completion; returns the finished processes."""
+        queue = list(jobs)
+        free = list(self.slots)
+        finished: list[JobProcess] = []
+        try:
+            while queue or self.running:
+                while queue and free:
+                    job_id, job_dir = queue.pop(0)
+                    slot = free.pop(0)
+                    gpus = [int(slot.split(":")[1])] if slot.startswith("cuda:") else []
+                    self.running[job_id] = launch(job_id, job_dir, slot, gpus=gpus)
+                for job_id, jp in list(self.running.items()):
+                    rc = jp.proc.poll()
+                    if rc is not None:
+                        jp.returncode, jp.ended = rc, time.time()
+                        jp.log.close()
+                        finished.append(jp)
+                        free.append(jp.slot)
+                        del self.running[job_id]
+                if on_tick:
+                    on_tick(list(self.running.values()), finished)
+                time.sleep(poll_s)
+        finally:
+            for jp in self.running.values():  # Ctrl-C: take the children down with us
+                jp.proc.terminate()
+            for jp in self.running.values():
+                try:
+                    jp.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    jp.proc.kill()
+        return finished
+
+
+def default_slots(device: str) -> list[str]:
+    """GPU ids when CUDA is wanted and visible; one slot per CPU core otherwise."""
+    if device in ("auto", "cuda"):
+        try:
+            import torch
+
+            n = torch.cuda.device_count()
+        except Exception:  # noqa: BLE001 - a broken CUDA install means no GPUs
+            n = 0
+        if n:
+            return [f"cuda:{i}" for i in range(n)]
+        if device == "cuda":
+            raise RuntimeError("hardware.device is cuda but no CUDA device is visible")
+    return [f"cpu:{i}" for i in range(max(1, os.cpu_count() or 1))]

@@ -1,0 +1,142 @@
+"""Per-adapter losses and eval metrics of a packed model.
+
+Eval packs too: the adapters being evaluated each get the whole eval set as their rows, and
+the base model runs once over all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from plora.data import IGNORE_INDEX, Sample, TextTokenizer, collate
+from plora.packed.inject import PackedModel
+
+
+def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
+    """Mean next-token loss over each adapter's own answer tokens (rows are adapter-contiguous)."""
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    token_loss = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(shift_labels.shape)
+    mask = shift_labels != IGNORE_INDEX
+    losses, start = [], 0
+    for n in rows:
+        seg_loss, seg_mask = token_loss[start : start + n], mask[start : start + n]
+        losses.append(seg_loss.sum() / seg_mask.sum().clamp(min=1))
+        start += n
+    return losses
+
+
+def _forward(pm: PackedModel, tokens: torch.Tensor, active: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
+    seq = tokens.shape[1]
+    pm.state.set_batch(active, [r * seq for r in rows], tokens.device)
+    try:
+        return pm.model(tokens)
+    finally:
+        pm.state.clear()
+
+
+@torch.no_grad()
+def evaluate_adapters(
+    pm: PackedModel,
+    adapters: Sequence[int | None],
+    samples: Sequence[Sample],
+    examples: Sequence[dict],
+    tok: TextTokenizer,
+    *,
+    metrics: Sequence[str],
+    max_new_tokens: int,
+    max_seq_len: int,
+    device: torch.device,
+    batch_rows: int = 256,
+) -> list[dict[str, float]]:
+    """Eval loss and exact match for each adapter index (None = the base model alone)."""
+    was_training = pm.model.training
+    pm.model.eval()
+    results: list[dict[str, float]] = [{} for _ in adapters]
+    per_chunk = max(1, batch_rows // max(1, len(samples)))
+    for c0 in range(0, len(adapters), per_chunk):
+        group = list(range(c0, min(len(adapters), c0 + per_chunk)))
+        if "loss" in metrics:
+            for i, loss in zip(group, _eval_loss(pm, [adapters[i] for i in group], samples, device, batch_rows)):
+                results[i]["eval_loss"] = loss
+        if "exact_match" in metrics:
+            ems = _exact_match(pm, [adapters[i] for i in group], examples, tok, max_new_tokens, max_seq_len, device, batch_rows)
+            for i, em in zip(group, ems):
+                results[i]["eval_exact_match"] = em
+    pm.model.train(was_training)
+    return results
+
+
+def _eval_loss(pm, adapters, samples, device, batch_rows) -> list[float]:
+    """Token-weighted mean loss over the eval set, per adapter."""
+    step = max(1, batch_rows // len(adapters))
+    sums = [0.0] * len(adapters)
+    counts = [0] * len(adapters)
+    for s0 in range(0, len(samples), step):
+        chunk = samples[s0 : s0 + step]
+        tokens, labels = collate(list(chunk) * len(adapters), pad_id=0)
+        tokens, labels = tokens.to(device), labels.to(device)
+        active = [a for a in adapters if a is not None]
+        if active and len(active) != len(adapters):
+            raise ValueError("evaluate the base model on its own, not packed with adapters")
+        logits = _forward(pm, tokens, active, [len(chunk)] * len(active))
+        n = len(chunk)
+        for j in range(len(adapters)):
+            lab = labels[j * n : (j + 1) * n, 1:]
+            lg = logits[j * n : (j + 1) * n, :-1].float()
+            mask = lab != IGNORE_INDEX
+            loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+            sums[j] += float(loss)
+            counts[j] += int(mask.sum())
+    return [s / max(1, c) for s, c in zip(sums, counts)]
+
+
+def _exact_match(pm, adapters, examples, tok: TextTokenizer, max_new_tokens, max_seq_len, device, batch_rows) -> list[float]:
+    """Greedy decoding from each prompt until eos; exact match of the decoded answer."""
+    step = max(1, batch_rows // len(adapters))
+    hits = [0] * len(adapters)
+    active = [a for a in adapters if a is not None]
+    for s0 in range(0, len(examples), step):
+        chunk = examples[s0 : s0 + step]
+        prompts = [tok.prompt_ids(ex["input"])[: max_seq_len - 1] for ex in chunk] * len(adapters)
+        answers = greedy_generate(pm, prompts, active, len(chunk), tok, max_new_tokens, max_seq_len, device)
+        n = len(chunk)
+        for j in range(len(adapters)):
+            for ex, ans in zip(chunk, answers[j * n : (j + 1) * n]):
+                hits[j] += int(ans == ex["output"])
+    return [h / max(1, len(examples)) for h in hits]
+
+
+def greedy_generate(pm, prompts, active, rows_per_adapter, tok: TextTokenizer, max_new_tokens, max_seq_len, device) -> list[str]:
+    """Decode all rows together; each row writes its next token after its own last one."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    width = min(max_seq_len, int(lengths.max()) + max_new_tokens)
+    tokens = torch.full((len(prompts), width), tok.pad_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    out: list[list[int]] = [[] for _ in prompts]
+    rows = [rows_per_adapter] * len(active) if active else []
+    for _ in range(max_new_tokens):
+        if bool(done.all()) or int(lengths.max()) >= width:
+            break
+        cur = int(lengths.max())
+        logits = _forward(pm, tokens[:, :cur], active, rows)
+        nxt = logits[torch.arange(len(prompts), device=device), lengths - 1].argmax(-1)
+        for i in torch.nonzero(~done).flatten().tolist():
+            t = int(nxt[i])
+            if t == tok.eos_id or int(lengths[i]) >= width:
+                done[i] = True
+                continue
+            out[i].append(t)
+            tokens[i, lengths[i]] = t
+            lengths[i] += 1
+    return [tok.decode(ids) for ids in out]

@@ -1,0 +1,188 @@
+"""Base models: a local Hugging Face-format folder, built with torchtune's builders.
+
+The weights go through torchtune's Hugging Face checkpointer, so a model trained by plora
+is the same torchtune model a torchtune user would get; the family decides the builder
+and how adapter weights map back to Hugging Face names (see `plora.packed.peft_format`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ASSETS = Path(__file__).parent / "assets"
+
+#: config.json ``model_type`` -> (our family name, torchtune checkpointer model type)
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LLAMA3"),
+    "mistral": ("mistral", "MISTRAL"),
+    "qwen2": ("qwen2", "QWEN2"),
+}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ModelError(ValueError):
+    """A model folder that plora cannot build; the message names what is missing."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of plora needs to know about a base model, read from config.json."""
+
+    path: Path
+    family: str
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    embed_dim: int
+    head_dim: int
+    intermediate_dim: int
+    max_position_embeddings: int
+    norm_eps: float
+    rope_base: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    @property
+    def checkpointer_type(self) -> str:
+        return FAMILIES[self.family][1]
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """`builtin:<name>` names a model shipped in plora/assets; anything else is a folder."""
+    text = str(path)
+    if text.startswith("builtin:"):
+        folder = ASSETS / text.split(":", 1)[1]
+        if not (folder / "config.json").is_file():
+            known = sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").is_file())
+            raise ModelError(f"unknown built-in model {text!r}; available: {', '.join(known)}")
+        return folder
+    folder = Path(text).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{folder}: no config.json (expected a Hugging Face-format model folder)")
+    return folder
+
+
+def read_model_info(path: str | Path, family: str = "auto") -> ModelInfo:
+    folder = resolve_model_path(path)
+    cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    model_type = cfg.get("model_type", "")
+    if family == "auto":
+        if model_type not in FAMILIES:
+            raise ModelError(
+                f"{folder}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(sorted(FAMILIES))}); set model.family explicitly"
+            )
+        family = FAMILIES[model_type][0]
+    if family not in FAMILIES:
+        raise ModelError(f"unknown model family {family!r}")
+    if cfg.get("rope_scaling"):
+        raise ModelError(f"{folder}: rope_scaling is not supported yet")
+    heads = int(cfg["num_attention_heads"])
+    dim = int(cfg["hidden_size"])
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    return ModelInfo(
+        path=folder,
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        embed_dim=dim,
+        head_dim=int(cfg.get("head_dim") or dim // heads),
+        intermediate_dim=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_base=float(cfg.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def build_model(info: ModelInfo, max_seq_len: int) -> nn.Module:
+    """An empty torchtune TransformerDecoder of the folder's architecture."""
+    common = dict(
+        vocab_size=info.vocab_size,
+        num_layers=info.num_layers,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        embed_dim=info.embed_dim,
+        intermediate_dim=info.intermediate_dim,
+        max_seq_len=max(max_seq_len, 8),
+        norm_eps=info.norm_eps,
+    )
+    if info.family == "llama":
+        if info.tie_word_embeddings:
+            raise ModelError(f"{info.path}: tied embeddings are not supported for llama yet")
+        from torchtune.models.llama3._component_builders import llama3
+
+        return llama3(rope_base=int(info.rope_base), **common)
+    if info.family == "qwen2":
+        from torchtune.models.qwen2._component_builders import qwen2
+
+        return qwen2(rope_base=info.rope_base, tie_word_embeddings=info.tie_word_embeddings, **common)
+    if info.family == "mistral":
+        from torchtune.models.mistral._component_builders import mistral
+
+        return mistral(rope_base=int(info.rope_base), **common)
+    raise ModelError(f"unknown model family {info.family!r}")
+
+
+def load_base_model(
+    path: str | Path,
+    *,
+    family: str = "auto",
+    max_seq_len: int = 2048,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, ModelInfo]:
+    """Build the torchtune model and load its Hugging Face weights, frozen."""
+    from torchtune.training.checkpointing import FullModelHFCheckpointer
+
+    info = read_model_info(path, family)
+    files = sorted(p.name for p in info.path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{info.path}: no *.safetensors weights")
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpointer = FullModelHFCheckpointer(
+            checkpoint_dir=str(info.path),
+            checkpoint_files=files,
+            model_type=info.checkpointer_type,
+            output_dir=scratch,
+        )
+        state = checkpointer.load_checkpoint()["model"]
+    with torch.device("meta"):
+        model = build_model(info, max_seq_len)
+    model.load_state_dict(state, assign=True)
+    _rebuild_rope_caches(model, device)
+    model.to(device=device, dtype=DTYPES[dtype])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model, info
+
+
+def _rebuild_rope_caches(model: nn.Module, device: str | torch.device) -> None:
+    """RoPE caches are buffers built at init; a model built on the meta device has none."""
+    for module in model.modules():
+        if hasattr(module, "rope_init") and callable(module.rope_init):
+            with torch.device(device):
+                module.rope_init()

@@ -1,0 +1,360 @@
+"""torchtune recipe: train K LoRA adapters packed on one frozen base model.
+
+Run as ``tune run plora/recipes/packed_lora.py --config job.yaml`` (what `plora sweep`
+does for each job), or in-process with ``PackedLoRARecipe(cfg).run()``.
+
+One step: every active adapter draws its own micro-batch from its own seeded data order;
+the rows are concatenated adapter by adapter; the base model runs once; the loss is the sum
+of per-adapter mean losses, so each adapter's gradient is exactly its own. Clipping,
+learning rate, warm-up and schedule are per adapter (one AdamW param group each). An adapter
+whose loss or gradient turns NaN/inf is marked ``diverged`` and leaves the batch; one whose
+budget is done is evaluated, saved in the PEFT format and leaves the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from plora.data import AdapterStream, TextTokenizer, collate, load_split, tokenize_examples
+from plora.evaluate import evaluate_adapters, per_adapter_loss
+from plora.models import load_base_model
+from plora.packed.inject import inject_packed_lora
+from plora.packed.layer import AdapterSpec
+from plora.packed.peft_format import save_peft_adapter
+
+#: control.json may ask the job to stop adapters early (pruning); checked this often.
+CONTROL_EVERY_S = 1.0
+
+
+def lr_factor(step: int, total: int, warmup: int, scheduler: str) -> float:
+    """Multiplier of an adapter's base LR at its own step `step` (0-based)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    if scheduler == "constant":
+        return 1.0
+    if scheduler == "linear":
+        return max(0.0, 1.0 - progress)
+    if scheduler == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    raise ValueError(f"unknown scheduler {scheduler!r}")
+
+
+@dataclass
+class AdapterRun:
+    """One adapter's progress inside the job."""
+
+    index: int
+    cfg: dict[str, Any]
+    total_steps: int
+    warmup: int
+    stream: AdapterStream
+    step: int = 0
+    status: str = "running"  # running | done | diverged | pruned
+    losses: list[float] = field(default_factory=list)
+    reason: str = ""
+    finished_at: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.cfg["id"]
+
+    @property
+    def active(self) -> bool:
+        return self.status == "running"
+
+
+class PackedLoRARecipe:
+    """Sets up the packed model, data and optimizer from a job config, then trains."""
+
+    def __init__(self, cfg: DictConfig | dict):
+        self.cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+        c = self.cfg
+        if c.get("num_threads"):
+            torch.set_num_threads(int(c.num_threads))
+        self.device = _pick_device(c.get("device", "auto"))
+        torch.manual_seed(int(c.get("seed", 0)))
+        self.job_id = str(c.job_id)
+        self.output_dir = Path(c.output_dir)
+        self.job_dir = Path(c.get("job_dir") or self.output_dir / "jobs" / self.job_id)
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+
+        model, self.info = load_base_model(
+            c.model.path,
+            family=c.model.get("family", "auto"),
+            max_seq_len=int(c.model.max_seq_len),
+            dtype=c.model.get("dtype", "float32"),
+            device=self.device,
+        )
+        adapters = [dict(a) for a in c.adapters]
+        self.targets = list(c.lora.targets)
+        self.dropout = float(c.lora.get("dropout", 0.0))
+        specs = [AdapterSpec(a["id"], int(a["rank"]), float(a["alpha"]), int(a["seed"])) for a in adapters]
+        self.pm = inject_packed_lora(model, specs, self.targets, self.dropout)
+        self.pm.model.train()
+
+        self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
+        data_cfg = OmegaConf.to_container(c.data, resolve=True)
+        max_len = int(c.model.max_seq_len)
+        self.train_samples = tokenize_examples(load_split(data_cfg, "train"), self.tok, max_len)
+        eval_examples = load_split(data_cfg, "eval")[: int(c.eval.get("max_eval_samples", 256))]
+        self.eval_examples = eval_examples
+        self.eval_samples = tokenize_examples(eval_examples, self.tok, max_len)
+
+        t = c.training
+        self.runs: list[AdapterRun] = []
+        for i, a in enumerate(adapters):
+            total = int(a["steps"])
+            warmup = int(t.get("warmup_steps") or 0)
+            if t.get("warmup_ratio"):
+                warmup = int(math.ceil(float(t.warmup_ratio) * total))
+            self.runs.append(AdapterRun(i, a, total, warmup, AdapterStream(len(self.train_samples), int(a["seed"]))))
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": self.pm.adapter_parameters(r.index), "lr": float(r.cfg["learning_rate"]), "name": r.id}
+                for r in self.runs
+            ],
+            lr=1e-3,
+            weight_decay=float(t.get("weight_decay", 0.0)),
+        )
+        self.grad_clip = t.get("grad_clip")
+        self.divergence_loss = t.get("divergence_loss")
+        self.scheduler = str(t.get("scheduler", "constant"))
+        self._metrics_file = open(self.job_dir / "metrics.jsonl", "a")
+        self._last_progress = 0.0
+        self._last_control = 0.0
+        self.start_time = time.time()
+
+    # ------------------------------------------------------------------ training
+    def run(self) -> dict[str, Any]:
+        c = self.cfg
+        if c.get("eval_base"):
+            self._eval_base()
+        step = 0
+        while any(r.active for r in self.runs):
+            self._check_control()
+            active = [r for r in self.runs if r.active]
+            if not active:
+                break
+            self.train_step(active, step)
+            step += 1
+            finished = [r for r in active if r.active and r.step >= r.total_steps]
+            if finished:
+                self._finish(finished, "done")
+            self._write_progress(step)
+        self._write_progress(step, final=True)
+        self._metrics_file.close()
+        summary = {
+            "job_id": self.job_id,
+            "steps": step,
+            "wall_time_s": time.time() - self.start_time,
+            "adapters": {r.id: r.status for r in self.runs},
+        }
+        (self.job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def train_step(self, active: list[AdapterRun], step: int) -> None:
+        samples, rows = [], []
+        for r in active:
+            idx = r.stream.next(int(r.cfg["batch_size"]))
+            samples.extend(self.train_samples[i] for i in idx)
+            rows.append(len(idx))
+        tokens, labels = collate(samples, self.tok.pad_id)
+        tokens, labels = tokens.to(self.device), labels.to(self.device)
+        seq = tokens.shape[1]
+        self.pm.state.set_batch([r.index for r in active], [n * seq for n in rows], self.device)
+        logits = self.pm.model(tokens)
+        losses = per_adapter_loss(logits, labels, rows)
+        del logits
+
+        total, alive = None, []
+        for r, loss in zip(active, losses):
+            value = float(loss.detach())
+            if not math.isfinite(value) or (self.divergence_loss is not None and value > float(self.divergence_loss)):
+                self._diverge(r, f"loss {value} at step {r.step}")
+                continue
+            r.losses.append(value)
+            alive.append(r)
+            total = loss if total is None else total + loss
+        if total is not None:
+            total.backward()
+        self.pm.state.clear()
+
+        for r in active:
+            group = self.optimizer.param_groups[r.index]
+            if r not in alive:
+                for p in group["params"]:
+                    p.grad = None
+                continue
+            norm = self._clip(group["params"])
+            if not math.isfinite(norm):
+                self._diverge(r, f"gradient norm {norm} at step {r.step}")
+                for p in group["params"]:
+                    p.grad = None
+                continue
+            group["lr"] = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
+            self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": r.losses[-1], "lr": group["lr"], "grad_norm": norm})
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for r in alive:
+            if r.active:
+                r.step += 1
+
+    def _clip(self, params: list[torch.nn.Parameter]) -> float:
+        grads = [p for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.grad_clip is None:
+            return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))
+        return float(torch.nn.utils.clip_grad_norm_(grads, float(self.grad_clip)))
+
+    # ---------------------------------------------------------- leaving the pack
+    def _diverge(self, r: AdapterRun, reason: str) -> None:
+        r.status, r.reason, r.finished_at = "diverged", reason, time.time()
+        self._drop_optimizer_state(r)
+        self._write_adapter_metrics(r, {}, checkpoint=None)
+
+    def _finish(self, runs: list[AdapterRun], status: str) -> None:
+        """Evaluate and save adapters leaving the pack (packed eval), then drop their state."""
+        c = self.cfg
+        metrics = evaluate_adapters(
+            self.pm,
+            [r.index for r in runs],
+            self.eval_samples,
+            self.eval_examples,
+            self.tok,
+            metrics=list(c.eval.get("metrics", ["loss", "exact_match"])) if self.eval_examples else [],
+            max_new_tokens=int(c.eval.get("max_new_tokens", 16)),
+            max_seq_len=int(c.model.max_seq_len),
+            device=self.device,
+            batch_rows=int(c.eval.get("batch_rows", 256)),
+        )
+        for r, m in zip(runs, metrics):
+            r.status, r.finished_at = status, time.time()
+            ckpt = save_peft_adapter(
+                self.output_dir / "adapters" / r.id,
+                self.pm.adapter_state_dict(r.index),
+                self.info,
+                rank=int(r.cfg["rank"]),
+                alpha=float(r.cfg["alpha"]),
+                targets=self.targets,
+                dropout=self.dropout,
+            )
+            self._drop_optimizer_state(r)
+            self._write_adapter_metrics(r, m, checkpoint=ckpt)
+
+    def _drop_optimizer_state(self, r: AdapterRun) -> None:
+        # A finished adapter's AdamW moments are dead weight for the rest of the job.
+        for p in self.optimizer.param_groups[r.index]["params"]:
+            self.optimizer.state.pop(p, None)
+
+    def _eval_base(self) -> None:
+        metrics = evaluate_adapters(
+            self.pm,
+            [None],
+            self.eval_samples,
+            self.eval_examples,
+            self.tok,
+            metrics=list(self.cfg.eval.get("metrics", ["loss", "exact_match"])),
+            max_new_tokens=int(self.cfg.eval.get("max_new_tokens", 16)),
+            max_seq_len=int(self.cfg.model.max_seq_len),
+            device=self.device,
+            batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
+        )[0]
+        (self.job_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
+
+    # ------------------------------------------------------------------- files
+    def _write_adapter_metrics(self, r: AdapterRun, m: dict[str, float], checkpoint: Path | None) -> None:
+        out = self.output_dir / "adapters" / r.id
+        out.mkdir(parents=True, exist_ok=True)
+        tail = r.losses[-10:]
+        row = {
+            "adapter_id": r.id,
+            "job_id": self.job_id,
+            "status": r.status,
+            "reason": r.reason,
+            "steps": r.step,
+            "total_steps": r.total_steps,
+            "train_loss": sum(tail) / len(tail) if tail else None,
+            **m,
+            "wall_time_s": (r.finished_at or time.time()) - self.start_time,
+            "checkpoint_path": str(checkpoint) if checkpoint else None,
+            "config": {k: r.cfg[k] for k in ("rank", "alpha", "learning_rate", "batch_size", "seed")},
+        }
+        tmp = out / "metrics.json.tmp"
+        tmp.write_text(json.dumps(row, indent=2))
+        tmp.replace(out / "metrics.json")
+
+    def _log(self, row: dict[str, Any]) -> None:
+        row["time"] = round(time.time() - self.start_time, 4)
+        self._metrics_file.write(json.dumps(row) + "\n")
+
+    def _write_progress(self, step: int, final: bool = False) -> None:
+        now = time.time()
+        if not final and now - self._last_progress < 0.5:
+            return
+        self._last_progress = now
+        self._metrics_file.flush()
+        done_steps = sum(min(r.step, r.total_steps) if r.status in ("running", "done") else r.total_steps for r in self.runs)
+        progress = {
+            "job_id": self.job_id,
+            "step": step,
+            "adapter_steps_done": done_steps,
+            "adapter_steps_total": sum(r.total_steps for r in self.runs),
+            "adapters_finished": sum(not r.active for r in self.runs),
+            "adapters_total": len(self.runs),
+            "elapsed_s": now - self.start_time,
+            "final": final,
+        }
+        tmp = self.job_dir / "progress.json.tmp"
+        tmp.write_text(json.dumps(progress))
+        tmp.replace(self.job_dir / "progress.json")
+
+    def _check_control(self) -> None:
+        """Adapters named in control.json's "prune" list leave the pack at this step."""
+        now = time.time()
+        if now - self._last_control < CONTROL_EVERY_S:
+            return
+        self._last_control = now
+        path = self.job_dir / "control.json"
+        if not path.is_file():
+            return
+        try:
+            prune = set(json.loads(path.read_text()).get("prune", []))
+        except (OSError, ValueError):
+            return
+        for r in self.runs:
+            if r.active and r.id in prune:
+                r.status, r.reason, r.finished_at = "pruned", "pruned", time.time()
+                self._drop_optimizer_state(r)
+                self._write_adapter_metrics(r, {}, checkpoint=None)
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("hardware.device is cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def recipe_main(cfg: DictConfig) -> None:
+    recipe = PackedLoRARecipe(cfg)
+    summary = recipe.run()
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    from torchtune import config as tune_config
+
+    sys.exit(tune_config.parse(recipe_main)())

@@ -1,0 +1,851 @@
+"""The space file: its schema, its validation, and its expansion into adapter configs.
+
+A sweep is described by one YAML file (see ``sweeps/example-full.yaml``). Everything
+downstream (profiler, planner, engine, report) reads the validated :class:`SweepSpec`, so
+every mistake a user can make in that file is caught here, before any GPU time is spent,
+and reported as a one-line :class:`SpecError` that names the offending field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import itertools
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union, get_args
+
+import numpy as np
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "ALL_LINEAR",
+    "KNOWN_TARGETS",
+    "AdapterConfig",
+    "SpecError",
+    "SweepSpec",
+    "available_models",
+    "load_spec",
+    "parse_spec",
+    "resolve_targets",
+]
+
+#: Folder of the models shipped with plora (``model.path: builtin:<name>``).
+#: A module attribute so that tests can point it elsewhere.
+ASSETS_DIR: Path = Path(__file__).parent / "assets"
+
+#: Linear layers of a llama-style decoder that LoRA can adapt (Hugging Face names).
+KNOWN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".csv", ".parquet")
+METRICS: tuple[str, ...] = ("loss", "exact_match")
+HYPERPARAMETERS: tuple[str, ...] = ("rank", "alpha", "learning_rate", "batch_size")
+#: A sweep larger than this is almost certainly a typo (a grid with one axis too many).
+MAX_ADAPTERS = 100_000
+#: Continuous values drawn at random are rounded to this many significant digits, so that
+#: tables and ids stay readable; it changes nothing that matters for a sweep.
+RANDOM_SIGNIFICANT_DIGITS = 4
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class SpecError(ValueError):
+    """A space file is wrong. ``str()`` is one line: ``<dotted.field.path>: <what is wrong>``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = " ".join(str(message).split())
+        super().__init__(f"{field}: {self.message}" if field else self.message)
+
+
+class _Issue(ValueError):
+    """Raised inside validators; ``path`` extends the field location pydantic knows.
+
+    Pydantic reports a validator's error at the field (or model) it validates. A range's
+    ``low`` or a list entry is deeper than that, so the extra steps travel with the error.
+    """
+
+    def __init__(self, message: str, *path: str | int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
+def _fmt(value: Any) -> str:
+    """Show a value as the user wrote it: ``-1`` rather than ``-1.0``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    if isinstance(value, Path):
+        return str(value)
+    return repr(value)
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+# --------------------------------------------------------------------------- adapter config
+
+
+def _norm_float(x: float, digits: int = 12) -> float:
+    """Round to ``digits`` significant digits: 10**-3 computed by geomspace becomes 0.001,
+    so that ids do not depend on float noise."""
+    x = float(x)
+    if x == 0 or not math.isfinite(x):
+        return x
+    return float(f"{x:.{digits}g}")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """One trial of the sweep. Frozen and hashable; ``id`` is stable across runs."""
+
+    id: str
+    rank: int
+    alpha: float
+    learning_rate: float
+    batch_size: int
+    seed: int
+
+    @property
+    def scale(self) -> float:
+        """The LoRA output scale ``alpha / rank``."""
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def make_id(rank: int, alpha: float, learning_rate: float, batch_size: int, seed: int) -> str:
+        """``a-`` + sha1 of the canonical JSON of the hyperparameters (first 10 hex digits)."""
+        payload = {
+            "alpha": float(alpha),
+            "batch_size": int(batch_size),
+            "learning_rate": float(learning_rate),
+            "rank": int(rank),
+            "seed": int(seed),
+        }
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return "a-" + hashlib.sha1(text.encode()).hexdigest()[:10]
+
+    @classmethod
+    def make(cls, rank: int, alpha: float, learning_rate: float, batch_size: int, seed: int) -> "AdapterConfig":
+        """Build a config with normalised values and its id (the way to make one)."""
+        rank, batch_size, seed = int(rank), int(batch_size), int(seed)
+        alpha, learning_rate = _norm_float(alpha), _norm_float(learning_rate)
+        cid = cls.make_id(rank, alpha, learning_rate, batch_size, seed)
+        return cls(cid, rank, alpha, learning_rate, batch_size, seed)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AdapterConfig":
+        """Inverse of :meth:`to_dict`; an ``id`` that does not match the values is an error."""
+        cfg = cls.make(d["rank"], d["alpha"], d["learning_rate"], d["batch_size"], d["seed"])
+        if "id" in d and d["id"] != cfg.id:
+            raise ValueError(f"adapter id {d['id']!r} does not match its hyperparameters (expected {cfg.id!r})")
+        return cfg
+
+
+# --------------------------------------------------------------------------- schema helpers
+
+
+class _Model(BaseModel):
+    # Unknown keys are errors (a typo must not silently fall back to a default), NaN/inf
+    # are never valid, and defaults go through the same validators as given values.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_default=True)
+
+
+def _base_dir(info: ValidationInfo) -> Path:
+    ctx = info.context or {}
+    return Path(ctx.get("base_dir") or Path.cwd())
+
+
+def _resolve(path: Path | str, info: ValidationInfo) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = _base_dir(info) / p
+    return Path(p).resolve()
+
+
+def available_models() -> list[str]:
+    """Names usable as ``model.path: builtin:<name>``."""
+    if not ASSETS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+
+
+def _check_targets(targets: str | list[str]) -> list[str]:
+    if isinstance(targets, str):
+        targets = [targets]
+    if not targets:
+        raise _Issue("must name at least one layer")
+    out: list[str] = []
+    for t in targets:
+        if t == ALL_LINEAR:
+            names = list(KNOWN_TARGETS)
+        elif t in KNOWN_TARGETS:
+            names = [t]
+        else:
+            raise _Issue(f"unknown target {t!r}; expected {ALL_LINEAR!r} or some of: {', '.join(KNOWN_TARGETS)}")
+        out += [n for n in names if n not in out]
+    return out
+
+
+def resolve_targets(targets: str | list[str]) -> list[str]:
+    """Hugging Face layer names to adapt; ``"all-linear"`` expands to every known linear layer."""
+    try:
+        return _check_targets(targets)
+    except _Issue as e:
+        raise SpecError("lora.targets", e.message) from None
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class ModelConfig(_Model):
+    path: str = "builtin:tiny-llama"
+    family: Literal["auto", "llama", "qwen2", "mistral"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_seq_len: int = Field(64, ge=8)
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, v: str, info: ValidationInfo) -> str:
+        if v.startswith("builtin:"):
+            name = v.removeprefix("builtin:")
+            if name not in available_models():
+                avail = ", ".join(available_models()) or "none installed"
+                raise _Issue(f"unknown built-in model {name!r}; available: {avail}")
+            return v
+        p = _resolve(v, info)
+        if not p.is_dir():
+            raise _Issue(f"directory not found: {p}")
+        if not (p / "config.json").is_file():
+            raise _Issue(f"no config.json in {p} (expected a Hugging Face model folder)")
+        return str(p)
+
+    def resolved_path(self) -> Path:
+        """The model folder on disk (``builtin:<name>`` mapped into plora/assets)."""
+        if self.path.startswith("builtin:"):
+            return ASSETS_DIR / self.path.removeprefix("builtin:")
+        return Path(self.path)
+
+
+class DataConfig(_Model):
+    task: Optional[str] = None  # defaults to builtin:shift when no train file is given
+    train: Optional[Path] = None
+    eval: Optional[Path] = None
+    input_column: str = Field("input", min_length=1)
+    output_column: str = Field("output", min_length=1)
+    num_train: Optional[int] = Field(None, ge=1)
+    num_eval: Optional[int] = Field(None, ge=1)
+    max_eval_samples: int = Field(256, ge=1)
+
+    @field_validator("task")
+    @classmethod
+    def _check_task(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        if not v.startswith("builtin:") or not v.removeprefix("builtin:"):
+            raise _Issue(f"must be builtin:<name> (give data.train for your own files), got {v!r}")
+        name = v.removeprefix("builtin:")
+        try:  # imported here: the tasks module is heavier and optional for validation
+            from plora.tasks import BUILTIN_TASKS
+        except ImportError:
+            return v
+        if name not in BUILTIN_TASKS:
+            raise _Issue(f"unknown built-in task {name!r}; available: {', '.join(sorted(BUILTIN_TASKS))}")
+        return v
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _check_file(cls, v: Optional[Path], info: ValidationInfo) -> Optional[Path]:
+        if v is None:
+            return v
+        p = _resolve(v, info)
+        if p.suffix.lower() not in DATA_SUFFIXES:
+            kind = p.suffix or "(none)"
+            raise _Issue(f"unsupported file type {kind!r} in {p}; use one of {', '.join(DATA_SUFFIXES)}")
+        if not p.is_file():
+            raise _Issue(f"file not found: {p}")
+        return p
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "DataConfig":
+        if self.task is not None and self.train is not None:
+            raise _Issue("give either task or train (+ eval) files, not both")
+        if self.train is None:
+            if self.eval is not None:
+                raise _Issue("needs data.train (a built-in task makes its own eval set)", "eval")
+            if self.task is None:
+                self.task = "builtin:shift"
+        else:
+            for name in ("num_train", "num_eval"):
+                if getattr(self, name) is not None:
+                    raise _Issue("only used with a built-in task, not with train files", name)
+        return self
+
+    @property
+    def task_name(self) -> Optional[str]:
+        """The built-in task's name without ``builtin:``, or None for files."""
+        return self.task.removeprefix("builtin:") if self.task else None
+
+
+class LoraConfig(_Model):
+    targets: Union[str, list[str]] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    dropout: float = 0.0
+
+    @field_validator("targets")
+    @classmethod
+    def _check(cls, v: Union[str, list[str]]) -> Union[str, list[str]]:
+        _check_targets(v)
+        if isinstance(v, str) and v != ALL_LINEAR:  # a single name is a one-item list
+            return [v]
+        return v
+
+    @field_validator("dropout")
+    @classmethod
+    def _check_dropout(cls, v: float) -> float:
+        if not 0 <= v < 1:
+            raise _Issue(f"must be in [0, 1), got {_fmt(v)}")
+        return v
+
+    def resolved_targets(self) -> list[str]:
+        return resolve_targets(self.targets)
+
+
+class Range(_Model):
+    """A continuous range of a hyperparameter: sampled (random) or spaced with ``num`` points (grid)."""
+
+    low: float
+    high: float
+    log: bool = False
+    num: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Range":
+        if self.high < self.low:
+            raise _Issue(f"must be >= low ({_fmt(self.low)}), got {_fmt(self.high)}", "high")
+        if self.log and self.low <= 0:
+            raise _Issue(f"a log range needs low > 0, got {_fmt(self.low)}", "low")
+        if self.num is not None and self.num < 1:
+            raise _Issue(f"must be >= 1, got {self.num}", "num")
+        return self
+
+    def grid(self, integer: bool) -> list[float]:
+        """``num`` points, evenly spaced (geometrically when ``log``), rounded for integers."""
+        num = self.num or 1
+        pts = np.geomspace(self.low, self.high, num) if self.log else np.linspace(self.low, self.high, num)
+        if integer:
+            vals = [int(math.floor(p + 0.5)) for p in pts]
+        else:
+            vals = [_norm_float(p) for p in pts]
+        return list(dict.fromkeys(vals))
+
+    def sample(self, rng: np.random.Generator, integer: bool) -> float:
+        """One draw: uniform or log-uniform; a range with ``num`` draws among its grid points."""
+        if self.num is not None:
+            pts = self.grid(integer)
+            return pts[int(rng.integers(len(pts)))]
+        if integer:
+            lo, hi = int(self.low), int(self.high)
+            if not self.log:
+                return int(rng.integers(lo, hi + 1))
+            # Discrete log-uniform: each integer gets the log-measure of [k, k+1).
+            return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
+        if self.log:
+            x = math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+        else:
+            x = rng.uniform(self.low, self.high)
+        return _norm_float(min(max(x, self.low), self.high), RANDOM_SIGNIFICANT_DIGITS)
+
+
+class RelativeAlpha(_Model):
+    """``alpha = factor * rank`` for each factor (the usual way to keep the LoRA scale fixed)."""
+
+    relative: list[float] = Field(min_length=1)
+
+    @field_validator("relative")
+    @classmethod
+    def _check(cls, v: list[float]) -> list[float]:
+        if any(f <= 0 for f in v):
+            raise _Issue(f"factors must be > 0, got {_fmt(v)}")
+        return v
+
+
+def _values_or_range(v: Any) -> str:
+    return "<range>" if isinstance(v, (dict, Range)) else "<values>"
+
+
+def _alpha_kind(v: Any) -> str:
+    if isinstance(v, RelativeAlpha) or (isinstance(v, dict) and "relative" in v):
+        return "<relative>"
+    return _values_or_range(v)
+
+
+# Tags ("<...>") are stripped from error locations: users never wrote them.
+IntValues = Annotated[
+    Union[Annotated[list[int], Tag("<values>")], Annotated[Range, Tag("<range>")]],
+    Discriminator(_values_or_range),
+]
+FloatValues = Annotated[
+    Union[Annotated[list[float], Tag("<values>")], Annotated[Range, Tag("<range>")]],
+    Discriminator(_values_or_range),
+]
+AlphaValues = Annotated[
+    Union[
+        Annotated[list[float], Tag("<values>")],
+        Annotated[Range, Tag("<range>")],
+        Annotated[RelativeAlpha, Tag("<relative>")],
+    ],
+    Discriminator(_alpha_kind),
+]
+_TAG_MODELS: dict[str, Optional[type[BaseModel]]] = {"<values>": None, "<range>": Range, "<relative>": RelativeAlpha}
+
+
+class ConfigEntry(_Model):
+    """One configuration of a ``strategy: list`` space; every key is required."""
+
+    rank: int
+    alpha: float
+    learning_rate: float
+    batch_size: int
+
+    @model_validator(mode="after")
+    def _check(self) -> "ConfigEntry":
+        for name in HYPERPARAMETERS:
+            if getattr(self, name) <= 0:
+                raise _Issue(f"must be > 0, got {_fmt(getattr(self, name))}", name)
+        return self
+
+
+class SpaceConfig(_Model):
+    strategy: Literal["grid", "random", "list"] = "grid"
+    num_samples: Optional[int] = None
+    seed: int = Field(0, ge=0)
+    rank: IntValues = Field(default_factory=lambda: [8])
+    alpha: AlphaValues = Field(default_factory=lambda: [16.0])
+    learning_rate: FloatValues = Field(default_factory=lambda: [1.0e-3])
+    batch_size: IntValues = Field(default_factory=lambda: [4])
+    configs: Optional[list[ConfigEntry]] = None
+    seeds_per_config: int = Field(1, ge=1)
+
+    @field_validator(*HYPERPARAMETERS, mode="before")
+    @classmethod
+    def _scalar_is_one_value(cls, v: Any) -> Any:
+        if isinstance(v, tuple):
+            return list(v)
+        if v is not None and not isinstance(v, (list, dict, BaseModel)):
+            v = [v]
+        if isinstance(v, list) and any(isinstance(x, bool) for x in v):
+            raise _Issue(f"must be numbers, got {_fmt(v)}")
+        return v
+
+    @field_validator(*HYPERPARAMETERS)
+    @classmethod
+    def _check_values(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        integer = name in ("rank", "batch_size")
+        if isinstance(v, list):
+            if not v:
+                raise _Issue("must not be empty")
+            if any(x <= 0 for x in v):
+                kind = "positive integers" if integer else "> 0"
+                raise _Issue(f"must be {kind}, got {_fmt(v)}")
+        elif isinstance(v, Range):
+            for end in ("low", "high"):
+                x = getattr(v, end)
+                if x <= 0:
+                    raise _Issue(f"must be > 0, got {_fmt(x)}", end)
+                if integer and not float(x).is_integer():
+                    raise _Issue(f"must be an integer, got {_fmt(x)}", end)
+        return v
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> "SpaceConfig":
+        s = self.strategy
+        if s == "random":
+            if self.num_samples is None:
+                raise _Issue("required with strategy random", "num_samples")
+            if self.num_samples < 1:
+                raise _Issue(f"must be >= 1, got {self.num_samples}", "num_samples")
+        elif self.num_samples is not None:
+            raise _Issue(f"only used with strategy random (strategy is {s})", "num_samples")
+        if s == "list":
+            if self.configs is None:
+                raise _Issue("required with strategy list", "configs")
+            if not self.configs:
+                raise _Issue("must list at least one configuration", "configs")
+            for name in HYPERPARAMETERS:
+                if name in self.model_fields_set:
+                    raise _Issue("not used with strategy list (each entry of space.configs gives it)", name)
+        elif self.configs is not None:
+            raise _Issue(f"only used with strategy list (strategy is {s})", "configs")
+        if s == "grid":
+            for name in HYPERPARAMETERS:
+                v = getattr(self, name)
+                if isinstance(v, Range) and v.num is None:
+                    raise _Issue("required when a range is used with strategy grid", name, "num")
+        n = self.num_configs() * self.seeds_per_config
+        if n > MAX_ADAPTERS:
+            raise _Issue(f"{n} adapters is more than the limit of {MAX_ADAPTERS}; shrink the space")
+        return self
+
+    def values(self, name: str) -> list:
+        """The grid values of one hyperparameter (alpha factors for a relative alpha)."""
+        v = getattr(self, name)
+        if isinstance(v, RelativeAlpha):
+            return list(v.relative)
+        if isinstance(v, Range):
+            return v.grid(integer=name in ("rank", "batch_size"))
+        return list(dict.fromkeys(v))
+
+    def num_configs(self) -> int:
+        """Configurations before seed replication and de-duplication (an upper bound)."""
+        if self.strategy == "list":
+            return len(self.configs or [])
+        if self.strategy == "random":
+            return self.num_samples or 0
+        return math.prod(len(self.values(n)) for n in HYPERPARAMETERS)
+
+    def _alpha(self, value: float, rank: int) -> float:
+        return value * rank if isinstance(self.alpha, RelativeAlpha) else value
+
+    def _base_configs(self) -> list[tuple[int, float, float, int]]:
+        if self.strategy == "list":
+            return [(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in self.configs or []]
+        if self.strategy == "grid":
+            out = []
+            for r, a, lr, bs in itertools.product(*(self.values(n) for n in HYPERPARAMETERS)):
+                out.append((r, self._alpha(a, r), lr, bs))
+            return out
+        return self._random_configs()
+
+    def _draw(self, name: str, rng: np.random.Generator) -> float:
+        v = getattr(self, name)
+        integer = name in ("rank", "batch_size")
+        if isinstance(v, Range):
+            return v.sample(rng, integer)
+        vals = self.values(name)
+        return vals[int(rng.integers(len(vals)))]
+
+    def _random_configs(self) -> list[tuple[int, float, float, int]]:
+        # Draw until num_samples distinct configurations, so that a space with short lists
+        # still yields what was asked; a space smaller than that yields all it has.
+        rng = np.random.default_rng(self.seed)
+        target = self.num_samples or 0
+        out: dict[tuple, None] = {}
+        for _ in range(50 * target + 100):
+            if len(out) >= target:
+                break
+            r = int(self._draw("rank", rng))
+            a = self._alpha(self._draw("alpha", rng), r)
+            lr = self._draw("learning_rate", rng)
+            bs = int(self._draw("batch_size", rng))
+            out.setdefault((r, _norm_float(a), _norm_float(lr), bs), None)
+        return list(out)
+
+
+class TrainingConfig(_Model):
+    epochs: Optional[float] = Field(None, gt=0)  # defaults to 1 when steps is not given
+    steps: Optional[int] = Field(None, ge=1)
+    warmup_steps: Optional[int] = Field(None, ge=0)  # defaults to 0 when warmup_ratio is not given
+    warmup_ratio: Optional[float] = Field(None, ge=0, le=1)
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    divergence_loss: Optional[float] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainingConfig":
+        if self.epochs is not None and self.steps is not None:
+            raise _Issue("give exactly one of epochs or steps")
+        if self.epochs is None and self.steps is None:
+            self.epochs = 1.0
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise _Issue("give at most one of warmup_steps or warmup_ratio")
+        if self.warmup_steps is None and self.warmup_ratio is None:
+            self.warmup_steps = 0
+        return self
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warm-up steps of an adapter that trains ``total_steps`` steps."""
+        if self.warmup_ratio is not None:
+            return int(math.floor(self.warmup_ratio * total_steps))
+        return int(self.warmup_steps or 0)
+
+
+class EvalConfig(_Model):
+    metrics: list[Literal["loss", "exact_match"]] = Field(default_factory=lambda: ["loss", "exact_match"])
+    max_new_tokens: int = Field(16, ge=1)
+    objective: Optional[Literal["loss", "exact_match"]] = None  # exact_match if measured, else the first metric
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalConfig":
+        if not self.metrics:
+            raise _Issue("must name at least one metric", "metrics")
+        if len(set(self.metrics)) != len(self.metrics):
+            raise _Issue(f"duplicate metric in {_fmt(self.metrics)}", "metrics")
+        if self.objective is None:
+            self.objective = "exact_match" if "exact_match" in self.metrics else self.metrics[0]
+        elif self.objective not in self.metrics:
+            raise _Issue(f"{self.objective!r} is not in eval.metrics {_fmt(self.metrics)}", "objective")
+        return self
+
+    @property
+    def minimize(self) -> bool:
+        """Whether a lower objective is better (loss) or a higher one (exact match)."""
+        return self.objective == "loss"
+
+
+class HardwareConfig(_Model):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gpus: int = Field(1, ge=1)
+    gpu_memory_gb: float = Field(80, gt=0)
+
+
+class PlannerConfig(_Model):
+    max_adapters_per_job: int = Field(8, ge=1)
+    solver: Literal["auto", "gurobi", "highs"] = "auto"
+    memory_load_factor: float = Field(0.9, gt=0, le=1)
+    objective: Literal["makespan", "paper"] = "makespan"
+
+
+class OutputConfig(_Model):
+    dir: Path = Path("runs")
+
+    @field_validator("dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        # Runs land where the user runs plora, not next to the space file.
+        return Path(v).expanduser().resolve()
+
+
+_SECTIONS = ("model", "data", "lora", "space", "training", "eval", "hardware", "planner", "output")
+
+
+class SweepSpec(_Model):
+    """A validated space file. Build it with :func:`load_spec` or :func:`parse_spec`."""
+
+    # Section defaults are empty mappings validated like given ones, so that their paths
+    # resolve against the space file's folder and their errors carry the section's name.
+
+    name: str
+    model: ModelConfig = Field(default_factory=dict)
+    data: DataConfig = Field(default_factory=dict)
+    lora: LoraConfig = Field(default_factory=dict)
+    space: SpaceConfig = Field(default_factory=dict)
+    training: TrainingConfig = Field(default_factory=dict)
+    eval: EvalConfig = Field(default_factory=dict)
+    hardware: HardwareConfig = Field(default_factory=dict)
+    planner: PlannerConfig = Field(default_factory=dict)
+    output: OutputConfig = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        # `model:` with only comments under it is YAML null: read it as "all defaults".
+        if isinstance(data, dict):
+            data = {k: ({} if k in _SECTIONS and v is None else v) for k, v in data.items()}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", v):
+            raise _Issue(f"must be a folder name (letters, digits, '.', '_', '-'), got {v!r}")
+        return v
+
+    def expand(self) -> list[AdapterConfig]:
+        """Every adapter of the sweep, in a deterministic order (config-major, then seed);
+        duplicates (same id) are dropped, keeping the first."""
+        out: dict[str, AdapterConfig] = {}
+        for r, a, lr, bs in self.space._base_configs():
+            for i in range(self.space.seeds_per_config):
+                cfg = AdapterConfig.make(r, a, lr, bs, self.space.seed + i)
+                out.setdefault(cfg.id, cfg)
+        return list(out.values())
+
+    def steps_for(self, cfg: AdapterConfig, num_train: int) -> int:
+        """Optimizer steps of one adapter: ``ceil(epochs * num_train / batch_size)``, or ``training.steps``."""
+        if self.training.steps is not None:
+            return self.training.steps
+        if num_train < 1:
+            raise ValueError(f"num_train must be >= 1, got {num_train}")
+        epochs = Fraction(repr(float(self.training.epochs or 1.0)))  # exact: no float round-up
+        return max(1, math.ceil(epochs * num_train / cfg.batch_size))
+
+    def run_dir(self, override: Path | None = None) -> Path:
+        """The run directory: ``override`` itself when given, else ``<output.dir>/<name>``."""
+        if override is not None:
+            return Path(override).expanduser().resolve()
+        return self.output.dir / self.name
+
+    def to_yaml(self) -> str:
+        """The resolved spec (defaults filled in, absolute paths); :func:`parse_spec` reads it back equal."""
+        data = self.model_dump(mode="json")
+        if self.space.strategy == "list":
+            for name in HYPERPARAMETERS:
+                del data["space"][name]
+        return yaml.dump(data, Dumper=_SpecDumper, sort_keys=False, width=100)
+
+    def summary(self) -> dict:
+        """Counts of the expanded sweep: adapters, and adapters per value of each hyperparameter."""
+        cfgs = self.expand()
+        out: dict[str, Any] = {"strategy": self.space.strategy, "adapters": len(cfgs)}
+        out["configs"] = len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in cfgs})
+        for name in (*HYPERPARAMETERS, "seed"):
+            counts: dict[Any, int] = {}
+            for c in cfgs:
+                key = getattr(c, name)
+                counts[key] = counts.get(key, 0) + 1
+            out[name] = dict(sorted(counts.items()))
+        return out
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
+    """The model class that holds the last key of ``loc`` (to list its allowed fields)."""
+    cls: Optional[type[BaseModel]] = SweepSpec
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if part in _TAG_MODELS:
+            cls = _TAG_MODELS[part]
+            continue
+        if cls is None or part not in cls.model_fields:
+            return None
+        cls = _find_model(cls.model_fields[part].annotation)
+    return cls
+
+
+def _find_model(tp: Any) -> Optional[type[BaseModel]]:
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in get_args(tp):
+        found = _find_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _from_validation_error(err: ValidationError) -> SpecError:
+    errors = err.errors()
+    # A typo'd key explains the errors that follow from it: report it first.
+    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+    raw_loc = tuple(e["loc"])
+    loc = tuple(p for p in raw_loc if not (isinstance(p, str) and p.startswith("<")))
+    exc = (e.get("ctx") or {}).get("error")
+    if e["type"] == "value_error" and isinstance(exc, _Issue):
+        return SpecError(_dotted(loc + exc.path), exc.message)
+    if e["type"] == "missing":
+        return SpecError(_dotted(loc), "required")
+    if e["type"] == "extra_forbidden":
+        cls = _model_at(raw_loc)
+        allowed = list(cls.model_fields) if cls is not None else []
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        if close:
+            msg = f"unknown field (did you mean {close[0]!r}?)"
+        elif allowed:
+            msg = f"unknown field; expected one of: {', '.join(allowed)}"
+        else:
+            msg = "unknown field"
+        return SpecError(_dotted(loc), msg)
+    msg = e["msg"].removeprefix("Value error, ")
+    msg = re.sub(r" or instance of \w+", "", msg)
+    msg = msg[:1].lower() + msg[1:]
+    inp = e.get("input")
+    if not isinstance(inp, (dict, BaseModel)) and len(repr(inp)) <= 80:
+        msg += f", got {_fmt(inp)}"
+    return SpecError(_dotted(loc) or "spec", msg)
+
+
+def parse_spec(data: dict, base_dir: Path | None = None) -> SweepSpec:
+    """Validate a space given as a dict; relative paths are resolved against ``base_dir``
+    (the current directory when None). Raises :class:`SpecError`."""
+    if not isinstance(data, dict):
+        raise SpecError("spec", f"top level must be a mapping, got {type(data).__name__}")
+    base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
+    try:
+        return SweepSpec.model_validate(data, context={"base_dir": base})
+    except ValidationError as err:
+        raise _from_validation_error(err) from None
+
+
+class _SpecDumper(yaml.SafeDumper):
+    """Block mappings, one-line lists of scalars: reads like a hand-written space file."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
+    flow = all(not isinstance(x, (dict, list)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_SpecDumper.add_representer(list, _represent_list)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys; in a space file that is always a mistake."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Read and validate a space file. Raises :class:`SpecError` (missing file, bad YAML,
+    bad field), with relative paths resolved against the file's folder."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SpecError(str(path), "file not found" if not path.exists() else "not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(str(path), f"cannot read: {e}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SpecError(str(path), f"invalid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else type(data).__name__
+        raise SpecError(str(path), f"top level must be a mapping, got {got}")
+    return parse_spec(data, base_dir=path.resolve().parent)
