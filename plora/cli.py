@@ -24,6 +24,18 @@ err = Console(stderr=True)
 EXIT_USAGE = 2
 
 
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+) -> None:
+    """plora: packed LoRA hyperparameter sweeps."""
+    if version:
+        from plora import __version__
+
+        console.print(f"plora {__version__}")
+        raise typer.Exit(0)
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr and an exit code; never a traceback for a user's mistake."""
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)

@@ -229,4 +229,8 @@ def ranked(frame: pd.DataFrame, objective: str, minimize: bool) -> pd.DataFrame:
     done = frame[frame["status"] == "done"].copy()
     if column not in done.columns or done[column].isna().all():
         return done
-    return done.sort_values(column, ascending=minimize)
+    keys, ascending = [column], [minimize]
+    if column != "eval_loss" and "eval_loss" in done.columns:
+        keys.append("eval_loss")  # ties (common with exact match) go to the lower loss
+        ascending.append(True)
+    return done.sort_values(keys, ascending=ascending)

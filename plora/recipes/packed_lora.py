@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +32,8 @@ from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.peft_format import save_peft_adapter
 
+#: learning rates are capped here; see train_step
+MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
 #: control.json may ask the job to stop adapters early (pruning); checked this often.
 CONTROL_EVERY_S = 1.0
 
@@ -136,7 +138,9 @@ class PackedLoRARecipe:
         self.start_time = time.time()
 
     # ------------------------------------------------------------------ training
-    def run(self) -> dict[str, Any]:
+    def run(self, on_step: Callable[["PackedLoRARecipe", int], None] | None = None) -> dict[str, Any]:
+        """Train until every adapter has left the pack. `on_step(recipe, step)` runs after
+        each optimizer step, before finished adapters leave (tests and callers look in)."""
         c = self.cfg
         if c.get("eval_base"):
             self._eval_base()
@@ -147,6 +151,8 @@ class PackedLoRARecipe:
             if not active:
                 break
             self.train_step(active, step)
+            if on_step is not None:
+                on_step(self, step)
             step += 1
             finished = [r for r in active if r.active and r.step >= r.total_steps]
             if finished:
@@ -202,13 +208,19 @@ class PackedLoRARecipe:
                 for p in group["params"]:
                     p.grad = None
                 continue
-            group["lr"] = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
+            lr = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
+            # AdamW turns lr / bias_correction into the parameter dtype and raises past its
+            # range, which would take the whole pack down for one absurd adapter.
+            group["lr"] = min(lr, MAX_LR)
             self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": r.losses[-1], "lr": group["lr"], "grad_norm": norm})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for r in alive:
-            if r.active:
-                r.step += 1
+            if not r.active:
+                continue
+            r.step += 1
+            if not _all_finite(self.optimizer.param_groups[r.index]["params"]):
+                self._diverge(r, f"non-finite weights after step {r.step}")
 
     def _clip(self, params: list[torch.nn.Parameter]) -> float:
         grads = [p for p in params if p.grad is not None]
@@ -338,6 +350,12 @@ class PackedLoRARecipe:
                 r.status, r.reason, r.finished_at = "pruned", "pruned", time.time()
                 self._drop_optimizer_state(r)
                 self._write_adapter_metrics(r, {}, checkpoint=None)
+
+
+def _all_finite(params: list[torch.nn.Parameter]) -> bool:
+    """One reduction per adapter: inf/NaN anywhere makes the sum non-finite."""
+    total = torch.stack([p.detach().float().sum() for p in params]).sum()
+    return bool(torch.isfinite(total))
 
 
 def _pick_device(name: str) -> torch.device:

@@ -1,0 +1,426 @@
+"""Memory and step-time model of packed LoRA jobs.
+
+The planner needs two numbers for any candidate job -- a set of adapters trained
+together on one base-model copy at tensor-parallel (TP) degree ``d``: its peak
+memory per GPU and its time. Both are kept *linear in the adapters* on purpose:
+the planner's integer program can then express them exactly, and a profiler can
+refit the coefficients by least squares from a handful of probe jobs without
+touching the planner.
+
+Memory (PLoRA, Appendix B), per GPU at TP degree d::
+
+    M(J, d) = base[d] + sum_k ( adapter[d] + rank[d]*r_k
+                                + tok[d]*bs_k*seq + rank_tok[d]*r_k*bs_k*seq )
+
+``base`` holds the sharded frozen weights plus a fixed overhead (CUDA context,
+allocator slack, communication buffers); ``rank`` the LoRA parameters, their
+gradients and AdamW state per unit of rank; ``tok`` the base-model activations
+of one token of the adapter's rows; ``rank_tok`` the LoRA activations.
+
+Step time, per packed step::
+
+    t(J, d) = c0[d] + c_tok[d]*sum_k bs_k*seq + c_rtok[d]*sum_k r_k*bs_k*seq + c_ad[d]*K
+
+A job trains every adapter for its own number of steps and an adapter leaves the
+pack when it is done, so the step gets cheaper as the job goes on (``job_time``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "AdapterLoad",
+    "CostModel",
+    "MemoryCoeffs",
+    "ModelShape",
+    "TimeCoeffs",
+    "resolve_lora_targets",
+]
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Megatron-style TP: these shard their output features (column parallel) ...
+_COLWISE = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+# ... and these their input features (row parallel).
+_ROWWISE = frozenset({"o_proj", "down_proj"})
+
+
+def resolve_lora_targets(targets: str | Iterable[str] | None) -> tuple[str, ...]:
+    """HF linear names; ``"all-linear"`` (alone or in a list) means every linear of a block."""
+    if targets is None:
+        return DEFAULT_TARGETS
+    if isinstance(targets, str):
+        targets = [targets]
+    out: list[str] = []
+    for t in targets:
+        names = ALL_LINEAR if t == "all-linear" else (t,)
+        for n in names:
+            if n not in ALL_LINEAR:
+                raise ValueError(f"unknown LoRA target {n!r}; expected one of {', '.join(ALL_LINEAR)} or all-linear")
+            if n not in out:
+                out.append(n)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """What planning needs of one adapter: its size (rank), rows per step and step count."""
+
+    id: str
+    rank: int
+    batch_size: int
+    steps: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AdapterLoad":
+        return cls(id=str(d["id"]), rank=int(d["rank"]), batch_size=int(d["batch_size"]), steps=int(d["steps"]))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers of a decoder-only transformer that the cost model needs."""
+
+    name: str
+    n_params: int
+    hidden: int
+    intermediate: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int = 2
+    tied_embeddings: bool = False
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear of one block."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def lora_params_per_rank(self, targets: str | Iterable[str] | None = None) -> int:
+        """LoRA parameters per unit of rank: sum over targeted linears of (in + out), times layers."""
+        dims = self.linear_dims()
+        return self.n_layers * sum(sum(dims[t]) for t in resolve_lora_targets(targets))
+
+    def lora_split_per_rank(self, targets: str | Iterable[str] | None = None) -> tuple[int, int]:
+        """(replicated, sharded) LoRA parameters per rank under Megatron TP.
+
+        A column-parallel linear keeps A (r x in) whole and shards B (out x r); a
+        row-parallel one shards A and keeps B whole. Only the sharded part shrinks with d.
+        """
+        dims = self.linear_dims()
+        rep = shard = 0
+        for t in resolve_lora_targets(targets):
+            i, o = dims[t]
+            if t in _COLWISE:
+                rep, shard = rep + i, shard + o
+            else:
+                rep, shard = rep + o, shard + i
+        return rep * self.n_layers, shard * self.n_layers
+
+    def tp_degrees(self, max_tp: int = 8) -> tuple[int, ...]:
+        """Powers of two up to ``max_tp`` that split attention heads and KV heads evenly.
+
+        Sharding attention by heads needs d | n_heads and d | n_kv_heads; a degree that
+        splits a head would change the computation, so it is not offered.
+        """
+        out, d = [], 1
+        while d <= max_tp:
+            if self.n_heads % d == 0 and self.n_kv_heads % d == 0:
+                out.append(d)
+            d *= 2
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelShape":
+        return cls(**d)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelShape":
+        """Shapes of common base models (numbers from their HF ``config.json``)."""
+        key = name.lower()
+        if key not in _PRESETS:
+            raise KeyError(f"unknown model preset {name!r}; known: {', '.join(sorted(_PRESETS))}")
+        return _PRESETS[key]
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        return tuple(sorted(_PRESETS))
+
+
+def _shape(name, n_params, hidden, inter, layers, heads, kv, head_dim, vocab, tied) -> ModelShape:
+    return ModelShape(name, n_params, hidden, inter, layers, heads, kv, head_dim, vocab, 2, tied)
+
+
+_PRESETS: dict[str, ModelShape] = {
+    s.name: s
+    for s in (
+        _shape("qwen2.5-0.5b", 494_032_768, 896, 4864, 24, 14, 2, 64, 151936, True),
+        _shape("qwen2.5-1.5b", 1_543_714_304, 1536, 8960, 28, 12, 2, 128, 151936, True),
+        _shape("qwen2.5-3b", 3_085_938_688, 2048, 11008, 36, 16, 2, 128, 151936, True),
+        _shape("qwen2.5-7b", 7_615_616_512, 3584, 18944, 28, 28, 4, 128, 152064, False),
+        _shape("qwen2.5-14b", 14_770_033_664, 5120, 13824, 48, 40, 8, 128, 152064, False),
+        _shape("qwen2.5-32b", 32_763_876_352, 5120, 27648, 64, 40, 8, 128, 152064, False),
+        _shape("llama-3.2-1b", 1_235_814_400, 2048, 8192, 16, 32, 8, 64, 128256, True),
+        _shape("llama-3.2-3b", 3_212_749_824, 3072, 8192, 28, 24, 8, 128, 128256, True),
+        _shape("llama-3.1-8b", 8_030_261_248, 4096, 14336, 32, 32, 8, 128, 128256, False),
+        _shape("mistral-7b-v0.3", 7_248_023_552, 4096, 14336, 32, 32, 8, 128, 32768, False),
+    )
+}
+
+
+@dataclass(frozen=True)
+class TimeCoeffs:
+    """Step-time coefficients at one TP degree (seconds; per step, per token, per rank*token, per adapter)."""
+
+    c0: float
+    c_tok: float
+    c_rtok: float
+    c_ad: float
+
+
+@dataclass(frozen=True)
+class MemoryCoeffs:
+    """Peak-memory coefficients per GPU at one TP degree (bytes; see the module docstring)."""
+
+    base: float
+    adapter: float
+    rank: float
+    tok: float
+    rank_tok: float
+
+
+@dataclass
+class CostModel:
+    """Linear memory and time model of packed jobs, one set of coefficients per TP degree.
+
+    ``time`` and ``memory`` are keyed by TP degree; a degree missing from them is one
+    the model cannot run at. Treat instances as immutable: the planner caches
+    values derived from them.
+    """
+
+    gpu_memory_bytes: float
+    seq_len: int
+    time: dict[int, TimeCoeffs]
+    memory_coeffs: dict[int, MemoryCoeffs]
+    name: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if set(self.time) != set(self.memory_coeffs):
+            raise ValueError("time and memory coefficients must cover the same TP degrees")
+        if not self.time:
+            raise ValueError("a cost model needs at least one TP degree")
+
+    # ---- the linear pieces (what the planner's ILP uses) -------------------------------
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """TP degrees the model can run at, ascending."""
+        return tuple(sorted(self.time))
+
+    def memory_base(self, d: int) -> float:
+        """Bytes per GPU of a job before any adapter is added."""
+        return self.memory_coeffs[d].base
+
+    def memory_per_adapter(self, a: AdapterLoad, d: int) -> float:
+        """Bytes per GPU that adapter ``a`` adds to any job at degree ``d``."""
+        m, tok = self.memory_coeffs[d], a.batch_size * self.seq_len
+        return m.adapter + m.rank * a.rank + m.tok * tok + m.rank_tok * a.rank * tok
+
+    def step_base(self, d: int) -> float:
+        """Seconds of a packed step that do not depend on the adapters in it."""
+        return self.time[d].c0
+
+    def step_per_adapter(self, a: AdapterLoad, d: int) -> float:
+        """Seconds that adapter ``a`` adds to every step it takes part in."""
+        c, tok = self.time[d], a.batch_size * self.seq_len
+        return c.c_tok * tok + c.c_rtok * a.rank * tok + c.c_ad
+
+    # ---- the contract -------------------------------------------------------------------
+    def memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:
+        """Peak bytes per GPU of a job at TP degree ``d``."""
+        return self.memory_base(d) + sum(self.memory_per_adapter(a, d) for a in adapters)
+
+    def step_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
+        """Seconds of one packed step of all ``adapters``."""
+        return self.step_base(d) + sum(self.step_per_adapter(a, d) for a in adapters)
+
+    def job_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
+        """Seconds of a whole job; each adapter leaves the pack once its steps are done.
+
+        With adapters sorted by steps n_(1) <= ... <= n_(K), the job runs
+        n_(i) - n_(i-1) steps with adapters i..K still in the pack.
+        """
+        order = sorted(adapters, key=lambda a: a.steps)
+        total, done = 0.0, 0
+        for i, a in enumerate(order):
+            if a.steps > done:
+                total += (a.steps - done) * self.step_time(order[i:], d)
+                done = a.steps
+        return total
+
+    def fits(self, adapters: Sequence[AdapterLoad], d: int, load_factor: float = 0.9) -> bool:
+        """Whether the job runs at degree ``d`` within ``load_factor`` of GPU memory."""
+        return d in self.time and self.memory(adapters, d) <= load_factor * self.gpu_memory_bytes
+
+    # ---- serialization ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "plora.costmodel/linear-v1",
+            "name": self.name,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "seq_len": self.seq_len,
+            "time": {str(d): asdict(c) for d, c in sorted(self.time.items())},
+            "memory": {str(d): asdict(c) for d, c in sorted(self.memory_coeffs.items())},
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+        return cls(
+            gpu_memory_bytes=float(data["gpu_memory_bytes"]),
+            seq_len=int(data["seq_len"]),
+            time={int(d): TimeCoeffs(**c) for d, c in data["time"].items()},
+            memory_coeffs={int(d): MemoryCoeffs(**c) for d, c in data["memory"].items()},
+            name=str(data.get("name", "")),
+            meta=dict(data.get("meta", {})),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        data = json.loads(Path(path).read_text())
+        # A profile file may wrap the model next to its raw measurements.
+        return cls.from_dict(data.get("cost_model", data))
+
+    # ---- analytic prior -----------------------------------------------------------------
+    @classmethod
+    def analytic(
+        cls,
+        shape: ModelShape,
+        seq_len: int,
+        gpu_memory_bytes: float,
+        targets: str | Iterable[str] | None = None,
+        *,
+        device_flops: float = 989e12,
+        device_bandwidth: float = 3.35e12,
+        link_bandwidth: float = 3.0e11,
+        mfu: float = 0.45,
+        lora_efficiency: float = 0.25,
+        kernel_launch_s: float = 5e-6,
+        allreduce_latency_s: float = 2e-5,
+        step_overhead_s: float = 5e-3,
+        activation_checkpointing: bool = True,
+        logits_bytes_per_vocab: float | None = None,
+        overhead_bytes: float = 3 * 2**30,
+        adapter_overhead_bytes: float = 16 * 2**20,
+        tp_degrees: Iterable[int] | None = None,
+        max_tp: int = 8,
+    ) -> "CostModel":
+        """A prior from FLOPs and bytes, before any measurement (defaults: one H100 SXM).
+
+        Time per TP degree d:
+          * ``c_tok``: frozen-base FLOPs per token (forward, input-gradient backward,
+            plus a recomputed forward under activation checkpointing; causal attention
+            included) at ``mfu`` of ``d * device_flops``; the LoRA path's memory traffic
+            (about 7 passes over each adapted linear's inputs and outputs); and the TP
+            all-reduces of the hidden state, 2(d-1)/d of its bytes over ``link_bandwidth``.
+          * ``c_rtok``: LoRA FLOPs per rank and token (shrink, expand and their four
+            backward products) at ``lora_efficiency`` -- skinny GEMMs run far from peak.
+          * ``c_ad``: per-adapter launches and bookkeeping in every adapted layer.
+          * ``c0``: streaming the weights from HBM once per pass, the per-layer kernel
+            launches, all-reduce latency and a fixed per-step overhead.
+        Memory follows PLoRA Appendix B with activation checkpointing: the inputs of
+        every layer are kept (replicated across TP ranks), one layer's activations
+        are live while it is recomputed (its head/MLP parts sharded), and the logits
+        and their gradient are vocab-parallel; LoRA parameters, gradients and AdamW
+        moments are fp32 (16 bytes per parameter).
+        """
+        dt = shape.dtype_bytes
+        h, inter, L = shape.hidden, shape.intermediate, shape.n_layers
+        q_dim = shape.n_heads * shape.head_dim
+        kv_dim = shape.n_kv_heads * shape.head_dim
+        names = resolve_lora_targets(targets)
+        p_rank = shape.lora_params_per_rank(names)
+        p_rep, p_shard = shape.lora_split_per_rank(names)
+        ckpt = 1 if activation_checkpointing else 0
+        degrees = tuple(sorted(set(tp_degrees))) if tp_degrees is not None else shape.tp_degrees(max_tp)
+
+        # FLOPs per token of the frozen base: matmul weights (the input embedding is a lookup).
+        embed = shape.vocab * h
+        matmul_params = shape.n_params - (0 if shape.tied_embeddings else embed)
+        attn_fwd = 2 * seq_len * q_dim * L  # causal: QK^T and AV over seq/2 keys on average
+        base_flops = (2 + ckpt) * 2 * matmul_params + (1 + 2.5 + ckpt) * attn_fwd
+        lora_bytes = 3.5 * dt * p_rank  # ~7 passes over in+out per adapted linear
+        lora_flops = (6 + 2 * ckpt) * p_rank  # per rank and token
+        allreduces = (4 + 2 * ckpt) * L  # Megatron: 2 forward + 2 backward per layer (+ recompute)
+        launches = L * 20 * (2 + ckpt)
+
+        if logits_bytes_per_vocab is None:
+            logits_bytes_per_vocab = 2 * dt  # logits and their gradient
+        kept_inputs = L * h * dt if ckpt else 0.0
+        live_rep = 4 * h * dt  # norms and residual stream of the live layer
+        live_shard = (q_dim + 2 * kv_dim + q_dim + 3 * inter) * dt  # q,k,v,attn out, gate/up/act
+        if not ckpt:
+            live_rep, live_shard = live_rep * L, live_shard * L
+        lora_act = len(names) * dt * (1 if ckpt else L)  # shrink outputs, per rank and token
+
+        time: dict[int, TimeCoeffs] = {}
+        memory: dict[int, MemoryCoeffs] = {}
+        for d in degrees:
+            ring = 2 * (d - 1) / d
+            comm_tok = allreduces * h * dt * ring / link_bandwidth if d > 1 else 0.0
+            time[d] = TimeCoeffs(
+                c0=(2 + ckpt) * shape.n_params * dt / (d * device_bandwidth)
+                + launches * kernel_launch_s
+                + (allreduces * allreduce_latency_s if d > 1 else 0.0)
+                + step_overhead_s,
+                c_tok=base_flops / (d * device_flops * mfu) + lora_bytes / (d * device_bandwidth) + comm_tok,
+                c_rtok=lora_flops / (d * device_flops * lora_efficiency),
+                c_ad=L * len(names) * 2 * kernel_launch_s,
+            )
+            memory[d] = MemoryCoeffs(
+                base=shape.n_params * dt / d + overhead_bytes,
+                adapter=adapter_overhead_bytes,
+                rank=16.0 * (p_rep + p_shard / d),
+                tok=kept_inputs + live_rep + live_shard / d + shape.vocab * logits_bytes_per_vocab / d,
+                rank_tok=lora_act,
+            )
+        meta = {
+            "source": "analytic",
+            "shape": shape.to_dict(),
+            "targets": list(names),
+            "device_flops": device_flops,
+            "device_bandwidth": device_bandwidth,
+            "link_bandwidth": link_bandwidth,
+            "mfu": mfu,
+            "activation_checkpointing": bool(ckpt),
+        }
+        return cls(gpu_memory_bytes, seq_len, time, memory, name=f"{shape.name}@{seq_len}", meta=meta)
+
+
+def steps_for(num_train: int, batch_size: int, epochs: float = 1.0) -> int:
+    """Optimizer steps of an adapter that sees ``epochs`` passes over ``num_train`` samples."""
+    return max(1, math.ceil(epochs * num_train / batch_size))

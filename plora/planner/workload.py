@@ -1,0 +1,189 @@
+"""The sweep as the planner sees it: adapter *types* with counts, and their costs.
+
+Adapters with equal (rank, batch size, steps) are interchangeable for planning:
+they cost the same memory and time in any job. Grouping them turns the ILP's
+one binary per adapter into one integer count per type, which for a sweep of
+120 configurations drawn from 5 ranks x 6 batch sizes is at most 30 integers --
+the symmetry a binary model would make the solver rediscover by branching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from plora.costmodel import AdapterLoad, CostModel
+from plora.planner.errors import PlannerError
+
+__all__ = ["AdapterType", "Workload"]
+
+
+@dataclass(frozen=True)
+class AdapterType:
+    rank: int
+    batch_size: int
+    steps: int
+
+    def load(self, id: str = "") -> AdapterLoad:
+        return AdapterLoad(id=id, rank=self.rank, batch_size=self.batch_size, steps=self.steps)
+
+
+class Workload:
+    """Adapter types, their counts and per-degree cost arrays, for one planning problem.
+
+    Per TP degree ``d`` (only degrees the model supports and ``<= gpus``):
+    ``mem[d][t]`` bytes one adapter of type t adds, ``step[d][t]`` seconds it adds to
+    each step, ``fits[d][t]`` whether it fits alone. ``work[t]`` is the type's ideal
+    GPU-seconds (see :meth:`ideal_work`), the unit in which the planner counts progress.
+    """
+
+    def __init__(
+        self,
+        loads: Sequence[AdapterLoad],
+        cost_model: CostModel,
+        gpus: int,
+        *,
+        load_factor: float = 0.9,
+        max_adapters_per_job: int | None = None,
+    ) -> None:
+        if gpus < 1:
+            raise PlannerError(f"gpus: must be at least 1, got {gpus}")
+        if not 0 < load_factor <= 1:
+            raise PlannerError(f"load_factor: must be in (0, 1], got {load_factor}")
+        if max_adapters_per_job is not None and max_adapters_per_job < 1:
+            raise PlannerError(f"max_adapters_per_job: must be at least 1, got {max_adapters_per_job}")
+        seen: set[str] = set()
+        for a in loads:
+            if a.id in seen:
+                raise PlannerError(f"adapter {a.id}: duplicate id")
+            if a.rank < 1 or a.batch_size < 1 or a.steps < 1:
+                raise PlannerError(f"adapter {a.id}: rank, batch_size and steps must be positive")
+            seen.add(a.id)
+        self.loads = list(loads)
+        self.cost_model = cost_model
+        self.gpus = gpus
+        self.load_factor = load_factor
+        self.cap = max_adapters_per_job if max_adapters_per_job is not None else max(1, len(loads))
+        self.budget = load_factor * cost_model.gpu_memory_bytes
+
+        groups: dict[AdapterType, list[str]] = {}
+        for a in self.loads:
+            groups.setdefault(AdapterType(a.rank, a.batch_size, a.steps), []).append(a.id)
+        self.types: list[AdapterType] = sorted(groups, key=lambda t: (t.steps, t.batch_size, t.rank))
+        self.ids: list[list[str]] = [groups[t] for t in self.types]
+        self.counts: tuple[int, ...] = tuple(len(i) for i in self.ids)
+        self.by_id = {a.id: a for a in self.loads}
+
+        self.degrees = [d for d in cost_model.degrees if d <= gpus]
+        self.rank = np.array([t.rank for t in self.types], dtype=float)
+        self.steps = np.array([t.steps for t in self.types], dtype=float)
+        self.mem: dict[int, np.ndarray] = {}
+        self.step: dict[int, np.ndarray] = {}
+        self.fits: dict[int, np.ndarray] = {}
+        self.mem_base: dict[int, float] = {}
+        self.c0: dict[int, float] = {}
+        for d in self.degrees:
+            self.mem_base[d] = cost_model.memory_base(d)
+            self.c0[d] = cost_model.step_base(d)
+            self.mem[d] = np.array([cost_model.memory_per_adapter(t.load(), d) for t in self.types])
+            self.step[d] = np.array([cost_model.step_per_adapter(t.load(), d) for t in self.types])
+            self.fits[d] = self.mem_base[d] + self.mem[d] <= self.budget * (1 + 1e-12)
+        self._check_placeable()
+        self.max_pack = {d: self._max_pack(d) for d in self.degrees}
+        self.work = self.ideal_work()
+        self.single_time = np.array([self._single_time(i) for i in range(len(self.types))])
+
+    # ------------------------------------------------------------------------------------
+    def _check_placeable(self) -> None:
+        for i, t in enumerate(self.types):
+            if not any(self.fits[d][i] for d in self.degrees):
+                a = self.cost_model
+                need = min((a.memory([t.load()], d) for d in a.degrees), default=float("nan"))
+                raise PlannerError(
+                    f"adapter {self.ids[i][0]} (rank {t.rank}, batch size {t.batch_size}) fits at no TP degree "
+                    f"<= {self.gpus} GPUs: needs {need / 2**30:.1f} GiB per GPU at best, budget "
+                    f"{self.budget / 2**30:.1f} GiB"
+                )
+
+    def _max_pack(self, d: int) -> np.ndarray:
+        """Per type: the most adapters any job at degree d containing one of that type can hold.
+
+        Greedy smallest-memory-first over the rest of the sweep gives the largest
+        number of companions that fit, so this is an exact cardinality bound.
+        """
+        order = np.argsort(self.mem[d], kind="stable")
+        out = np.zeros(len(self.types), dtype=float)
+        for i in range(len(self.types)):
+            if not self.fits[d][i]:
+                continue
+            room = self.budget - self.mem_base[d] - self.mem[d][i]
+            n = 1
+            for j in order:
+                avail = self.counts[j] - (1 if j == i else 0)
+                if avail <= 0:
+                    continue
+                take = min(avail, int(room // self.mem[d][j]) if self.mem[d][j] > 0 else avail, self.cap - n)
+                if take <= 0:
+                    break
+                n += take
+                room -= take * self.mem[d][j]
+                if n >= self.cap:
+                    break
+            out[i] = n
+        return out
+
+    def ideal_work(self) -> np.ndarray:
+        """Per type: GPU-seconds one adapter costs in the most favourable job possible.
+
+        With the linear step model a job J at degree d occupies its d GPUs for
+        ``c0[d] * max_k steps_k + sum_k steps_k * m_k(d)`` seconds, and
+        ``max_k steps_k >= sum_k steps_k / |J|`` with ``|J| <= P_k(d)``, the largest pack
+        that can contain k (:meth:`_max_pack`). Hence every job's GPU-seconds are at
+        least the sum over its adapters of ``steps_k * d * (m_k(d) + c0[d] / P_k(d))``,
+        minimised over the degrees where k fits. Summed over adapters this bounds the
+        whole sweep's GPU-seconds from below.
+        """
+        w = np.full(len(self.types), np.inf)
+        for d in self.degrees:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                cost = self.steps * d * (self.step[d] + self.c0[d] / np.maximum(self.max_pack[d], 1))
+            w = np.where(self.fits[d], np.minimum(w, cost), w)
+        return w
+
+    def _single_time(self, i: int) -> float:
+        """Shortest time type i can finish in (alone, at its fastest degree): no pack makes it faster."""
+        return min(
+            self.steps[i] * (self.c0[d] + self.step[d][i]) for d in self.degrees if self.fits[d][i]
+        )
+
+    def smallest_degree(self, i: int) -> int:
+        return min(d for d in self.degrees if self.fits[d][i])
+
+    def largest_degree(self, i: int) -> int:
+        return max(d for d in self.degrees if self.fits[d][i])
+
+    # ------------------------------------------------------------------------------------
+    def job_time(self, counts: np.ndarray, d: int) -> float:
+        """Exact job time of a pack given as counts per type (the linear model's closed form)."""
+        counts = np.asarray(counts, dtype=float)
+        if counts.sum() <= 0:
+            return 0.0
+        s_max = float(self.steps[counts > 0].max())
+        return self.c0[d] * s_max + float(counts @ (self.steps * self.step[d]))
+
+    def step_time(self, counts: np.ndarray, d: int) -> float:
+        return self.c0[d] + float(np.asarray(counts, dtype=float) @ self.step[d])
+
+    def memory(self, counts: np.ndarray, d: int) -> float:
+        return self.mem_base[d] + float(np.asarray(counts, dtype=float) @ self.mem[d])
+
+    def pack_fits(self, counts: np.ndarray, d: int) -> bool:
+        counts = np.asarray(counts)
+        return (
+            counts.sum() >= 1
+            and counts.sum() <= self.cap
+            and self.memory(counts, d) <= self.budget * (1 + 1e-9)
+            and bool(np.all(self.fits[d][counts > 0]))
+        )

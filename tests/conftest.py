@@ -1,0 +1,83 @@
+"""Shared fixtures: a tiny random Llama in Hugging Face format and a small text task.
+
+The model is made at test time (a second), so the packed-training tests do not depend on
+the shipped demo weights; the CLI tests use the shipped model and task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    import torch
+
+    torch.set_num_threads(1)  # tiny matmuls on several OpenMP threads are far slower here
+
+
+def make_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for ch in "abcdefghijklmnopqrstuvwxyz0123456789+-=>< ":
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def reverse_data(tmp_path_factory) -> dict[str, Path]:
+    """String reversal: 'abc>' -> 'cba'. Train and eval as JSONL."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(300):
+        s = "".join(rng.choice("abcdef") for _ in range(rng.randint(2, 5)))
+        rows.append({"input": s + ">", "output": s[::-1]})
+    d = tmp_path_factory.mktemp("data")
+    (d / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:250]))
+    (d / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows[250:]))
+    return {"train": d / "train.jsonl", "eval": d / "eval.jsonl"}
+
+
+def job_config(model: Path, data: dict, out: Path, adapters: list[dict], **over) -> dict:
+    """A recipe config as `plora sweep` writes it, for in-process runs."""
+    cfg = {
+        "job_id": "job-test",
+        "output_dir": str(out),
+        "device": "cpu",
+        "num_threads": 1,
+        "model": {"path": str(model), "max_seq_len": 64},
+        "data": {"train": str(data["train"]), "eval": str(data["eval"])},
+        "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], "dropout": 0.0},
+        "adapters": adapters,
+        "training": {"scheduler": "cosine", "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.01},
+        "eval": {"metrics": ["loss"], "max_eval_samples": 8},
+    }
+    for k, v in over.items():
+        cfg[k] = v
+    return cfg

@@ -1,0 +1,117 @@
+"""The `plora` command: helpful one-line errors, dry runs, and a real sweep end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from plora.cli import app
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_space(path: Path, **sections) -> Path:
+    data = {"name": "t", **sections}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def small_space(tmp_path: Path, **over) -> Path:
+    space = {
+        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+            {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8},
+            {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 16},
+        ]},
+        "training": {"epochs": 1},
+        "eval": {"max_new_tokens": 8},
+        "hardware": {"device": "cpu"},
+        "planner": {"max_adapters_per_job": 2},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    space.update(over)
+    return write_space(tmp_path / "space.yaml", **space)
+
+
+@pytest.mark.parametrize(
+    "sections, field",
+    [
+        ({"space": {"rank": [0]}}, "space.rank"),
+        ({"space": {"learning_rate": {"low": -1, "high": 1}}}, "space.learning_rate"),
+        ({"training": {"epochs": 1, "steps": 5}}, "training"),
+        ({"lora": {"targets": ["q_proj", "nope"]}}, "lora.targets"),
+        ({"model": {"path": "/does/not/exist"}}, "model.path"),
+        ({"modle": {}}, "modle"),
+    ],
+)
+def test_malformed_space_is_one_line_exit_2_nothing_written(tmp_path, sections, field):
+    sections.setdefault("output", {"dir": str(tmp_path / "runs")})
+    space = write_space(tmp_path / "bad.yaml", **sections)
+    result = runner.invoke(app, ["sweep", str(space)])
+    assert result.exit_code == 2
+    text = result.output.strip()
+    assert len(text.splitlines()) == 1, text
+    assert text.startswith("error: " + field), text
+    assert "Traceback" not in text
+    assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_syntax_error(tmp_path):
+    space = tmp_path / "bad.yaml"
+    space.write_text("name: t\nspace: {rank: [1, 2\n")
+    result = runner.invoke(app, ["sweep", str(space)])
+    assert result.exit_code == 2 and "invalid YAML" in result.output
+
+
+def test_missing_space_file(tmp_path):
+    result = runner.invoke(app, ["sweep", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2 and "nope.yaml" in result.output
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    result = runner.invoke(app, ["sweep", str(small_space(tmp_path)), "--dry-run"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "3 configurations" in result.output and "2 jobs" in result.output
+    assert "placeholder" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sweep_end_to_end(tmp_path):
+    result = runner.invoke(app, ["sweep", str(small_space(tmp_path))], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "runs" / "t"
+    frame = pd.read_parquet(run / "results.parquet")
+    assert len(frame) == 3 and set(frame.status) == {"done"}
+    assert (run / "results.csv").is_file() and (run / "spec.yaml").is_file() and (run / "plan.json").is_file()
+    assert set(json.loads((run / "base_metrics.json").read_text())) == {"eval_loss", "eval_exact_match"}
+    for _, row in frame.iterrows():
+        adapter = Path(row.checkpoint_path)
+        assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
+        assert 0.0 <= row.eval_exact_match <= 1.0 and row.eval_loss > 0
+    assert pd.read_parquet(run / "configs.parquet").shape[0] == 3
+    assert "best configurations" in result.output
+
+    # a second run finds every adapter finished and trains nothing
+    again = runner.invoke(app, ["sweep", str(small_space(tmp_path))], terminal_width=200)
+    assert again.exit_code == 0
+
+
+def test_crashed_job_marks_adapters_failed_and_exits_1(tmp_path, tiny_model):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "tokenizer.json").unlink()  # the job dies at start-up
+    space = small_space(tmp_path, model={"path": str(broken), "max_seq_len": 48})
+    result = runner.invoke(app, ["sweep", str(space)], terminal_width=200)
+    assert result.exit_code == 1
+    frame = pd.read_parquet(tmp_path / "runs" / "t" / "results.parquet")
+    assert set(frame.status) == {"failed"} and frame.reason.str.contains("log.txt").all()
