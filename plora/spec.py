@@ -604,6 +604,7 @@ class EvalConfig(_Model):
     metrics: list[Literal["loss", "exact_match"]] = Field(default_factory=lambda: ["loss", "exact_match"])
     max_new_tokens: int = Field(16, ge=1)
     objective: Optional[Literal["loss", "exact_match"]] = None  # exact_match if measured, else the first metric
+    every_steps: Optional[int] = Field(None, ge=1)  # intermediate eval loss every N adapter steps (pruning, curves)
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
@@ -636,6 +637,11 @@ class PlannerConfig(_Model):
     objective: Literal["makespan", "paper"] = "makespan"
 
 
+class OptunaConfig(_Model):
+    storage: Optional[str] = None  # any Optuna storage URL; default: sqlite in the run directory
+    study_name: Optional[str] = None  # default: the sweep's name
+
+
 class OutputConfig(_Model):
     dir: Path = Path("runs")
 
@@ -646,7 +652,7 @@ class OutputConfig(_Model):
         return Path(v).expanduser().resolve()
 
 
-_SECTIONS = ("model", "data", "lora", "space", "training", "eval", "hardware", "planner", "output")
+_SECTIONS = ("model", "data", "lora", "space", "training", "eval", "hardware", "planner", "optuna", "output")
 
 
 class SweepSpec(_Model):
@@ -664,6 +670,7 @@ class SweepSpec(_Model):
     eval: EvalConfig = Field(default_factory=dict)
     hardware: HardwareConfig = Field(default_factory=dict)
     planner: PlannerConfig = Field(default_factory=dict)
+    optuna: OptunaConfig = Field(default_factory=dict)
     output: OutputConfig = Field(default_factory=dict)
 
     @model_validator(mode="before")

@@ -107,6 +107,7 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "metrics": list(spec.eval.metrics),
             "max_new_tokens": spec.eval.max_new_tokens,
             "max_eval_samples": spec.data.max_eval_samples,
+            "every_steps": spec.eval.every_steps,
         },
         "eval_base": eval_base,
     }

@@ -154,6 +154,7 @@ class PackedLoRARecipe:
             if on_step is not None:
                 on_step(self, step)
             step += 1
+            self._intermediate_eval(active)
             finished = [r for r in active if r.active and r.step >= r.total_steps]
             if finished:
                 self._finish(finished, "done")
@@ -269,6 +270,26 @@ class PackedLoRARecipe:
         # A finished adapter's AdamW moments are dead weight for the rest of the job.
         for p in self.optimizer.param_groups[r.index]["params"]:
             self.optimizer.state.pop(p, None)
+
+    def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
+        """Every `eval.every_steps` of its own steps, an adapter's eval loss goes to
+        evals.jsonl (learning curves; what a pruner decides on). Adapters due together
+        are evaluated packed."""
+        every = self.cfg.eval.get("every_steps")
+        if not every or not self.eval_samples:
+            return
+        due = [r for r in stepped if r.active and r.step % int(every) == 0 and r.step < r.total_steps]
+        if not due:
+            return
+        metrics = evaluate_adapters(
+            self.pm, [r.index for r in due], self.eval_samples, self.eval_examples, self.tok,
+            metrics=["loss"], max_new_tokens=1, max_seq_len=int(self.cfg.model.max_seq_len),
+            device=self.device, batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
+        )
+        with open(self.job_dir / "evals.jsonl", "a") as f:
+            for r, m in zip(due, metrics):
+                f.write(json.dumps({"adapter": r.id, "adapter_step": r.step, "eval_loss": m["eval_loss"],
+                                    "time": round(time.time() - self.start_time, 4)}) + "\n")
 
     def _eval_base(self) -> None:
         metrics = evaluate_adapters(
