@@ -51,6 +51,14 @@ def read_examples(path: str | Path, input_column: str = "input", output_column: 
     ]
 
 
+def synthetic_samples(count: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[Sample]:
+    """Random token rows of exactly `seq_len`, loss on every token: what profiling and
+    throughput benchmarks train on, where only shapes matter."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randint(4, vocab_size, (count, seq_len), generator=gen).tolist()
+    return [Sample(r, r) for r in rows]
+
+
 def load_split(data_cfg: dict, split: str) -> list[dict]:
     """The train or eval examples a data config names (a built-in task or files)."""
     task = data_cfg.get("task")

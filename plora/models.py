@@ -153,11 +153,18 @@ def load_base_model(
     max_seq_len: int = 2048,
     dtype: str = "float32",
     device: str | torch.device = "cpu",
+    random_init: bool = False,
 ) -> tuple[nn.Module, ModelInfo]:
-    """Build the torchtune model and load its Hugging Face weights, frozen."""
+    """Build the torchtune model and load its Hugging Face weights, frozen.
+
+    `random_init` skips the weights (a folder with only config.json and tokenizer.json
+    will do): profiling and throughput benchmarks need the shapes, not the values.
+    """
     from torchtune.training.checkpointing import FullModelHFCheckpointer
 
     info = read_model_info(path, family)
+    if random_init:
+        return _random_model(info, max_seq_len, dtype, device), info
     files = sorted(p.name for p in info.path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{info.path}: no *.safetensors weights")
@@ -180,9 +187,69 @@ def load_base_model(
     return model, info
 
 
+def _random_model(info: ModelInfo, max_seq_len: int, dtype: str, device) -> nn.Module:
+    with torch.device("meta"):
+        model = build_model(info, max_seq_len)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0 if "norm" in name or "scale" in name else 0.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    _rebuild_rope_caches(model, device)
+    model.to(dtype=DTYPES[dtype])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model
+
+
 def _rebuild_rope_caches(model: nn.Module, device: str | torch.device) -> None:
     """RoPE caches are buffers built at init; a model built on the meta device has none."""
     for module in model.modules():
         if hasattr(module, "rope_init") and callable(module.rope_init):
             with torch.device(device):
                 module.rope_init()
+
+
+def write_shape_folder(shape, out: str | Path) -> Path:
+    """A model folder with only config.json and a byte-level tokenizer for a `ModelShape`.
+
+    With `random_init` it builds a model of that shape without any weights on disk: what
+    the profiler and the benchmarks need for models whose weights are not at hand.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    family = "qwen2" if shape.name.startswith("qwen") else "llama"
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        "model_type": family,
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0 if family == "qwen2" else 500000.0,
+        "tie_word_embeddings": bool(shape.tied_embeddings) if family == "qwen2" else False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for b in range(32, 127):
+        vocab[chr(b)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(out / "tokenizer.json"))
+    return out

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from plora.data import AdapterStream, TextTokenizer, collate, load_split, tokenize_examples
+from plora.data import AdapterStream, TextTokenizer, collate, load_split, synthetic_samples, tokenize_examples
 from plora.evaluate import evaluate_adapters, per_adapter_loss
 from plora.models import load_base_model
 from plora.packed.inject import inject_packed_lora
@@ -97,6 +97,7 @@ class PackedLoRARecipe:
             max_seq_len=int(c.model.max_seq_len),
             dtype=c.model.get("dtype", "float32"),
             device=self.device,
+            random_init=bool(c.model.get("random_init", False)),
         )
         adapters = [dict(a) for a in c.adapters]
         self.targets = list(c.lora.targets)
@@ -108,8 +109,15 @@ class PackedLoRARecipe:
         self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
         data_cfg = OmegaConf.to_container(c.data, resolve=True)
         max_len = int(c.model.max_seq_len)
-        self.train_samples = tokenize_examples(load_split(data_cfg, "train"), self.tok, max_len)
-        eval_examples = load_split(data_cfg, "eval")[: int(c.eval.get("max_eval_samples", 256))]
+        synthetic = data_cfg.get("synthetic")
+        if synthetic:  # profiling and benchmarks: fixed-length random rows, no eval
+            self.train_samples = synthetic_samples(
+                int(synthetic.get("num_samples", 1024)), int(synthetic["seq_len"]), self.info.vocab_size
+            )
+            eval_examples = []
+        else:
+            self.train_samples = tokenize_examples(load_split(data_cfg, "train"), self.tok, max_len)
+            eval_examples = load_split(data_cfg, "eval")[: int(c.eval.get("max_eval_samples", 256))]
         self.eval_examples = eval_examples
         self.eval_samples = tokenize_examples(eval_examples, self.tok, max_len)
 
@@ -184,9 +192,11 @@ class PackedLoRARecipe:
         losses = per_adapter_loss(logits, labels, rows)
         del logits
 
+        # One host sync for all losses, one for all gradient norms, one for the weight check:
+        # per-adapter syncs would cost more than the LoRA math on a GPU.
+        values = torch.stack([loss.detach().float() for loss in losses]).tolist()
         total, alive = None, []
-        for r, loss in zip(active, losses):
-            value = float(loss.detach())
+        for r, loss, value in zip(active, losses, values):
             if not math.isfinite(value) or (self.divergence_loss is not None and value > float(self.divergence_loss)):
                 self._diverge(r, f"loss {value} at step {r.step}")
                 continue
@@ -196,40 +206,39 @@ class PackedLoRARecipe:
         if total is not None:
             total.backward()
         self.pm.state.clear()
-
         for r in active:
-            group = self.optimizer.param_groups[r.index]
             if r not in alive:
-                for p in group["params"]:
-                    p.grad = None
-                continue
-            norm = self._clip(group["params"])
+                self._drop_grads(r)
+
+        norms = _grad_norms([self.optimizer.param_groups[r.index]["params"] for r in alive])
+        stepping = []
+        for r, norm in zip(alive, norms):
+            group = self.optimizer.param_groups[r.index]
             if not math.isfinite(norm):
                 self._diverge(r, f"gradient norm {norm} at step {r.step}")
-                for p in group["params"]:
-                    p.grad = None
+                self._drop_grads(r)
                 continue
+            if self.grad_clip is not None:  # as torch's clip_grad_norm_, per adapter
+                coef = min(1.0, float(self.grad_clip) / (norm + 1e-6))
+                torch._foreach_mul_([p.grad for p in group["params"] if p.grad is not None], coef)
             lr = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
             # AdamW turns lr / bias_correction into the parameter dtype and raises past its
             # range, which would take the whole pack down for one absurd adapter.
             group["lr"] = min(lr, MAX_LR)
+            stepping.append(r)
             self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": r.losses[-1], "lr": group["lr"], "grad_norm": norm})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for r in alive:
-            if not r.active:
-                continue
+        for r in stepping:
             r.step += 1
-            if not _all_finite(self.optimizer.param_groups[r.index]["params"]):
+        weight_norms = _grad_norms([self.optimizer.param_groups[r.index]["params"] for r in stepping], of_weights=True)
+        for r, norm in zip(stepping, weight_norms):
+            if not math.isfinite(norm):
                 self._diverge(r, f"non-finite weights after step {r.step}")
 
-    def _clip(self, params: list[torch.nn.Parameter]) -> float:
-        grads = [p for p in params if p.grad is not None]
-        if not grads:
-            return 0.0
-        if self.grad_clip is None:
-            return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))
-        return float(torch.nn.utils.clip_grad_norm_(grads, float(self.grad_clip)))
+    def _drop_grads(self, r: AdapterRun) -> None:
+        for p in self.optimizer.param_groups[r.index]["params"]:
+            p.grad = None
 
     # ---------------------------------------------------------- leaving the pack
     def _diverge(self, r: AdapterRun, reason: str) -> None:
@@ -373,10 +382,21 @@ class PackedLoRARecipe:
                 self._write_adapter_metrics(r, {}, checkpoint=None)
 
 
-def _all_finite(params: list[torch.nn.Parameter]) -> bool:
-    """One reduction per adapter: inf/NaN anywhere makes the sum non-finite."""
-    total = torch.stack([p.detach().float().sum() for p in params]).sum()
-    return bool(torch.isfinite(total))
+def _grad_norms(groups: list[list[torch.nn.Parameter]], of_weights: bool = False) -> list[float]:
+    """The L2 norm of each group's gradients (or weights), with one host sync for all.
+    Inf/NaN anywhere in a group makes its norm non-finite."""
+    if not groups:
+        return []
+    norms = []
+    for params in groups:
+        tensors = [p.detach() if of_weights else p.grad for p in params]
+        tensors = [t for t in tensors if t is not None]
+        if not tensors:
+            norms.append(torch.zeros((), device=params[0].device))
+            continue
+        per_tensor = torch._foreach_norm(tensors)
+        norms.append(torch.linalg.vector_norm(torch.stack([n.float() for n in per_tensor])))
+    return torch.stack(norms).tolist()
 
 
 def _pick_device(name: str) -> torch.device:

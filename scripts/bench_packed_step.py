@@ -1,0 +1,120 @@
+"""Tokens/s of a packed training step (forward, backward, AdamW) on a random-init model.
+
+What packing is worth: K adapters at batch size 1 each, packed, against one adapter at
+batch size K on the same model (the most packing can give: the same rows, one adapter).
+Each variant runs the real recipe step (`PackedLoRARecipe.train_step`), on the Triton
+kernels and on the torch reference path.
+
+    python scripts/bench_packed_step.py --shape qwen2.5-0.5b --seq 256 --adapters 16 --out DIR
+
+Writes DIR/packed_step.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from plora.costmodel import ModelShape
+from plora.models import write_shape_folder
+from plora.recipes.packed_lora import PackedLoRARecipe
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_recipe(model_dir: Path, out: Path, n_adapters: int, batch_size: int, rank: int, seq: int, dtype: str):
+    adapters = [
+        dict(id=f"a{k}", rank=rank, alpha=2.0 * rank, learning_rate=1e-4, batch_size=batch_size, seed=k, steps=10**6)
+        for k in range(n_adapters)
+    ]
+    cfg = {
+        "job_id": "bench",
+        "output_dir": str(out),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype, "random_init": True},
+        "data": {"synthetic": {"seq_len": seq, "num_samples": 256}},
+        "lora": {"targets": ALL_LINEAR, "dropout": 0.0},
+        "adapters": adapters,
+        "training": {"scheduler": "constant", "grad_clip": 1.0},
+        "eval": {"metrics": []},
+    }
+    return PackedLoRARecipe(cfg)
+
+
+def time_steps(recipe: PackedLoRARecipe, warmup: int, steps: int) -> list[float]:
+    active = [r for r in recipe.runs]
+    times = []
+    for i in range(warmup + steps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        recipe.train_step(active, i)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--adapters", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--backends", default="triton,torch")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = ModelShape.preset(args.shape)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_shape_folder(shape, Path(tmp) / "model")
+        variants = [("packed", args.adapters, 1), ("one adapter", 1, args.adapters)]
+        for backend in args.backends.split(","):
+            os.environ["PLORA_KERNELS"] = backend
+            for name, k, bs in variants:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                recipe = make_recipe(model_dir, Path(tmp) / "out", k, bs, args.rank, args.seq, args.dtype)
+                times = time_steps(recipe, args.warmup, args.steps)
+                med = statistics.median(times)
+                tokens = k * bs * args.seq
+                rows.append({
+                    "backend": backend, "variant": name, "adapters": k, "batch_size": bs,
+                    "rank": args.rank, "seq": args.seq, "step_ms": med * 1e3,
+                    "tokens_per_s": tokens / med,
+                    "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+                })
+                print(json.dumps(rows[-1]), flush=True)
+                del recipe
+    ref = {r["backend"]: r["tokens_per_s"] for r in rows if r["variant"] == "one adapter"}
+    for r in rows:
+        r["vs_one_adapter_same_backend"] = r["tokens_per_s"] / ref[r["backend"]]
+        r["vs_one_adapter_triton"] = r["tokens_per_s"] / ref.get("triton", ref[r["backend"]])
+    meta = {
+        "shape": args.shape, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "rows": rows,
+    }
+    (args.out / "packed_step.json").write_text(json.dumps(meta, indent=2))
+    print(f"\n{args.shape} seq {args.seq} rank {args.rank} on {meta['device']}")
+    print(f"{'backend':8} {'variant':12} {'K':>3} {'bs':>3} {'step ms':>9} {'tokens/s':>10} {'vs 1×bs' + str(args.adapters):>10} {'mem GiB':>8}")
+    for r in rows:
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        print(f"{r['backend']:8} {r['variant']:12} {r['adapters']:>3} {r['batch_size']:>3} {r['step_ms']:>9.2f} "
+              f"{r['tokens_per_s']:>10.0f} {r['vs_one_adapter_triton']:>10.2f} {mem:>8}")
+
+
+if __name__ == "__main__":
+    main()
