@@ -32,6 +32,8 @@ from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.peft_format import save_peft_adapter
 
+#: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
+EXIT_OOM = 3
 #: learning rates are capped here; see train_step
 MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
 #: control.json may ask the job to stop adapters early (pruning); checked this often.
@@ -407,9 +409,44 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _injected_fault(job_id: str) -> tuple[str, int] | None:
+    """Test hook: PLORA_INJECT_FAULT="<oom|crash|kill>@<job id>@<step>[@<attempts>]" makes that
+    job fail at that step on its first <attempts> attempts (PLORA_ATTEMPT counts from 1)."""
+    spec = os.environ.get("PLORA_INJECT_FAULT")
+    if not spec:
+        return None
+    for item in spec.split(","):
+        parts = item.split("@")
+        kind, job, at = parts[0], parts[1], int(parts[2])
+        attempts = int(parts[3]) if len(parts) > 3 else 10**9
+        if job == job_id and int(os.environ.get("PLORA_ATTEMPT", "1")) <= attempts:
+            return kind, at
+    return None
+
+
+def _fault_hook(kind: str, at: int):
+    def hook(recipe: "PackedLoRARecipe", step: int) -> None:
+        if step != at:
+            return
+        if kind == "oom":
+            raise torch.OutOfMemoryError("injected out-of-memory")
+        if kind == "kill":
+            os.kill(os.getpid(), 9)
+        os._exit(1)
+
+    return hook
+
+
 def recipe_main(cfg: DictConfig) -> None:
     recipe = PackedLoRARecipe(cfg)
-    summary = recipe.run()
+    fault = _injected_fault(recipe.job_id)
+    try:
+        summary = recipe.run(on_step=_fault_hook(*fault) if fault else None)
+    except torch.OutOfMemoryError as e:
+        # Adapters that finished before this are saved; the engine re-queues the rest.
+        (recipe.job_dir / "oom.json").write_text(json.dumps({"error": str(e)[:2000]}))
+        print(f"out of memory: {str(e)[:500]}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_OOM)
     print(json.dumps(summary), flush=True)
 
 
