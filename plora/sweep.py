@@ -31,12 +31,18 @@ class PlannedJob:
     adapters: list[AdapterConfig]
     steps: dict[str, int]
     tp: int = 1
+    gpus: list[int] = field(default_factory=list)
+    predicted_start: float | None = None
+    predicted_end: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
             "adapters": [a.id for a in self.adapters],
             "tp": self.tp,
+            "gpus": self.gpus,
+            "predicted_start": self.predicted_start,
+            "predicted_end": self.predicted_end,
             "steps": self.steps,
         }
 
@@ -160,20 +166,55 @@ def run_prepared(
     prep: PreparedSweep,
     *,
     on_tick: Callable[[list, list], None] | None = None,
+    on_snapshot: Callable[[Any], None] | None = None,
     slots: list[str] | None = None,
+    max_retries: int = 2,
 ) -> pd.DataFrame:
-    """Run every job that still has unfinished adapters, then collect the results table."""
-    from plora.engine.local import LocalPool, default_slots
+    """Run every adapter that has no result yet through the engine, then collect the table.
 
-    pending = [
-        (job.job_id, prep.run_dir / "jobs" / job.job_id)
-        for job in prep.plan.jobs
-        if not all(_adapter_finished(prep.run_dir, a.id) for a in job.adapters)
-    ]
-    pool = LocalPool(slots or default_slots(prep.spec.hardware.device))
-    finished = pool.run(pending, on_tick=on_tick)
-    crashed = {jp.job_id: jp for jp in finished if jp.returncode != 0}
-    return collect_results(prep, crashed_jobs={j: str(p.job_dir / "log.txt") for j, p in crashed.items()})
+    On an existing run directory this resumes: finished adapters are kept, the rest are
+    re-queued in their planned jobs. `on_tick(running, finished)` gets the job processes
+    (e.g. to watch their files); `on_snapshot` gets the engine's state for a live view.
+    """
+    from plora.engine.journal import Journal
+    from plora.engine.local import default_slots
+    from plora.engine.runner import Engine, QueuedJob
+
+    by_id = {c.id: c for c in prep.configs}
+    journal = Journal(prep.run_dir / "journal.sqlite")
+    journal.add_adapters(by_id)
+    first_job = prep.plan.jobs[0].job_id if prep.plan.jobs else None
+
+    def write_job(job: QueuedJob) -> Path:
+        job_dir = prep.run_dir / "jobs" / job.job_id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        planned = PlannedJob(job.job_id, [by_id[a] for a in job.adapters], {a: prep.steps[a] for a in job.adapters}, job.tp)
+        eval_base = job.job_id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
+        cfg = job_config(prep.spec, planned, prep.run_dir, eval_base=eval_base)
+        (job_dir / "job.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return job_dir
+
+    def tick(snapshot) -> None:
+        if on_snapshot is not None:
+            on_snapshot(snapshot)
+        if on_tick is not None:
+            on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
+
+    engine = Engine(
+        prep.run_dir, journal, slots or default_slots(prep.spec.hardware.device), write_job,
+        max_retries=max_retries, predicted_makespan_s=prep.plan.details.get("predicted_makespan_s"), on_tick=tick,
+    )
+    try:
+        engine.reconcile()
+        engine.submit([
+            QueuedJob(j.job_id, [a.id for a in j.adapters], j.tp,
+                      predicted_start=j.predicted_start, predicted_end=j.predicted_end, gpus=list(j.gpus))
+            for j in prep.plan.jobs
+        ])
+        engine.run()
+    finally:
+        journal.close()
+    return collect_results(prep)
 
 
 def _adapter_finished(run_dir: Path, adapter_id: str) -> bool:
@@ -199,6 +240,8 @@ def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = N
         row: dict[str, Any] = {"adapter_id": c.id, **{k: v for k, v in c.to_dict().items() if k != "id"}}
         if path.is_file():
             m = json.loads(path.read_text())
+            if m.get("status") == "failed" and crashed_jobs.get(m.get("job_id", "")):
+                m["reason"] = f"job crashed; see {crashed_jobs[m['job_id']]}"
             row.update({k: m.get(k) for k in RESULT_COLUMNS if k in m and k not in row})
             row["reason"] = m.get("reason") or ""
         else:
@@ -213,9 +256,6 @@ def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = N
     frame = frame[RESULT_COLUMNS + ["reason"]]
     frame.to_parquet(prep.run_dir / "results.parquet", index=False)
     frame.to_csv(prep.run_dir / "results.csv", index=False)
-    base = prep.run_dir / "jobs" / prep.plan.jobs[0].job_id / "base_metrics.json"
-    if base.is_file():
-        shutil.copyfile(base, prep.run_dir / "base_metrics.json")
     return frame
 
 

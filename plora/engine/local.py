@@ -48,14 +48,30 @@ def tune_command(job_yaml: Path, nproc: int = 1) -> list[str]:
     return cmd + [RECIPE, "--config", str(job_yaml)]
 
 
-def launch(job_id: str, job_dir: Path, slot: str, *, gpus: Sequence[int] = (), nproc: int = 1) -> JobProcess:
+def launch(
+    job_id: str,
+    job_dir: Path,
+    slot: str,
+    *,
+    gpus: Sequence[int] = (),
+    nproc: int = 1,
+    extra_env: dict[str, str] | None = None,
+) -> JobProcess:
+    """Start one job in its own session (its process group is its pid), logging to log.txt.
+
+    The job dies with the sweep process (Linux parent-death signal), so a sweep killed with
+    SIGKILL leaves no orphan training on behind it; resume also kills stale groups.
+    """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra_env or {})
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     else:
         env.setdefault("OMP_NUM_THREADS", "1")
-    log = open(job_dir / "log.txt", "w")
+    log = open(job_dir / "log.txt", "a")
+    log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {job_id} attempt {env.get('PLORA_ATTEMPT', '1')} on {slot}\n")
+    log.flush()
     proc = subprocess.Popen(
         tune_command(job_dir / "job.yaml", nproc),
         stdout=log,
@@ -63,8 +79,18 @@ def launch(job_id: str, job_dir: Path, slot: str, *, gpus: Sequence[int] = (), n
         env=env,
         cwd=str(job_dir),
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     return JobProcess(job_id, job_dir, slot, proc, time.time(), log)
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:  # not Linux: resume's stale-process check still covers it
+        pass
 
 
 @dataclass

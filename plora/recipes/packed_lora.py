@@ -315,7 +315,7 @@ class PackedLoRARecipe:
             device=self.device,
             batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
         )[0]
-        (self.job_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
+        (self.output_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
 
     # ------------------------------------------------------------------- files
     def _write_adapter_metrics(self, r: AdapterRun, m: dict[str, float], checkpoint: Path | None) -> None:
@@ -325,6 +325,7 @@ class PackedLoRARecipe:
         row = {
             "adapter_id": r.id,
             "job_id": self.job_id,
+            "attempt": int(os.environ.get("PLORA_ATTEMPT", "1")),
             "status": r.status,
             "reason": r.reason,
             "steps": r.step,

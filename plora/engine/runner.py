@@ -1,0 +1,290 @@
+"""The engine: run a queue of packed jobs on a pool of GPUs (or CPU slots), survive faults.
+
+- A job starts as soon as `tp` slots are free (the planner's order first; a later job that
+  fits in the free slots may start ahead of one that does not — backfilling).
+- Out of memory (the recipe's exit code 3): the adapters not yet finished are split in two
+  halves and re-queued; a single adapter that runs out of memory alone is failed.
+- Any other crash: the job is retried with its unfinished adapters, at most `max_retries`
+  times; then those adapters are failed and the sweep goes on.
+- Resume: adapters with a result file are final whatever the journal says; jobs the
+  journal shows running belong to a sweep that died: their processes are killed and their
+  unfinished adapters re-queued.
+- Ctrl-C: running jobs are stopped, their unfinished adapters go back to pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plora.engine.journal import FINAL_ADAPTER, Journal
+from plora.engine.local import JobProcess, launch
+
+EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
+
+
+@dataclass
+class QueuedJob:
+    job_id: str
+    adapters: list[str]
+    tp: int = 1
+    attempt: int = 0
+    parent: str | None = None
+    predicted_start: float | None = None
+    predicted_end: float | None = None
+    gpus: list[int] = field(default_factory=list)  # the planner's choice; advisory
+
+
+@dataclass
+class RunningJob:
+    job: QueuedJob
+    proc: JobProcess
+    slots: list[str]
+
+
+@dataclass
+class EngineSnapshot:
+    """What the live view shows."""
+
+    running: list[RunningJob]
+    queued: list[QueuedJob]
+    adapter_status: dict[str, int]
+    elapsed_s: float
+    predicted_makespan_s: float | None
+    events: list[str]
+
+
+WriteJob = Callable[[QueuedJob], Path]  # writes jobs/<id>/job.yaml for the job's adapters, returns the job dir
+
+
+class Engine:
+    def __init__(
+        self,
+        run_dir: Path,
+        journal: Journal,
+        slots: Sequence[str],
+        write_job: WriteJob,
+        *,
+        max_retries: int = 2,
+        predicted_makespan_s: float | None = None,
+        on_tick: Callable[[EngineSnapshot], None] | None = None,
+        poll_s: float = 0.25,
+    ):
+        self.run_dir = Path(run_dir)
+        self.journal = journal
+        self.slots = list(slots)
+        self.free = list(slots)
+        self.write_job = write_job
+        self.max_retries = max_retries
+        self.predicted_makespan_s = predicted_makespan_s
+        self.on_tick = on_tick
+        self.poll_s = poll_s
+        self.queue: list[QueuedJob] = []
+        self.running: dict[str, RunningJob] = {}
+        self.recent: list[str] = []
+        self.finished: list[JobProcess] = []
+        self.start = time.time()
+
+    # ------------------------------------------------------------------ resume
+    def reconcile(self) -> None:
+        """Make the journal agree with what is on disk and with what is still alive."""
+        for job in self.journal.jobs("running"):
+            if job.pid:
+                _kill_group(job.pid)
+            self.journal.update_job(job.id, status="stopped", ended=time.time())
+            self.journal.event("stale", job.id, {"pid": job.pid})
+        for adapter_id, status in self.journal.adapter_status().items():
+            result = self.result(adapter_id)
+            if result is not None:
+                self._record_result(adapter_id, result)
+            elif status in ("running", "failed"):
+                self.journal.set_adapter(adapter_id, "pending")
+
+    def result(self, adapter_id: str) -> dict | None:
+        path = self.run_dir / "adapters" / adapter_id / "metrics.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        # "failed" is final within a run, but a new run retries it: the cause may be fixed.
+        return data if data.get("status") in ("done", "diverged", "pruned") else None
+
+    def _record_result(self, adapter_id: str, result: dict) -> None:
+        trained_by = f"{result.get('job_id')}#{result.get('attempt', 1)}"
+        self.journal.set_adapter(adapter_id, result["status"], job_id=result.get("job_id"), trained_by=trained_by)
+
+    def unfinished(self, adapters: Sequence[str]) -> list[str]:
+        status = self.journal.adapter_status()
+        return [a for a in adapters if status.get(a) not in FINAL_ADAPTER]
+
+    # -------------------------------------------------------------------- run
+    def submit(self, jobs: Sequence[QueuedJob]) -> None:
+        for job in jobs:
+            job.adapters = self.unfinished(job.adapters)
+            if not job.adapters:
+                continue
+            known = self.journal.job(job.job_id)
+            if known is not None:
+                job.attempt = known.attempt
+            self.journal.add_job(job.job_id, job.adapters, job.tp, parent=job.parent,
+                                 predicted_start=job.predicted_start, predicted_end=job.predicted_end, gpus=job.gpus)
+            if known is not None:
+                self.journal.update_job(job.job_id, attempt=known.attempt)
+            self.queue.append(job)
+
+    def run(self) -> None:
+        try:
+            while self.queue or self.running:
+                self._launch_ready()
+                self._reap()
+                if self.on_tick:
+                    self.on_tick(self.snapshot())
+                time.sleep(self.poll_s)
+        except KeyboardInterrupt:
+            self.stop("interrupted")
+            raise
+        finally:
+            if self.on_tick:
+                self.on_tick(self.snapshot())
+
+    def stop(self, why: str) -> None:
+        for job_id, rj in list(self.running.items()):
+            _kill_group(rj.proc.proc.pid, sig=signal.SIGTERM)
+        deadline = time.time() + 15
+        for job_id, rj in list(self.running.items()):
+            try:
+                rj.proc.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except Exception:  # noqa: BLE001 - still alive: take it down hard
+                _kill_group(rj.proc.proc.pid)
+            self._collect(rj)
+            for a in self.unfinished(rj.job.adapters):
+                self.journal.set_adapter(a, "pending")
+            self.journal.update_job(job_id, status="stopped", ended=time.time())
+            self.journal.event("stopped", job_id, why)
+        self.running.clear()
+
+    def _launch_ready(self) -> None:
+        for job in list(self.queue):
+            if len(self.free) < job.tp:
+                if job.tp > len(self.slots):
+                    self._fail(job, f"needs {job.tp} slots, the pool has {len(self.slots)}")
+                    self.queue.remove(job)
+                continue
+            slots = self._take_slots(job)
+            job.attempt += 1
+            job_dir = self.write_job(job)
+            gpus = [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
+            proc = launch(job.job_id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
+                          extra_env={"PLORA_ATTEMPT": str(job.attempt)})
+            self.queue.remove(job)
+            self.running[job.job_id] = RunningJob(job, proc, slots)
+            self.journal.update_job(job.job_id, status="running", attempt=job.attempt, pid=proc.proc.pid,
+                                    gpus=gpus, started=proc.started)
+            for a in job.adapters:
+                self.journal.set_adapter(a, "running", job_id=job.job_id)
+            self.journal.event("launch", job.job_id, {"adapters": job.adapters, "attempt": job.attempt, "slots": slots})
+            self._note(f"started {job.job_id} ({len(job.adapters)} adapters, TP {job.tp}) on {','.join(slots)}")
+
+    def _take_slots(self, job: QueuedJob) -> list[str]:
+        wanted = [s for s in (f"cuda:{g}" for g in job.gpus) if s in self.free]
+        chosen = wanted[: job.tp] if len(wanted) >= job.tp else []
+        for s in self.free:
+            if len(chosen) == job.tp:
+                break
+            if s not in chosen:
+                chosen.append(s)
+        for s in chosen:
+            self.free.remove(s)
+        return chosen
+
+    def _reap(self) -> None:
+        for job_id, rj in list(self.running.items()):
+            rc = rj.proc.proc.poll()
+            if rc is None:
+                continue
+            del self.running[job_id]
+            self.finished.append(rj.proc)
+            self.free.extend(rj.slots)
+            self.free.sort(key=self.slots.index)
+            self._collect(rj)
+            self._after_exit(rj.job, rc)
+
+    def _collect(self, rj: RunningJob) -> None:
+        rj.proc.returncode = rj.proc.proc.poll()
+        rj.proc.ended = time.time()
+        if rj.proc.log and not rj.proc.log.closed:
+            rj.proc.log.close()
+        for a in rj.job.adapters:
+            result = self.result(a)
+            if result is not None:
+                self._record_result(a, result)
+
+    def _after_exit(self, job: QueuedJob, rc: int) -> None:
+        left = self.unfinished(job.adapters)
+        now = time.time()
+        if rc == 0 and not left:
+            self.journal.update_job(job.job_id, status="finished", ended=now, returncode=rc)
+            self._note(f"finished {job.job_id}")
+            return
+        if rc == EXIT_OOM:
+            self.journal.update_job(job.job_id, status="oom", ended=now, returncode=rc)
+            if len(left) == 1:
+                self._fail(job, "out of memory with this adapter alone", left)
+                return
+            half = (len(left) + 1) // 2
+            parts = [left[:half], left[half:]]
+            children = [QueuedJob(f"{job.job_id}.{i}", part, job.tp, parent=job.job_id) for i, part in enumerate(parts)]
+            self.journal.event("split", job.job_id, {"into": [c.job_id for c in children]})
+            self._note(f"{job.job_id} ran out of memory: split into {', '.join(c.job_id for c in children)}")
+            self.journal.update_job(job.job_id, status="split")
+            self.submit(children)
+            self.queue[:0] = [self.queue.pop(self.queue.index(c)) for c in children if c in self.queue]
+            return
+        # crashed (or exited 0 with adapters left, which is a crash too)
+        self.journal.update_job(job.job_id, status="crashed", ended=now, returncode=rc)
+        if job.attempt <= self.max_retries:
+            retry = QueuedJob(job.job_id, left, job.tp, attempt=job.attempt, parent=job.parent, gpus=job.gpus)
+            self.journal.event("retry", job.job_id, {"returncode": rc, "attempt": job.attempt})
+            self._note(f"{job.job_id} crashed (exit {rc}); retry {job.attempt}/{self.max_retries}")
+            self.submit([retry])
+            return
+        self._fail(job, f"crashed {job.attempt} times (last exit code {rc}); see jobs/{job.job_id}/log.txt", left)
+
+    def _fail(self, job: QueuedJob, why: str, adapters: Sequence[str] | None = None) -> None:
+        for a in adapters if adapters is not None else job.adapters:
+            self.journal.set_adapter(a, "failed", job_id=job.job_id)
+            _write_failure(self.run_dir, a, job.job_id, why)
+        self.journal.update_job(job.job_id, status="abandoned")
+        self.journal.event("failed", job.job_id, why)
+        self._note(f"{job.job_id}: {why}")
+
+    def _note(self, text: str) -> None:
+        self.recent = (self.recent + [f"{time.strftime('%H:%M:%S')} {text}"])[-6:]
+
+    def snapshot(self) -> EngineSnapshot:
+        counts: dict[str, int] = {}
+        for status in self.journal.adapter_status().values():
+            counts[status] = counts.get(status, 0) + 1
+        return EngineSnapshot(list(self.running.values()), list(self.queue), counts, time.time() - self.start,
+                              self.predicted_makespan_s, list(self.recent))
+
+
+def _write_failure(run_dir: Path, adapter_id: str, job_id: str, why: str) -> None:
+    out = run_dir / "adapters" / adapter_id
+    out.mkdir(parents=True, exist_ok=True)
+    row = {"adapter_id": adapter_id, "job_id": job_id, "status": "failed", "reason": why, "steps": 0,
+           "checkpoint_path": None}
+    (out / "metrics.json").write_text(json.dumps(row, indent=2))
+
+
+def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Jobs start in their own session (pgid == pid): signal the whole group (torchrun's workers too)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

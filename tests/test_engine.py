@@ -1,0 +1,145 @@
+"""The engine: resume after SIGKILL, out-of-memory splits, bounded crash retries."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from plora.engine.journal import Journal
+from plora.spec import load_spec
+from plora.sweep import prepare, run_prepared, write_run_files
+
+
+def space(tmp_path: Path, steps: list[int] | None = None, per_job: int = 3, name: str = "e") -> Path:
+    configs = [
+        {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+        {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 2},
+        {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 1},
+        {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 8},
+    ]
+    data = {
+        "name": name,
+        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 32, "num_eval": 8},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": configs},
+        "training": {"epochs": 2},  # 16, 32, 64 and 8 steps: adapters leave their packs at different times
+        "eval": {"max_new_tokens": 4, "metrics": ["loss"]},
+        "hardware": {"device": "cpu"},
+        "planner": {"max_adapters_per_job": per_job},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def launches(run: Path) -> list[tuple[str, list[str]]]:
+    j = Journal(run / "journal.sqlite")
+    try:
+        return [(subject, json.loads(detail)["adapters"]) for _, kind, subject, detail in j.events() if kind == "launch"]
+    finally:
+        j.close()
+
+
+def test_oom_splits_the_job_and_requeues(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLORA_INJECT_FAULT", "oom@job-000@2")
+    prep = prepare(load_spec(space(tmp_path)))
+    write_run_files(prep)
+    frame = run_prepared(prep, slots=["cpu:0", "cpu:1"])
+    assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
+    j = Journal(prep.run_dir / "journal.sqlite")
+    jobs = {r.id: r for r in j.jobs()}
+    j.close()
+    assert jobs["job-000"].status == "split"
+    kids = [r for r in jobs.values() if r.parent == "job-000"]
+    assert len(kids) == 2 and all(k.status == "finished" for k in kids)
+    assert sorted(a for k in kids for a in k.adapters) == sorted(jobs["job-000"].adapters)
+    assert set(frame.job_id) >= {k.id for k in kids}
+
+
+def test_single_adapter_oom_is_failed_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLORA_INJECT_FAULT", "oom@job-001@1")
+    prep = prepare(load_spec(space(tmp_path)))  # job-001 holds one adapter
+    write_run_files(prep)
+    frame = run_prepared(prep, slots=["cpu:0", "cpu:1"])
+    failed = frame[frame.status == "failed"]
+    assert len(failed) == 1 and "out of memory" in failed.reason.iloc[0]
+    assert (frame.status == "done").sum() == 3
+
+
+def test_crash_is_retried_then_succeeds(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLORA_INJECT_FAULT", "crash@job-000@3@1")  # first attempt only
+    prep = prepare(load_spec(space(tmp_path)))
+    write_run_files(prep)
+    frame = run_prepared(prep, slots=["cpu:0", "cpu:1"])
+    assert set(frame.status) == {"done"}
+    j = Journal(prep.run_dir / "journal.sqlite")
+    assert j.job("job-000").attempt == 2 and j.job("job-000").status == "finished"
+    j.close()
+
+
+def test_crash_retries_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLORA_INJECT_FAULT", "crash@job-000@1")  # every attempt
+    prep = prepare(load_spec(space(tmp_path)))
+    write_run_files(prep)
+    frame = run_prepared(prep, slots=["cpu:0", "cpu:1"], max_retries=1)
+    bad = frame[frame.job_id == "job-000"]
+    assert len(bad) == 3 and set(bad.status) == {"failed"}
+    assert bad.reason.str.contains("crashed 2 times").all()
+    assert set(frame[frame.job_id != "job-000"].status) == {"done"}
+    assert len([1 for job, _ in launches(prep.run_dir) if job == "job-000"]) == 2
+
+
+def _wait_for(pred, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
+    path = space(tmp_path, per_job=4, name="k")
+    run = tmp_path / "runs" / "k"
+    env = dict(os.environ, PLORA_INJECT_FAULT="")
+    cmd = [sys.executable, "-m", "plora.cli", "sweep", str(path)]
+    sweep = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def some_adapter_done() -> bool:
+        return any((p / "metrics.json").is_file() for p in (run / "adapters").glob("*")) if (run / "adapters").is_dir() else False
+
+    assert _wait_for(some_adapter_done, 120), "no adapter finished"
+    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and, through the parent-death signal, its job
+    sweep.wait()
+    frame_before = {p.parent.name for p in run.glob("adapters/*/metrics.json")}
+    assert 0 < len(frame_before) < 4, "kill came too late to test a resume"
+
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    frame = pd.read_parquet(run / "results.parquet")
+    assert set(frame.status) == {"done"} and len(frame) == 4
+
+    j = Journal(run / "journal.sqlite")
+    journal = {a["id"]: a for a in j.adapters()}
+    j.close()
+    for _, row in frame.iterrows():
+        m = json.loads((run / "adapters" / row.adapter_id / "metrics.json").read_text())
+        assert journal[row.adapter_id]["status"] == "done"
+        assert journal[row.adapter_id]["trained_by"] == f"{m['job_id']}#{m['attempt']}"
+        assert Path(m["checkpoint_path"], "adapter_model.safetensors").is_file()
+    # adapters finished before the kill were not launched again
+    runs = launches(run)
+    assert len(runs) == 2
+    assert not (set(runs[1][1]) & frame_before)
+    assert set(runs[1][1]) | frame_before == set(frame.adapter_id)
