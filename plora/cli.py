@@ -127,32 +127,20 @@ def sweep(
     console.print(f"[bold]plora[/] sweep [cyan]{prep.spec.name}[/]: {len(prep.configs)} adapters in "
                   f"{len(prep.plan.jobs)} jobs → {prep.run_dir}")
     console.print(f"[dim]{prep.plan.grouping}[/]")
-    total_steps = sum(prep.steps.values())
+    from rich.live import Live
+
+    from plora.live import live_view
+
     start = time.time()
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=False,
-    ) as progress:
-        overall = progress.add_task("adapter steps", total=total_steps)
-        per_job: dict[str, int] = {}
-
-        def on_tick(running, finished):
-            done = 0
-            for jp in list(running) + list(finished):
-                p = jp.progress()
-                if jp.job_id not in per_job:
-                    per_job[jp.job_id] = progress.add_task(f"  {jp.job_id}", total=p.get("adapter_steps_total") or 1)
-                progress.update(per_job[jp.job_id], completed=p.get("adapter_steps_done", 0),
-                                total=p.get("adapter_steps_total") or 1)
-                done += p.get("adapter_steps_done", 0)
-            progress.update(overall, completed=done)
-
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
         try:
-            frame = run_prepared(prep, on_tick=on_tick)
+            frame = run_prepared(prep, on_snapshot=lambda snap: live.update(live_view(snap, len(prep.configs))))
         except KeyboardInterrupt:
-            err.print("[yellow]interrupted: running jobs stopped; finished adapters are kept[/]")
+            live.stop()
+            err.print("[yellow]interrupted: running jobs stopped; finished adapters are kept. "
+                      "Run the same command again to resume.[/]")
             raise typer.Exit(130)
-
+    console.print()
     console.print(_results_table(frame, prep.spec, base_metrics(prep.run_dir)))
     counts = frame["status"].value_counts().to_dict()
     console.print("status: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
@@ -162,6 +150,168 @@ def sweep(
         for _, r in failed.iterrows():
             err.print(f"[red]failed[/] {r.adapter_id}: {r.reason}")
         raise typer.Exit(1)
+
+
+@app.command()
+def tune(
+    space: Path = typer.Argument(..., help="The space file (YAML)."),
+    sampler: str = typer.Option("tpe", "--sampler", help="Optuna sampler: tpe, random, grid, cmaes, gp, qmc, nsgaii, bruteforce."),
+    trials: Optional[int] = typer.Option(None, "--trials", "-n", help="Trials to run (default: the space's number of configurations)."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-k", help="Trials trained packed together per batch (default: max_adapters_per_job × slots)."),
+    pruner: Optional[str] = typer.Option(None, "--pruner", help="Optuna pruner: median, percentile, successive-halving, hyperband, wilcoxon (needs eval.every_steps)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed (default: space.seed)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
+) -> None:
+    """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
+    from plora.data import DataError
+    from plora.models import ModelError
+    from plora.optuna import run_tune, storage_url, study_name
+
+    spec = _load(space)
+    run_dir = spec.run_dir(output)
+    console.print(f"[bold]plora[/] tune [cyan]{spec.name}[/] with the {sampler} sampler → {run_dir}")
+    start = time.time()
+    failed: list[str] = []
+
+    def on_batch(rep) -> None:
+        values = [t.value for t in rep.trials if t.value is not None and t.state.name == "COMPLETE"]
+        line = (f"batch {rep.index}: {len(rep.trials)} trials, {len(rep.trained)} adapters trained in "
+                f"{len(rep.jobs)} job{'s' if len(rep.jobs) != 1 else ''}"
+                + (f", {len(rep.reused)} reused" if rep.reused else "")
+                + (f", {len(rep.pruned)} pruned" if rep.pruned else ""))
+        if values:
+            line += f"; batch best {max(values) if not spec.eval.minimize else min(values):.4g}"
+        if rep.best is not None:
+            line += f"; best so far {rep.best.value:.4g} (trial {rep.best.number})"
+        console.print(line + f" — {rep.wall_time_s:.0f} s")
+        failed.extend(f"trial {t.number} ({t.user_attrs.get('adapter_id')}): {t.user_attrs.get('reason') or 'failed'}"
+                      for t in rep.trials if t.user_attrs.get("status") == "failed")
+
+    with console.status("training") as status:
+
+        def on_tick(running, finished) -> None:
+            done = sum(jp.progress().get("adapter_steps_done", 0) for jp in running)
+            total = sum(jp.progress().get("adapter_steps_total", 0) for jp in running)
+            status.update(f"training: {len(running)} jobs running, {done}/{total or '?'} adapter steps")
+
+        try:
+            import optuna
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            study = run_tune(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner, run_dir=output,
+                             seed=seed, on_batch=on_batch, on_tick=on_tick)
+        except (DataError, ModelError, ValueError) as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted: running jobs stopped; finished trials are kept in the study[/]")
+            raise typer.Exit(130)
+
+    done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
+    done.sort(key=lambda t: t.value, reverse=not spec.eval.minimize)
+    t = Table(title=f"best trials by eval_{spec.eval.objective}", title_justify="left")
+    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", "value", "batch #"):
+        t.add_column(col, justify="left" if col == "adapter" else "right")
+    for tr in done[:10]:
+        a = tr.user_attrs
+        t.add_row(str(tr.number), str(a.get("adapter_id")), str(tr.params.get("rank")), f"{a.get('alpha', 0):g}",
+                  f"{tr.params.get('learning_rate', 0):.3g}", str(tr.params.get("batch_size")), f"{tr.value:.4g}",
+                  str(a.get("batch", "")))
+    console.print(t)
+    counts: dict[str, int] = {}
+    for tr in study.get_trials(deepcopy=False):
+        counts[tr.state.name] = counts.get(tr.state.name, 0) + 1
+    url = storage_url(spec, output)
+    console.print("trials: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                  + f" — {time.time() - start:.0f} s — study {study_name(spec)!r} in {url}")
+    console.print(f"[dim]dashboard: optuna-dashboard {url} · report: plora report {run_dir}[/]")
+    if failed:
+        for line in failed:
+            err.print(f"[red]failed[/] {line}")
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    run: Path = typer.Argument(..., help="A run directory (<output.dir>/<name>), or its space file."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="HTML file (default: RUN/report.html)."),
+) -> None:
+    """Execute the report notebook on RUN and write report.html (tables and plots)."""
+    from plora.report import ReportError, render_report
+
+    if run.is_file() and run.suffix in (".yaml", ".yml"):
+        run = _load(run).run_dir()
+    with console.status("executing the report notebook"):
+        try:
+            path = render_report(run, output)
+        except ReportError as e:
+            fail(str(e))
+    console.print(f"report: {path}")
+
+
+@app.command()
+def status(run: Path = typer.Argument(..., help="A run directory (runs/<name>).")) -> None:
+    """Where a sweep stands: adapters by state and every job, from the run's journal."""
+    from plora.live import status_tables
+
+    if not (run / "journal.sqlite").is_file():
+        fail(f"{run}: not a run directory (no journal.sqlite)")
+    for part in status_tables(run):
+        console.print(part)
+
+
+@app.command()
+def profile(
+    space: Path = typer.Argument(..., help="The space file (YAML)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
+    force: bool = typer.Option(False, "--force", help="Probe again even when a cached profile matches."),
+) -> None:
+    """Fit SPACE's memory and step-time model from short probe jobs on this machine; print it and its held-out error."""
+    from plora.models import ModelError
+    from plora.profiler import ProfileError, load_profile, profile_sweep
+
+    spec = _load(space)
+    run_dir = spec.run_dir(output)
+    with console.status("profiling") as st:
+        try:
+            profile_sweep(spec, run_dir, force=force, log=lambda line: st.update(line.strip()))
+        except (ModelError, ProfileError, ValueError) as e:
+            fail(str(e))
+    prof = load_profile(run_dir / "profile.json")
+    cm = prof.cost_model
+    extra = set(cm.meta.get("extrapolated_degrees", []))
+    t = Table(title=f"cost model of {cm.name} on {cm.meta.get('device', '?')} ({cm.meta.get('dtype', '')})",
+              title_justify="left")
+    for col in ("TP", "source", "step ms", "ms / 1k tok", "µs / (r·1k tok)", "ms / adapter", "base GiB",
+                "MiB / adapter", "MiB / rank", "KiB / token", "B / (r·token)"):
+        t.add_column(col, justify="left" if col == "source" else "right")
+    for d in cm.degrees:
+        c, m = cm.time[d], cm.memory_coeffs[d]
+        t.add_row(str(d), "extrapolated" if d in extra else "measured", f"{c.c0 * 1e3:.2f}", f"{c.c_tok * 1e6:.3f}",
+                  f"{c.c_rtok * 1e9:.3f}", f"{c.c_ad * 1e3:.3f}", f"{m.base / 2**30:.2f}", f"{m.adapter / 2**20:.2f}",
+                  f"{m.rank / 2**20:.3f}", f"{m.tok / 2**10:.1f}", f"{m.rank_tok:.1f}")
+    console.print(t)
+    v = Table(title="held-out packs (not used in the fit)", title_justify="left")
+    for col in ("pack", "adapters", "tokens", "step ms", "predicted", "err", "peak GiB", "predicted", "err", "fits"):
+        v.add_column(col, justify="left" if col in ("pack", "adapters") else "right")
+
+    def pct(x):
+        return "—" if x is None else f"{100 * x:+.1f}%"
+
+    for r in prof.errors():
+        v.add_row(r["probe"], r["label"], str(r["tokens"]),
+                  "OOM" if r["oom"] else ("—" if r["measured_s"] is None else f"{r['measured_s'] * 1e3:.1f}"),
+                  f"{r['predicted_s'] * 1e3:.1f}", pct(r["time_err"]),
+                  "—" if r["measured_bytes"] is None else f"{r['measured_bytes'] / 2**30:.2f}",
+                  f"{r['predicted_bytes'] / 2**30:.2f}", pct(r["memory_err"]), "yes" if r["fits"] else "no")
+    console.print(v)
+    s = prof.summary()
+    source = f"reused the cached profile {prof.cache_path}" if prof.reused else f"cached as {prof.cache_path}"
+    def mx(x):
+        return "—" if x is None else f"{100 * x:.1f}%"
+
+    console.print(f"held-out error: step time max {mx(s['time_max_abs_err'])}, peak memory max "
+                  f"{mx(s['memory_max_abs_err'])}; predicted fits that ran out of memory: {s['predicted_fit_oom']}")
+    console.print(f"[dim]{run_dir / 'profile.json'} — {source}[/]")
 
 
 def main() -> None:  # pragma: no cover - console entry point alias

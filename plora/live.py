@@ -1,0 +1,77 @@
+"""Rich renderings of a sweep: the live view while it runs, and `plora status` after.
+
+Library code that only builds rich renderables; the CLI decides where they go.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:
+        return "—"
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def live_view(snapshot, total_adapters: int) -> Group:
+    """Running jobs with their progress and ETA, adapters done, predicted vs actual makespan."""
+    jobs = Table(title="running jobs", title_justify="left", expand=False)
+    for col, just in (("job", "left"), ("GPUs / slots", "left"), ("adapters", "right"), ("adapter steps", "right"),
+                      ("done", "right"), ("elapsed", "right"), ("ETA", "right")):
+        jobs.add_column(col, justify=just)
+    for rj in snapshot.running:
+        p = rj.proc.progress()
+        done, total = p.get("adapter_steps_done", 0), p.get("adapter_steps_total") or 0
+        elapsed = p.get("elapsed_s")
+        eta = elapsed * (total - done) / done if elapsed and done else None
+        jobs.add_row(rj.job.job_id, ",".join(rj.slots), str(len(rj.job.adapters)),
+                     f"{done}/{total}" if total else "starting", f"{p.get('adapters_finished', 0)}",
+                     _fmt_s(elapsed), _fmt_s(eta))
+    counts = snapshot.adapter_status
+    finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
+    line = Text.assemble(
+        ("adapters ", "bold"), f"{finished}/{total_adapters} finished",
+        f" (done {counts.get('done', 0)}, diverged {counts.get('diverged', 0)}, failed {counts.get('failed', 0)})",
+        "   ", ("jobs ", "bold"), f"{len(snapshot.running)} running, {len(snapshot.queued)} queued",
+        "   ", ("makespan ", "bold"), f"{_fmt_s(snapshot.elapsed_s)} so far",
+        f" / {_fmt_s(snapshot.predicted_makespan_s)} predicted" if snapshot.predicted_makespan_s else "",
+    )
+    parts = [line]
+    if snapshot.running:
+        parts.append(jobs)
+    for note in snapshot.events[-3:]:
+        parts.append(Text(note, style="dim"))
+    return Group(*parts)
+
+
+def status_tables(run_dir: Path) -> list:
+    """Where a sweep stands, from its journal (works while it runs, and after)."""
+    from plora.engine.journal import Journal
+
+    journal = Journal(run_dir / "journal.sqlite")
+    try:
+        jobs, adapters = journal.jobs(), journal.adapters()
+    finally:
+        journal.close()
+    counts: dict[str, int] = {}
+    for a in adapters:
+        counts[a["status"]] = counts.get(a["status"], 0) + 1
+    summary = Text.assemble(("adapters: ", "bold"), ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")
+    t = Table(title=f"jobs of {run_dir.name}", title_justify="left")
+    for col in ("job", "status", "adapters", "TP", "GPUs", "attempt", "wall time", "exit"):
+        t.add_column(col)
+    for j in jobs:
+        wall = (j.ended or 0) - j.started if j.started and j.ended else None
+        t.add_row(j.id, j.status, str(len(j.adapters)), str(j.tp), ",".join(map(str, j.gpus)) or "—",
+                  str(j.attempt), _fmt_s(wall), "" if j.returncode is None else str(j.returncode))
+    return [summary, t]
