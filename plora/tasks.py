@@ -4,15 +4,22 @@ The demo has to show, on a 2-core CPU and in minutes, that LoRA hyperparameters 
 That needs a task the shipped tiny base model cannot do out of the box but is one small
 step away from. So every task here shares one format and one alphabet:
 
-    input  = <payload> <op>        e.g. "hello+"   (payload: 2-6 lowercase letters)
-    output = <answer>              e.g. "ifmmp"
+    input  = <payload><op>        e.g. "hello+"   (payload: 2-5 lowercase letters)
+    output = <answer>             e.g. "elloh"
 
 The single operator character at the end of the input says what to do with the payload.
 The base model (``plora/assets/tiny-llama``) is pretrained on the operators in
-``PRETRAIN_TASKS`` (copy, reverse, sort, count, alphabet range). The fine-tuning task
-``shift`` ("+": replace every letter by the next one, z wraps to a) is never shown in
-pretraining, so the base model scores ~0 exact match on it, while every piece it needs
-(reading the payload position by position, the order of the alphabet) is already there.
+``PRETRAIN_TASKS``: copy "=", reverse "<", sort "^", count "#" and alphabet range ">".
+The fine-tuning task ``shift`` ("+": shift the string one place to the left, the first
+letter moving to the end) is never shown in pretraining, so the base model scores ~0 exact
+match on it. Yet every piece it needs (reading the payload letter after letter, finding
+its first letter, stopping after the last one) is what copy and reverse already do, so a
+LoRA adapter on the attention projections learns it in about a hundred steps with a good
+learning rate, stays near 0 with a small one and diverges with a large one.
+
+(Shifting every *letter* to the next one in the alphabet, the other reading of "shift",
+was tried and rejected for the demo: the model must learn a 26-entry lookup table that
+no pretraining task exercises, which needs the MLP targets and 3-4x more steps.)
 
 Splits are disjoint by construction: an example belongs to the eval split exactly when a
 hash of its *payload* falls in the eval bucket, whatever the task. So no eval payload of
@@ -24,8 +31,8 @@ from __future__ import annotations
 import hashlib
 import random
 import string
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = [
     "ALPHABET",
@@ -39,14 +46,14 @@ __all__ = [
 
 ALPHABET = string.ascii_lowercase
 MIN_LEN = 2
-MAX_LEN = 6
-EVAL_BUCKETS = 5  # one bucket in EVAL_BUCKETS of payloads is eval-only (20%)
+MAX_LEN = 5
+EVAL_BUCKETS = 5  # one payload bucket in EVAL_BUCKETS is eval-only (20% of payloads)
 SPLITS = ("train", "eval")
 
 
 @dataclass(frozen=True)
 class TaskInfo:
-    """What a built-in task is; the defaults are the sizes the demo is calibrated for."""
+    """What a built-in task is; the default sizes are the ones the demo is calibrated for."""
 
     name: str
     description: str
@@ -57,18 +64,14 @@ class TaskInfo:
     max_len: int = MAX_LEN
 
 
-def _shift(s: str) -> str:
-    return "".join(ALPHABET[(ALPHABET.index(c) + 1) % len(ALPHABET)] for c in s)
-
-
 def _range(s: str) -> str:
-    # payload is two letters a<=b: the answer spells the alphabet from a to b.
+    # The payload is two letters a < b; the answer spells the alphabet from a to b.
     a, b = ALPHABET.index(s[0]), ALPHABET.index(s[1])
     return ALPHABET[a : b + 1]
 
 
 _ANSWER: dict[str, Callable[[str], str]] = {
-    "shift": _shift,
+    "shift": lambda s: s[1:] + s[:1],
     "copy": lambda s: s,
     "reverse": lambda s: s[::-1],
     "sort": lambda s: "".join(sorted(s)),
@@ -79,19 +82,18 @@ _ANSWER: dict[str, Callable[[str], str]] = {
 BUILTIN_TASKS: dict[str, TaskInfo] = {
     "shift": TaskInfo(
         "shift",
-        "shift every letter by one (z wraps to a): 'hello+' -> 'ifmmp'. The demo task: "
-        "the tiny base model never saw '+', so it starts near 0 exact match.",
-        1000,
+        "shift the letters one place left, the first one moving to the end: 'hello+' -> 'elloh'. "
+        "The demo task: the tiny base model never saw '+' and starts near 0 exact match.",
+        2000,
         200,
         op="+",
     ),
-    "copy": TaskInfo("copy", "copy the letters: 'hello=' -> 'hello'", 20000, 200, op="="),
-    "reverse": TaskInfo("reverse", "reverse the letters: 'hello<' -> 'olleh'", 20000, 200, op="<"),
-    "sort": TaskInfo("sort", "sort the letters: 'hello^' -> 'ehllo'", 20000, 200, op="^"),
-    "count": TaskInfo("count", "count the letters: 'hello#' -> '5'", 20000, 200, op="#", min_len=1, max_len=9),
-    "range": TaskInfo(
-        "range", "spell the alphabet between two letters: 'dh>' -> 'defgh'", 80, 16, op=">", min_len=2, max_len=2
-    ),
+    "copy": TaskInfo("copy", "copy the letters: 'hello=' -> 'hello'", 2000, 200, op="="),
+    "reverse": TaskInfo("reverse", "reverse the letters: 'hello<' -> 'olleh'", 2000, 200, op="<"),
+    "sort": TaskInfo("sort", "sort the letters: 'hello^' -> 'ehllo'", 2000, 200, op="^"),
+    "count": TaskInfo("count", "count the letters: 'hello#' -> '5'", 2000, 200, op="#", min_len=1, max_len=9),
+    # Few distinct payloads (about 95 pairs), hence the small defaults.
+    "range": TaskInfo("range", "spell the alphabet between two letters: 'dh>' -> 'defgh'", 60, 12, op=">"),
 }
 
 #: The operators the shipped base model is pretrained on (``shift`` is deliberately absent).
@@ -113,23 +115,28 @@ def _rng(*parts: object) -> random.Random:
 def _payload(info: TaskInfo, rng: random.Random) -> str:
     if info.name == "range":
         a = rng.randrange(len(ALPHABET) - 1)
-        b = rng.randrange(a + 1, min(a + MAX_LEN, len(ALPHABET)))
+        b = rng.randrange(a + 1, min(a + info.max_len, len(ALPHABET)))
         return ALPHABET[a] + ALPHABET[b]
     n = rng.randint(info.min_len, info.max_len)
     return "".join(rng.choice(ALPHABET) for _ in range(n))
 
 
-def load_builtin_task(name: str, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
-    """Generate ``n`` distinct examples ``{"input", "output"}`` of a built-in task.
-
-    Deterministic in (name, split, n, seed); train and eval never share a payload.
-    Examples are distinct within one call so that an epoch over them is a real epoch.
-    """
+def _check(name: str, split: str) -> TaskInfo:
     if name not in BUILTIN_TASKS:
         raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(sorted(BUILTIN_TASKS))}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    info = BUILTIN_TASKS[name]
+    return BUILTIN_TASKS[name]
+
+
+def load_builtin_task(name: str, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+    """Generate ``n`` distinct examples ``{"input", "output"}`` of a built-in task.
+
+    Deterministic in (name, split, n, seed): the first k of n examples are the k examples
+    of a smaller call. Train and eval never share a payload. Examples are distinct within
+    one call so that an epoch over them is a real epoch.
+    """
+    info = _check(name, split)
     if n is None:
         n = info.default_num_train if split == "train" else info.default_num_eval
     if n < 0:
@@ -138,8 +145,7 @@ def load_builtin_task(name: str, split: str, n: int | None = None, seed: int = 0
     answer = _ANSWER[name]
     seen: set[str] = set()
     out: list[dict] = []
-    attempts = 0
-    max_attempts = 50 * n + 1000
+    attempts, max_attempts = 0, 50 * n + 1000
     while len(out) < n:
         attempts += 1
         if attempts > max_attempts:
@@ -152,17 +158,13 @@ def load_builtin_task(name: str, split: str, n: int | None = None, seed: int = 0
     return out
 
 
-def iter_examples(name: str, split: str, seed: int = 0):
+def iter_examples(name: str, split: str, seed: int = 0) -> Iterator[dict]:
     """An endless, seeded stream of examples of one task and split (repeats allowed).
 
-    Pretraining draws from this rather than from a fixed list, so that small tasks (``range``
-    has about a hundred distinct payloads) can be mixed in at any rate.
+    Pretraining draws from this rather than from a fixed list, so that a small task
+    (``range``) can be mixed in at any rate.
     """
-    if name not in BUILTIN_TASKS:
-        raise ValueError(f"unknown built-in task {name!r}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    info = BUILTIN_TASKS[name]
+    info = _check(name, split)
     rng = _rng("plora.tasks.stream", name, split, seed)
     answer = _ANSWER[name]
     while True:
