@@ -16,6 +16,18 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Triton decides at import how it builds kernels, and any test may import it first: without
+# a GPU, every kernel test runs on Triton's interpreter.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     import torch

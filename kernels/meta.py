@@ -1,0 +1,222 @@
+"""Segment and rank metadata of one packed step, built once and shared by every layer.
+
+A packed batch holds, adapter after adapter, the token rows of each adapter's micro-batch.
+Every packed LoRA layer of the model sees the same segments and the same ranks, so the
+bookkeeping the kernels need (where each segment starts, where each adapter's rows sit in
+the stacked A/B, where its low-rank activations live, which tiles each launch walks) is
+computed once per step on the host, copied to the device once, and reused by all layers.
+Tile schedules depend on the tile sizes a kernel uses, so they are made on first use and
+cached here for the rest of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+#: Largest rank the Triton kernels take (a rank-256 adapter's tile still fits in registers).
+MAX_RANK = 256
+#: Smallest rank bucket: tensor-core dots need at least 16 along every dimension.
+MIN_BUCKET = 16
+
+
+def rank_bucket(rank: int) -> int:
+    """The padded rank a kernel compiles for: the next power of two, at least 16.
+
+    Adapters are grouped by bucket and each group gets its own launch, so an adapter pays
+    for its own rank (at most twice it, in arithmetic only: the padding is masked and never
+    loaded), not for the largest rank of the pack.
+    """
+    b = MIN_BUCKET
+    while b < rank:
+        b *= 2
+    return b
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Work items of one launch: token ranges [lo, hi) inside one segment each."""
+
+    seg: torch.Tensor  # int32 [n]: adapter index of each item
+    lo: torch.Tensor  # int32 [n]: first token (absolute row)
+    hi: torch.Tensor  # int32 [n]: one past the last token
+    n: int
+    split: bool  # some segment is cut into several items (reductions over tokens need atomics)
+
+
+@dataclass(frozen=True)
+class PairSchedule:
+    """Work items of a launch that runs two kinds of program (see `LoRAMeta.pair_schedule`)."""
+
+    kind: torch.Tensor  # int32 [n]: 0 or 1
+    seg: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    aux: torch.Tensor  # int32 [n]: hidden tile of a kind-1 item
+    n: int
+    split: bool
+
+
+@dataclass(eq=False)
+class LoRAMeta:
+    """Everything the packed LoRA ops need to know about the segments and adapters of a step.
+
+    Device tensors: ``token_starts`` (int32 [K+1]), ``rank_starts`` (int32 [K+1]),
+    ``ranks`` (int32 [K]), ``scales`` (float32 [K]) and ``s_offsets`` (int64 [K+1]: where
+    adapter k's low-rank activations start in the packed buffer: n_k rows of
+    ``rank_bucket(r_k)`` values, of which the first r_k are used).
+    The ``*_host`` tuples hold the same numbers on the host, so that no op has to read
+    them back from the device. Device tensors (and the schedules made on first use) are
+    copied without blocking on the current stream: like any tensor, using them from another
+    stream needs that stream to wait for this one first.
+    """
+
+    tokens_host: tuple[int, ...]
+    ranks_host: tuple[int, ...]
+    scales_host: tuple[float, ...]
+    token_starts_host: tuple[int, ...]
+    rank_starts_host: tuple[int, ...]
+    s_offsets_host: tuple[int, ...]
+    device: torch.device
+    token_starts: torch.Tensor
+    rank_starts: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    s_offsets: torch.Tensor
+    buckets: dict[int, tuple[int, ...]]  # padded rank -> adapters with tokens, in order
+    has_empty_adapter: bool  # some adapter has no tokens, so no kernel writes its gradient rows
+    _schedules: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_adapters(self) -> int:
+        return len(self.ranks_host)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows covered by segments (the packed batch may not hold more)."""
+        return self.token_starts_host[-1]
+
+    @property
+    def total_rank(self) -> int:
+        """R = Σ r_k, the row count of the stacked A and B."""
+        return self.rank_starts_host[-1]
+
+    @property
+    def s_numel(self) -> int:
+        """Σ n_k · bucket(r_k): size of the packed low-rank activation buffer."""
+        return self.s_offsets_host[-1]
+
+
+    def schedule(self, bucket: int | None, chunk_tokens: int) -> Schedule:
+        """Token ranges of at most ``chunk_tokens`` rows over the segments of one rank bucket.
+
+        ``bucket=None`` walks every segment. Cached, so the host work and the copy to the
+        device happen once per step and tile size.
+        """
+        key = (bucket, chunk_tokens)
+        hit = self._schedules.get(key)
+        if hit is not None:
+            return hit
+        adapters = range(self.num_adapters) if bucket is None else self.buckets.get(bucket, ())
+        seg, lo, hi = [], [], []
+        split = False
+        for k in adapters:
+            a, b = self.token_starts_host[k], self.token_starts_host[k + 1]
+            if b == a:
+                continue
+            split |= (b - a) > chunk_tokens
+            for t in range(a, b, chunk_tokens):
+                seg.append(k)
+                lo.append(t)
+                hi.append(min(t + chunk_tokens, b))
+        packed = torch.tensor([seg, lo, hi], dtype=torch.int32).to(self.device, non_blocking=True)
+        sched = Schedule(packed[0], packed[1], packed[2], len(seg), split)
+        self._schedules[key] = sched
+        return sched
+
+    def pair_schedule(self, bucket: int, tile_tokens: int, chunk_tokens: int, hidden_tiles: int) -> PairSchedule:
+        """Work of the one-launch dy pass: per segment, its dS items (``tile_tokens`` rows
+        each, kind 0) interleaved with its dB items (``chunk_tokens`` rows × one of
+        ``hidden_tiles`` columns tiles, kind 1, tile index in ``aux``). Interleaving per
+        segment makes both kinds read the same rows of dy at about the same time."""
+        key = ("pair", bucket, tile_tokens, chunk_tokens, hidden_tiles)
+        hit = self._schedules.get(key)
+        if hit is not None:
+            return hit
+        rows: list[tuple[int, int, int, int, int]] = []
+        split = False
+        for k in self.buckets.get(bucket, ()):
+            a, b = self.token_starts_host[k], self.token_starts_host[k + 1]
+            split |= (b - a) > chunk_tokens
+            s_items = [(0, k, t, min(t + tile_tokens, b), 0) for t in range(a, b, tile_tokens)]
+            w_items = [
+                (1, k, t, min(t + chunk_tokens, b), j) for t in range(a, b, chunk_tokens) for j in range(hidden_tiles)
+            ]
+            n = max(len(s_items), len(w_items))
+            for i in range(n):  # spread the shorter list evenly through the longer one
+                for items in (s_items, w_items):
+                    lo_i, hi_i = i * len(items) // n, (i + 1) * len(items) // n
+                    rows.extend(items[lo_i:hi_i])
+        cols = list(zip(*rows)) if rows else [[]] * 5
+        packed = torch.tensor([list(c) for c in cols], dtype=torch.int32).to(self.device, non_blocking=True)
+        sched = PairSchedule(packed[0], packed[1], packed[2], packed[3], packed[4], len(rows), split)
+        self._schedules[key] = sched
+        return sched
+
+    def bucket_tokens(self, bucket: int) -> list[int]:
+        """Segment lengths of the adapters in one bucket (for choosing chunk sizes)."""
+        return [self.tokens_host[k] for k in self.buckets.get(bucket, ())]
+
+
+def build_lora_meta(
+    tokens_per_adapter: Sequence[int],
+    ranks: Sequence[int],
+    scales: Sequence[float],
+    device: torch.device | str,
+) -> LoRAMeta:
+    """Build the metadata of one packed step; call once per step, pass it to every layer.
+
+    Segments are contiguous in the flattened token dimension, in adapter order; adapter k
+    owns rows ``token_starts[k]:token_starts[k+1]`` and rows ``rank_starts[k]:rank_starts[k+1]``
+    of the stacked A (R × in) and B (R × out). Segments may be empty; K may be 0.
+    """
+    tokens = tuple(int(n) for n in tokens_per_adapter)
+    rks = tuple(int(r) for r in ranks)
+    scs = tuple(float(s) for s in scales)
+    if not (len(tokens) == len(rks) == len(scs)):
+        raise ValueError(
+            f"build_lora_meta: one token count, rank and scale per adapter, got {len(tokens)}, {len(rks)}, {len(scs)}"
+        )
+    if any(n < 0 for n in tokens):
+        raise ValueError(f"build_lora_meta: token counts must be >= 0, got {list(tokens)}")
+    if any(r < 1 for r in rks):
+        raise ValueError(f"build_lora_meta: ranks must be >= 1, got {list(rks)}")
+    device = torch.device(device)
+    tstarts, rstarts, soffs = [0], [0], [0]
+    for n, r in zip(tokens, rks):
+        tstarts.append(tstarts[-1] + n)
+        rstarts.append(rstarts[-1] + r)
+        soffs.append(soffs[-1] + n * rank_bucket(r))
+    buckets: dict[int, list[int]] = {}
+    for k, (n, r) in enumerate(zip(tokens, rks)):
+        if n > 0:
+            buckets.setdefault(rank_bucket(r), []).append(k)
+    ints = torch.tensor([tstarts, rstarts, rks + (0,)], dtype=torch.int32).to(device, non_blocking=True)
+    return LoRAMeta(
+        tokens_host=tokens,
+        ranks_host=rks,
+        scales_host=scs,
+        token_starts_host=tuple(tstarts),
+        rank_starts_host=tuple(rstarts),
+        s_offsets_host=tuple(soffs),
+        device=device,
+        token_starts=ints[0],
+        rank_starts=ints[1],
+        ranks=ints[2, : len(rks)],
+        scales=torch.tensor(scs, dtype=torch.float32).to(device, non_blocking=True),
+        s_offsets=torch.tensor(soffs, dtype=torch.int64).to(device, non_blocking=True),
+        buckets={b: tuple(v) for b, v in sorted(buckets.items())},
+        has_empty_adapter=any(n == 0 for n in tokens),
+    )

@@ -1,0 +1,467 @@
+"""Launchers of the Triton packed LoRA kernels: the same two ops as `reference`.
+
+Forward (per rank bucket): ``shrink`` S' = s·x Aᵀ (reads x once), then ``expand``
+y += S' B (reads and writes y once). Backward: the dy side gives dS = s·dy Bᵀ and
+dB = S'ᵀ dy; the x side gives dA = dSᵀ x (``wgrad``, reads x once) and dx += dS A
+(``expand`` again, reads and writes dx once). The dy side runs in one of three ways per
+rank bucket (`DY_MODE`):
+
+- "pair": one launch whose programs compute either dS or dB, scheduled so that both
+  read each row of dy at about the same time, so the second read mostly hits L2;
+- "split": a shrink and a weight-gradient launch, two full reads of dy;
+- "fused": each dy tile gives its dB part and adds its dS partial atomically.
+
+Tile sizes come from `TILES` (chosen on an H100/H200, see NOTES.md) and can be overridden
+with `tile_overrides` (benchmarks, tests). How many token rows one program walks (its
+*chunk*) is chosen per call so that a launch has enough programs to fill the GPU; when a
+segment is cut into several chunks, its weight gradient is summed with float32 atomics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .meta import MAX_RANK, LoRAMeta
+
+_MODULES: dict[bool, object] = {}
+
+
+def _interpreting() -> bool:
+    """Whether Triton builds interpreted kernels now (``TRITON_INTERPRET``, read per call)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def kernels_module():
+    """The module of jitted kernels, loaded for the current mode (compiled or interpreted).
+
+    Triton decides at decoration time whether a kernel is compiled or interpreted, so the
+    module is loaded lazily, once per mode: a process can import this package before
+    ``TRITON_INTERPRET=1`` is set and still run the interpreter on CPU tensors.
+    """
+    mode = _interpreting()
+    mod = _MODULES.get(mode)
+    if mod is None:
+        name = f"{__package__}._triton_kernels_{'interp' if mode else 'jit'}"
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_triton_kernels.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _MODULES[mode] = mod
+    return mod
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles of one kernel: BT tokens × BH hidden columns per step, warps, pipeline depth.
+
+    ``bt2``/``bh2`` are the tiles of the second kind of program of a "pair" launch.
+    """
+
+    bt: int = 64
+    bh: int = 128
+    warps: int = 4
+    stages: int = 3
+    waves: float = 2.0  # aim for at least waves × SMs programs per launch
+    max_chunk: int = 0  # cap on tokens per program (0: whole segments when they fill the GPU)
+    bt2: int = 64
+    bh2: int = 128
+    prefetch: bool = False  # expand: keep the next tile's load in flight
+
+
+def _default_tiles(kind: str, rp: int) -> TileConfig:
+    big = rp >= 128  # keep the float32 accumulators of large ranks in registers
+    if kind == "shrink":
+        return TileConfig(bt=64, bh=64 if big else 128, warps=8 if rp >= 64 else 4, stages=3)
+    if kind == "expand":
+        return TileConfig(bt=64, bh=64 if rp >= 256 else 128, warps=8 if big else 4, stages=3, waves=4.0)
+    if kind in ("wgrad", "dy_fused"):
+        return TileConfig(bt=32 if rp >= 256 else 64, bh=64 if big else 128, warps=8 if rp >= 64 else 4, stages=3)
+    if kind == "dy_pair":
+        return TileConfig(bt=64, bh=64 if big else 128, bt2=32 if rp >= 256 else 64, bh2=64 if big else 128,
+                          warps=8 if rp >= 64 else 4, stages=3)
+    raise KeyError(kind)
+
+
+def _t(bt, bh, warps, stages, waves, **kw) -> TileConfig:
+    return TileConfig(bt=bt, bh=bh, warps=warps, stages=stages, waves=waves, **kw)
+
+
+#: Tiles per (kind, rank bucket): the fastest of a sweep on an H200 (bf16; hidden 2048 to
+#: 18944, K = 8 and 32; `scripts/bench_kernels.py --sweep`, NOTES.md). Buckets not listed
+#: (256) take `_default_tiles`.
+TILES: dict[tuple[str, int], TileConfig] = {
+    ("shrink", 16): _t(32, 128, 4, 3, 2),
+    ("shrink", 32): _t(64, 64, 4, 4, 2),
+    ("shrink", 64): _t(64, 128, 4, 3, 2),
+    ("shrink", 128): _t(64, 64, 4, 4, 2),
+    ("expand", 16): _t(64, 128, 4, 3, 8),
+    ("expand", 32): _t(64, 256, 4, 3, 8),
+    ("expand", 64): _t(64, 128, 4, 3, 8),
+    ("expand", 128): _t(64, 128, 4, 3, 4),
+    ("wgrad", 16): _t(32, 256, 8, 3, 2),
+    ("wgrad", 32): _t(64, 128, 4, 3, 2),
+    ("wgrad", 64): _t(32, 128, 4, 3, 2),
+    ("wgrad", 128): _t(64, 128, 4, 3, 2),
+    ("dy_fused", 16): _t(64, 256, 8, 3, 2),
+    ("dy_fused", 32): _t(64, 512, 8, 3, 2),
+    ("dy_fused", 64): _t(64, 256, 8, 3, 2),
+    ("dy_fused", 128): _t(32, 128, 4, 3, 2),
+    ("dy_pair", 16): _t(64, 128, 4, 3, 4, bt2=64, bh2=128),
+    ("dy_pair", 32): _t(64, 128, 4, 3, 2, bt2=64, bh2=128),
+    ("dy_pair", 64): _t(64, 128, 4, 3, 2, bt2=64, bh2=128),
+    ("dy_pair", 128): _t(128, 64, 8, 3, 2, bt2=64, bh2=128),
+}
+#: dy side of the backward per rank bucket: "pair" (one launch, one pass over dy from
+#: memory), "split" (two launches, two passes) or "fused" (one pass, atomics). "pair" won
+#: the sweep for every bucket (NOTES.md).
+DY_MODE: dict[int, str] = {}
+_DEFAULT_DY_MODE = "pair"
+
+_OVERRIDES: list[dict] = []
+
+
+@contextlib.contextmanager
+def tile_overrides(tiles: dict | None = None, dy_mode: str | None = None):
+    """Temporarily override tile fields for every bucket: ``{"shrink": {"bt": 32}, ...}``.
+
+    Keys may also be ``(kind, bucket)``. ``dy_mode`` forces the backward's dy side.
+    """
+    _OVERRIDES.append({"tiles": tiles or {}, "dy_mode": dy_mode})
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
+
+
+def tiles_for(kind: str, rp: int) -> TileConfig:
+    cfg = TILES.get((kind, rp)) or _default_tiles(kind, rp)
+    for ov in _OVERRIDES:
+        for key in (kind, (kind, rp)):
+            if key in ov["tiles"]:
+                cfg = replace(cfg, **ov["tiles"][key])
+    return cfg
+
+
+def dy_mode_for(rp: int) -> str:
+    for ov in reversed(_OVERRIDES):
+        if ov["dy_mode"]:
+            return ov["dy_mode"]
+    return DY_MODE.get(rp, _DEFAULT_DY_MODE)
+
+
+#: Compile only, launch nothing (benchmarks compile their variants in parallel processes).
+WARMUP_ONLY = False
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    if WARMUP_ONLY:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+_SMS: dict[str, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return _SMS[key]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunk_tokens(lengths: list[int], hidden_tiles: int, cfg: TileConfig, sms: int) -> int:
+    """Tokens per program: whole segments if that gives enough programs, else halve."""
+    ct = _cdiv(max(lengths), cfg.bt) * cfg.bt
+    if cfg.max_chunk:
+        ct = min(ct, max(cfg.bt, cfg.max_chunk // cfg.bt * cfg.bt))
+    target = cfg.waves * sms
+    while ct > cfg.bt and sum(_cdiv(n, ct) for n in lengths) * hidden_tiles < target:
+        ct = max(cfg.bt, _cdiv(ct // 2, cfg.bt) * cfg.bt)
+    return ct
+
+
+def _check(x: torch.Tensor, A: torch.Tensor, meta: LoRAMeta) -> None:
+    if max(meta.ranks_host, default=0) > MAX_RANK:
+        raise ValueError(f"Triton packed LoRA kernels take ranks up to {MAX_RANK}, got {max(meta.ranks_host)}")
+    if x.shape[0] < meta.num_tokens:
+        raise ValueError(f"x has {x.shape[0]} rows, the segments cover {meta.num_tokens}")
+    if A.shape[0] != meta.total_rank:
+        raise ValueError(f"stacked A/B have {A.shape[0]} rows, the ranks sum to {meta.total_rank}")
+
+
+def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
+    """Tiles, schedule and grid of one launch; cached in the meta (once per step and shape)."""
+    key = ("plan", kind, rp, d, TILES.get((kind, rp)))
+    if not _OVERRIDES:
+        hit = meta._schedules.get(key)
+        if hit is not None:
+            return hit
+    cfg = tiles_for(kind, rp)
+    blocks = _cdiv(d, cfg.bh)
+    if kind == "shrink":  # one BT-token tile per program; split the hidden dim to fill the GPU
+        sched = meta.schedule(rp, cfg.bt)
+        split = min(max(1, math.ceil(cfg.waves * sms / max(sched.n, 1))), max(1, blocks // 2))
+        split_len = _cdiv(blocks, split) * cfg.bh
+        plan = (cfg, sched, _cdiv(d, split_len), split_len)
+    elif kind == "dy_pair":
+        blocks2 = _cdiv(d, cfg.bh2)
+        lengths = meta.bucket_tokens(rp)
+        n_s = sum(_cdiv(n, cfg.bt) for n in lengths)
+        ct = _chunk_tokens(lengths, blocks2, replace(cfg, bt=cfg.bt2, waves=max(cfg.waves * sms - n_s, 0) / sms), sms)
+        sched = meta.pair_schedule(rp, cfg.bt, ct, blocks2)
+        plan = (cfg, sched, blocks2, 0)
+    else:  # chunks of tokens per program, one hidden tile each
+        sched = meta.schedule(rp, _chunk_tokens(meta.bucket_tokens(rp), blocks, cfg, sms))
+        plan = (cfg, sched, blocks, 0)
+    if not _OVERRIDES:
+        meta._schedules[key] = plan
+    return plan
+
+
+def _low_rank_buffer(meta: LoRAMeta, atomic: bool, dtype: torch.dtype, device) -> torch.Tensor:
+    """S' or dS: in the compute dtype, or a zeroed float32 buffer when summed atomically."""
+    if atomic:
+        return torch.zeros(meta.s_numel, dtype=torch.float32, device=device)
+    return torch.empty(meta.s_numel, dtype=dtype, device=device)
+
+
+def _launch_shrink(k, X, W, S, meta, rp, plan, ieee):
+    cfg, sched, nsplit, split_len = plan
+    _launch(
+        k.shrink_kernel, (sched.n, nsplit),
+        X, W, S, sched.seg, sched.lo, sched.hi,
+        meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
+        X.shape[1], X.stride(0), W.stride(0), split_len,
+        BT=cfg.bt, BD=cfg.bh, RP=rp, ATOMIC=nsplit > 1, EVEN_D=X.shape[1] % cfg.bh == 0, IEEE=ieee,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+
+
+def _launch_wgrad(k, P, X, DW, meta, rp, plan, ieee):
+    cfg, sched, blocks, _ = plan
+    _launch(
+        k.wgrad_kernel, (sched.n, blocks),
+        P, X, DW, sched.seg, sched.lo, sched.hi,
+        meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
+        X.shape[1], X.stride(0), DW.stride(0),
+        BT=cfg.bt, BD=cfg.bh, RP=rp, ATOMIC=sched.split, IEEE=ieee,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+
+
+def shrink_stage(X: torch.Tensor, W: torch.Tensor, meta: LoRAMeta) -> torch.Tensor:
+    """scale · X_k W_kᵀ for every bucket, packed (the forward's S', or the backward's dS)."""
+    k, sms, ieee = kernels_module(), _num_sms(X.device), X.dtype == torch.float32
+    plans = {rp: _plan(meta, "shrink", rp, X.shape[1], sms) for rp in meta.buckets}
+    S = _low_rank_buffer(meta, any(p[2] > 1 for p in plans.values()), X.dtype, X.device)
+    for rp, plan in plans.items():
+        _launch_shrink(k, X, W, S, meta, rp, plan, ieee)
+    return S
+
+
+def _launch_expand(k, S, W, Y, meta, rp, plan, accumulate, ieee):
+    cfg, sched, blocks, _ = plan
+    _launch(
+        k.expand_kernel, (sched.n, blocks),
+        S, W, Y, sched.seg, sched.lo, sched.hi,
+        meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
+        Y.shape[1], Y.stride(0), W.stride(0),
+        BT=cfg.bt, BN=cfg.bh, RP=rp, ACCUM=accumulate, PREFETCH=cfg.prefetch, IEEE=ieee,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+
+
+def expand_stage(S: torch.Tensor, W: torch.Tensor, meta: LoRAMeta, Y: torch.Tensor, accumulate: bool = True) -> None:
+    """Y_k (+)= S_k W_k for every bucket, in place (y += S' B, or dx += dS A)."""
+    k, sms, ieee = kernels_module(), _num_sms(Y.device), Y.dtype == torch.float32
+    for rp in meta.buckets:
+        _launch_expand(k, S, W, Y, meta, rp, _plan(meta, "expand", rp, Y.shape[1], sms), accumulate, ieee)
+
+
+#: Run the launches of different rank buckets on their own CUDA streams, so that one
+#: bucket's tail overlaps the others' work (a pack of mixed ranks is one launch per bucket
+#: and stage, each too small to fill the GPU to its end on its own).
+BUCKET_STREAMS = False  # correct on the GPU (tests), not yet timed there: off until it is
+_STREAMS: dict[str, list] = {}
+
+
+def _each_bucket(meta: LoRAMeta, device: torch.device, chain) -> None:
+    """``chain(rp)`` for every bucket: in order, or forked onto side streams and joined.
+
+    Everything a chain touches is allocated before the fork and is disjoint between
+    buckets (rows of S'/dS, of A/B and their gradients, of y/dx); the current stream waits
+    for every side stream before returning, so later work and frees are ordered after.
+    """
+    rps = list(meta.buckets)
+    if len(rps) <= 1 or not BUCKET_STREAMS or WARMUP_ONLY or device.type != "cuda":
+        for rp in rps:
+            chain(rp)
+        return
+    main = torch.cuda.current_stream(device)
+    pool = _STREAMS.setdefault(str(device), [])
+    while len(pool) < len(rps):
+        pool.append(torch.cuda.Stream(device))
+    for stream, rp in zip(pool, rps):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            chain(rp)
+    for stream in pool[: len(rps)]:
+        main.wait_stream(stream)
+
+
+class _GradBuffer:
+    """Where a weight gradient is summed: the gradient itself, or a float32 buffer when
+    some launch adds into it atomically and the gradient is not float32."""
+
+    def __init__(self, like: torch.Tensor, atomic: bool, zero: bool):
+        self.dtype = like.dtype
+        if atomic and like.dtype != torch.float32:
+            self.buf = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        else:
+            self.buf = (torch.zeros if (atomic or zero) else torch.empty)(
+                like.shape, dtype=like.dtype, device=like.device
+            )
+
+    def result(self) -> torch.Tensor:
+        return self.buf if self.buf.dtype == self.dtype else self.buf.to(self.dtype)
+
+
+def wgrad_stage(P: torch.Tensor, X: torch.Tensor, meta: LoRAMeta, like: torch.Tensor) -> torch.Tensor:
+    """Σ over each segment's tokens of P_kᵀ X_k, stacked like ``like`` (dA = dSᵀ x, dB = S'ᵀ dy)."""
+    k, sms, ieee = kernels_module(), _num_sms(X.device), X.dtype == torch.float32
+    plans = {rp: _plan(meta, "wgrad", rp, X.shape[1], sms) for rp in meta.buckets}
+    g = _GradBuffer(like, any(p[1].split for p in plans.values()), meta.has_empty_adapter)
+    for rp, plan in plans.items():
+        _launch_wgrad(k, P, X, g.buf, meta, rp, plan, ieee)
+    return g.result()
+
+
+def lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRAMeta, y: torch.Tensor) -> torch.Tensor:
+    """Accumulate s_k (x_k A_kᵀ) B_k into ``y`` in place; return the packed S'."""
+    _check(x, A, meta)
+    x, A, B = _rowmajor(x), _rowmajor(A), _rowmajor(B)
+    k, sms, ieee = kernels_module(), _num_sms(x.device), x.dtype == torch.float32
+    shrink = {rp: _plan(meta, "shrink", rp, x.shape[1], sms) for rp in meta.buckets}
+    expand = {rp: _plan(meta, "expand", rp, y.shape[1], sms) for rp in meta.buckets}
+    S = _low_rank_buffer(meta, any(p[2] > 1 for p in shrink.values()), x.dtype, x.device)
+
+    def chain(rp: int) -> None:
+        _launch_shrink(k, x, A, S, meta, rp, shrink[rp], ieee)
+        _launch_expand(k, S, B, y, meta, rp, expand[rp], True, ieee)
+
+    _each_bucket(meta, x.device, chain)
+    return S
+
+
+_DY_KINDS = {"fused": "dy_fused", "pair": "dy_pair", "split": "wgrad"}
+
+
+def _dy_plans(meta: LoRAMeta, d_out: int, sms: int):
+    modes = {rp: dy_mode_for(rp) for rp in meta.buckets}
+    plans = {rp: _plan(meta, _DY_KINDS[m], rp, d_out, sms) for rp, m in modes.items()}
+    shrink = {rp: _plan(meta, "shrink", rp, d_out, sms) for rp, m in modes.items() if m == "split"}
+    atomic_ds = any(m == "fused" for m in modes.values()) or any(p[2] > 1 for p in shrink.values())
+    return modes, plans, shrink, atomic_ds, any(p[1].split for p in plans.values())
+
+
+def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
+    cfg, sched, blocks, _ = plan
+    d_out = dy.shape[1]
+    if mode == "pair":
+        _launch(
+            k.dy_pair_kernel, (sched.n,),
+            dy, B, S, dS, dB, sched.kind, sched.seg, sched.lo, sched.hi, sched.aux,
+            meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
+            d_out, dy.stride(0), B.stride(0), dB.stride(0),
+            BT=cfg.bt, BN=cfg.bh, BT2=cfg.bt2, BN2=cfg.bh2, RP=rp,
+            ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+    elif mode == "fused":
+        _launch(
+            k.dy_fused_kernel, (sched.n, blocks),
+            dy, S, B, dS, dB, sched.seg, sched.lo, sched.hi,
+            meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
+            d_out, dy.stride(0), B.stride(0), dB.stride(0),
+            BT=cfg.bt, BN=cfg.bh, RP=rp, ATOMIC=sched.split, IEEE=ieee,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+    else:
+        _launch_shrink(k, dy, B, dS, meta, rp, shrink_plan, ieee)
+        _launch_wgrad(k, S, dy, dB, meta, rp, plan, ieee)
+
+
+def dy_stage(dy: torch.Tensor, S: torch.Tensor, B: torch.Tensor, meta: LoRAMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """dS = s·dy Bᵀ (packed) and dB = S'ᵀ dy, per bucket as its `DY_MODE` says."""
+    k, sms, ieee = kernels_module(), _num_sms(dy.device), dy.dtype == torch.float32
+    modes, plans, shrink, atomic_ds, atomic_db = _dy_plans(meta, dy.shape[1], sms)
+    dS = _low_rank_buffer(meta, atomic_ds, dy.dtype, dy.device)
+    gB = _GradBuffer(B, atomic_db, meta.has_empty_adapter)
+    for rp, mode in modes.items():
+        _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, mode, plans[rp], shrink.get(rp), ieee)
+    return dS, gB.result()
+
+
+def x_stage(
+    dS: torch.Tensor, x: torch.Tensor, A: torch.Tensor, meta: LoRAMeta, dx: torch.Tensor | None, accumulate: bool = True
+) -> torch.Tensor:
+    """dA = dSᵀ x (one pass over x) and, when ``dx`` is given, dx (+)= dS A (one over dx).
+
+    The two share no operand but dS, so they are separate launches: a fused program that
+    also streams dx needs so many registers that it loses more than the launch it saves.
+    """
+    dA = wgrad_stage(dS, x, meta, A)
+    if dx is not None:
+        expand_stage(dS, A, meta, dx, accumulate)
+    return dA
+
+
+def lora_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    S: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    meta: LoRAMeta,
+    dx: torch.Tensor | None,
+    need_dx: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dA, dB and the LoRA part of dx (added into ``dx`` in place when given)."""
+    _check(x, A, meta)
+    dy, x, A, B = _rowmajor(dy), _rowmajor(x), _rowmajor(A), _rowmajor(B)
+    k, sms, ieee = kernels_module(), _num_sms(x.device), x.dtype == torch.float32
+    accumulate = dx is not None
+    if need_dx and dx is None:
+        dx = (torch.empty_like if meta.num_tokens == x.shape[0] else torch.zeros_like)(x)
+    modes, plans, shrink, atomic_ds, atomic_db = _dy_plans(meta, dy.shape[1], sms)
+    wgrad = {rp: _plan(meta, "wgrad", rp, x.shape[1], sms) for rp in meta.buckets}
+    expand = {rp: _plan(meta, "expand", rp, x.shape[1], sms) for rp in meta.buckets} if need_dx else {}
+    dS = _low_rank_buffer(meta, atomic_ds, dy.dtype, dy.device)
+    gB = _GradBuffer(B, atomic_db, meta.has_empty_adapter)
+    gA = _GradBuffer(A, any(p[1].split for p in wgrad.values()), meta.has_empty_adapter)
+
+    def chain(rp: int) -> None:
+        _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee)
+        _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)
+        if need_dx:
+            _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee)
+
+    _each_bucket(meta, x.device, chain)
+    return gA.result(), gB.result(), (dx if need_dx else None)
