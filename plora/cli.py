@@ -187,22 +187,23 @@ def tune(
         failed.extend(f"trial {t.number} ({t.user_attrs.get('adapter_id')}): {t.user_attrs.get('reason') or 'failed'}"
                       for t in rep.trials if t.user_attrs.get("status") == "failed")
 
-    with console.status("training") as status:
+    from rich.live import Live
 
-        def on_tick(running, finished) -> None:
-            done = sum(jp.progress().get("adapter_steps_done", 0) for jp in running)
-            total = sum(jp.progress().get("adapter_steps_total", 0) for jp in running)
-            status.update(f"training: {len(running)} jobs running, {done}/{total or '?'} adapter steps")
+    from plora.live import live_view
 
+    with Live(console=console, refresh_per_second=4, transient=True) as live:
         try:
             import optuna
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             study = run_tune(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner, run_dir=output,
-                             seed=seed, on_batch=on_batch, on_tick=on_tick)
+                             seed=seed, on_batch=on_batch,
+                             on_snapshot=lambda snap: live.update(live_view(snap, sum(snap.adapter_status.values()))))
         except (DataError, ModelError, ValueError) as e:
+            live.stop()
             fail(str(e))
         except KeyboardInterrupt:
+            live.stop()
             err.print("[yellow]interrupted: running jobs stopped; finished trials are kept in the study[/]")
             raise typer.Exit(130)
 
@@ -281,24 +282,33 @@ def profile(
     extra = set(cm.meta.get("extrapolated_degrees", []))
     t = Table(title=f"cost model of {cm.name} on {cm.meta.get('device', '?')} ({cm.meta.get('dtype', '')})",
               title_justify="left")
-    for col in ("TP", "source", "step ms", "ms / 1k tok", "µs / (r·1k tok)", "ms / adapter", "base GiB",
-                "MiB / adapter", "MiB / rank", "KiB / token", "B / (r·token)"):
-        t.add_column(col, justify="left" if col == "source" else "right")
+    t.add_column("coefficient")
+    t.add_column("unit")
     for d in cm.degrees:
-        c, m = cm.time[d], cm.memory_coeffs[d]
-        t.add_row(str(d), "extrapolated" if d in extra else "measured", f"{c.c0 * 1e3:.2f}", f"{c.c_tok * 1e6:.3f}",
-                  f"{c.c_rtok * 1e9:.3f}", f"{c.c_ad * 1e3:.3f}", f"{m.base / 2**30:.2f}", f"{m.adapter / 2**20:.2f}",
-                  f"{m.rank / 2**20:.3f}", f"{m.tok / 2**10:.1f}", f"{m.rank_tok:.1f}")
+        t.add_column(f"TP {d}" + (" (extrap.)" if d in extra else ""), justify="right")
+    coeffs = [
+        ("step constant", "ms", lambda c, m: c.c0 * 1e3),
+        ("per 1k tokens", "ms", lambda c, m: c.c_tok * 1e6),
+        ("per rank·1k tokens", "µs", lambda c, m: c.c_rtok * 1e9),
+        ("per adapter", "ms", lambda c, m: c.c_ad * 1e3),
+        ("memory base", "GiB", lambda c, m: m.base / 2**30),
+        ("per adapter", "MiB", lambda c, m: m.adapter / 2**20),
+        ("per rank", "MiB", lambda c, m: m.rank / 2**20),
+        ("per token", "KiB", lambda c, m: m.tok / 2**10),
+        ("per rank·token", "B", lambda c, m: m.rank_tok),
+    ]
+    for label, unit, f in coeffs:
+        t.add_row(label, unit, *(f"{f(cm.time[d], cm.memory_coeffs[d]):.4g}" for d in cm.degrees))
     console.print(t)
     v = Table(title="held-out packs (not used in the fit)", title_justify="left")
-    for col in ("pack", "adapters", "tokens", "step ms", "predicted", "err", "peak GiB", "predicted", "err", "fits"):
-        v.add_column(col, justify="left" if col in ("pack", "adapters") else "right")
+    for col in ("pack", "K", "rows", "step ms", "pred.", "err", "peak GiB", "pred.", "err", "fits"):
+        v.add_column(col, justify="left" if col == "pack" else "right")
 
     def pct(x):
         return "—" if x is None else f"{100 * x:+.1f}%"
 
-    for r in prof.errors():
-        v.add_row(r["probe"], r["label"], str(r["tokens"]),
+    for r, m in zip(prof.errors(), prof.holdout):
+        v.add_row(r["probe"], str(m.probe.adapters), str(m.probe.rows),
                   "OOM" if r["oom"] else ("—" if r["measured_s"] is None else f"{r['measured_s'] * 1e3:.1f}"),
                   f"{r['predicted_s'] * 1e3:.1f}", pct(r["time_err"]),
                   "—" if r["measured_bytes"] is None else f"{r['measured_bytes'] / 2**30:.2f}",

@@ -214,7 +214,11 @@ def run_prepared(
         engine.run()
     finally:
         journal.close()
-    return collect_results(prep)
+    frame = collect_results(prep)
+    from plora.optuna import record_sweep  # the sweep as an Optuna study; warns, never raises
+
+    record_sweep(prep, frame)
+    return frame
 
 
 def _adapter_finished(run_dir: Path, adapter_id: str) -> bool:

@@ -101,10 +101,16 @@ class PackedLoRALinear(nn.Module):
             nn.Parameter(bt.to(device=device, dtype=dtype)),
         )
 
+    #: set by `plora.packed.tp` when the layer is sharded over tensor-parallel ranks: the
+    #: sharded forward (local shards, collectives) replaces this one. None on one process.
+    tp = None
+
     def adapter_parameters(self, k: int) -> list[nn.Parameter]:
         return [self.lora_a[k], self.lora_bt[k]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            return self.tp.forward(self, x)
         state = self.state
         if not state.active:
             return self.base(x)

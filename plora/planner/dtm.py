@@ -51,58 +51,58 @@ def estimate(wl: Workload, state: SchedulerState, packs: list[Pack]) -> Candidat
     The largest of: the last end among running and new jobs; the time all GPUs
     need for what they are committed to from now on (running and new jobs, plus
     idle GPUs until the next job ends) and for the ideal work of the adapters
-    still unassigned (``Workload.work``), spread over every GPU; and the earliest
-    a GPU frees up plus the longest single-adapter time among those adapters.
+    still unassigned (``Workload.work``), spread over every GPU; and the next job
+    end (the next decision) plus the longest single-adapter time among those
+    adapters.
     """
     now, g = state.now, wl.gpus
     left = np.asarray(state.remaining, dtype=float)
+    for p in packs:
+        left -= np.asarray(p.counts)
     ends = [e for _, e in state.running] + [now + p.job_time for p in packs]
-    used = sum(p.d for p in packs)
-    idle = state.free - used
+    idle = state.free - sum(p.d for p in packs)
     committed = sum(d * (e - now) for d, e in state.running) + sum(p.d * p.job_time for p in packs)
     t_next = min(ends) if ends else math.inf
-    has_left = bool(left.sum() > 0)
-    if idle > 0 and has_left:
+    if idle > 0 and left.sum() > 0:  # GPUs left idle while work waits cost until the next decision
         if not ends:
             return Candidate(packs, math.inf, math.inf)
         committed += idle * (t_next - now)
-    for p in packs:
-        left -= np.asarray(p.counts)
     rest = float(left @ wl.work)
     busy_bound = now + (committed + rest) / g
     last_end = max(ends) if ends else now
     straggler = now
     if left.sum() > 0:
-        first_free = now if idle > 0 else t_next
-        straggler = first_free + float(wl.single_time[left > 0].max())
+        # The next decision is at the next job end; nothing left can start before it.
+        straggler = t_next + float(wl.single_time[left > 0].max())
     return Candidate(packs, max(last_end, busy_bound, straggler), committed)
 
 
 def dtm(wl: Workload, solver: PackSolver, state: SchedulerState, t_max: float | None, *, greedy: bool = False) -> Candidate:
     """The best set of new jobs for the free GPUs (possibly none, if waiting predicts better).
 
-    ``greedy`` follows only the first feasible branch (largest degree first) -- the
-    fallback once the planning time budget is spent.
+    ``greedy`` keeps only the best branch at each level (one F call per degree and
+    level instead of a full search) -- the fallback once the planning time budget is spent.
     """
     best: list[Candidate] = [estimate(wl, state, [])]
 
-    def visit(g: int, max_d: int, remaining: np.ndarray, packs: list[Pack]) -> bool:
+    def visit(g: int, max_d: int, remaining: np.ndarray, packs: list[Pack]) -> None:
+        children: list[tuple[Candidate, int, Pack]] = []
         for d in sorted(wl.degrees, reverse=True):
             if d > g or d > max_d:
                 continue
             pack = solver.solve(d, tuple(int(x) for x in remaining), t_max)
             if pack is None:
                 continue
-            new = packs + [pack]
-            cand = estimate(wl, state, new)
+            cand = estimate(wl, state, packs + [pack])
             if cand.key() < best[0].key():
                 best[0] = cand
+            children.append((cand, d, pack))
+        if greedy and children:
+            children = [min(children, key=lambda c: c[0].key())]
+        for cand, d, pack in children:
             rest = remaining - np.asarray(pack.counts)
             if rest.sum() > 0 and g - d > 0:
-                visit(g - d, d, rest, new)
-            if greedy:
-                return True
-        return False
+                visit(g - d, d, rest, packs + [pack])
 
     visit(state.free, max(wl.degrees), np.asarray(state.remaining), [])
     return best[0]

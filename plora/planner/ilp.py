@@ -1,34 +1,43 @@
 """F(D, K): the best pack of remaining adapters for one job on D GPUs, as an ILP.
 
 Variables (per adapter type t that fits alone at D): an integer count ``n_t`` of
-adapters of that type in the job, a binary ``y_t`` (type present) and the job's
-step count ``S = max_t steps_t * y_t``. Constraints: per-GPU memory
+adapters of that type in the job, and the job's step count ``S`` (its longest
+adapter; see :class:`_DegreeModel`). Constraints: per-GPU memory
 ``M_base(D) + sum_t n_t M_t(D) <= C * M_gpu``, at most ``cap`` adapters, at least one,
 ``n_t <= available_t``.
 
-Both objectives are ratios; each is maximised exactly by Dinkelbach's method:
-fix the ratio's value ``lam`` at the best one found so far, maximise the linear
-``numerator - lam * denominator``, and repeat until no pack beats ``lam``
-(usually two or three solves).
+Objectives:
 
 * ``paper``: PLoRA's throughput proxy ``sum_t n_t r_t / T_step`` -- rank trained per
-  second of a packed step at its start. It ignores step counts, so it happily
-  packs an adapter of 10,000 steps with one of 300 and leaves a lone straggler.
-* ``makespan``: efficiency ``sum_t n_t w_t / (D * T_job)``, where ``w_t`` is a type's
-  ideal GPU-seconds (the lower bound's unit of work) and ``T_job = c0 * S +
-  sum_t n_t steps_t m_t`` the exact job time under shrinking packs (linear once S
-  is a variable). Subject to ``T_job <= T_max``, the time the scheduler expects to
-  be left, so late jobs stay short and GPUs finish together. Because ``T_job``
-  counts the fixed per-step cost for ``S`` steps, packs of equal step counts win.
+  second of a packed step at its start. It ignores step counts, so it will pack
+  an adapter of 10,000 steps with one of 300 and leave a lone straggler.
+* ``makespan``: work, subject to efficiency. A type's work ``w_t`` is its ideal
+  GPU-seconds (the lower bound's unit, :meth:`Workload.ideal_work`); a pack's
+  efficiency is ``sum_t n_t w_t / (D * T_job)`` with ``T_job = c0 * S +
+  sum_t n_t steps_t m_t``, the exact job time under shrinking packs (linear once S
+  is a variable; it charges the fixed per-step cost for the longest adapter's
+  steps, so packs of equal step counts are the efficient ones). F maximises
+  ``sum_t n_t w_t`` subject to efficiency >= a floor (linear:
+  ``sum w n - floor * D * T_job >= 0``) and ``T_job <= T_max``, the time the
+  scheduler expects to be left, so that late jobs stay short and the GPUs finish
+  together. Most work first is longest-processing-time-first, the classic cure
+  for stragglers; the floor keeps it from buying work with waste. If no pack
+  reaches the floor, F takes the most efficient pack instead.
 
-The model for each D is built once per planning run with cvxpy parameters
-(``lam``, ``T_max`` and the availabilities), so later solves skip compilation.
+Ratios are maximised exactly by Dinkelbach's method: fix the ratio's value
+``lam`` at the best one found so far, maximise the linear ``numerator - lam *
+denominator``, and repeat until no pack beats ``lam`` (usually two or three
+solves). The models for each D are built once per planning run with cvxpy
+parameters (``lam``, ``T_max``, the floor and the availabilities), so later solves
+skip compilation.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +49,15 @@ from plora.planner.workload import Workload
 
 __all__ = ["GUROBI_SIZE_LIMIT", "Pack", "PackSolver", "SolverLog"]
 
+#: Optimality gap (relative and absolute; objectives are scaled to O(1)) of the ratio
+#: solves, which Dinkelbach needs near-exact.
+MIP_GAP = 1e-6
+#: Default relative gap and time limit of the most-work solves. Filling a job up to
+#: T_max is a subset-sum in disguise: the LP bound sits about one adapter above the
+#: best pack, so proving a pack within 1% of the best can take seconds of branching,
+#: while any pack within a few percent is as good a scheduling choice.
+WORK_GAP = 3e-2
+WORK_TIME_LIMIT_S = 0.5
 #: The pip (size-limited) Gurobi licence refuses models above this many variables or constraints.
 GUROBI_SIZE_LIMIT = 2000
 OBJECTIVES = ("makespan", "paper")
@@ -80,9 +98,12 @@ class SolverLog:
 
 
 _GUROBI_ENV: Any = None
+_GUROBI_ENV_ERROR: Exception | None = None
 
 
+@functools.lru_cache(maxsize=None)
 def gurobi_available() -> bool:
+    """Whether cvxpy can reach Gurobi (asked once: cvxpy's check imports every solver)."""
     try:
         import gurobipy  # noqa: F401
     except ImportError:
@@ -92,13 +113,19 @@ def gurobi_available() -> bool:
 
 def _gurobi_env() -> Any:
     """A quiet Gurobi environment, started once (starting one prints a banner and checks the licence)."""
-    global _GUROBI_ENV
+    global _GUROBI_ENV, _GUROBI_ENV_ERROR
+    if _GUROBI_ENV_ERROR is not None:  # a licence that failed once fails again; do not wait for it
+        raise _GUROBI_ENV_ERROR
     if _GUROBI_ENV is None:
         import gurobipy as gp
 
-        env = gp.Env(empty=True)
-        env.setParam("OutputFlag", 0)
-        env.start()
+        try:
+            env = gp.Env(empty=True)
+            env.setParam("OutputFlag", 0)
+            env.start()
+        except Exception as e:
+            _GUROBI_ENV_ERROR = e
+            raise
         _GUROBI_ENV = env
     return _GUROBI_ENV
 
@@ -109,7 +136,9 @@ def problem_size(prob: cp.Problem) -> tuple[int, int]:
     return m.num_scalar_variables, m.num_scalar_eq_constr + m.num_scalar_leq_constr
 
 
-def solve_problem(prob: cp.Problem, solver: str, log: SolverLog, time_limit_s: float | None = None) -> str:
+def solve_problem(
+    prob: cp.Problem, solver: str, log: SolverLog, time_limit_s: float | None = None, gap: float = MIP_GAP
+) -> str:
     """Solve with the requested solver; returns the name of the one that produced the answer.
 
     ``auto`` takes Gurobi when it is installed and the model is within the pip
@@ -130,26 +159,36 @@ def solve_problem(prob: cp.Problem, solver: str, log: SolverLog, time_limit_s: f
     if use_gurobi:
         t = time.perf_counter()
         try:
-            opts: dict[str, Any] = {"env": _gurobi_env()}
+            opts: dict[str, Any] = {"env": _gurobi_env(), "MIPGap": gap, "MIPGapAbs": MIP_GAP}
             if time_limit_s is not None:
                 opts["TimeLimit"] = float(time_limit_s)
-            prob.solve(solver=cp.GUROBI, **opts)
+            with warnings.catch_warnings():  # "infeasible" is an answer here, not a problem
+                warnings.simplefilter("ignore", UserWarning)
+                prob.solve(solver=cp.GUROBI, **opts)
             log.record("gurobi", time.perf_counter() - t)
             return "gurobi"
         except Exception as e:  # cvxpy wraps licence and size errors into a bare SolverError
             n_var, n_con = problem_size(prob)
             log.fallbacks.append(f"gurobi failed on {n_var} variables/{n_con} constraints ({type(e).__name__})")
     t = time.perf_counter()
-    opts = {}
+    opts = {"mip_rel_gap": gap, "mip_abs_gap": MIP_GAP}
     if time_limit_s is not None:
         opts["time_limit"] = float(time_limit_s)
-    prob.solve(solver=cp.HIGHS, **opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        prob.solve(solver=cp.HIGHS, **opts)
     log.record("highs", time.perf_counter() - t)
     return "highs"
 
 
 class _DegreeModel:
-    """The parametrised ILP for one TP degree (compiled on first solve, then reused)."""
+    """The parametrised ILPs for one TP degree (compiled on first solve, then reused).
+
+    The job's step count ``S`` (its longest adapter) is chosen among the distinct
+    step counts ``s_1 < ... < s_L`` of the candidate types by a one-hot ``z``; a type
+    may join only if its steps are at most the chosen level. This is much tighter
+    than one big-M indicator per type and keeps the solves in milliseconds.
+    """
 
     def __init__(self, wl: Workload, d: int, objective: str) -> None:
         self.d = d
@@ -169,36 +208,45 @@ class _DegreeModel:
         ]
         m = wl.step[d][self.idx]
         steps = wl.steps[self.idx]
+        tiny = 1e-5 * cp.sum(self.n)  # among packs of equal work, prefer the one serving more adapters
+        self.t_max: cp.Parameter | None = None
+        self.rho: cp.Parameter | None = None
+        self.prob_work: cp.Problem | None = None
+        self.t_scale = 1.0
+        self.lam_scale = 1.0  # solver units of the ratio per unit of PackSolver.ratio
         if objective == "makespan":
-            y = cp.Variable(k, boolean=True)
-            s = cp.Variable(nonneg=True)
+            levels = np.unique(steps)
+            level_of = np.searchsorted(levels, steps)
+            allowed = (np.arange(len(levels))[None, :] >= level_of[:, None]).astype(float)
+            z = cp.Variable(len(levels), boolean=True)
+            s = levels @ z
             self.t_max = cp.Parameter(nonneg=True)
-            t_scale = max(float(steps.max() * (wl.c0[d] + m.max())), 1e-9)
+            self.t_scale = t_scale = max(float(steps.max() * (wl.c0[d] + m.max())), 1e-9)
             job_time = (wl.c0[d] * s + (steps * m) @ self.n) / t_scale
-            cons += [self.n <= cp.multiply(self.ub, y), s >= cp.multiply(steps, y), job_time <= self.t_max]
+            cons += [cp.sum(z) == 1, self.n <= cp.multiply(self.ub, allowed @ z), job_time <= self.t_max]
             num = (wl.work[self.idx] / t_scale) @ self.n
-            self.t_scale = t_scale
-            obj = num - self.lam * d * job_time
-            # Second stage: the most work among packs within a few percent of the best ratio.
             self.rho = cp.Parameter(nonneg=True)
-            self.prob_work = cp.Problem(
-                cp.Maximize(num + 1e-7 * cp.sum(self.n)), cons + [num - self.rho * d * job_time >= 0]
-            )
+            self.prob_work = cp.Problem(cp.Maximize(num + tiny), cons + [num - self.rho * d * job_time >= 0])
+            ratio_obj = num - self.lam * d * job_time
         else:
-            self.t_max = None
-            self.t_scale = 1.0
-            self.rho = None
-            self.prob_work = None
             cons.append(self.n <= self.ub)
-            num = wl.rank[self.idx] @ self.n
-            obj = num - self.lam * (wl.c0[d] + m @ self.n)
-        # A vanishing reward for size breaks ties between packs of equal ratio towards the larger.
-        obj = obj + 1e-7 * cp.sum(self.n)
-        self.prob = cp.Problem(cp.Maximize(obj), cons)
+            # rank in units of the largest, time in units of the slowest single-adapter step
+            r_max, tau = float(wl.rank[self.idx].max()), wl.c0[d] + float(m.max())
+            self.lam_scale = tau / r_max
+            ratio_obj = (wl.rank[self.idx] / r_max) @ self.n - self.lam * ((wl.c0[d] + m @ self.n) / tau)
+        # No tie-break here: at the optimum the objective is ~0 and any bonus would trade ratio.
+        self.prob_ratio = cp.Problem(cp.Maximize(ratio_obj), cons)
 
 
 class PackSolver:
-    """Solves F(D, K) for one planning run; memoises answers by (D, remaining counts, T_max)."""
+    """Solves F(D, K) for one planning run; memoises answers by (D, remaining counts, T_max).
+
+    ``efficiency_floor`` (makespan objective): the least efficiency -- ideal work over
+    GPU-seconds, at most 1 -- a pack must reach to be chosen for its work. Among such
+    packs the one with the most work wins, which starts long and large packs first
+    (longest-processing-time order, the classic cure for stragglers at the end).
+    When no pack reaches the floor, the most efficient one is taken.
+    """
 
     def __init__(
         self,
@@ -208,7 +256,8 @@ class PackSolver:
         solver: str = "auto",
         log: SolverLog | None = None,
         time_limit_s: float | None = None,
-        efficiency_slack: float = 0.03,
+        efficiency_floor: float = 0.95,
+        work_gap: float = WORK_GAP,
     ) -> None:
         if objective not in OBJECTIVES:
             raise PlannerError(f"objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -219,12 +268,14 @@ class PackSolver:
         self.solver = solver
         self.log = log or SolverLog()
         self.time_limit_s = time_limit_s
-        self.efficiency_slack = efficiency_slack
+        self.efficiency_floor = efficiency_floor
+        self.work_gap = work_gap
         self._models: dict[int, _DegreeModel] = {}
         self._memo: dict[tuple, Pack | None] = {}
 
     # ---- ratios, evaluated exactly on counts ----------------------------------------------
     def ratio(self, counts: np.ndarray, d: int) -> float:
+        """The objective's ratio: efficiency (makespan) or rank per step-second (paper)."""
         wl = self.wl
         counts = np.asarray(counts, dtype=float)
         if self.objective == "makespan":
@@ -232,23 +283,40 @@ class PackSolver:
         return float(counts @ wl.rank) / wl.step_time(counts, d)
 
     def _pack(self, counts: np.ndarray, d: int) -> Pack:
-        c = tuple(int(x) for x in counts)
         return Pack(
             d=d,
-            counts=c,
+            counts=tuple(int(x) for x in counts),
             ratio=self.ratio(counts, d),
             job_time=self.wl.job_time(counts, d),
             step_time=self.wl.step_time(counts, d),
             memory=self.wl.memory(counts, d),
         )
 
+    def _model(self, d: int) -> _DegreeModel:
+        model = self._models.get(d)
+        if model is None:
+            model = self._models[d] = _DegreeModel(self.wl, d, self.objective)
+        return model
+
+    def _read(self, model: _DegreeModel, d: int, avail: np.ndarray, t_max: float) -> np.ndarray | None:
+        """The solver's pack as counts over all types, or None if there is none or it is invalid."""
+        if model.n.value is None:
+            return None
+        counts = np.zeros(len(self.wl.types))
+        counts[model.idx] = np.round(model.n.value)
+        if not self.wl.pack_fits(counts, d) or np.any(counts > avail + 1e-9):
+            return None
+        if self.objective == "makespan" and self.wl.job_time(counts, d) > t_max * (1 + 1e-6):
+            return None
+        return counts
+
     # ---- F(D, K) -----------------------------------------------------------------------------
     def solve(self, d: int, available: tuple[int, ...], t_max: float | None = None) -> Pack | None:
         """The best pack at degree d from ``available`` adapters per type, or None if none fits.
 
-        ``t_max`` (makespan objective only) bounds the job's time; it is raised to the
-        shortest single-adapter job among the candidates so that some pack always
-        qualifies when any adapter fits.
+        ``t_max`` (makespan objective only; None = unbounded) bounds the job's time; it
+        is raised to the shortest single-adapter job among the candidates so that some
+        pack always qualifies when any adapter fits.
         """
         wl = self.wl
         if d not in wl.fits:
@@ -258,19 +326,40 @@ class PackSolver:
         if not cand.any():
             return None
         if self.objective == "makespan":
-            singles = wl.steps[cand] * (wl.c0[d] + wl.step[d][cand])
-            t_floor = float(singles.min())
-            t_max = t_floor if t_max is None or not math.isfinite(t_max) else max(t_max, t_floor)
-            t_max = t_max if t_max is not None else math.inf
-            key = (d, tuple(available), round(t_max, 3))
+            t_floor = float((wl.steps[cand] * (wl.c0[d] + wl.step[d][cand])).min())
+            t_max = math.inf if t_max is None else max(t_max, t_floor)
+            key: tuple = (d, tuple(available), round(t_max, 3), self.efficiency_floor)
         else:
             t_max = math.inf
             key = (d, tuple(available))
         if key in self._memo:
             return self._memo[key]
-        result = self._dinkelbach(d, avail, cand, t_max)
+        model = self._model(d)
+        # The tightest count bounds: available, and how many fit in memory next to the base.
+        fit_n = np.floor((wl.budget - wl.mem_base[d]) / np.maximum(wl.mem[d], 1.0) * (1 + 1e-12))
+        model.ub.value = np.where(cand, np.minimum(avail, fit_n), 0.0)[model.idx]
+        if model.t_max is not None:
+            cap_t = wl.steps.max() * (wl.c0[d] + wl.step[d].max()) * max(wl.cap, 1) * 2
+            model.t_max.value = min(t_max, cap_t) / model.t_scale * (1 + 1e-9)
+        best = None
+        if model.prob_work is not None:
+            best = self._most_work(model, d, avail, t_max)
+        if best is None:
+            best = self._dinkelbach(model, d, avail, cand, t_max)
+        result = self._pack(best, d)
         self._memo[key] = result
         return result
+
+    def _most_work(self, model: _DegreeModel, d: int, avail: np.ndarray, t_max: float) -> np.ndarray | None:
+        """The pack with the most work among those at least ``efficiency_floor`` efficient."""
+        assert model.rho is not None and model.prob_work is not None
+        model.rho.value = self.efficiency_floor
+        limit = WORK_TIME_LIMIT_S if self.time_limit_s is None else min(self.time_limit_s, WORK_TIME_LIMIT_S)
+        solve_problem(model.prob_work, self.solver, self.log, limit, gap=self.work_gap)
+        counts = self._read(model, d, avail, t_max)
+        if counts is None or self.ratio(counts, d) < self.efficiency_floor * (1 - 1e-6):
+            return None
+        return counts
 
     def _best_single(self, d: int, cand: np.ndarray, t_max: float) -> np.ndarray:
         best, best_r = None, -math.inf
@@ -285,27 +374,15 @@ class PackSolver:
         assert best is not None
         return best
 
-    def _dinkelbach(self, d: int, avail: np.ndarray, cand: np.ndarray, t_max: float) -> Pack:
-        wl = self.wl
-        model = self._models.get(d)
-        if model is None:
-            model = self._models[d] = _DegreeModel(wl, d, self.objective)
-        model.ub.value = np.where(cand, avail, 0.0)[model.idx]
-        if model.t_max is not None:
-            cap_t = wl.steps.max() * (wl.c0[d] + wl.step[d].max()) * max(wl.cap, 1) * 2
-            model.t_max.value = min(t_max, cap_t) / model.t_scale * (1 + 1e-9)
+    def _dinkelbach(self, model: _DegreeModel, d: int, avail: np.ndarray, cand: np.ndarray, t_max: float) -> np.ndarray:
+        """The pack of highest ratio: repeatedly maximise numerator - lam * denominator."""
         best = self._best_single(d, cand, t_max)
         best_r = self.ratio(best, d)
         for _ in range(30):
-            model.lam.value = max(best_r, 0.0)
-            solve_problem(model.prob, self.solver, self.log, self.time_limit_s)
-            if model.n.value is None:
-                break
-            counts = np.zeros(len(wl.types))
-            counts[model.idx] = np.round(model.n.value)
-            if not wl.pack_fits(counts, d) or np.any(counts > avail + 1e-9):
-                break
-            if self.objective == "makespan" and wl.job_time(counts, d) > t_max * (1 + 1e-6):
+            model.lam.value = max(best_r, 0.0) * model.lam_scale
+            solve_problem(model.prob_ratio, self.solver, self.log, self.time_limit_s)
+            counts = self._read(model, d, avail, t_max)
+            if counts is None:
                 break
             r = self.ratio(counts, d)
             if r > best_r * (1 + 1e-9):
@@ -314,27 +391,4 @@ class PackSolver:
             if r >= best_r * (1 - 1e-9) and counts.sum() > best.sum():
                 best = counts  # same ratio, more adapters served
             break
-        if model.prob_work is not None and self.efficiency_slack > 0:
-            best = self._most_work(model, d, avail, t_max, best, best_r)
-        return self._pack(best, d)
-
-    def _most_work(
-        self, model: _DegreeModel, d: int, avail: np.ndarray, t_max: float, best: np.ndarray, best_r: float
-    ) -> np.ndarray:
-        """Among packs within ``efficiency_slack`` of the best ratio, the one with the most work."""
-        wl = self.wl
-        rho = best_r * (1 - self.efficiency_slack)
-        model.rho.value = max(rho, 0.0)
-        solve_problem(model.prob_work, self.solver, self.log, self.time_limit_s)
-        if model.n.value is None:
-            return best
-        counts = np.zeros(len(wl.types))
-        counts[model.idx] = np.round(model.n.value)
-        if (
-            not wl.pack_fits(counts, d)
-            or np.any(counts > avail + 1e-9)
-            or wl.job_time(counts, d) > t_max * (1 + 1e-6)
-            or self.ratio(counts, d) < rho * (1 - 1e-6)
-        ):
-            return best
-        return counts if float(counts @ wl.work) > float(best @ wl.work) else best
+        return best

@@ -61,8 +61,9 @@ class Plan:
 
     ``makespan`` is the predicted end of the last job; ``lower_bound`` no schedule on
     the same cost model can beat (see :func:`plora.planner.bounds.lower_bound`);
-    ``baselines`` the predicted makespans of the simple strategies; ``strategy`` says
-    which schedule was kept (``dtm``, or a baseline's name when it predicted better);
+    ``baselines`` the predicted makespans of the simple strategies and
+    ``packed_makespan`` that of the packed (DTM) schedule; ``strategy`` says which
+    schedule was kept (``dtm``, or a baseline's name when it predicted better);
     ``solver`` which ILP solver(s) ran, with ``solver_calls`` counting the solves.
     """
 
@@ -72,6 +73,7 @@ class Plan:
     makespan: float
     lower_bound: float
     baselines: dict[str, float] = field(default_factory=dict)
+    packed_makespan: float = 0.0
     solver: str = "none"
     solver_calls: dict[str, int] = field(default_factory=dict)
     planning_seconds: float = 0.0
@@ -99,6 +101,7 @@ class Plan:
             "lower_bound": self.lower_bound,
             "bound_ratio": self.bound_ratio,
             "baselines": dict(self.baselines),
+            "packed_makespan": self.packed_makespan,
             "solver": self.solver,
             "solver_calls": dict(self.solver_calls),
             "planning_seconds": self.planning_seconds,
@@ -122,6 +125,7 @@ class Plan:
             makespan=float(d["makespan"]),
             lower_bound=float(d["lower_bound"]),
             baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
+            packed_makespan=float(d.get("packed_makespan", d["makespan"])),
             solver=str(d.get("solver", "none")),
             solver_calls={str(k): int(v) for k, v in d.get("solver_calls", {}).items()},
             planning_seconds=float(d.get("planning_seconds", 0.0)),

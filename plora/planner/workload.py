@@ -76,7 +76,8 @@ class Workload:
         self.counts: tuple[int, ...] = tuple(len(i) for i in self.ids)
         self.by_id = {a.id: a for a in self.loads}
 
-        self.degrees = [d for d in cost_model.degrees if d <= gpus]
+        # TP degrees are powers of two (DTM splits GPUs into such groups) within the GPU count.
+        self.degrees = [d for d in cost_model.degrees if d <= gpus and d & (d - 1) == 0]
         self.rank = np.array([t.rank for t in self.types], dtype=float)
         self.steps = np.array([t.steps for t in self.types], dtype=float)
         self.mem: dict[int, np.ndarray] = {}
@@ -99,8 +100,9 @@ class Workload:
     def _check_placeable(self) -> None:
         for i, t in enumerate(self.types):
             if not any(self.fits[d][i] for d in self.degrees):
-                a = self.cost_model
-                need = min((a.memory([t.load()], d) for d in a.degrees), default=float("nan"))
+                cm = self.cost_model
+                degrees = self.degrees or list(cm.degrees)
+                need = min(cm.memory([t.load()], d) for d in degrees)
                 raise PlannerError(
                     f"adapter {self.ids[i][0]} (rank {t.rank}, batch size {t.batch_size}) fits at no TP degree "
                     f"<= {self.gpus} GPUs: needs {need / 2**30:.1f} GiB per GPU at best, budget "
@@ -110,28 +112,31 @@ class Workload:
     def _max_pack(self, d: int) -> np.ndarray:
         """Per type: the most adapters any job at degree d containing one of that type can hold.
 
-        Greedy smallest-memory-first over the rest of the sweep gives the largest
-        number of companions that fit, so this is an exact cardinality bound.
+        Taking the other adapters smallest-memory-first gives the largest number of
+        companions that fit, so this is an exact cardinality bound. Done with a
+        prefix sum over the adapters sorted by memory: with one unit of type i
+        (at position p_i of that order) set aside, the first k others weigh C[k]
+        when k <= p_i and C[k + 1] - mem_i after it.
         """
-        order = np.argsort(self.mem[d], kind="stable")
+        mem = self.mem[d]
+        order = np.argsort(mem, kind="stable")
+        counts = np.asarray(self.counts)[order]
+        units = np.repeat(mem[order], counts)
+        csum = np.concatenate([[0.0], np.cumsum(units)])
+        start = np.empty(len(self.types), dtype=int)
+        start[order] = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        n_total = len(units)
         out = np.zeros(len(self.types), dtype=float)
         for i in range(len(self.types)):
             if not self.fits[d][i]:
                 continue
-            room = self.budget - self.mem_base[d] - self.mem[d][i]
-            n = 1
-            for j in order:
-                avail = self.counts[j] - (1 if j == i else 0)
-                if avail <= 0:
-                    continue
-                take = min(avail, int(room // self.mem[d][j]) if self.mem[d][j] > 0 else avail, self.cap - n)
-                if take <= 0:
-                    break
-                n += take
-                room -= take * self.mem[d][j]
-                if n >= self.cap:
-                    break
-            out[i] = n
+            room = (self.budget - self.mem_base[d] - mem[i]) * (1 + 1e-12)
+            p = start[i]
+            k = int(np.searchsorted(csum, room, side="right")) - 1
+            if k >= p:  # every adapter before type i's first fits: continue past the one set aside
+                k = int(np.searchsorted(csum, room + mem[i], side="right")) - 2
+                k = max(p, min(k, n_total - 1))
+            out[i] = 1 + min(k, self.cap - 1)
         return out
 
     def ideal_work(self) -> np.ndarray:

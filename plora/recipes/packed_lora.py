@@ -31,6 +31,7 @@ from plora.models import load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.peft_format import save_peft_adapter
+from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
 EXIT_OOM = 3
@@ -87,6 +88,11 @@ class PackedLoRARecipe:
         if c.get("num_threads"):
             torch.set_num_threads(int(c.num_threads))
         self.device = _pick_device(c.get("device", "auto"))
+        # TP > 1: one process per GPU under torchrun (WORLD_SIZE); rank 0 writes every file.
+        self.tp: TensorParallel | None = None
+        if tp_degree(c.get("tp")) > 1:
+            self.tp, self.device = init_tp(self.device)
+        self.is_main = self.tp is None or self.tp.is_main
         torch.manual_seed(int(c.get("seed", 0)))
         self.job_id = str(c.job_id)
         self.output_dir = Path(c.output_dir)
@@ -106,6 +112,8 @@ class PackedLoRARecipe:
         self.dropout = float(c.lora.get("dropout", 0.0))
         specs = [AdapterSpec(a["id"], int(a["rank"]), float(a["alpha"]), int(a["seed"])) for a in adapters]
         self.pm = inject_packed_lora(model, specs, self.targets, self.dropout)
+        if self.tp is not None:  # before the optimizer: it must see the local shards
+            self.tp.shard(self.pm)
         self.pm.model.train()
 
         self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
@@ -142,7 +150,7 @@ class PackedLoRARecipe:
         self.grad_clip = t.get("grad_clip")
         self.divergence_loss = t.get("divergence_loss")
         self.scheduler = str(t.get("scheduler", "constant"))
-        self._metrics_file = open(self.job_dir / "metrics.jsonl", "a")
+        self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
         self._last_progress = 0.0
         self._last_control = 0.0
         self.start_time = time.time()
@@ -170,14 +178,16 @@ class PackedLoRARecipe:
                 self._finish(finished, "done")
             self._write_progress(step)
         self._write_progress(step, final=True)
-        self._metrics_file.close()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
         summary = {
             "job_id": self.job_id,
             "steps": step,
             "wall_time_s": time.time() - self.start_time,
             "adapters": {r.id: r.status for r in self.runs},
         }
-        (self.job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.is_main:
+            (self.job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
     def train_step(self, active: list[AdapterRun], step: int) -> None:
@@ -196,7 +206,10 @@ class PackedLoRARecipe:
 
         # One host sync for all losses, one for all gradient norms, one for the weight check:
         # per-adapter syncs would cost more than the LoRA math on a GPU.
-        values = torch.stack([loss.detach().float() for loss in losses]).tolist()
+        values = torch.stack([loss.detach().float() for loss in losses])
+        if self.tp is not None:  # rank 0's losses: one divergence decision on every rank
+            self.tp.broadcast_(values)
+        values = values.tolist()
         total, alive = None, []
         for r, loss, value in zip(active, losses, values):
             if not math.isfinite(value) or (self.divergence_loss is not None and value > float(self.divergence_loss)):
@@ -211,8 +224,10 @@ class PackedLoRARecipe:
         for r in active:
             if r not in alive:
                 self._drop_grads(r)
+        if self.tp is not None:  # partial gradients of replicated LoRA tensors
+            self.tp.reduce_grads()
 
-        norms = _grad_norms([self.optimizer.param_groups[r.index]["params"] for r in alive])
+        norms = (self.tp.norms if self.tp else _grad_norms)([self.optimizer.param_groups[r.index]["params"] for r in alive])
         stepping = []
         for r, norm in zip(alive, norms):
             group = self.optimizer.param_groups[r.index]
@@ -233,7 +248,9 @@ class PackedLoRARecipe:
         self.optimizer.zero_grad(set_to_none=True)
         for r in stepping:
             r.step += 1
-        weight_norms = _grad_norms([self.optimizer.param_groups[r.index]["params"] for r in stepping], of_weights=True)
+        weight_norms = (self.tp.norms if self.tp else _grad_norms)(
+            [self.optimizer.param_groups[r.index]["params"] for r in stepping], of_weights=True
+        )
         for r, norm in zip(stepping, weight_norms):
             if not math.isfinite(norm):
                 self._diverge(r, f"non-finite weights after step {r.step}")
@@ -265,15 +282,17 @@ class PackedLoRARecipe:
         )
         for r, m in zip(runs, metrics):
             r.status, r.finished_at = status, time.time()
+            # under TP: gathered to full tensors (a collective, on every rank), saved by rank 0
+            state = self.tp.adapter_state_dict(r.index) if self.tp else self.pm.adapter_state_dict(r.index)
             ckpt = save_peft_adapter(
                 self.output_dir / "adapters" / r.id,
-                self.pm.adapter_state_dict(r.index),
+                state,
                 self.info,
                 rank=int(r.cfg["rank"]),
                 alpha=float(r.cfg["alpha"]),
                 targets=self.targets,
                 dropout=self.dropout,
-            )
+            ) if self.is_main else None
             self._drop_optimizer_state(r)
             self._write_adapter_metrics(r, m, checkpoint=ckpt)
 
@@ -297,6 +316,8 @@ class PackedLoRARecipe:
             metrics=["loss"], max_new_tokens=1, max_seq_len=int(self.cfg.model.max_seq_len),
             device=self.device, batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
         )
+        if not self.is_main:
+            return
         with open(self.job_dir / "evals.jsonl", "a") as f:
             for r, m in zip(due, metrics):
                 f.write(json.dumps({"adapter": r.id, "adapter_step": r.step, "eval_loss": m["eval_loss"],
@@ -315,10 +336,13 @@ class PackedLoRARecipe:
             device=self.device,
             batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
         )[0]
-        (self.output_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
+        if self.is_main:
+            (self.output_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
 
     # ------------------------------------------------------------------- files
     def _write_adapter_metrics(self, r: AdapterRun, m: dict[str, float], checkpoint: Path | None) -> None:
+        if not self.is_main:
+            return
         out = self.output_dir / "adapters" / r.id
         out.mkdir(parents=True, exist_ok=True)
         tail = r.losses[-10:]
@@ -341,10 +365,14 @@ class PackedLoRARecipe:
         tmp.replace(out / "metrics.json")
 
     def _log(self, row: dict[str, Any]) -> None:
+        if self._metrics_file is None:
+            return
         row["time"] = round(time.time() - self.start_time, 4)
         self._metrics_file.write(json.dumps(row) + "\n")
 
     def _write_progress(self, step: int, final: bool = False) -> None:
+        if not self.is_main:
+            return
         now = time.time()
         if not final and now - self._last_progress < 0.5:
             return
@@ -367,22 +395,28 @@ class PackedLoRARecipe:
 
     def _check_control(self) -> None:
         """Adapters named in control.json's "prune" list leave the pack at this step."""
-        now = time.time()
-        if now - self._last_control < CONTROL_EVERY_S:
-            return
-        self._last_control = now
-        path = self.job_dir / "control.json"
-        if not path.is_file():
-            return
-        try:
-            prune = set(json.loads(path.read_text()).get("prune", []))
-        except (OSError, ValueError):
-            return
+        prune = self._read_control() if self.is_main else set()
+        if self.tp is not None:  # rank 0 reads the file; every rank prunes at the same step
+            flags = torch.tensor([r.id in prune for r in self.runs], dtype=torch.uint8, device=self.device)
+            prune = {r.id for r, f in zip(self.runs, self.tp.broadcast_(flags).tolist()) if f}
         for r in self.runs:
             if r.active and r.id in prune:
                 r.status, r.reason, r.finished_at = "pruned", "pruned", time.time()
                 self._drop_optimizer_state(r)
                 self._write_adapter_metrics(r, {}, checkpoint=None)
+
+    def _read_control(self) -> set[str]:
+        now = time.time()
+        if now - self._last_control < CONTROL_EVERY_S:
+            return set()
+        self._last_control = now
+        path = self.job_dir / "control.json"
+        if not path.is_file():
+            return set()
+        try:
+            return set(json.loads(path.read_text()).get("prune", []))
+        except (OSError, ValueError):
+            return set()
 
 
 def _grad_norms(groups: list[list[torch.nn.Parameter]], of_weights: bool = False) -> list[float]:
@@ -448,7 +482,9 @@ def recipe_main(cfg: DictConfig) -> None:
         (recipe.job_dir / "oom.json").write_text(json.dumps({"error": str(e)[:2000]}))
         print(f"out of memory: {str(e)[:500]}", file=sys.stderr, flush=True)
         sys.exit(EXIT_OOM)
-    print(json.dumps(summary), flush=True)
+    if recipe.is_main:
+        print(json.dumps(summary), flush=True)
+    close_tp()
 
 
 if __name__ == "__main__":

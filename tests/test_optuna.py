@@ -1,0 +1,240 @@
+"""Optuna integration: the search space, a TPE-driven `plora tune` whose second batch is
+proposed from the first's results, the study re-opened from its storage, and pruning that
+stops one adapter of a pack without changing the others."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+import yaml
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from plora import optuna as po
+from plora.cli import app
+from plora.spec import ASSETS_DIR, AdapterConfig, parse_spec
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> str:
+    """The shipped demo model; a random tiny Llama where the checkout has none."""
+    if (ASSETS_DIR / "tiny-llama" / "config.json").is_file():
+        return "builtin:tiny-llama"
+    from conftest import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def space(tmp_path: Path, model: str, **over) -> dict:
+    data = {
+        "name": "tune",
+        "model": {"path": model, "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "random", "num_samples": 6, "seed": 0, "rank": [2, 4, 8],
+                  "alpha": {"relative": [1, 2]}, "learning_rate": {"low": 1e-4, "high": 3e-2, "log": True},
+                  "batch_size": [4, 8]},
+        "training": {"steps": 8},
+        "eval": {"metrics": ["loss", "exact_match"], "max_new_tokens": 8, "objective": "loss"},
+        "hardware": {"device": "cpu"},
+        "planner": {"max_adapters_per_job": 4},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    data.update(over)
+    return data
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# --------------------------------------------------------------------------- search space
+
+
+def fake_model(tmp_path: Path) -> str:
+    """Enough of a model folder for the space file to validate (nothing here loads it)."""
+    d = tmp_path / "fake-model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+def test_search_space_from_the_space_file(tmp_path):
+    data = space(tmp_path, fake_model(tmp_path))
+    data["space"] = {"strategy": "grid", "rank": [2, 4, 8], "alpha": {"relative": [1, 2]},
+                     "learning_rate": {"low": 1e-4, "high": 3e-2, "log": True, "num": 2},
+                     "batch_size": {"low": 4, "high": 16, "log": True, "num": 2}}
+    spec = parse_spec(data)
+    s = po.search_space(spec)
+    assert s["rank"] == CategoricalDistribution([2, 4, 8])
+    assert s["alpha_factor"] == CategoricalDistribution([1.0, 2.0])
+    assert s["learning_rate"] == FloatDistribution(1e-4, 3e-2, log=True)
+    assert s["batch_size"] == IntDistribution(4, 16, log=True)
+    cfg = po.config_from_params(spec, {"rank": 4, "alpha_factor": 2.0, "learning_rate": 1e-3, "batch_size": 8})
+    assert cfg == AdapterConfig.make(4, 8.0, 1e-3, 8, spec.space.seed)
+    params, dists = po.params_of(spec, cfg)
+    assert params == {"rank": 4, "alpha_factor": 2.0, "learning_rate": 1e-3, "batch_size": 8}
+    assert po.config_from_params(spec, params) == cfg and set(dists) == set(params)
+    # the grid sampler walks the grid points of the space
+    assert po.grid_values(spec)["learning_rate"] == [1e-4, 3e-2]
+    assert po.grid_values(spec)["batch_size"] == [4, 16]
+
+
+def test_list_space_is_categorical_and_absolute_alpha(tmp_path, demo_model):
+    data = space(tmp_path, demo_model, space={"strategy": "list", "configs": [
+        {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+        {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 8}]})
+    spec = parse_spec(data)
+    s = po.search_space(spec)
+    assert s["alpha"] == CategoricalDistribution([4.0, 16.0]) and "alpha_factor" not in s
+    study = optuna.create_study(direction="minimize")
+    assert po.enqueue_configs(study, spec, [c.model_dump() for c in spec.space.configs]) == 2
+    assert po.enqueue_configs(study, spec, [spec.space.configs[0].model_dump()]) == 0  # already queued
+    with pytest.raises(po.TuneError, match="outside the search space"):
+        po.enqueue_configs(study, spec, [{"rank": 3, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}])
+
+
+def test_adapter_status_to_trial_state(tmp_path):
+    spec = parse_spec(space(tmp_path, fake_model(tmp_path)))  # objective: loss
+    row = {"status": "done", "eval_loss": 1.5, "eval_exact_match": 0.5}
+    assert po._state_and_value(row, spec) == (TrialState.COMPLETE, 1.5)
+    assert po._state_and_value({**row, "status": "diverged"}, spec) == (TrialState.FAIL, None)
+    assert po._state_and_value({**row, "status": "failed"}, spec) == (TrialState.FAIL, None)
+    assert po._state_and_value({**row, "status": "pruned"}, spec) == (TrialState.PRUNED, None)
+    assert po._state_and_value({"status": "done", "eval_loss": float("nan")}, spec)[0] == TrialState.FAIL
+    assert po.intermediate_sign(spec) == 1.0
+    assert po.intermediate_sign(parse_spec({**space(tmp_path, fake_model(tmp_path)),
+                                            "eval": {"objective": "exact_match"}})) == -1.0
+
+
+def test_bad_requests_are_one_line_errors(tmp_path, demo_model):
+    path = write(tmp_path, space(tmp_path, demo_model))
+    bad = runner.invoke(app, ["tune", str(path), "--sampler", "nope"])
+    assert bad.exit_code == 2 and bad.output.strip().splitlines()[-1].startswith("error: unknown sampler 'nope'")
+    no_evals = runner.invoke(app, ["tune", str(path), "--pruner", "median"])
+    assert no_evals.exit_code == 2 and "eval.every_steps" in no_evals.output
+    with pytest.raises(po.TuneError, match="unknown pruner"):
+        po.make_pruner("sometimes")
+
+
+# --------------------------------------------------------------------------- TPE, batches, storage
+
+
+def _replay_batch2(spec, batch1: list, values: list, k: int) -> list[dict]:
+    """Ask batch 1 again from a fresh sampler of the same seed, tell it `values`, and return
+    the params the sampler proposes next: what `plora tune` would have trained in batch 2."""
+    study = optuna.create_study(direction="minimize", sampler=po.make_sampler("tpe", spec, n_startup_trials=k))
+    dist = po.search_space(spec)
+    asked = [study.ask(dist) for _ in range(k)]
+    assert [t.params for t in asked] == [t.params for t in batch1]  # the same seeded first batch
+    for t, v in zip(asked, values):
+        study.tell(t, v)
+    return [study.ask(dist).params for _ in range(k)]
+
+
+def test_tpe_tune_second_batch_depends_on_first(tmp_path, demo_model):
+    path = write(tmp_path, space(tmp_path, demo_model))
+    result = runner.invoke(app, ["tune", str(path), "--sampler", "tpe", "--trials", "6", "--batch", "3"],
+                           terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "batch 1:" in result.output and "batch 2:" in result.output
+    run = tmp_path / "runs" / "tune"
+
+    # the study re-opens from its storage with every trial and its record
+    study = optuna.load_study(study_name="tune", storage=f"sqlite:///{run / 'study.sqlite'}")
+    trials = study.get_trials()
+    assert len(trials) == 6 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert [t.user_attrs["batch"] for t in trials] == [1, 1, 1, 2, 2, 2]
+    spec = parse_spec(yaml.safe_load(path.read_text()))
+    frame = pd.read_parquet(run / "results.parquet").set_index("adapter_id")
+    for t in trials:
+        a = t.user_attrs
+        assert a["adapter_id"] == po.config_from_params(spec, t.params).id
+        assert a["job_id"].startswith(f"b0{a['batch']}-job-") and a["tp"] == 1 and a["status"] == "done"
+        assert (Path(a["checkpoint_path"]) / "adapter_model.safetensors").is_file()
+        assert t.value == pytest.approx(frame.loc[a["adapter_id"], "eval_loss"])
+    assert len(frame) == len({t.user_attrs["adapter_id"] for t in trials})
+
+    # batch 2 came from the model fitted on batch 1: replaying batch 1 with its real values
+    # proposes exactly batch 2, and with the values reversed proposes something else
+    batch1, batch2 = trials[:3], trials[3:]
+    real = [t.value for t in batch1]
+    assert _replay_batch2(spec, batch1, real, 3) == [t.params for t in batch2]
+    flipped = [sorted(real)[::-1][sorted(real).index(v)] for v in real]
+    assert _replay_batch2(spec, batch1, flipped, 3) != [t.params for t in batch2]
+
+    # re-running continues the study; a config already trained is told its result, not retrained
+    jobs_before = sorted(p.name for p in (run / "jobs").iterdir())
+    best = study.best_trial
+    study.enqueue_trial(best.params)  # as if the sampler proposed it again
+    again = po.run_tune(spec, trials=1, batch=1)
+    assert len(again.trials) == 7
+    last = again.trials[-1]
+    assert last.params == best.params and last.value == best.value and last.user_attrs["batch"] == 3
+    assert sorted(p.name for p in (run / "jobs").iterdir()) == jobs_before
+
+
+# --------------------------------------------------------------------------- pruning
+
+
+class PruneOne(optuna.pruners.BasePruner):
+    """Prunes the trial of one learning rate as soon as it has reported an intermediate value."""
+
+    def __init__(self, learning_rate: float) -> None:
+        self.learning_rate = learning_rate
+        self.calls = 0
+
+    def prune(self, study, trial) -> bool:
+        self.calls += 1
+        return trial.params.get("learning_rate") == self.learning_rate and trial.last_step is not None
+
+
+def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_model):
+    from plora.recipes.packed_lora import PackedLoRARecipe
+
+    budget, every = 120, 8  # a few seconds of training: the job checks control.json once a second
+    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
+               {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]
+    data = space(tmp_path, demo_model, space={"strategy": "list", "configs": configs},
+                 training={"steps": budget}, eval={"metrics": ["loss"], "objective": "loss", "every_steps": every})
+    spec = parse_spec(data)
+    pruner = PruneOne(3e-3)
+    study = po.run_tune(spec, pruner=pruner, batch=3)
+    run = spec.run_dir()
+
+    by_lr = {t.params["learning_rate"]: t for t in study.trials}
+    pruned = by_lr[3e-3]
+    assert pruned.state == TrialState.PRUNED and pruned.user_attrs["status"] == "pruned"
+    assert every <= pruned.user_attrs["steps"] < budget
+    assert pruned.intermediate_values  # what the pruner decided on
+    for lr in (1e-2, 1e-3):
+        t = by_lr[lr]
+        assert t.state == TrialState.COMPLETE and t.user_attrs["steps"] == budget
+        assert len(t.intermediate_values) == (budget - 1) // every
+    assert json.loads((run / "jobs" / "b01-job-000" / "control.json").read_text())["prune"] == [
+        pruned.user_attrs["adapter_id"]]
+
+    # the same job without pruning, in-process: every other adapter comes out the same
+    cfg = yaml.safe_load((run / "jobs" / "b01-job-000" / "job.yaml").read_text())
+    ref = tmp_path / "reference"
+    cfg.update(output_dir=str(ref), job_dir=str(ref / "jobs" / "ref"), eval_base=False)
+    PackedLoRARecipe(cfg).run()
+    for lr in (1e-2, 1e-3):
+        a = by_lr[lr].user_attrs["adapter_id"]
+        got = load_file(run / "adapters" / a / "adapter_model.safetensors")
+        want = load_file(ref / "adapters" / a / "adapter_model.safetensors")
+        assert got.keys() == want.keys()
+        for k in got:
+            torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)

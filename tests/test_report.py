@@ -1,0 +1,167 @@
+"""The report: `plora report RUN` executes the notebook headless and writes report.html with
+its plots as embedded images; sections degrade to a note when their data is missing. Also:
+a finished sweep is recorded as an Optuna study."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+from typer.testing import CliRunner
+
+from plora import report as R
+from plora.cli import app
+from plora.spec import ASSETS_DIR, parse_spec
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    """A tiny finished sweep (3 adapters, 2 jobs, intermediate evals), made once per module."""
+    from plora.sweep import prepare, run_prepared, write_run_files
+
+    tmp = tmp_path_factory.mktemp("report")
+    if (ASSETS_DIR / "tiny-llama" / "config.json").is_file():
+        model = "builtin:tiny-llama"
+    else:  # a checkout without the shipped demo model
+        from conftest import make_tiny_llama
+
+        model = str(make_tiny_llama(tmp / "tiny-llama"))
+    spec = parse_spec({
+        "name": "demo",
+        "model": {"path": model, "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+            {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8},
+            {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]},
+        "training": {"steps": 8},
+        "eval": {"max_new_tokens": 8, "every_steps": 2},
+        "hardware": {"device": "cpu"},
+        "planner": {"max_adapters_per_job": 2},
+        "output": {"dir": str(tmp / "runs")},
+    })
+    prep = prepare(spec)
+    write_run_files(prep)
+    frame = run_prepared(prep)
+    assert set(frame.status) == {"done"}
+    return prep.run_dir
+
+
+def test_report_writes_html_with_rendered_plots(demo_run):
+    result = runner.invoke(app, ["report", str(demo_run)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    html = (demo_run / "report.html").read_text()
+    # score vs hyperparameters, best/worst/base, curves, Gantt, makespan, study: as PNGs
+    assert html.count("data:image/png;base64,") >= 6 and "<img" in html
+    assert "could not be drawn" not in html and "Traceback" not in html
+    best = R.load_run(demo_run).done().iloc[0]["adapter_id"]
+    assert f"Best configuration:</strong> <code>{best}</code>" in html
+    assert "over the base model" in html and "No cost-model predictions" in html  # a note, not a failure
+    assert (demo_run / "report.ipynb").is_file()  # the executed notebook, to dig further
+
+
+def test_report_errors_are_one_line(tmp_path):
+    result = runner.invoke(app, ["report", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and result.output.strip().startswith("error:")
+    assert len(result.output.strip().splitlines()) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["report", str(empty)])
+    assert result.exit_code == 2 and "results.parquet" in result.output
+
+
+def test_notebook_is_shipped_in_the_package():
+    repo, packaged = REPO / "notebooks" / "report.ipynb", REPO / "plora" / "assets" / "report.ipynb"
+    assert repo.read_bytes() == packaged.read_bytes()
+    assert R.notebook_path() == repo
+    nb = json.loads(repo.read_text())
+    params = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(params) == 1 and R.RUN_DIR_ENV in "".join(params[0]["source"])
+    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")  # stored clean
+
+
+def test_sections_from_a_run(demo_run):
+    run = R.load_run(demo_run)
+    assert run.objective == "exact_match" and not run.minimize
+    assert set(run.jobs["job_id"]) == {"job-000", "job-001"} and (run.jobs["source"] == "journal").all()
+    assert all(lanes[0].startswith("cpu:") for lanes in run.jobs["lanes"])  # the slots the engine used
+    assert len(run.eval_curves) == 3 * 3  # steps 2, 4, 6 of 3 adapters
+    table = R.results_table(run)
+    assert list(table["#"]) == [1, 2, 3] and table.iloc[0]["adapter_id"] == run.done().iloc[0]["adapter_id"]
+    assert "Best configuration" in R.summary(run)
+    for plot in (R.plot_score_vs_hyperparameters, R.plot_best_worst_base, R.plot_learning_curves, R.plot_gantt,
+                 R.plot_makespan, R.plot_study):
+        assert R.figure_png(plot(run)).startswith(b"\x89PNG")
+    with pytest.raises(R.Missing, match="No cost-model predictions"):
+        R.plot_cost_model(run)
+
+
+def test_plan_predictions_and_profile_are_plotted(demo_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(demo_run, run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    for i, job in enumerate(plan["jobs"]):  # what the planner adds to plan.json
+        job.update(predicted_start=0.0, predicted_end=5.0 + i, gpus=[i])
+    plan.update(makespan=6.0, lower_bound=4.0, baselines={"min_gpu": 9.0, "sequential": 11.0})
+    (run_dir / "plan.json").write_text(json.dumps(plan))
+    model = {"gpu_memory_bytes": 8e9, "seq_len": 48,
+             "time": {"1": {"c0": 0.01, "c_tok": 2e-5, "c_rtok": 1e-6, "c_ad": 1e-3}},
+             "memory": {"1": {"base": 1e8, "adapter": 1e5, "rank": 1e4, "tok": 1e3, "rank_tok": 10.0}}}
+    (run_dir / "profile.json").write_text(json.dumps({"cost_model": model, "measurements": []}))
+    run = R.load_run(run_dir)
+    assert run.jobs["planned_end"].notna().all()
+    points = R.cost_model_points(run)
+    assert points[["predicted_step_s", "measured_step_s", "predicted_job_s", "measured_job_s"]].notna().all().all()
+    assert {"planned (predicted)", "baseline: min_gpu (predicted)", "measured (this run)"} <= set(R.makespan_values(run))
+    for plot in (R.plot_gantt, R.plot_makespan, R.plot_cost_model):
+        assert R.figure_png(plot(run)).startswith(b"\x89PNG")
+
+
+def test_sections_degrade_without_their_data(demo_run, tmp_path):
+    run_dir = tmp_path / "bare"
+    run_dir.mkdir()
+    for name in ("results.parquet", "spec.yaml"):
+        shutil.copy(demo_run / name, run_dir / name)
+    run = R.load_run(run_dir)
+    assert "no base_metrics.json" in R.summary(run)
+    assert R.figure_png(R.plot_score_vs_hyperparameters(run))
+    for plot, note in ((R.plot_gantt, "No job timings"), (R.plot_learning_curves, "No per-step metrics"),
+                       (R.plot_makespan, "No job timings"), (R.plot_study, "No Optuna study")):
+        with pytest.raises(R.Missing, match=note):
+            plot(run)
+    # jobs without the engine's journal: times from the recipe's own summary
+    shutil.copytree(demo_run / "jobs", run_dir / "jobs")
+    run = R.load_run(run_dir)
+    assert (run.jobs["source"] == "recipe").all() and all(ls[0].startswith("slot") for ls in run.jobs["lanes"])
+    assert R.figure_png(R.plot_gantt(run))
+
+
+def test_sweep_is_an_optuna_study(demo_run):
+    from plora.optuna import record_sweep
+    from plora.sweep import collect_results, prepare
+
+    spec = parse_spec(yaml.safe_load((demo_run / "spec.yaml").read_text()))
+    study = optuna.load_study(study_name="demo", storage=f"sqlite:///{demo_run / 'study.sqlite'}")
+    trials = study.get_trials()
+    assert len(trials) == 3 and {t.state for t in trials} == {TrialState.COMPLETE}
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE  # exact match
+    for t in trials:
+        a = t.user_attrs
+        assert t.value == a["eval_exact_match"] and a["job_id"] in ("job-000", "job-001") and a["tp"] == 1
+        assert set(t.params) == {"rank", "alpha", "learning_rate", "batch_size"}
+        assert (Path(a["checkpoint_path"]) / "adapter_config.json").is_file()
+        # intermediate values are -eval_loss: "higher is better", like the objective
+        assert sorted(t.intermediate_values) == [2, 4, 6] and all(v < 0 for v in t.intermediate_values.values())
+    # recording the same results again adds nothing
+    prep = prepare(spec, demo_run)
+    record_sweep(prep, collect_results(prep))
+    assert len(optuna.load_study(study_name="demo", storage=f"sqlite:///{demo_run / 'study.sqlite'}").trials) == 3
