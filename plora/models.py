@@ -190,6 +190,7 @@ def load_base_model(
 def _random_model(info: ModelInfo, max_seq_len: int, dtype: str, device) -> nn.Module:
     with torch.device("meta"):
         model = build_model(info, max_seq_len)
+    model.to(dtype=DTYPES[dtype])  # on meta: no full-precision copy ever lands on the device
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -199,7 +200,6 @@ def _random_model(info: ModelInfo, max_seq_len: int, dtype: str, device) -> nn.M
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     _rebuild_rope_caches(model, device)
-    model.to(dtype=DTYPES[dtype])
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
