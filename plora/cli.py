@@ -9,7 +9,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 app = typer.Typer(
@@ -51,16 +50,22 @@ def _load(space: Path):
         fail(str(e))
 
 
-def _prepare(space: Path, output: Optional[Path]):
+def _prepare(space: Path, output: Optional[Path], *, probe: bool = False):
+    """Expand and plan; with `probe`, profile the model first on a GPU that has no profile."""
     from plora.data import DataError
     from plora.models import ModelError
-    from plora.sweep import prepare
+    from plora.planner import PlannerError
+    from plora.sweep import hardware_for, prepare
 
     spec = _load(space)
     try:
-        return prepare(spec, output)
-    except (DataError, ModelError, ValueError) as e:
-        fail(str(e))
+        hw = hardware_for(spec)
+        if probe and hw.gpu:
+            console.print("[dim]planning needs a cost model: profiling the model if this machine has no profile "
+                          "of it yet (a few real training steps; cached)…[/]")
+        return prepare(spec, output, probe=probe and hw.gpu, hardware=hw)
+    except (DataError, ModelError, PlannerError, ValueError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def _configs_table(prep) -> Table:
@@ -74,13 +79,48 @@ def _configs_table(prep) -> Table:
     return t
 
 
+def _fmt_time(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.2f}h"
+
+
 def _jobs_table(prep) -> Table:
+    """The job queue: adapters, TP degree, GPUs, predicted start and end."""
     t = Table(title=f"{len(prep.plan.jobs)} jobs — {prep.plan.grouping}", title_justify="left")
-    for col in ("job", "adapters", "TP", "steps (max)", "ranks"):
-        t.add_column(col)
+    for col in ("job", "adapters", "TP", "GPUs", "start", "end", "steps (max)", "ranks"):
+        t.add_column(col, justify="left" if col in ("job", "ranks") else "right")
     for j in prep.plan.jobs:
-        t.add_row(j.job_id, str(len(j.adapters)), str(j.tp), str(max(j.steps.values())),
-                  ",".join(str(a.rank) for a in j.adapters))
+        gpus = ",".join(map(str, j.gpus)) if j.gpus else "—"
+        start = "—" if j.predicted_start is None else _fmt_time(j.predicted_start)
+        end = "—" if j.predicted_end is None else _fmt_time(j.predicted_end)
+        ranks = ",".join(str(a.rank) for a in j.adapters)
+        t.add_row(j.job_id, str(len(j.adapters)), str(j.tp), gpus if (prep.hardware and prep.hardware.gpu) else "—",
+                  start, end, str(max(j.steps.values())), ranks if len(ranks) < 40 else ranks[:37] + "…")
+    return t
+
+
+def _plan_summary(prep) -> Optional[Table]:
+    """The plan against the baselines and the lower bound (predicted makespans)."""
+    plan = prep.plan.planned
+    if plan is None:
+        return None
+    t = Table(title=f"predicted makespan on {prep.hardware.describe() if prep.hardware else '?'}", title_justify="left")
+    for col in ("schedule", "makespan", "vs plan", "vs lower bound"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    rows = [(f"plan ({plan.strategy})", plan.makespan)]
+    if plan.strategy != "dtm":
+        rows.append(("packed (dtm)", plan.packed_makespan))
+    names = {"min_gpu": "Min GPU (one adapter per job, smallest TP)", "max_gpu": "Max GPU (one adapter per job, all GPUs)",
+             "sequential": "sequential (one adapter at a time)"}
+    rows += [(names.get(k, k), v) for k, v in plan.baselines.items()]
+    rows.append(("lower bound", plan.lower_bound))
+    for name, v in rows:
+        t.add_row(name, _fmt_time(v), f"{v / plan.makespan:.2f}×", f"{v / plan.lower_bound:.2f}×" if plan.lower_bound else "—")
+    t.caption = (f"solver: {plan.solver} · planning {plan.planning_seconds:.1f}s · objective {plan.objective}"
+                 + (f" · {'; '.join(plan.notes)}" if plan.notes else ""))
     return t
 
 
@@ -114,10 +154,13 @@ def sweep(
     restart: bool = typer.Option(False, "--restart", help="Delete the run directory first and start over."),
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
-    prep = _prepare(space, output)
+    prep = _prepare(space, output, probe=not dry_run)
     if dry_run:
         console.print(_configs_table(prep))
         console.print(_jobs_table(prep))
+        summary = _plan_summary(prep)
+        if summary is not None:
+            console.print(summary)
         console.print(f"[dim]dry run: nothing trained, nothing written (run directory would be {prep.run_dir})[/]")
         return
 
@@ -247,6 +290,46 @@ def report(
         except ReportError as e:
             fail(str(e))
     console.print(f"report: {path}")
+
+
+@app.command()
+def plan(
+    space: Path = typer.Argument(..., help="The space file (YAML)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="A profile.json to plan with (default: the run's, a cached one, or the analytic prior)."),
+    here: bool = typer.Option(False, "--here", help="Plan for this machine's GPUs/cores instead of the space file's hardware."),
+) -> None:
+    """Plan SPACE: which adapters train together, at which TP degree, on which GPUs, when.
+
+    Prints the job queue and the predicted makespan against the baselines; writes plan.json.
+    """
+    from plora.sweep import hardware_for, prepare, write_plan
+
+    spec = _load(space)
+    cm = None
+    if profile is not None:
+        from plora.costmodel import CostModel
+
+        try:
+            cm = CostModel.load(profile)
+        except (OSError, ValueError, KeyError) as e:
+            fail(f"--profile: cannot read {profile}: {e}")
+        cm.meta["plan_source"] = f"the profile {profile}"
+    try:
+        hw = hardware_for(spec, here=here)
+        prep = prepare(spec, output, hardware=hw, cost_model=cm)
+    except Exception as e:  # noqa: BLE001 - planner, data and model errors are the user's to fix
+        from plora.planner import PlannerError
+
+        if isinstance(e, (PlannerError, ValueError)):
+            fail(str(e).splitlines()[0])
+        raise
+    console.print(_jobs_table(prep))
+    summary = _plan_summary(prep)
+    if summary is not None:
+        console.print(summary)
+    path = write_plan(prep)
+    console.print(f"[dim]wrote {path}[/]")
 
 
 @app.command()

@@ -225,6 +225,7 @@ class CostModel:
     memory_coeffs: dict[int, MemoryCoeffs]
     name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    job_overhead_s: float = 0.0  # process start, imports, model load: paid once per job
 
     def __post_init__(self) -> None:
         if set(self.time) != set(self.memory_coeffs):
@@ -269,10 +270,11 @@ class CostModel:
         """Seconds of a whole job; each adapter leaves the pack once its steps are done.
 
         With adapters sorted by steps n_(1) <= ... <= n_(K), the job runs
-        n_(i) - n_(i-1) steps with adapters i..K still in the pack.
+        n_(i) - n_(i-1) steps with adapters i..K still in the pack, after
+        ``job_overhead_s`` (process start, model load) paid once.
         """
         order = sorted(adapters, key=lambda a: a.steps)
-        total, done = 0.0, 0
+        total, done = self.job_overhead_s if order else 0.0, 0
         for i, a in enumerate(order):
             if a.steps > done:
                 total += (a.steps - done) * self.step_time(order[i:], d)
@@ -292,6 +294,7 @@ class CostModel:
             "seq_len": self.seq_len,
             "time": {str(d): asdict(c) for d, c in sorted(self.time.items())},
             "memory": {str(d): asdict(c) for d, c in sorted(self.memory_coeffs.items())},
+            "job_overhead_s": self.job_overhead_s,
             "meta": self.meta,
         }
 
@@ -304,6 +307,7 @@ class CostModel:
             memory_coeffs={int(d): MemoryCoeffs(**c) for d, c in data["memory"].items()},
             name=str(data.get("name", "")),
             meta=dict(data.get("meta", {})),
+            job_overhead_s=float(data.get("job_overhead_s", 0.0)),
         )
 
     def save(self, path: str | Path) -> None:

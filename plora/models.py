@@ -214,6 +214,16 @@ def _rebuild_rope_caches(model: nn.Module, device: str | torch.device) -> None:
                 module.rope_init()
 
 
+def shape_folder(shape) -> Path:
+    """A config-only folder for a `ModelShape`, kept in plora's cache (PLORA_CACHE_DIR)."""
+    import os
+
+    root = Path(os.environ.get("PLORA_CACHE_DIR", Path.home() / ".cache" / "plora")) / "shapes" / shape.name
+    if not (root / "config.json").is_file():
+        write_shape_folder(shape, root)
+    return root
+
+
 def write_shape_folder(shape, out: str | Path) -> Path:
     """A model folder with only config.json and a byte-level tokenizer for a `ModelShape`.
 

@@ -914,9 +914,11 @@ def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloa
                       dtype_bytes, info.tie_word_embeddings)
 
 
-def profile_sweep(spec, run_dir: str | Path, *, force: bool = False, log: Log | None = None, **options) -> CostModel:
+def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log: Log | None = None,
+                  cached_only: bool = False, **options) -> CostModel | None:
     """The cost model of a sweep's model on this machine: from the cache when there is one
-    (no probing), else measured; written to ``<run_dir>/profile.json`` either way.
+    (no probing), else measured; written to ``<run_dir>/profile.json`` (when a run_dir is
+    given). With ``cached_only`` it never probes and returns None on a cache miss.
 
     ``options`` go to `profile_model` (iters, warmup, kmax, max_rows, ...).
     """
@@ -948,6 +950,8 @@ def profile_sweep(spec, run_dir: str | Path, *, force: bool = False, log: Log | 
             prof.cost_model = fit_cost_model(prof.measurements, shape, seq, gpu_memory, targets=targets,
                                              tp_degrees=degrees, meta=keep)
         prof.reused, prof.load_factor = True, load_factor
+    elif cached_only:
+        return None
     else:
         threads = 1 if device == "cpu" else None
         if threads:
@@ -962,5 +966,7 @@ def profile_sweep(spec, run_dir: str | Path, *, force: bool = False, log: Log | 
         prof.cache_path = str(path)
         prof.save(path)
     prof.cache_path = str(path)
-    prof.save(Path(run_dir) / "profile.json")
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        prof.save(Path(run_dir) / "profile.json")
     return prof.cost_model

@@ -242,6 +242,13 @@ class ModelConfig(_Model):
                 avail = ", ".join(available_models()) or "none installed"
                 raise _Issue(f"unknown built-in model {name!r}; available: {avail}")
             return v
+        if v.startswith("shape:"):
+            from plora.costmodel import ModelShape
+
+            name = v.removeprefix("shape:")
+            if name not in ModelShape.presets():
+                raise _Issue(f"unknown model shape {name!r}; known: {', '.join(ModelShape.presets())}")
+            return v
         p = _resolve(v, info)
         if not p.is_dir():
             raise _Issue(f"directory not found: {p}")
@@ -250,10 +257,22 @@ class ModelConfig(_Model):
         return str(p)
 
     def resolved_path(self) -> Path:
-        """The model folder on disk (``builtin:<name>`` mapped into plora/assets)."""
+        """The model folder on disk (``builtin:<name>`` mapped into plora/assets;
+        ``shape:<preset>`` to a config-only folder in plora's cache, see `random_init`)."""
         if self.path.startswith("builtin:"):
             return ASSETS_DIR / self.path.removeprefix("builtin:")
+        if self.path.startswith("shape:"):
+            from plora.costmodel import ModelShape
+            from plora.models import shape_folder
+
+            return shape_folder(ModelShape.preset(self.path.removeprefix("shape:")))
         return Path(self.path)
+
+    @property
+    def random_init(self) -> bool:
+        """``shape:<preset>``: a randomly initialised model of a known architecture. Planning
+        and timing need the shape only; the weights are not on disk."""
+        return self.path.startswith("shape:")
 
 
 class DataConfig(_Model):

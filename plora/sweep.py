@@ -52,6 +52,7 @@ class SweepPlan:
     jobs: list[PlannedJob]
     grouping: str  # how adapters were grouped into jobs, said to the user
     details: dict[str, Any] = field(default_factory=dict)
+    planned: Any = None  # the planner's Plan (baselines, bound, solver), when a planner made it
 
 
 def dataset_size(spec: SweepSpec) -> int:
@@ -67,26 +68,127 @@ def data_config(spec: SweepSpec) -> dict[str, Any]:
     return data
 
 
-def plan_jobs(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: dict[str, int]) -> SweepPlan:
-    """Group adapters into jobs of at most `planner.max_adapters_per_job`.
+def plan_jobs(
+    spec: SweepSpec,
+    configs: Sequence[AdapterConfig],
+    steps: dict[str, int],
+    cost_model: Any | None = None,
+    hardware: Hardware | None = None,
+) -> SweepPlan:
+    """Group adapters into jobs with the DTM planner on the sweep's cost model.
 
-    A placeholder for the cost-model planner: adapters are sorted by their step budget so
-    that the adapters of one job finish close together and the pack stays full.
+    `hardware` defaults to this machine's; `cost_model` to what `cost_model_for` finds
+    without probing (a profile from the cache, else the analytic prior).
     """
-    cap = spec.planner.max_adapters_per_job
-    ordered = sorted(configs, key=lambda c: (-steps[c.id], c.batch_size, c.id))
-    n_jobs = max(1, math.ceil(len(ordered) / cap))
-    jobs = []
-    for j in range(n_jobs):
-        members = ordered[j * cap : (j + 1) * cap]
-        jobs.append(PlannedJob(f"job-{j:03d}", members, {c.id: steps[c.id] for c in members}))
-    return SweepPlan(jobs, f"placeholder grouping: up to {cap} adapters per job by step budget (no cost model yet)")
+    from plora.costmodel import AdapterLoad
+    from plora.planner import plan_sweep
+
+    hw = hardware or hardware_for(spec)
+    if cost_model is None:
+        cost_model, source = cost_model_for(spec, None, probe=False, hardware=hw)
+    else:
+        source = cost_model.meta.get("plan_source", cost_model.name or "a given cost model")
+    slots = hw.slots
+    by_id = {c.id: c for c in configs}
+    loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
+    plan = plan_sweep(
+        loads, cost_model, slots, solver=spec.planner.solver, load_factor=spec.planner.memory_load_factor,
+        max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective, time_limit_s=60,
+    )
+    jobs = [
+        PlannedJob(f"job-{i:03d}", [by_id[a] for a in j.adapters], {a: steps[a] for a in j.adapters}, j.tp,
+                   list(j.gpus), j.start, j.end)
+        for i, j in enumerate(plan.jobs)
+    ]
+    details = plan.to_dict()
+    details.pop("jobs")
+    details["predicted_makespan_s"] = plan.makespan
+    details["cost_model_source"] = source
+    details["hardware"] = hw.describe()
+    grouping = (f"planned ({plan.strategy}, {plan.objective} objective, solver {plan.solver}) for "
+                f"{hw.describe()} with {source}")
+    return SweepPlan(jobs, grouping, details, plan)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a sweep is planned for: GPUs (how many, how much memory each) or CPU slots."""
+
+    gpu: bool
+    slots: int
+    gpu_memory_bytes: float | None = None
+    local: bool = True  # this machine's (profiles can be measured and looked up here)
+
+    def describe(self) -> str:
+        if self.gpu:
+            return f"{self.slots} GPU{'s' if self.slots > 1 else ''} of {self.gpu_memory_bytes / 2**30:.0f} GiB"
+        return f"{self.slots} CPU slot{'s' if self.slots > 1 else ''}"
+
+    def slot_names(self) -> list[str]:
+        return [f"cuda:{i}" for i in range(self.slots)] if self.gpu else [f"cpu:{i}" for i in range(self.slots)]
+
+
+def hardware_for(spec: SweepSpec, *, here: bool = True) -> Hardware:
+    """This machine's GPUs (at most `hardware.gpus`) or its cores; with `here=False` and no
+    GPU visible, the space file's `hardware` itself (planning a GPU sweep from elsewhere)."""
+    import os
+
+    cpu = Hardware(False, max(1, os.cpu_count() or 1))
+    if spec.hardware.device == "cpu":
+        return cpu
+    import torch
+
+    if torch.cuda.is_available():
+        n = max(1, min(spec.hardware.gpus, torch.cuda.device_count()))
+        return Hardware(True, n, float(torch.cuda.get_device_properties(0).total_memory))
+    if not here:
+        return Hardware(True, spec.hardware.gpus, spec.hardware.gpu_memory_gb * 2**30, local=False)
+    if spec.hardware.device == "cuda":
+        raise ValueError("hardware.device: cuda, but no CUDA device is visible on this machine")
+    return cpu
+
+
+#: the analytic prior for a CPU: one single-threaded job per core
+CPU_PRIOR = dict(device_flops=2e10, device_bandwidth=1e10, mfu=0.5, lora_efficiency=0.5, kernel_launch_s=2e-5,
+                 step_overhead_s=5e-3, overhead_bytes=0.5 * 2**30, tp_degrees=[1])
+ANALYTIC_SOURCE = "the analytic cost model (no profile yet: `plora profile` fits one)"
+#: seconds a CPU job spends before its first step (interpreter, torchtune import, model load)
+CPU_JOB_OVERHEAD_S = 6.0
+
+
+def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
+                   hardware: Hardware | None = None) -> tuple[Any, str]:
+    """The cost model a sweep plans with, and where it came from.
+
+    In order: the run directory's profile.json; a cached profile of this model on this
+    machine; a fresh profile (only when `probe`); else the analytic prior from the model's
+    shape (FLOPs and bytes), which `plora profile` replaces with measurements.
+    """
+    from plora.costmodel import CostModel
+    from plora.profiler import profile_sweep, shape_from_model
+
+    hw = hardware or hardware_for(spec)
+    if run_dir is not None and (run_dir / "profile.json").is_file():
+        return CostModel.load(run_dir / "profile.json"), "the run's profile.json"
+    cm = profile_sweep(spec, None, cached_only=not probe) if hw.local else None
+    if cm is not None:
+        return cm, "a profile measured on this machine"
+    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
+    targets = list(spec.lora.resolved_targets())
+    seq = spec.model.max_seq_len
+    if hw.gpu:
+        cm = CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.slots)
+    else:
+        cm = CostModel.analytic(shape, seq, 64 * 2**30, targets, **CPU_PRIOR)
+        cm.job_overhead_s = CPU_JOB_OVERHEAD_S
+    return cm, ANALYTIC_SOURCE
 
 
 def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bool) -> dict[str, Any]:
     """The recipe config of one job (what `tune run` reads)."""
     return {
         "job_id": job.job_id,
+        "tp": job.tp,
         "output_dir": str(run_dir),
         "job_dir": str(run_dir / "jobs" / job.job_id),
         "seed": spec.space.seed,
@@ -97,6 +199,7 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "family": spec.model.family,
             "dtype": spec.model.dtype,
             "max_seq_len": spec.model.max_seq_len,
+            "random_init": spec.model.random_init,
         },
         "data": data_config(spec),
         "lora": {"targets": spec.lora.resolved_targets(), "dropout": spec.lora.dropout},
@@ -126,14 +229,37 @@ class PreparedSweep:
     configs: list[AdapterConfig]
     steps: dict[str, int]
     plan: SweepPlan
+    cost_model: Any = None
+    hardware: Hardware | None = None
 
 
-def prepare(spec: SweepSpec, run_dir: Path | None = None) -> PreparedSweep:
-    """Everything a sweep decides before training; touches no file."""
+def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
+            hardware: Hardware | None = None, cost_model: Any | None = None) -> PreparedSweep:
+    """Everything a sweep decides before training: configurations, step budgets, the plan.
+
+    Writes nothing to the run directory; `probe` lets it profile the model first (a few
+    real training steps, cached per machine) when no profile exists yet.
+    """
     configs = spec.expand()
     n_train = dataset_size(spec)
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
-    return PreparedSweep(spec, spec.run_dir(run_dir), configs, steps, plan_jobs(spec, configs, steps))
+    run = spec.run_dir(run_dir)
+    hw = hardware or hardware_for(spec)
+    if cost_model is None:
+        cost_model, source = cost_model_for(spec, run, probe=probe, hardware=hw)
+        cost_model.meta["plan_source"] = source
+    plan = plan_jobs(spec, configs, steps, cost_model, hw)
+    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw)
+
+
+def write_plan(prep: PreparedSweep) -> Path:
+    """plan.json: the planner's plan (jobs with TP, GPUs, predicted start/end; baselines;
+    lower bound; solver), with each job's predicted times also under the engine's names."""
+    prep.run_dir.mkdir(parents=True, exist_ok=True)
+    plan = {"grouping": prep.plan.grouping, **prep.plan.details, "jobs": [j.to_dict() for j in prep.plan.jobs]}
+    path = prep.run_dir / "plan.json"
+    path.write_text(json.dumps(plan, indent=2))
+    return path
 
 
 def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
@@ -145,12 +271,10 @@ def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
     (run_dir / "adapters").mkdir(exist_ok=True)
     (run_dir / "spec.yaml").write_text(prep.spec.to_yaml())
     configs_frame(prep).to_parquet(run_dir / "configs.parquet", index=False)
-    plan = {
-        "grouping": prep.plan.grouping,
-        "jobs": [j.to_dict() for j in prep.plan.jobs],
-        **prep.plan.details,
-    }
-    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+    write_plan(prep)
+    measured = prep.cost_model is not None and prep.cost_model.meta.get("plan_source") != ANALYTIC_SOURCE
+    if measured and not (run_dir / "profile.json").is_file():
+        prep.cost_model.save(run_dir / "profile.json")
     for i, job in enumerate(prep.plan.jobs):
         job_dir = run_dir / "jobs" / job.job_id
         job_dir.mkdir(exist_ok=True)
@@ -200,8 +324,10 @@ def run_prepared(
         if on_tick is not None:
             on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
 
+    if slots is None:
+        slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
     engine = Engine(
-        prep.run_dir, journal, slots or default_slots(prep.spec.hardware.device), write_job,
+        prep.run_dir, journal, slots, write_job,
         max_retries=max_retries, predicted_makespan_s=prep.plan.details.get("predicted_makespan_s"), on_tick=tick,
     )
     try:

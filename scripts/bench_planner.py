@@ -22,7 +22,6 @@ import argparse
 import copy
 import itertools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from plora.costmodel import AdapterLoad, CostModel, ModelShape  # noqa: E402
+from plora.costmodel import AdapterLoad, CostModel, ModelShape, steps_for  # noqa: E402
 from plora.planner import PlannerError, plan_sweep, simulate  # noqa: E402
 
 DEFAULT_SPACE = REPO / "sweeps" / "paper-qwen2.5-7b.yaml"
@@ -75,7 +74,7 @@ def _loads_fallback(raw: dict, num_train: int) -> list[AdapterLoad]:
     else:
         pairs = list(itertools.product(ranks, sizes))
     return [
-        AdapterLoad(f"a{i:04d}", r, b, int(fixed) if fixed else max(1, math.ceil(epochs * num_train / b)))
+        AdapterLoad(f"a{i:04d}", r, b, int(fixed) if fixed else steps_for(num_train, b, epochs))
         for i, (r, b) in enumerate(pairs)
     ]
 

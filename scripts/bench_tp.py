@@ -8,6 +8,7 @@ the recipe's own metrics.jsonl timestamps: every step ends in a host sync, so th
 step boundaries), tokens/s, and the largest per-step loss difference from TP = 1.
 
     python scripts/bench_tp.py --shape qwen2.5-3b --tp 1,2,4 --steps 10 --concurrent --out DIR
+    (add --launcher torchrun where the `tune` CLI does not import)
 
 Writes DIR/tp_bench.json and prints a table; exits 1 if a job fails or the losses of a TP
 degree differ from TP = 1 by more than the tolerance (float rounding of the split
@@ -59,7 +60,19 @@ def job_config(model_dir: Path, out: Path, job_id: str, args: argparse.Namespace
     }
 
 
-def launch(cfg: dict, work: Path, gpus: list[int]) -> tuple[subprocess.Popen, Path, float]:
+def command(job_yaml: Path, nproc: int, launcher: str) -> list[str]:
+    """The engine's command (`tune run`), or torchrun on the recipe module directly: the same
+    processes and environment, without the `tune` CLI's own imports (its download command
+    needs kagglehub's dependencies, which a bare GPU image may lack)."""
+    if launcher == "tune":
+        return tune_command(job_yaml, nproc)
+    recipe = ["-m", "plora.recipes.packed_lora", "--config", str(job_yaml)]
+    if nproc == 1:
+        return [sys.executable, *recipe]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *recipe]
+
+
+def launch(cfg: dict, work: Path, gpus: list[int], launcher: str) -> tuple[subprocess.Popen, Path, float]:
     job_dir = work / cfg["job_id"]
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.yaml").write_text(yaml.safe_dump(cfg))
@@ -69,7 +82,7 @@ def launch(cfg: dict, work: Path, gpus: list[int]) -> tuple[subprocess.Popen, Pa
     else:  # a CPU smoke run: gloo, one thread per rank
         env.setdefault("OMP_NUM_THREADS", "1")
     log = open(job_dir / "log.txt", "w")
-    proc = subprocess.Popen(tune_command(job_dir / "job.yaml", len(gpus)), cwd=str(REPO), env=env,
+    proc = subprocess.Popen(command(job_dir / "job.yaml", len(gpus), launcher), cwd=str(REPO), env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     return proc, job_dir, time.time()
 
@@ -122,6 +135,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--concurrent", action="store_true", help="also two TP=2 jobs at once on GPUs 0,1 and 2,3")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--launcher", choices=["tune", "torchrun"], default="tune")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
@@ -140,13 +154,13 @@ def main() -> None:
             continue
         cfg = job_config(model_dir, args.out / f"tp{d}", f"tp{d}", args, d)
         gpus = list(range(d))
-        res = collect(cfg, *launch(cfg, work, gpus), gpus, args.timeout)
+        res = collect(cfg, *launch(cfg, work, gpus, args.launcher), gpus, args.timeout)
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     if args.concurrent and n_gpus >= 4:
         pairs = [[0, 1], [2, 3]]
         cfgs = [job_config(model_dir, args.out / f"pair{i}", f"tp2-gpus{p[0]}{p[1]}", args, 2) for i, p in enumerate(pairs)]
-        running = [(cfg, launch(cfg, work, p), p) for cfg, p in zip(cfgs, pairs)]
+        running = [(cfg, launch(cfg, work, p, args.launcher), p) for cfg, p in zip(cfgs, pairs)]
         for cfg, launched, p in running:
             res = collect(cfg, *launched, p, args.timeout)
             res["concurrent"] = True
@@ -157,12 +171,12 @@ def main() -> None:
     ok = all(r["returncode"] == 0 for r in results)
     for r in results:
         r["max_loss_diff_vs_tp1"] = loss_diff(ref["losses"], r["losses"]) if ref else None
-        if ref is not None and not r["max_loss_diff_vs_tp1"] <= tol:
+        if ref is None or not r["max_loss_diff_vs_tp1"] <= tol:
             ok = False
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     summary = {"shape": args.shape, "device": device, "gpus": n_gpus, "dtype": args.dtype, "seq": args.seq,
                "adapters": args.adapters, "ranks": args.ranks, "batch_size": args.batch_size, "steps": args.steps,
-               "kernels": os.environ.get("PLORA_KERNELS", "auto"), "tolerance": tol, "ok": ok,
+               "kernels": os.environ.get("PLORA_KERNELS", "auto"), "launcher": args.launcher, "tolerance": tol, "ok": ok,
                "jobs": [{k: v for k, v in r.items() if k != "losses"} for r in results]}
     (args.out / "tp_bench.json").write_text(json.dumps(summary, indent=2, default=str))
 
@@ -173,8 +187,9 @@ def main() -> None:
     for r in results:
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
         diff = r["max_loss_diff_vs_tp1"]
+        diff = "-" if diff is None else f"{diff:.2e}"
         print(f"{r['job']:>14} {r['tp']:>3} {','.join(map(str, r['gpus'])):>8} {str(r['returncode']):>4} "
-              f"{r['wall_s']:>7.1f} {r['step_ms']:>9.1f} {tps:>10} {diff if diff is None else f'{diff:.2e}':>13}")
+              f"{r['wall_s']:>7.1f} {r['step_ms']:>9.1f} {tps:>10} {diff:>13}")
     for r in results:
         if "log_tail" in r:
             print(f"\n--- {r['job']} log tail ---\n{r['log_tail']}")

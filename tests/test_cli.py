@@ -81,9 +81,22 @@ def test_missing_space_file(tmp_path):
 def test_dry_run_writes_nothing(tmp_path):
     result = runner.invoke(app, ["sweep", str(small_space(tmp_path)), "--dry-run"], terminal_width=200)
     assert result.exit_code == 0, result.output
-    assert "3 configurations" in result.output and "2 jobs" in result.output
-    assert "placeholder" in result.output
+    assert "3 configurations" in result.output and "jobs — planned" in result.output
+    assert "predicted makespan" in result.output and "Min GPU" in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_plan_paper_space_writes_plan_json(tmp_path):
+    space = REPO / "sweeps" / "paper-qwen2.5-7b.yaml"
+    result = runner.invoke(app, ["plan", str(space), "-o", str(tmp_path / "plan")], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    jobs = plan["jobs"]
+    assert sorted(a for j in jobs for a in j["adapters"]) == sorted({a for j in jobs for a in j["adapters"]})
+    assert len({a for j in jobs for a in j["adapters"]}) == 120
+    assert plan["makespan"] <= plan["baselines"]["min_gpu"] and plan["bound_ratio"] <= 1.10
+    assert all(j["tp"] in (1, 2, 4, 8) and len(j["gpus"]) == j["tp"] for j in jobs)
+    assert "Max GPU" in result.output and "lower bound" in result.output
 
 
 def test_sweep_end_to_end(tmp_path):

@@ -47,6 +47,16 @@ def test_job_time_with_adapters_finishing_at_different_steps():
     assert cm.job_time([], 1) == 0.0
 
 
+def test_job_overhead_is_paid_once_per_job(tmp_path):
+    cm = toy_model()
+    cm.job_overhead_s = 7.0
+    a, b = AdapterLoad("a", 4, 2, 10), AdapterLoad("b", 8, 1, 30)
+    assert cm.job_time([a, b], 1) == pytest.approx(7.0 + 10 * cm.step_time([a, b], 1) + 20 * cm.step_time([b], 1))
+    assert cm.job_time([], 1) == 0.0
+    cm.save(tmp_path / "m.json")
+    assert CostModel.load(tmp_path / "m.json").job_overhead_s == 7.0
+
+
 def test_fits_uses_load_factor_and_known_degrees():
     cm = toy_model()
     a = AdapterLoad("a", rank=4, batch_size=2, steps=10)

@@ -28,7 +28,7 @@ from plora.planner import ilp
 GIB = 2**30
 
 
-def random_model(rng: np.random.Generator, degrees=(1, 2, 4)) -> CostModel:
+def random_model(rng: np.random.Generator, degrees=(1, 2, 4), job_overhead_s: float = 0.0) -> CostModel:
     """Coefficients of plausible shape: TP shortens steps at some loss of GPU-seconds."""
     c0, c_tok, c_rtok, c_ad = rng.uniform(0.5, 2.0), rng.uniform(0.005, 0.02), rng.uniform(1e-4, 1e-3), rng.uniform(0.01, 0.2)
     base, per_tok, per_rank = rng.uniform(20, 40), rng.uniform(0.05, 0.2), rng.uniform(0.05, 0.3)
@@ -37,7 +37,8 @@ def random_model(rng: np.random.Generator, degrees=(1, 2, 4)) -> CostModel:
         eff = 1.0 - 0.1 * math.log2(d)
         time[d] = TimeCoeffs(c0=c0 / d + 0.1 * (d > 1), c_tok=c_tok / (d * eff), c_rtok=c_rtok / d, c_ad=c_ad)
         memory[d] = MemoryCoeffs(base=base / d, adapter=1.0, rank=per_rank / d, tok=per_tok / d, rank_tok=0.001)
-    return CostModel(gpu_memory_bytes=100.0, seq_len=10, time=time, memory_coeffs=memory, name="random")
+    return CostModel(gpu_memory_bytes=100.0, seq_len=10, time=time, memory_coeffs=memory, name="random",
+                     job_overhead_s=job_overhead_s)
 
 
 def random_loads(rng: np.random.Generator, n: int, prefix: str = "a") -> list[AdapterLoad]:
@@ -92,7 +93,7 @@ def test_f_matches_brute_force(objective):
     rng = np.random.default_rng(7 if objective == "makespan" else 8)
     checked = 0
     for trial in range(24):
-        cm = random_model(rng)
+        cm = random_model(rng, job_overhead_s=float(rng.choice([0.0, 5.0])))
         loads = random_loads(rng, int(rng.integers(5, 9)))
         cap = int(rng.choice([2, 3, 8]))
         wl = Workload(loads, cm, gpus=4, load_factor=float(rng.uniform(0.6, 1.0)), max_adapters_per_job=cap)
@@ -153,7 +154,7 @@ PLAN_CASES = [(seed, gpus, objective) for seed, gpus in [(1, 8), (2, 4), (3, 3),
 @pytest.mark.parametrize("seed,gpus,objective", PLAN_CASES)
 def test_plan_is_valid_and_beats_baselines(seed, gpus, objective):
     rng = np.random.default_rng(seed)
-    cm = random_model(rng, degrees=(1, 2, 4, 8))
+    cm = random_model(rng, degrees=(1, 2, 4, 8), job_overhead_s=10.0 * (seed % 2))
     loads = random_loads(rng, 18)
     plan = plan_sweep(loads, cm, gpus, objective=objective, max_adapters_per_job=4)
 

@@ -178,6 +178,7 @@ class Engine:
             slots = self._take_slots(job)
             job.attempt += 1
             job_dir = self.write_job(job)
+            (job_dir / "oom.json").unlink(missing_ok=True)  # a marker of an earlier attempt
             gpus = [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
             proc = launch(job.job_id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
                           extra_env={"PLORA_ATTEMPT": str(job.attempt)})
@@ -231,7 +232,8 @@ class Engine:
             self.journal.update_job(job.job_id, status="finished", ended=now, returncode=rc)
             self._note(f"finished {job.job_id}")
             return
-        if rc == EXIT_OOM:
+        # torchrun reports any failed worker as exit 1: the recipe's marker file says OOM
+        if rc == EXIT_OOM or (rc != 0 and (self.run_dir / "jobs" / job.job_id / "oom.json").is_file()):
             self.journal.update_job(job.job_id, status="oom", ended=now, returncode=rc)
             if len(left) == 1:
                 self._fail(job, "out of memory with this adapter alone", left)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plora.kernels import packed_lora_linear
+from plora.packed.norms import group_norms
 from plora.packed.inject import PackedModel
 from plora.packed.layer import PackedLoRALinear
 
@@ -326,24 +327,11 @@ class TensorParallel:
 
         Squared norms of local tensors are divided by the number of ranks that hold the
         same values and summed over the ranks: one all-reduce, and every rank gets the same
-        numbers, so every rank takes the same clipping and divergence decisions.
+        numbers, so every rank takes the same clipping and divergence decisions. As on one
+        process, one `_foreach_norm` over every tensor of every group and one segment sum.
         """
-        if not groups:
-            return []
-        sq = []
-        for params in groups:
-            tensors = [p.detach() if of_weights else p.grad for p in params]
-            pairs = [(t, self.copies.get(p, 1)) for p, t in zip(params, tensors) if t is not None]
-            if not pairs:
-                sq.append(torch.zeros((), device=params[0].device, dtype=torch.float64 if params[0].dtype == torch.float64 else torch.float32))
-                continue
-            per = torch.stack(torch._foreach_norm([t for t, _ in pairs]))
-            per = per.double() if per.dtype == torch.float64 else per.float()
-            weights = torch.tensor([1.0 / c for _, c in pairs], device=per.device, dtype=per.dtype)
-            sq.append((per**2 * weights).sum())
-        total = torch.stack(sq)
-        dist.all_reduce(total, group=self.group)
-        return total.sqrt().tolist()
+        return group_norms(groups, of_weights, share=lambda p: 1.0 / self.copies.get(p, 1),
+                           reduce=lambda sums: dist.all_reduce(sums, group=self.group))
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's values everywhere (losses, prune flags): one decision for all ranks."""

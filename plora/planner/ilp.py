@@ -222,7 +222,7 @@ class _DegreeModel:
             s = levels @ z
             self.t_max = cp.Parameter(nonneg=True)
             self.t_scale = t_scale = max(float(steps.max() * (wl.c0[d] + m.max())), 1e-9)
-            job_time = (wl.c0[d] * s + (steps * m) @ self.n) / t_scale
+            job_time = (wl.overhead + wl.c0[d] * s + (steps * m) @ self.n) / t_scale
             cons += [cp.sum(z) == 1, self.n <= cp.multiply(self.ub, allowed @ z), job_time <= self.t_max]
             num = (wl.work[self.idx] / t_scale) @ self.n
             self.rho = cp.Parameter(nonneg=True)
@@ -326,7 +326,7 @@ class PackSolver:
         if not cand.any():
             return None
         if self.objective == "makespan":
-            t_floor = float((wl.steps[cand] * (wl.c0[d] + wl.step[d][cand])).min())
+            t_floor = wl.overhead + float((wl.steps[cand] * (wl.c0[d] + wl.step[d][cand])).min())
             t_max = math.inf if t_max is None else max(t_max, t_floor)
             key: tuple = (d, tuple(available), round(t_max, 3), self.efficiency_floor)
         else:
@@ -339,7 +339,7 @@ class PackSolver:
         fit_n = np.floor((wl.budget - wl.mem_base[d]) / np.maximum(wl.mem[d], 1.0) * (1 + 1e-12))
         model.ub.value = np.where(cand, np.minimum(avail, fit_n), 0.0)[model.idx]
         if model.t_max is not None:
-            cap_t = wl.steps.max() * (wl.c0[d] + wl.step[d].max()) * max(wl.cap, 1) * 2
+            cap_t = wl.overhead + wl.steps.max() * (wl.c0[d] + wl.step[d].max()) * max(wl.cap, 1) * 2
             model.t_max.value = min(t_max, cap_t) / model.t_scale * (1 + 1e-9)
         best = None
         if model.prob_work is not None:

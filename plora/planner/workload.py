@@ -93,6 +93,7 @@ class Workload:
             self.fits[d] = self.mem_base[d] + self.mem[d] <= self.budget * (1 + 1e-12)
         self._check_placeable()
         self.max_pack = {d: self._max_pack(d) for d in self.degrees}
+        self.overhead = float(getattr(cost_model, "job_overhead_s", 0.0))  # once per job
         self.work = self.ideal_work()
         self.single_time = np.array([self._single_time(i) for i in range(len(self.types))])
 
@@ -143,23 +144,24 @@ class Workload:
         """Per type: GPU-seconds one adapter costs in the most favourable job possible.
 
         With the linear step model a job J at degree d occupies its d GPUs for
-        ``c0[d] * max_k steps_k + sum_k steps_k * m_k(d)`` seconds, and
-        ``max_k steps_k >= sum_k steps_k / |J|`` with ``|J| <= P_k(d)``, the largest pack
-        that can contain k (:meth:`_max_pack`). Hence every job's GPU-seconds are at
-        least the sum over its adapters of ``steps_k * d * (m_k(d) + c0[d] / P_k(d))``,
-        minimised over the degrees where k fits. Summed over adapters this bounds the
-        whole sweep's GPU-seconds from below.
+        ``o + c0[d] * max_k steps_k + sum_k steps_k * m_k(d)`` seconds (``o`` the cost
+        model's once-per-job overhead), and ``max_k steps_k >= sum_k steps_k / |J|`` with
+        ``|J| <= P_k(d)``, the largest pack that can contain k (:meth:`_max_pack`). Hence
+        every job's GPU-seconds are at least the sum over its adapters of
+        ``d * (o / P_k(d) + steps_k * (m_k(d) + c0[d] / P_k(d)))``, minimised over the
+        degrees where k fits. Summed over adapters this bounds the whole sweep's
+        GPU-seconds from below.
         """
         w = np.full(len(self.types), np.inf)
         for d in self.degrees:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                cost = self.steps * d * (self.step[d] + self.c0[d] / np.maximum(self.max_pack[d], 1))
+            pack = np.maximum(self.max_pack[d], 1)
+            cost = d * (self.overhead / pack + self.steps * (self.step[d] + self.c0[d] / pack))
             w = np.where(self.fits[d], np.minimum(w, cost), w)
         return w
 
     def _single_time(self, i: int) -> float:
         """Shortest time type i can finish in (alone, at its fastest degree): no pack makes it faster."""
-        return min(
+        return self.overhead + min(
             self.steps[i] * (self.c0[d] + self.step[d][i]) for d in self.degrees if self.fits[d][i]
         )
 
@@ -176,7 +178,7 @@ class Workload:
         if counts.sum() <= 0:
             return 0.0
         s_max = float(self.steps[counts > 0].max())
-        return self.c0[d] * s_max + float(counts @ (self.steps * self.step[d]))
+        return self.overhead + self.c0[d] * s_max + float(counts @ (self.steps * self.step[d]))
 
     def step_time(self, counts: np.ndarray, d: int) -> float:
         return self.c0[d] + float(np.asarray(counts, dtype=float) @ self.step[d])

@@ -30,6 +30,7 @@ from plora.evaluate import evaluate_adapters, per_adapter_loss
 from plora.models import load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
+from plora.packed.norms import group_norms
 from plora.packed.peft_format import save_peft_adapter
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 
@@ -227,7 +228,7 @@ class PackedLoRARecipe:
         if self.tp is not None:  # partial gradients of replicated LoRA tensors
             self.tp.reduce_grads()
 
-        norms = (self.tp.norms if self.tp else _grad_norms)([self.optimizer.param_groups[r.index]["params"] for r in alive])
+        norms = (self.tp.norms if self.tp else group_norms)([self.optimizer.param_groups[r.index]["params"] for r in alive])
         stepping = []
         for r, norm in zip(alive, norms):
             group = self.optimizer.param_groups[r.index]
@@ -248,7 +249,7 @@ class PackedLoRARecipe:
         self.optimizer.zero_grad(set_to_none=True)
         for r in stepping:
             r.step += 1
-        weight_norms = (self.tp.norms if self.tp else _grad_norms)(
+        weight_norms = (self.tp.norms if self.tp else group_norms)(
             [self.optimizer.param_groups[r.index]["params"] for r in stepping], of_weights=True
         )
         for r, norm in zip(stepping, weight_norms):
@@ -417,30 +418,6 @@ class PackedLoRARecipe:
             return set(json.loads(path.read_text()).get("prune", []))
         except (OSError, ValueError):
             return set()
-
-
-def _grad_norms(groups: list[list[torch.nn.Parameter]], of_weights: bool = False) -> list[float]:
-    """The L2 norm of each group's gradients (or weights), with one host sync for all.
-
-    One `_foreach_norm` over every tensor of every group and one segment sum: a handful
-    of kernel launches per step whatever the number of adapters and layers. Inf/NaN
-    anywhere in a group makes its norm non-finite.
-    """
-    if not groups:
-        return []
-    tensors, owner = [], []
-    for g, params in enumerate(groups):
-        for p in params:
-            t = p.detach() if of_weights else p.grad
-            if t is not None:
-                tensors.append(t)
-                owner.append(g)
-    device = groups[0][0].device
-    if not tensors:
-        return [0.0] * len(groups)
-    squares = torch.stack(torch._foreach_norm(tensors)).float().pow(2)
-    sums = torch.zeros(len(groups), device=device).index_add_(0, torch.tensor(owner, device=device), squares)
-    return sums.sqrt().tolist()
 
 
 def _pick_device(name: str) -> torch.device:
