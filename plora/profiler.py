@@ -327,7 +327,8 @@ class Measurement:
 
 def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype: str, device: str,
                      targets: Sequence[str], family: str = "auto", dropout: float = 0.0,
-                     output_dir: str | Path = ".", num_threads: int | None = None) -> dict[str, Any]:
+                     output_dir: str | Path = ".", num_threads: int | None = None,
+                     activation_checkpointing: bool = False) -> dict[str, Any]:
     """The recipe config of a probe: a random-init model, fixed-length synthetic rows."""
     return {
         "job_id": f"probe-{probe.name}",
@@ -344,7 +345,8 @@ def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype
              "seed": k, "steps": 10**9}
             for k, (r, b) in enumerate(zip(probe.ranks, probe.batch_sizes))
         ],
-        "training": {"scheduler": "constant", "grad_clip": 1.0, "weight_decay": 0.0},
+        "training": {"scheduler": "constant", "grad_clip": 1.0, "weight_decay": 0.0,
+                     "activation_checkpointing": bool(activation_checkpointing)},
         "eval": {"metrics": []},
     }
 
@@ -363,6 +365,7 @@ def run_probe(
     iters: int = DEFAULT_ITERS,
     max_probe_s: float | None = None,
     num_threads: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> Measurement:
     """Build a fresh packed job of ``probe``'s adapters, run warm-up and timed steps.
 
@@ -381,7 +384,8 @@ def run_probe(
     poller = None if cuda else _RssPoller()
     with tempfile.TemporaryDirectory(prefix="plora-probe-") as tmp:
         cfg = probe_job_config(model_dir, probe, seq_len=seq_len, dtype=dtype, device=device, targets=targets,
-                               family=family, dropout=dropout, output_dir=tmp, num_threads=num_threads)
+                               family=family, dropout=dropout, output_dir=tmp, num_threads=num_threads,
+                               activation_checkpointing=activation_checkpointing)
         recipe = None
         try:
             t0 = time.perf_counter()
@@ -778,6 +782,7 @@ def profile_model(
     min_checks: int = 0,
     log: Log | None = None,
     on_measurement: Callable[[Measurement], None] | None = None,
+    activation_checkpointing: bool = False,
 ) -> Profile:
     """Probe a model on this machine, fit its cost model, validate it on held-out packs.
 
@@ -798,7 +803,7 @@ def profile_model(
     if max_rows is None and not cuda:
         max_rows = CPU_MAX_ROWS
     key = profile_key(shape, seq_len=seq_len, dtype=dtype, device_name=device_name, backend=_backend(device),
-                      targets=names, dropout=dropout)
+                      targets=names, dropout=dropout, activation_checkpointing=activation_checkpointing)
 
     from scipy.optimize import nnls  # noqa: F401 - loaded now, not between probes (it moves the CPU baseline)
 
@@ -812,7 +817,7 @@ def profile_model(
         try:
             m = run_probe(model_dir, p, seq_len=seq_len, dtype=dtype, device=device, targets=names, family=family,
                           dropout=dropout, warmup=warmup + extra, iters=iters, max_probe_s=max_probe_s,
-                          num_threads=num_threads)
+                          num_threads=num_threads, activation_checkpointing=activation_checkpointing)
         except Exception as e:  # noqa: BLE001 - one failed probe is reported, the others still count
             m = Measurement(p, int(seq_len), error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         if m.error and not m.oom:
@@ -879,12 +884,15 @@ def cache_dir() -> Path:
 
 
 def profile_key(shape: ModelShape, *, seq_len: int, dtype: str, device_name: str, backend: str,
-                targets: Iterable[str], dropout: float = 0.0, tp: int = 1) -> dict[str, Any]:
+                targets: Iterable[str], dropout: float = 0.0, tp: int = 1,
+                activation_checkpointing: bool = False) -> dict[str, Any]:
     """What a profile depends on. The model enters by its architecture (not its name or
     weights: a random-init shape costs what the trained model costs) and its LoRA setup."""
     arch = {k: v for k, v in shape.to_dict().items() if k != "name"}
-    model = hashlib.sha1(json.dumps({"arch": arch, "targets": list(targets), "dropout": float(dropout)},
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    setup = {"arch": arch, "targets": list(targets), "dropout": float(dropout)}
+    if activation_checkpointing:  # absent otherwise: keys of earlier profiles stay valid
+        setup["activation_checkpointing"] = True
+    model = hashlib.sha1(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:12]
     return {"model": model, "model_name": shape.name, "seq_len": int(seq_len), "dtype": dtype,
             "device": device_name, "backend": backend, "tp": int(tp)}
 
@@ -931,8 +939,9 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
     targets = list(spec.lora.resolved_targets())
     degrees = shape.tp_degrees(max_tp=spec.hardware.gpus)
     seq = spec.model.max_seq_len
+    ac = bool(spec.training.activation_checkpointing)
     key = profile_key(shape, seq_len=seq, dtype=dtype, device_name=device_name, backend=_backend(device),
-                      targets=targets, dropout=spec.lora.dropout)
+                      targets=targets, dropout=spec.lora.dropout, activation_checkpointing=ac)
     path = cache_path(key)
     load_factor = spec.planner.memory_load_factor
     prof = None
@@ -962,7 +971,8 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
                 options.setdefault(k, v)
         prof = profile_model(model_dir, shape, seq_len=seq, dtype=dtype, device=device, targets=targets,
                              family=spec.model.family, dropout=spec.lora.dropout, gpu_memory_bytes=gpu_memory,
-                             tp_degrees=degrees, load_factor=load_factor, num_threads=threads, log=say, **options)
+                             tp_degrees=degrees, load_factor=load_factor, num_threads=threads, log=say,
+                             activation_checkpointing=ac, **options)
         prof.cache_path = str(path)
         prof.save(path)
     prof.cache_path = str(path)

@@ -599,6 +599,7 @@ class TrainingConfig(_Model):
     grad_clip: Optional[float] = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     divergence_loss: Optional[float] = Field(None, gt=0)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward: far less memory
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingConfig":

@@ -211,6 +211,7 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "grad_clip": spec.training.grad_clip,
             "weight_decay": spec.training.weight_decay,
             "divergence_loss": spec.training.divergence_loss,
+            "activation_checkpointing": spec.training.activation_checkpointing,
         },
         "eval": {
             "metrics": list(spec.eval.metrics),

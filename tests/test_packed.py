@@ -103,6 +103,15 @@ def test_diverging_adapter_is_isolated(packed_run, tiny_model, reverse_data, tmp
     assert m["status"] == "diverged" and m["checkpoint_path"] is None and "non-finite" in m["reason"]
 
 
+def test_activation_checkpointing_changes_nothing(packed_run, tiny_model, reverse_data, tmp_path):
+    out, _ = packed_run
+    cfg = job_config(tiny_model, reverse_data, tmp_path, ADAPTERS)
+    cfg["training"] = dict(cfg["training"], activation_checkpointing=True)
+    PackedLoRARecipe(cfg).run()
+    for a in ADAPTERS:
+        assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
+
+
 @pytest.mark.parametrize(
     "scheduler, step, expect",
     [("constant", 50, 1.0), ("linear", 10, 1.0), ("linear", 110, 0.0), ("cosine", 60, 0.5), ("cosine", 0, 0.1)],

@@ -115,6 +115,13 @@ class PackedLoRARecipe:
         self.pm = inject_packed_lora(model, specs, self.targets, self.dropout)
         if self.tp is not None:  # before the optimizer: it must see the local shards
             self.tp.shard(self.pm)
+        if c.training.get("activation_checkpointing"):
+            # Each decoder layer is recomputed in backward; the pack's state stays set until
+            # after backward (train_step), so the recomputed LoRA rows are the same rows.
+            from torchtune.modules import TransformerSelfAttentionLayer
+            from torchtune.training import set_activation_checkpointing
+
+            set_activation_checkpointing(self.pm.model, auto_wrap_policy={TransformerSelfAttentionLayer})
         self.pm.model.train()
 
         self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
