@@ -9,7 +9,6 @@ CLI only renders what it returns.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -264,7 +263,10 @@ def write_plan(prep: PreparedSweep) -> Path:
 
 
 def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
-    """spec.yaml, configs.parquet, plan.json and every job's job.yaml."""
+    """spec.yaml, configs.parquet, plan.json (and profile.json when one was measured).
+
+    Each job's job.yaml is written by the engine when the job starts, with the adapters it
+    still has to train (a resumed, retried or split job trains fewer than planned)."""
     run_dir = prep.run_dir
     if restart and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -276,11 +278,6 @@ def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
     measured = prep.cost_model is not None and prep.cost_model.meta.get("plan_source") != ANALYTIC_SOURCE
     if measured and not (run_dir / "profile.json").is_file():
         prep.cost_model.save(run_dir / "profile.json")
-    for i, job in enumerate(prep.plan.jobs):
-        job_dir = run_dir / "jobs" / job.job_id
-        job_dir.mkdir(exist_ok=True)
-        cfg = job_config(prep.spec, job, run_dir, eval_base=(i == 0))
-        (job_dir / "job.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
 def configs_frame(prep: PreparedSweep) -> pd.DataFrame:

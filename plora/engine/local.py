@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 #: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
@@ -94,52 +94,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except OSError:  # not Linux: resume's stale-process check still covers it
         pass
-
-
-@dataclass
-class LocalPool:
-    """Slots (CPU cores or GPU ids) and the jobs waiting for them, first come first served."""
-
-    slots: list[str]
-    running: dict[str, JobProcess] = field(default_factory=dict)
-
-    def run(
-        self,
-        jobs: Sequence[tuple[str, Path]],
-        on_tick: Callable[[list[JobProcess], list[JobProcess]], None] | None = None,
-        poll_s: float = 0.25,
-    ) -> list[JobProcess]:
-        """Run every (job_id, job_dir) to completion; returns the finished processes."""
-        queue = list(jobs)
-        free = list(self.slots)
-        finished: list[JobProcess] = []
-        try:
-            while queue or self.running:
-                while queue and free:
-                    job_id, job_dir = queue.pop(0)
-                    slot = free.pop(0)
-                    gpus = [int(slot.split(":")[1])] if slot.startswith("cuda:") else []
-                    self.running[job_id] = launch(job_id, job_dir, slot, gpus=gpus)
-                for job_id, jp in list(self.running.items()):
-                    rc = jp.proc.poll()
-                    if rc is not None:
-                        jp.returncode, jp.ended = rc, time.time()
-                        jp.log.close()
-                        finished.append(jp)
-                        free.append(jp.slot)
-                        del self.running[job_id]
-                if on_tick:
-                    on_tick(list(self.running.values()), finished)
-                time.sleep(poll_s)
-        finally:
-            for jp in self.running.values():  # Ctrl-C: take the children down with us
-                jp.proc.terminate()
-            for jp in self.running.values():
-                try:
-                    jp.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    jp.proc.kill()
-        return finished
 
 
 def default_slots(device: str) -> list[str]:
