@@ -285,6 +285,15 @@ class CostModel:
         """Whether the job runs at degree ``d`` within ``load_factor`` of GPU memory."""
         return d in self.time and self.memory(adapters, d) <= load_factor * self.gpu_memory_bytes
 
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every time `factor` times longer: what a re-plan uses once
+        measured job times have drifted from the predicted ones by that factor."""
+        time_coeffs = {d: TimeCoeffs(c.c0 * factor, c.c_tok * factor, c.c_rtok * factor, c.c_ad * factor)
+                       for d, c in self.time.items()}
+        return CostModel(self.gpu_memory_bytes, self.seq_len, time_coeffs, dict(self.memory_coeffs),
+                         name=self.name, meta={**self.meta, "time_scale": factor},
+                         job_overhead_s=self.job_overhead_s * factor)
+
     # ---- serialization ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -324,9 +324,24 @@ def run_prepared(
 
     if slots is None:
         slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
+    def replan(adapters: list[str], drift: float, now: float, free: int) -> list[QueuedJob]:
+        from plora.costmodel import AdapterLoad
+        from plora.planner import plan_sweep
+
+        loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
+        spec = prep.spec
+        plan = plan_sweep(loads, prep.cost_model.scaled(drift), len(slots), solver=spec.planner.solver,
+                          load_factor=spec.planner.memory_load_factor,
+                          max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
+                          time_limit_s=30)
+        prefix = f"r{engine.replans + 1}-"
+        return [QueuedJob(f"{prefix}job-{i:03d}", list(j.adapters), j.tp, predicted_start=now + j.start,
+                          predicted_end=now + j.end, gpus=list(j.gpus)) for i, j in enumerate(plan.jobs)]
+
     engine = Engine(
         prep.run_dir, journal, slots, write_job,
         max_retries=max_retries, predicted_makespan_s=prep.plan.details.get("predicted_makespan_s"), on_tick=tick,
+        replan=replan if prep.cost_model is not None and prep.plan.planned is not None else None,
     )
     try:
         engine.reconcile()

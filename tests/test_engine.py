@@ -151,3 +151,27 @@ def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
     relaunched = [a for job in after for a in job]
     assert not (set(relaunched) & frame_before)
     assert sorted(relaunched) == sorted(set(frame.adapter_id) - frame_before)
+
+
+def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
+    """A cost model 100× too optimistic: after the first job, the waiting ones are re-planned."""
+    spec = load_spec(space(tmp_path, per_job=1))
+    first = prepare(spec)
+    wrong = first.cost_model.scaled(0.01)
+    wrong.meta["plan_source"] = "a cost model 100x too fast"
+    prep = prepare(spec, cost_model=wrong)
+    write_run_files(prep)
+    assert len(prep.plan.jobs) == 4
+    frame = run_prepared(prep, slots=["cpu:0"])
+    assert set(frame.status) == {"done"} and len(frame) == 4
+    j = Journal(prep.run_dir / "journal.sqlite")
+    replans = [json.loads(d) for _, kind, _, d in j.events() if kind == "replan"]
+    jobs = {r.id: r for r in j.jobs()}
+    adapters = {a["id"]: a for a in j.adapters()}
+    j.close()
+    assert replans and replans[0]["drift"] > 2
+    assert all(jobs[old].status == "replanned" for old in replans[0]["old"])
+    assert all(jobs[new].status == "finished" for new in replans[-1]["new"])
+    ran = [a for job, members in launches(prep.run_dir) for a in members]
+    assert sorted(ran) == sorted(adapters)  # every adapter launched exactly once
+    assert all(a["attempts"] == 1 for a in adapters.values())

@@ -60,6 +60,11 @@ class EngineSnapshot:
 
 
 WriteJob = Callable[[QueuedJob], Path]  # writes jobs/<id>/job.yaml for the job's adapters, returns the job dir
+#: (adapters of the jobs not started yet, measured / predicted job time so far, seconds since the start,
+#: free slots now) -> new jobs for those adapters
+Replan = Callable[[list[str], float, float, int], list[QueuedJob]]
+#: re-plan when measured job times drift this far (relative) from the plan's
+DRIFT_THRESHOLD = 0.25
 
 
 class Engine:
@@ -74,6 +79,8 @@ class Engine:
         predicted_makespan_s: float | None = None,
         on_tick: Callable[[EngineSnapshot], None] | None = None,
         poll_s: float = 0.25,
+        replan: Replan | None = None,
+        drift_threshold: float = DRIFT_THRESHOLD,
     ):
         self.run_dir = Path(run_dir)
         self.journal = journal
@@ -89,6 +96,12 @@ class Engine:
         self.recent: list[str] = []
         self.finished: list[JobProcess] = []
         self.start = time.time()
+        self.replan = replan
+        self.drift_threshold = drift_threshold
+        self.measured_s = 0.0  # finished planned jobs: measured and predicted durations, summed
+        self.predicted_s = 0.0
+        self.drift_at_last_plan = 1.0
+        self.replans = 0
 
     # ------------------------------------------------------------------ resume
     def reconcile(self) -> None:
@@ -214,6 +227,42 @@ class Engine:
             self.free.sort(key=self.slots.index)
             self._collect(rj)
             self._after_exit(rj.job, rc)
+            if rc == 0:
+                self._track_drift(rj)
+
+    def _track_drift(self, rj: RunningJob) -> None:
+        """Compare finished jobs' measured times with the plan's; past the threshold, the
+        jobs not started yet are planned again with what was measured (PLoRA re-plans the
+        rest of the queue whenever reality and the cost model part ways)."""
+        job = rj.job
+        if job.predicted_start is None or job.predicted_end is None or job.attempt != 1:
+            return
+        predicted = job.predicted_end - job.predicted_start
+        if predicted <= 0:
+            return
+        self.measured_s += (rj.proc.ended or time.time()) - rj.proc.started
+        self.predicted_s += predicted
+        drift = self.measured_s / self.predicted_s
+        if self.replan is None or abs(drift / self.drift_at_last_plan - 1) <= self.drift_threshold:
+            return
+        waiting = [j for j in self.queue if j.attempt == 0 and j.parent is None]
+        if not waiting:
+            return
+        adapters = [a for j in waiting for a in j.adapters]
+        new_jobs = self.replan(adapters, drift, time.time() - self.start, len(self.free))
+        if sorted(a for j in new_jobs for a in j.adapters) != sorted(adapters):
+            self._note("re-plan ignored: it did not cover the waiting adapters exactly once")
+            return
+        for j in waiting:
+            self.queue.remove(j)
+            self.journal.update_job(j.job_id, status="replanned")
+        self.drift_at_last_plan = drift
+        self.replans += 1
+        self.journal.event("replan", "", {"drift": drift, "adapters": adapters,
+                                          "old": [j.job_id for j in waiting], "new": [j.job_id for j in new_jobs]})
+        self._note(f"measured/predicted {drift:.2f}: re-planned {len(adapters)} waiting adapters "
+                   f"into {len(new_jobs)} jobs")
+        self.submit(new_jobs)
 
     def _collect(self, rj: RunningJob) -> None:
         rj.proc.returncode = rj.proc.proc.poll()
