@@ -15,7 +15,6 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
@@ -722,10 +721,9 @@ class SweepSpec(_Model):
         """Optimizer steps of one adapter: ``ceil(epochs * num_train / batch_size)``, or ``training.steps``."""
         if self.training.steps is not None:
             return self.training.steps
-        if num_train < 1:
-            raise ValueError(f"num_train must be >= 1, got {num_train}")
-        epochs = Fraction(repr(float(self.training.epochs or 1.0)))  # exact: no float round-up
-        return max(1, math.ceil(epochs * num_train / cfg.batch_size))
+        from plora.costmodel import steps_for
+
+        return steps_for(num_train, cfg.batch_size, self.training.epochs or 1.0)
 
     def run_dir(self, override: Path | None = None) -> Path:
         """The run directory: ``override`` itself when given, else ``<output.dir>/<name>``."""
