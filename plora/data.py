@@ -75,6 +75,20 @@ def load_split(data_cfg: dict, split: str) -> list[dict]:
     return read_examples(path, data_cfg.get("input_column", "input"), data_cfg.get("output_column", "output"))
 
 
+def char_tokenizer(chars: str):
+    """A one-token-per-character `tokenizers.Tokenizer` with ids pad 0, bos 1, eos 2, unk 3:
+    the tokenizer of config-only shape folders and of test models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
 class TextTokenizer:
     """A `tokenizer.json` tokenizer with the model's bos/eos/pad ids (from config.json)."""
 

@@ -230,7 +230,7 @@ def write_shape_folder(shape, out: str | Path) -> Path:
     With `random_init` it builds a model of that shape without any weights on disk: what
     the profiler and the benchmarks need for models whose weights are not at hand.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from plora.data import char_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,11 +255,5 @@ def write_shape_folder(shape, out: str | Path) -> Path:
         "torch_dtype": "bfloat16",
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for b in range(32, 127):
-        vocab[chr(b)] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(str(out / "tokenizer.json"))
+    char_tokenizer("".join(chr(b) for b in range(32, 127))).save(str(out / "tokenizer.json"))
     return out

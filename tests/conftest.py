@@ -37,15 +37,11 @@ def _one_thread():
 
 def make_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2) -> Path:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for ch in "abcdefghijklmnopqrstuvwxyz0123456789+-=>< ":
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    from plora.data import char_tokenizer
+
+    tok = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789+-=>< ")
     cfg = LlamaConfig(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
