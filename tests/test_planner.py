@@ -352,3 +352,21 @@ def test_paper_space_near_the_bound(model):
     assert plan.planning_seconds <= 60
     assert plan.bound_ratio <= 1.10
     assert simulate(plan, cm).ok
+
+
+def test_packs_bound_charges_the_fixed_step_cost_over_the_longest_adapter():
+    """One long adapter among short ones: any job holding it pays the fixed step cost for
+    all of its steps, which the average-steps work bound does not see."""
+    cm = CostModel(
+        gpu_memory_bytes=1e12,
+        seq_len=1,
+        time={1: TimeCoeffs(c0=1.0, c_tok=0.0, c_rtok=0.0, c_ad=0.01)},
+        memory_coeffs={1: MemoryCoeffs(base=0.0, adapter=1.0, rank=0.0, tok=0.0, rank_tok=0.0)},
+    )
+    loads = [AdapterLoad("long", 8, 1, 1000)] + [AdapterLoad(f"s{i}", 8, 1, 10) for i in range(7)]
+    wl = Workload(loads, cm, gpus=1, max_adapters_per_job=8)
+    work = float((wl.work * wl.counts).sum())
+    lb = lower_bound(wl)
+    assert lb >= 1000 * 1.0 + 1000 * 0.01 + 70 * 0.01 - 1e-9 > work  # c0 over the long adapter's 1000 steps
+    plan = plan_sweep(loads, cm, 1, max_adapters_per_job=8)
+    assert plan.lower_bound <= plan.makespan * (1 + 1e-9) and plan.bound_ratio < 1.01

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from plora.planner.workload import Workload
 
 __all__ = ["lower_bound"]
@@ -24,9 +26,33 @@ def lower_bound(wl: Workload) -> float:
     * **straggler**: the longest single adapter (with its job's overhead), alone at
       its fastest degree -- packing only adds to an adapter's step time.
 
-    Both use exactly the quantities the planner optimises, so the plan's
+    * **packs**: the work bound charges a job's fixed step cost over the *average* steps
+      of its adapters; here it is charged over their maximum. Sort all adapters by steps,
+      s_1 >= s_2 >= ...; with at most P adapters per job, the i-th longest job runs at
+      least s_((i-1)P+1) steps (the i-1 longer ones hold at most (i-1)P adapters). So
+      G * makespan >= sum_i min_d(d c0[d]) s_((i-1)P+1) + sum_k steps_k min_d(d m_k(d))
+      + ceil(n / P) min_d(d) o. Tight where adapters of very different lengths cannot
+      fill packs of equals (a few batch-size-1 adapters among many larger batches).
+
+    All use exactly the quantities the planner optimises, so the plan's
     ``makespan / lower_bound`` is a certificate of how far from optimal it can be.
     """
     work = float((wl.work * wl.counts).sum()) / wl.gpus
     straggler = float(wl.single_time.max()) if len(wl.types) else 0.0
-    return max(work, straggler)
+    return max(work, straggler, _packs_bound(wl))
+
+
+def _packs_bound(wl: Workload) -> float:
+    if not len(wl.types):
+        return 0.0
+    biggest = max(int(np.max(wl.max_pack[d])) for d in wl.degrees)
+    biggest = max(1, biggest)
+    steps = np.sort(np.repeat(wl.steps, np.asarray(wl.counts, dtype=int)))[::-1]
+    fixed = min(d * wl.c0[d] for d in wl.degrees)
+    per_adapter = np.full(len(wl.types), np.inf)
+    for d in wl.degrees:
+        per_adapter = np.where(wl.fits[d], np.minimum(per_adapter, d * wl.step[d]), per_adapter)
+    n_jobs = -(-len(steps) // biggest)
+    gpu_seconds = (fixed * float(steps[::biggest].sum()) + float((wl.counts * wl.steps * per_adapter).sum())
+                   + n_jobs * min(wl.degrees) * wl.overhead)
+    return gpu_seconds / wl.gpus
