@@ -15,8 +15,11 @@ from plora.data import IGNORE_INDEX, Sample, TextTokenizer, collate
 from plora.packed.inject import PackedModel
 
 
-def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
-    """Mean next-token loss over each adapter's own answer tokens (rows are adapter-contiguous)."""
+def segment_loss_sums(
+    logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Summed next-token loss and answer-token count of each adapter's rows (rows are
+    adapter-contiguous). Training takes their ratio; eval adds them up over chunks."""
     shift_logits = logits[:, :-1].float()
     shift_labels = labels[:, 1:]
     token_loss = F.cross_entropy(
@@ -26,12 +29,18 @@ def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[
         reduction="none",
     ).view(shift_labels.shape)
     mask = shift_labels != IGNORE_INDEX
-    losses, start = [], 0
+    sums, counts, start = [], [], 0
     for n in rows:
-        seg_loss, seg_mask = token_loss[start : start + n], mask[start : start + n]
-        losses.append(seg_loss.sum() / seg_mask.sum().clamp(min=1))
+        sums.append(token_loss[start : start + n].sum())
+        counts.append(mask[start : start + n].sum())
         start += n
-    return losses
+    return sums, counts
+
+
+def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
+    """Mean next-token loss over each adapter's own answer tokens (rows are adapter-contiguous)."""
+    sums, counts = segment_loss_sums(logits, labels, rows)
+    return [s / c.clamp(min=1) for s, c in zip(sums, counts)]
 
 
 def _forward(pm: PackedModel, tokens: torch.Tensor, active: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
@@ -88,14 +97,10 @@ def _eval_loss(pm, adapters, samples, device, batch_rows) -> list[float]:
         if active and len(active) != len(adapters):
             raise ValueError("evaluate the base model on its own, not packed with adapters")
         logits = _forward(pm, tokens, active, [len(chunk)] * len(active))
-        n = len(chunk)
-        for j in range(len(adapters)):
-            lab = labels[j * n : (j + 1) * n, 1:]
-            lg = logits[j * n : (j + 1) * n, :-1].float()
-            mask = lab != IGNORE_INDEX
-            loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-            sums[j] += float(loss)
-            counts[j] += int(mask.sum())
+        chunk_sums, chunk_counts = segment_loss_sums(logits, labels, [len(chunk)] * len(adapters))
+        for j, (s, c) in enumerate(zip(torch.stack(chunk_sums).tolist(), torch.stack(chunk_counts).tolist())):
+            sums[j] += s
+            counts[j] += int(c)
     return [s / max(1, c) for s, c in zip(sums, counts)]
 
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import pytest
 import yaml
 
 from plora.engine.journal import Journal
