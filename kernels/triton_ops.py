@@ -31,7 +31,7 @@ import torch
 
 from .meta import MAX_RANK, LoRAMeta
 
-_MODULES: dict[bool, object] = {}
+_MODULES: dict[tuple[str, bool], object] = {}
 
 
 def _interpreting() -> bool:
@@ -39,22 +39,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def kernels_module():
-    """The module of jitted kernels, loaded for the current mode (compiled or interpreted).
+def kernels_module(file: str = "_triton_kernels.py"):
+    """A module of jitted kernels, loaded for the current mode (compiled or interpreted).
 
     Triton decides at decoration time whether a kernel is compiled or interpreted, so the
     module is loaded lazily, once per mode: a process can import this package before
     ``TRITON_INTERPRET=1`` is set and still run the interpreter on CPU tensors.
     """
     mode = _interpreting()
-    mod = _MODULES.get(mode)
+    mod = _MODULES.get((file, mode))
     if mod is None:
-        name = f"{__package__}._triton_kernels_{'interp' if mode else 'jit'}"
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_triton_kernels.py"))
+        name = f"{__package__}.{Path(file).stem}_{'interp' if mode else 'jit'}"
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
-        _MODULES[mode] = mod
+        _MODULES[(file, mode)] = mod
     return mod
 
 

@@ -362,14 +362,16 @@ class CostModel:
             all-reduces of the hidden state, 2(d-1)/d of its bytes over ``link_bandwidth``.
           * ``c_rtok``: LoRA FLOPs per rank and token (shrink, expand and their four
             backward products) at ``lora_efficiency`` -- skinny GEMMs run far from peak.
-          * ``c_ad``: per-adapter launches and bookkeeping in every adapted layer.
+          * ``c_ad``: per-adapter work that does not scale with tokens or rank: its loss
+            terms and host bookkeeping (the layers, norms and optimizer take the same few
+            launches whatever the adapter count).
           * ``c0``: streaming the weights from HBM once per pass, the per-layer kernel
             launches, all-reduce latency and a fixed per-step overhead.
         Memory follows PLoRA Appendix B with activation checkpointing: the inputs of
         every layer are kept (replicated across TP ranks), one layer's activations
         are live while it is recomputed (its head/MLP parts sharded), and the logits
-        and their gradient are vocab-parallel; LoRA parameters, gradients and AdamW
-        moments are fp32 (16 bytes per parameter).
+        and their gradient are vocab-parallel; LoRA parameters and gradients are in the
+        model dtype, AdamW moments in fp32 (2·dtype + 8 bytes per parameter).
         """
         dt = shape.dtype_bytes
         h, inter, L = shape.hidden, shape.intermediate, shape.n_layers
@@ -412,12 +414,12 @@ class CostModel:
                 + step_overhead_s,
                 c_tok=base_flops / (d * device_flops * mfu) + lora_bytes / (d * device_bandwidth) + comm_tok,
                 c_rtok=lora_flops / (d * device_flops * lora_efficiency),
-                c_ad=L * len(names) * 2 * kernel_launch_s,
+                c_ad=8 * kernel_launch_s,
             )
             memory[d] = MemoryCoeffs(
                 base=shape.n_params * dt / d + overhead_bytes,
                 adapter=adapter_overhead_bytes,
-                rank=16.0 * (p_rep + p_shard / d),
+                rank=(2.0 * dt + 8.0) * (p_rep + p_shard / d),
                 tok=kept_inputs + live_rep + live_shard / d + shape.vocab * logits_bytes_per_vocab / d,
                 rank_tok=lora_act,
             )

@@ -9,7 +9,7 @@ that poisons the context) costs only that configuration, and that process' CUDA 
 the only one on the device while it measures.
 
     python scripts/profile_models.py --out DIR                       # the acceptance run
-    python scripts/profile_models.py --out DIR --configs qwen2.5-3b:1024 --budget-s 200
+    python scripts/profile_models.py --out DIR --configs qwen2.5-3b:1024:ac --budget-s 200   # activation checkpointing
     python scripts/profile_models.py --refit DIR                     # fit and tables again
     python scripts/profile_models.py --extract DIR --to scripts/profiles
 
@@ -53,9 +53,17 @@ def preset(name: str):
     return ModelShape.preset(name)
 
 
+def parse_config(config: str) -> tuple[str, int, bool]:
+    """``MODEL:SEQ`` or ``MODEL:SEQ:ac`` (with activation checkpointing) -> (model, seq, ac)."""
+    parts = config.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "ac"):
+        raise SystemExit(f"configuration {config!r}: expected MODEL:SEQ or MODEL:SEQ:ac")
+    return parts[0], int(parts[1]), len(parts) == 3
+
+
 def tag_of(config: str) -> str:
-    model, seq = config.split(":")
-    return f"{model}-seq{seq}"
+    model, seq, ac = parse_config(config)
+    return f"{model}-seq{seq}" + ("-ac" if ac else "")
 
 
 def config_of(tag: str) -> str:
@@ -87,8 +95,7 @@ def worker(args: argparse.Namespace) -> int:
     from plora.models import write_shape_folder
     from plora.profiler import Measurement, profile_model
 
-    model, seq = args.config.split(":")
-    seq = int(seq)
+    model, seq, ac = parse_config(args.config)
     shape = preset(model)
     tag = tag_of(args.config)
     cuda = torch.cuda.is_available()
@@ -101,7 +108,7 @@ def worker(args: argparse.Namespace) -> int:
             "backend": ("torch" if os.environ.get("PLORA_KERNELS") == "torch" else "triton") if cuda else "torch",
             "gpu_memory_bytes": gpu_memory, "targets": args.targets, "dtype": args.dtype, "max_tp": args.max_tp,
             "load_factor": args.load_factor, "warmup": args.warmup, "iters": args.iters,
-            "max_probe_s": args.max_probe_s}
+            "max_probe_s": args.max_probe_s, "activation_checkpointing": ac}
     raw.write_text(json.dumps({"meta": meta}) + "\n")
 
     def record(m: Measurement) -> None:
@@ -116,6 +123,7 @@ def worker(args: argparse.Namespace) -> int:
             kmax=args.kmax, warmup=args.warmup, iters=args.iters, max_probe_s=args.max_probe_s,
             holdout=args.holdout, max_rows=None if cuda else 4, limit=cuda, gpu_memory_bytes=gpu_memory,
             num_threads=None if cuda else 1, deadline=args.deadline, min_checks=MIN_CHECKS,
+            activation_checkpointing=ac,
             log=lambda s: print(s, flush=True), on_measurement=record,
         )
     path = prof.save(args.work / "profiles" / f"{tag}.json")
@@ -141,7 +149,7 @@ def run_all(args: argparse.Namespace) -> int:
     log = (args.out / "log.txt").open("a")
     for i, config in enumerate(configs):
         left = args.budget_s - (time.time() - start)
-        weights = [WEIGHT.get(c.split(":")[0], 1.5) for c in configs[i:]]
+        weights = [WEIGHT.get(c.split(":")[0], 1.5) * (1.3 if c.endswith(":ac") else 1.0) for c in configs[i:]]
         share = (left - (FIRST_EXTRA_S if i == 0 else 0)) * weights[0] / sum(weights) + (FIRST_EXTRA_S if i == 0 else 0)
         if share < 30:
             _say(log, f"== {config}: skipped, {left:.0f} s of the budget left")
@@ -232,12 +240,14 @@ def fit_config(work: Path, config: str, refit: bool):
     meta, measured = _read_raw(work / "raw" / f"{tag_of(config)}.jsonl")
     if not measured:
         return None, "no measurements"
-    model, seq = config.split(":")
+    model, seq, ac = parse_config(config)
     shape = preset(model)
     fit = [m for m in measured if m.probe.role == "fit"]
     held = [m for m in measured if m.probe.role != "fit"]
     info = {k: meta[k] for k in ("device", "backend", "dtype", "warmup", "iters") if k in meta}
     info["seq_len"] = int(seq)
+    if ac:
+        info["activation_checkpointing"] = True
     if "note" in meta:
         info["note"] = meta["note"]
     try:
@@ -247,7 +257,7 @@ def fit_config(work: Path, config: str, refit: bool):
         return None, f"cannot fit: {e}"
     key = prof.key if prof is not None else profile_key(
         shape, seq_len=int(seq), dtype=meta.get("dtype", "bfloat16"), device_name=meta.get("device", "?"),
-        backend=meta.get("backend", "?"), targets=cm.meta["targets"])
+        backend=meta.get("backend", "?"), targets=cm.meta["targets"], activation_checkpointing=ac)
     timings = prof.timings if prof is not None else dict(meta.get("timings", {}))
     new = Profile(cm, fit, held, key, float(meta.get("load_factor", 0.9)), timings)
     new.cost_model.meta["holdout"] = new.summary()

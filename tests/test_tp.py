@@ -79,26 +79,27 @@ def _losses(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int]) -> list
 
 def _train(pm, tp, tokens: torch.Tensor, steps: int):
     """A few packed AdamW steps (per-adapter loss, clipping to 1.0); losses and norms per step."""
-    groups = [pm.adapter_parameters(k) for k in range(len(ADAPTERS))]
-    opt = torch.optim.AdamW([{"params": g, "lr": 1e-2} for g in groups], weight_decay=0.01)
+    from plora.packed.bank import LoRABank, PackedAdamW
+
+    bank = LoRABank(pm, share=tp.share if tp is not None else None)
+    opt = PackedAdamW(bank, [1e-2] * len(ADAPTERS), weight_decay=0.01)
     rows = [a[2] for a in ADAPTERS]
     history = []
     for step in range(steps):
         torch.manual_seed(100 + step)  # the dropout masks of this step
+        bank.zero_grad()
         pm.state.set_batch(list(range(len(ADAPTERS))), [n * SEQ for n in rows], "cpu")
         losses = _losses(pm.model(tokens), tokens, rows)
         sum(losses).backward()
         pm.state.clear()
         if tp is not None:
             tp.reduce_grads()
+        sq = bank.sq_norms()
         if tp is not None:
-            norms = tp.norms(groups)
-        else:
-            norms = [float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in g]))) for g in groups]
-        for g, n in zip(groups, norms):
-            torch._foreach_mul_([p.grad for p in g], min(1.0, 1.0 / (n + 1e-6)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            tp.reduce_sq_norms(sq)
+        norms = sq.sqrt().tolist()
+        opt.step({k: min(1.0, 1.0 / (n + 1e-6)) for k, n in enumerate(norms)})
+        bank.check_views()
         history.append(([float(x) for x in losses], norms))
     return history
 

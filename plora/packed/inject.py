@@ -37,12 +37,6 @@ class PackedModel:
     def adapters(self) -> list[AdapterSpec]:
         return self.state.adapters
 
-    def adapter_parameters(self, k: int) -> list[nn.Parameter]:
-        params: list[nn.Parameter] = []
-        for layer in self.layers.values():
-            params.extend(layer.adapter_parameters(k))
-        return params
-
     def adapter_state_dict(self, k: int) -> dict[str, "object"]:
         """Adapter k in torchtune's LoRA naming: `<module>.lora_a.weight` (r, in), `.lora_b.weight` (out, r)."""
         out = {}

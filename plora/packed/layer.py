@@ -2,9 +2,14 @@
 
 Every packed layer of a model shares one `PackState`: which adapters are in the current
 batch, in row order, and the segment metadata the kernels need. The trainer builds it once
-per step (`PackState.set_batch`); the layers only read it. An adapter that is not in the
-batch (finished, diverged, pruned) takes no part in the step: its weights are not even
-concatenated, so it gets no gradient and the optimizer leaves it alone.
+per step (`PackState.set_batch`); the layers only read it.
+
+A layer keeps its adapters stacked: one A (R × in) and one Bᵀ (R × out) with R = Σ r_k,
+adapter k owning rows ``row_starts[k]:row_starts[k+1]`` of both, exactly the layout the
+kernels take. Nothing is concatenated per step, and the autograd graph has two leaves
+per layer whatever the number of adapters. An adapter that is not in the batch (finished,
+diverged, pruned) gets an empty token segment: no kernel reads its rows, its gradient
+rows stay zero, and the optimizer does not step it.
 """
 
 from __future__ import annotations
@@ -41,24 +46,40 @@ class PackState:
     active: list[int] = field(default_factory=list)
     meta: LoRAMeta | None = None
 
+    @property
+    def row_starts(self) -> list[int]:
+        """Where each adapter's rows start in a layer's stacked A and Bᵀ (K + 1 entries)."""
+        out = [0]
+        for s in self.adapters:
+            out.append(out[-1] + s.rank)
+        return out
+
     def set_batch(
         self,
         active: Sequence[int],
         tokens_per_adapter: Sequence[int],
         device: torch.device | str,
     ) -> None:
-        """Adapters `active` own consecutive token segments of the flattened batch, in order."""
+        """Adapters `active` (ascending) own consecutive token segments of the flattened
+        batch, in order; every other adapter gets an empty segment."""
         if len(active) != len(tokens_per_adapter):
             raise ValueError("one token count per active adapter")
-        self.active = list(active)
+        active = [int(k) for k in active]
+        if any(b <= a for a, b in zip(active, active[1:])):
+            raise ValueError(f"active adapters must be distinct and ascending, got {active}")
+        if active and not (0 <= active[0] and active[-1] < len(self.adapters)):
+            raise ValueError(f"active adapters {active} out of range for {len(self.adapters)} adapters")
+        self.active = active
         if not self.active:
             self.meta = None
             return
-        specs = [self.adapters[i] for i in self.active]
+        tokens = [0] * len(self.adapters)
+        for k, n in zip(active, tokens_per_adapter):
+            tokens[k] = int(n)
         self.meta = build_lora_meta(
-            list(tokens_per_adapter),
-            [s.rank for s in specs],
-            [s.scale for s in specs],
+            tokens,
+            [s.rank for s in self.adapters],
+            [s.scale for s in self.adapters],
             device,
         )
 
@@ -69,8 +90,8 @@ class PackState:
 class PackedLoRALinear(nn.Module):
     """`y = x Wᵀ + b + concat_k(s_k (x_k A_kᵀ) B_kᵀ)` over the active adapters' segments.
 
-    A_k is stored as (r_k, in) and B_k transposed as (r_k, out), so that the active adapters'
-    weights concatenate along dim 0 into the stacked layout the kernels take.
+    ``a_all`` (R × in) stacks every A_k, ``bt_all`` (R × out) every B_kᵀ; ``lora_a[k]`` and
+    ``lora_bt[k]`` are adapter k's rows (views).
     """
 
     def __init__(self, base: nn.Linear, state: PackState, dropout: float, module_name: str):
@@ -81,32 +102,35 @@ class PackedLoRALinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
-        self.lora_a = nn.ParameterList()
-        self.lora_bt = nn.ParameterList()
         device, dtype = base.weight.device, base.weight.dtype
-        for spec in state.adapters:
-            a, bt = self._init_adapter(spec, device, dtype)
-            self.lora_a.append(a)
-            self.lora_bt.append(bt)
+        a = torch.cat([self._init_a(spec) for spec in state.adapters]) if state.adapters else torch.zeros(0, self.in_features)
+        self.a_all = nn.Parameter(a.to(device=device, dtype=dtype))
+        self.bt_all = nn.Parameter(torch.zeros(a.shape[0], self.out_features, device=device, dtype=dtype))
+        self._rows = state.row_starts
 
-    def _init_adapter(self, spec: AdapterSpec, device, dtype) -> tuple[nn.Parameter, nn.Parameter]:
+    def _init_a(self, spec: AdapterSpec) -> torch.Tensor:
         # Seeded by (adapter seed, layer name) only, so an adapter starts from the same
         # weights whatever else is in its pack. A: nn.Linear/PEFT's kaiming-uniform bound.
         gen = torch.Generator().manual_seed(_stable_seed(spec.seed, self.module_name))
         bound = 1.0 / math.sqrt(self.in_features)
-        a = (torch.rand(spec.rank, self.in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
-        bt = torch.zeros(spec.rank, self.out_features)
-        return (
-            nn.Parameter(a.to(device=device, dtype=dtype)),
-            nn.Parameter(bt.to(device=device, dtype=dtype)),
-        )
+        return (torch.rand(spec.rank, self.in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+
+    @property
+    def lora_a(self) -> tuple[torch.Tensor, ...]:
+        """Each adapter's A_k (r_k × in local features): views of ``a_all``."""
+        return tuple(self.a_all[r0:r1] for r0, r1 in zip(self._rows, self._rows[1:]))
+
+    @property
+    def lora_bt(self) -> tuple[torch.Tensor, ...]:
+        """Each adapter's B_kᵀ (r_k × out local features): views of ``bt_all``."""
+        return tuple(self.bt_all[r0:r1] for r0, r1 in zip(self._rows, self._rows[1:]))
+
+    def row_range(self, k: int) -> tuple[int, int]:
+        return self._rows[k], self._rows[k + 1]
 
     #: set by `plora.packed.tp` when the layer is sharded over tensor-parallel ranks: the
     #: sharded forward (local shards, collectives) replaces this one. None on one process.
     tp = None
-
-    def adapter_parameters(self, k: int) -> list[nn.Parameter]:
-        return [self.lora_a[k], self.lora_bt[k]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:
@@ -116,10 +140,8 @@ class PackedLoRALinear(nn.Module):
             return self.base(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        a = torch.cat([self.lora_a[k] for k in state.active]) if len(state.active) > 1 else self.lora_a[state.active[0]]
-        bt = torch.cat([self.lora_bt[k] for k in state.active]) if len(state.active) > 1 else self.lora_bt[state.active[0]]
         lora_x = self.dropout(x2) if self.dropout is not None and self.training else None
-        y = packed_lora_linear(x2, self.base.weight, self.base.bias, a, bt, state.meta, lora_x=lora_x)
+        y = packed_lora_linear(x2, self.base.weight, self.base.bias, self.a_all, self.bt_all, state.meta, lora_x=lora_x)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -16,9 +16,9 @@ Embeddings, norms and the output head stay replicated: every rank computes them 
 same values, so the logits, losses and eval decisions are the same on every rank.
 
 The parameters hold their local shards as plain tensors rather than DTensors: the packed
-kernels, the per-adapter foreach AdamW and the per-adapter norms then run on plain tensors
-(no DTensor dispatch on thousands of small LoRA tensors per step), and the optimizer state
-is sharded like the parameters with no extra work. The collectives are explicit and
+kernels and the flat per-adapter AdamW and norms (`plora.packed.bank`) then run on plain
+tensors (no DTensor dispatch per LoRA tensor per step), and the optimizer state is sharded
+like the parameters with no extra work. The collectives are explicit and
 autograd-aware (Megatron's f and g): f (identity forward, all-reduce backward) sits on the
 output of each block's two norms, which feed all the column-parallel layers of the block,
 so q, k and v share one all-reduce of dx in backward; g (all-reduce forward, identity
@@ -35,7 +35,6 @@ their gradients are summed over the copies in the same all-reduce.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plora.kernels import packed_lora_linear
-from plora.packed.norms import group_norms
 from plora.packed.inject import PackedModel
 from plora.packed.layer import PackedLoRALinear
 
@@ -179,11 +177,8 @@ class PackedShard:
         if not state.active:
             y = F.linear(x2, weight, None if row else bias)
         else:
-            act = state.active
-            a = torch.cat([layer.lora_a[k] for k in act]) if len(act) > 1 else layer.lora_a[act[0]]
-            bt = torch.cat([layer.lora_bt[k] for k in act]) if len(act) > 1 else layer.lora_bt[act[0]]
             lora_x = self._dropout(x2) if self.dropout_p > 0 and layer.training else None
-            y = packed_lora_linear(x2, weight, None if row else bias, a, bt, state.meta, lora_x=lora_x)
+            y = packed_lora_linear(x2, weight, None if row else bias, layer.a_all, layer.bt_all, state.meta, lora_x=lora_x)
         if row:
             y = reduce_from_tp(y, self.group)
             if bias is not None:
@@ -276,21 +271,20 @@ class TensorParallel:
             base.weight = nn.Parameter(w.contiguous().clone(), requires_grad=False)
             if b is not None:
                 base.bias = nn.Parameter(b.contiguous().clone(), requires_grad=False)
-            for k in range(len(layer.lora_a)):
-                a, bt = layer.lora_a[k], layer.lora_bt[k]
-                if split.style == "col":  # A replicated, Bᵀ split along out
-                    bt = nn.Parameter(bt[:, lo:hi].contiguous().clone())
-                    self.copies[a] = self.size
-                    self._replicated.append(a)
-                    self.copies[bt] = split.copies
-                    if split.copies > 1:
-                        self._kv_copies.append((bt, split))
-                else:  # A split along in, Bᵀ replicated
-                    a = nn.Parameter(a[:, lo:hi].contiguous().clone())
-                    self.copies[bt] = self.size
-                    self._replicated.append(bt)
-                    self.copies[a] = 1
-                layer.lora_a[k], layer.lora_bt[k] = a, bt
+            a, bt = layer.a_all, layer.bt_all  # every adapter's rows, stacked
+            if split.style == "col":  # A replicated, Bᵀ split along out
+                bt = nn.Parameter(bt[:, lo:hi].contiguous().clone())
+                self.copies[a] = self.size
+                self._replicated.append(a)
+                self.copies[bt] = split.copies
+                if split.copies > 1:
+                    self._kv_copies.append((bt, split))
+            else:  # A split along in, Bᵀ replicated
+                a = nn.Parameter(a[:, lo:hi].contiguous().clone())
+                self.copies[bt] = self.size
+                self._replicated.append(bt)
+                self.copies[a] = 1
+            layer.a_all, layer.bt_all = a, bt
         layer.tp = PackedShard(split, self.group, layer.dropout.p if layer.dropout is not None else 0.0)
 
     # ------------------------------------------------------------------ training
@@ -322,16 +316,16 @@ class TensorParallel:
             else:
                 p.grad.copy_(chunk.view(p.grad.shape[0], split.full)[:, split.lo : split.hi])
 
-    def norms(self, groups: Sequence[Sequence[nn.Parameter]], of_weights: bool = False) -> list[float]:
-        """Each group's L2 norm (gradients, or weights) over the whole unsharded tensors.
+    def share(self, p: nn.Parameter) -> float:
+        """The weight of a local tensor's squared norm in an adapter's norm over the whole
+        unsharded model: 1 / the number of ranks that hold the same values."""
+        return 1.0 / self.copies.get(p, 1)
 
-        Squared norms of local tensors are divided by the number of ranks that hold the
-        same values and summed over the ranks: one all-reduce, and every rank gets the same
-        numbers, so every rank takes the same clipping and divergence decisions. As on one
-        process, one `_foreach_norm` over every tensor of every group and one segment sum.
-        """
-        return group_norms(groups, of_weights, share=lambda p: 1.0 / self.copies.get(p, 1),
-                           reduce=lambda sums: dist.all_reduce(sums, group=self.group))
+    def reduce_sq_norms(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' weighted squared norms: one all-reduce, the same numbers on every
+        rank, so every rank takes the same clipping and divergence decisions."""
+        dist.all_reduce(sums, group=self.group)
+        return sums
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's values everywhere (losses, prune flags): one decision for all ranks."""

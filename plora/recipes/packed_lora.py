@@ -6,7 +6,8 @@ does for each job), or in-process with ``PackedLoRARecipe(cfg).run()``.
 One step: every active adapter draws its own micro-batch from its own seeded data order;
 the rows are concatenated adapter by adapter; the base model runs once; the loss is the sum
 of per-adapter mean losses, so each adapter's gradient is exactly its own. Clipping,
-learning rate, warm-up and schedule are per adapter (one AdamW param group each). An adapter
+learning rate, warm-up and schedule are per adapter (`PackedAdamW` over one flat buffer of
+every adapter's weights: one launch per step for the whole pack). An adapter
 whose loss or gradient turns NaN/inf is marked ``diverged`` and leaves the batch; one whose
 budget is done is evaluated, saved in the PEFT format and leaves the batch.
 """
@@ -30,7 +31,7 @@ from plora.evaluate import evaluate_adapters, per_adapter_loss
 from plora.models import load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
-from plora.packed.norms import group_norms
+from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.peft_format import save_peft_adapter
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 
@@ -147,12 +148,11 @@ class PackedLoRARecipe:
             if t.get("warmup_ratio"):
                 warmup = int(math.ceil(float(t.warmup_ratio) * total))
             self.runs.append(AdapterRun(i, a, total, warmup, AdapterStream(len(self.train_samples), int(a["seed"]))))
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": self.pm.adapter_parameters(r.index), "lr": float(r.cfg["learning_rate"]), "name": r.id}
-                for r in self.runs
-            ],
-            lr=1e-3,
+        # after TP sharding: the bank lays out the local shards
+        self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
+        self.optimizer = PackedAdamW(
+            self.bank,
+            [float(r.cfg["learning_rate"]) for r in self.runs],
             weight_decay=float(t.get("weight_decay", 0.0)),
         )
         self.grad_clip = t.get("grad_clip")
@@ -207,6 +207,7 @@ class PackedLoRARecipe:
         tokens, labels = collate(samples, self.tok.pad_id)
         tokens, labels = tokens.to(self.device), labels.to(self.device)
         seq = tokens.shape[1]
+        self.bank.zero_grad()
         self.pm.state.set_batch([r.index for r in active], [n * seq for n in rows], self.device)
         logits = self.pm.model(tokens)
         losses = per_adapter_loss(logits, labels, rows)
@@ -227,50 +228,49 @@ class PackedLoRARecipe:
             alive.append(r)
             total = loss if total is None else total + loss
         if total is not None:
-            total.backward()
+            total.backward()  # an adapter left out of `total` gets zero gradient rows
         self.pm.state.clear()
-        for r in active:
-            if r not in alive:
-                self._drop_grads(r)
         if self.tp is not None:  # partial gradients of replicated LoRA tensors
             self.tp.reduce_grads()
 
-        norms = (self.tp.norms if self.tp else group_norms)([self.optimizer.param_groups[r.index]["params"] for r in alive])
-        stepping = []
-        for r, norm in zip(alive, norms):
-            group = self.optimizer.param_groups[r.index]
+        norms = self._norms() if alive else []
+        coefs: dict[int, float] = {}
+        for r in alive:
+            norm = norms[r.index]
             if not math.isfinite(norm):
                 self._diverge(r, f"gradient norm {norm} at step {r.step}")
-                self._drop_grads(r)
                 continue
+            coef = 1.0
             if self.grad_clip is not None:  # as torch's clip_grad_norm_, per adapter
                 coef = min(1.0, float(self.grad_clip) / (norm + 1e-6))
-                torch._foreach_mul_([p.grad for p in group["params"] if p.grad is not None], coef)
             lr = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
-            # AdamW turns lr / bias_correction into the parameter dtype and raises past its
-            # range, which would take the whole pack down for one absurd adapter.
-            group["lr"] = min(lr, MAX_LR)
-            stepping.append(r)
-            self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": r.losses[-1], "lr": group["lr"], "grad_norm": norm})
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            # lr / (1 - beta1) goes to the device as float32: a larger value would turn one
+            # absurd adapter's step into inf before its weights could show it.
+            self.optimizer.lrs[r.index] = min(lr, MAX_LR)
+            coefs[r.index] = coef
+            self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": r.losses[-1],
+                       "lr": self.optimizer.lrs[r.index], "grad_norm": norm})
+        self.optimizer.step(coefs)
+        stepping = [r for r in alive if r.index in coefs]
         for r in stepping:
             r.step += 1
-        weight_norms = (self.tp.norms if self.tp else group_norms)(
-            [self.optimizer.param_groups[r.index]["params"] for r in stepping], of_weights=True
-        )
-        for r, norm in zip(stepping, weight_norms):
-            if not math.isfinite(norm):
-                self._diverge(r, f"non-finite weights after step {r.step}")
+        if stepping:
+            weight_norms = self._norms(of_weights=True)
+            for r in stepping:
+                if not math.isfinite(weight_norms[r.index]):
+                    self._diverge(r, f"non-finite weights after step {r.step}")
 
-    def _drop_grads(self, r: AdapterRun) -> None:
-        for p in self.optimizer.param_groups[r.index]["params"]:
-            p.grad = None
+    def _norms(self, of_weights: bool = False) -> list[float]:
+        """Every adapter's L2 norm (gradient, or weights) over the whole model: one launch,
+        one all-reduce under TP, one host sync."""
+        sq = self.bank.sq_norms(of_weights)
+        if self.tp is not None:
+            self.tp.reduce_sq_norms(sq)
+        return sq.sqrt().tolist()
 
     # ---------------------------------------------------------- leaving the pack
     def _diverge(self, r: AdapterRun, reason: str) -> None:
         r.status, r.reason, r.finished_at = "diverged", reason, time.time()
-        self._drop_optimizer_state(r)
         self._write_adapter_metrics(r, {}, checkpoint=None)
 
     def _finish(self, runs: list[AdapterRun], status: str) -> None:
@@ -301,13 +301,7 @@ class PackedLoRARecipe:
                 targets=self.targets,
                 dropout=self.dropout,
             ) if self.is_main else None
-            self._drop_optimizer_state(r)
             self._write_adapter_metrics(r, m, checkpoint=ckpt)
-
-    def _drop_optimizer_state(self, r: AdapterRun) -> None:
-        # A finished adapter's AdamW moments are dead weight for the rest of the job.
-        for p in self.optimizer.param_groups[r.index]["params"]:
-            self.optimizer.state.pop(p, None)
 
     def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
         """Every `eval.every_steps` of its own steps, an adapter's eval loss goes to
@@ -410,7 +404,6 @@ class PackedLoRARecipe:
         for r in self.runs:
             if r.active and r.id in prune:
                 r.status, r.reason, r.finished_at = "pruned", "pruned", time.time()
-                self._drop_optimizer_state(r)
                 self._write_adapter_metrics(r, {}, checkpoint=None)
 
     def _read_control(self) -> set[str]:
