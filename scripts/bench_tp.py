@@ -2,8 +2,9 @@
 
 Runs the real job the engine runs (`tune run [--nproc_per_node d] plora/recipes/packed_lora.py`,
 CUDA_VISIBLE_DEVICES = the job's GPUs) on a random-init model of a preset shape with
-synthetic data, once per TP degree, then (``--concurrent``) two TP=2 jobs at once on
-disjoint GPU pairs, as the engine places them. Per job: wall time, median step time (from
+synthetic data, once per TP degree, then (``--concurrent``) two jobs at once on disjoint
+GPU sets (TP=2 on GPUs 0,1 and 2,3; TP=1 on GPUs 0 and 1 of a 2-GPU machine), as the
+engine places them. Per job: wall time, median step time (from
 the recipe's own metrics.jsonl timestamps: every step ends in a host sync, so they are
 step boundaries), tokens/s, and the largest per-step loss difference from TP = 1.
 
@@ -133,7 +134,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--concurrent", action="store_true", help="also two TP=2 jobs at once on GPUs 0,1 and 2,3")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="also two jobs at once on disjoint GPUs: TP=2 on 0,1 and 2,3 (4 GPUs), TP=1 on 0 and 1 (2 GPUs)")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--launcher", choices=["tune", "torchrun"], default="tune")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -157,9 +159,11 @@ def main() -> None:
         res = collect(cfg, *launch(cfg, work, gpus, args.launcher), gpus, args.timeout)
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
-    if args.concurrent and n_gpus >= 4:
-        pairs = [[0, 1], [2, 3]]
-        cfgs = [job_config(model_dir, args.out / f"pair{i}", f"tp2-gpus{p[0]}{p[1]}", args, 2) for i, p in enumerate(pairs)]
+    if args.concurrent and n_gpus >= 2:
+        half = min(2, n_gpus // 2)  # two TP=2 jobs on 4 GPUs, two TP=1 jobs on 2
+        pairs = [list(range(half)), list(range(half, 2 * half))]
+        cfgs = [job_config(model_dir, args.out / f"pair{i}", f"tp{half}-gpus{''.join(map(str, p))}", args, half)
+                for i, p in enumerate(pairs)]
         running = [(cfg, launch(cfg, work, p, args.launcher), p) for cfg, p in zip(cfgs, pairs)]
         for cfg, launched, p in running:
             res = collect(cfg, *launched, p, args.timeout)

@@ -163,6 +163,7 @@ def test_segmented_ops_on_gpu_bf16(monkeypatch):
     want = [t.clone() for t in (w, m, v)]
     S.segmented_adamw_ref_(*want[:1], g, *want[1:], seg, hp)
     segmented_adamw_(w, g, m, v, seg, hp)
-    assert (w.float() - want[0].float()).abs().max() <= 1e-2
+    # bf16 weights: the two paths may round the same fp32 value to neighbouring bf16 numbers
+    assert ((w.float() - want[0].float()).abs() <= 2**-7 * want[0].float().abs() + 1e-6).all()
     assert torch.allclose(m, want[1], atol=1e-6) and torch.allclose(v, want[2], atol=1e-6)
     assert torch.allclose(segment_sq_norms(g, seg), S.segment_sq_norms_ref(g, seg), rtol=1e-4)
