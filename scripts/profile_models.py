@@ -74,23 +74,10 @@ def config_of(tag: str) -> str:
 # ----------------------------------------------------------------------------- worker
 
 
-def _tree_imports() -> None:
-    """`plora.kernels` from the tree when plora is not installed (``kernels/`` maps onto it)."""
-    try:
-        import plora.kernels  # noqa: F401
-    except ImportError:
-        import plora
-
-        plora.__path__.append(str(REPO))
-        import plora.kernels  # noqa: F401
-
-
 def worker(args: argparse.Namespace) -> int:
     """Profile one configuration in this process; every measurement goes to the raw file
     as it is taken, so a configuration stopped by the budget can still be fitted."""
     import torch
-
-    _tree_imports()
 
     from plora.models import write_shape_folder
     from plora.profiler import Measurement, profile_model

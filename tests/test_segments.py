@@ -167,3 +167,22 @@ def test_segmented_ops_on_gpu_bf16(monkeypatch):
     assert ((w.float() - want[0].float()).abs() <= 2**-7 * want[0].float().abs() + 1e-6).all()
     assert torch.allclose(m, want[1], atol=1e-6) and torch.allclose(v, want[2], atol=1e-6)
     assert torch.allclose(segment_sq_norms(g, seg), S.segment_sq_norms_ref(g, seg), rtol=1e-4)
+
+
+def test_kernels_import_from_a_source_checkout(tmp_path):
+    """Without an install (PYTHONPATH on a checkout, as on an offline GPU machine),
+    `plora.kernels` still resolves to the repository's kernels/ folder."""
+    import site
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import plora
+
+    repo = Path(plora.__file__).resolve().parent.parent
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([str(repo), *site.getsitepackages()])}
+    code = "import plora.kernels.segments as s, plora.kernels as k; print(k.__file__); print(s.__file__)"
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split()
+    assert lines == [str(repo / "kernels" / "__init__.py"), str(repo / "kernels" / "segments.py")]
