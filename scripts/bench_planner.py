@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         models = [CostModel.analytic(ModelShape.preset(m.strip()), seq, gpu_mem, targets)
                   for m in args.models.split(",") if m.strip()]
     steps = sorted({a.steps for a in loads})
-    print(f"space {args.space.name}: {len(loads)} adapters ({source}), {gpus} GPUs x {gpu_mem / 2**30:.0f} GiB, "
+    mem_note = "GPU memory of each profile" if args.profile else f"{gpu_mem / 2**30:.0f} GiB"
+    print(f"space {args.space.name}: {len(loads)} adapters ({source}), {gpus} GPUs x {mem_note}, "
           f"seq {seq}, num_train {num_train}, steps {steps[0]}..{steps[-1]}, cap {cap}, load factor {load_factor}, "
           f"solver {solver}")
 

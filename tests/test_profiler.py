@@ -306,11 +306,12 @@ def test_acceptance_script_refits_from_raw_measurements(tmp_path):
 def test_shipped_gpu_profiles_load():
     """The profiles measured on the GPU that the planner benchmark reads."""
     folder = Path(__file__).parents[1] / "scripts" / "profiles"
-    for name in ("qwen2.5-0.5b", "qwen2.5-3b", "qwen2.5-7b"):
-        path = folder / f"{name}-seq1024.json"
+    for name in ("qwen2.5-0.5b-seq1024", "qwen2.5-3b-seq1024-ac", "qwen2.5-7b-seq1024",
+                 "qwen2.5-0.5b-seq256", "qwen2.5-7b-seq256"):
+        path = folder / f"{name}.json"
         cm = CostModel.load(path)
         prof = Profile.load(path)
-        assert cm.seq_len == 1024 and 1 in cm.degrees and cm.meta["measured_degrees"] == [1]
+        assert cm.seq_len == int(name.split("seq")[1].split("-")[0]) and 1 in cm.degrees and cm.meta["measured_degrees"] == [1]
         assert prof.measurements and prof.key["device"].startswith("NVIDIA")
         loads = Probe("p", (16, 32), (1, 2)).loads()
         assert 0 < cm.memory(loads, 1) < cm.gpu_memory_bytes and cm.step_time(loads, 1) > 0

@@ -37,7 +37,7 @@ def lower_bound(wl: Workload) -> float:
     All use exactly the quantities the planner optimises, so the plan's
     ``makespan / lower_bound`` is a certificate of how far from optimal it can be.
     """
-    work = float((wl.work * wl.counts).sum()) / wl.gpus
+    work = float((wl.bound_work * wl.counts).sum()) / wl.gpus
     straggler = float(wl.single_time.max()) if len(wl.types) else 0.0
     return max(work, straggler, _packs_bound(wl))
 

@@ -30,8 +30,10 @@ __all__ = ["plan_sweep", "schedule"]
 #: (a floor too high strands odd adapters until the end, one too low wastes GPU time),
 #: so a small portfolio of settings is cheap insurance (a run takes seconds).
 # Looser slacks let a pack run somewhat past the remaining-time estimate: where a per-job
-# start-up cost dominates (small sweeps, CPU), one longer job beats two short ones.
-RUNS = ((0.9, 1.0), (0.8, 1.0), (0.95, 1.0), (0.9, 0.8), (0.97, 1.0), (0.9, 1.3), (0.8, 1.6))
+# start-up cost dominates (small sweeps, CPU), one longer job beats two short ones. A low
+# floor lets an incomplete pack of the longest adapters start early (longest first) where
+# the per-step constant makes every incomplete pack look inefficient.
+RUNS = ((0.9, 1.0), (0.8, 1.0), (0.95, 1.0), (0.9, 0.8), (0.97, 1.0), (0.9, 1.3), (0.8, 1.6), (0.7, 1.0))
 
 
 def _take_gpus(free: set[int], d: int, gpus: int) -> list[int]:
@@ -44,11 +46,16 @@ def _take_gpus(free: set[int], d: int, gpus: int) -> list[int]:
 
 
 def _time_left(wl: Workload, now: float, running: list[Job], remaining: np.ndarray) -> float:
-    """A lower bound on the time still needed: committed plus ideal work over all GPUs,
-    and the longest adapter left, which could start now."""
+    """The time still needed, as the planner prices it: committed plus the waiting work over
+    all GPUs, and the longest adapters left, packed with their own kind, starting now.
+
+    The longest adapters are priced as a pack, not alone: where the per-step constant
+    dominates, the pack that shares it is longer than any adapter alone, and sizing jobs
+    to the lone time would keep the longest adapters from being packed until the end."""
     committed = sum(j.tp * (j.end - now) for j in running)
     spread = (committed + float(remaining @ wl.work)) / wl.gpus
-    longest = float(wl.single_time[remaining > 0].max()) if remaining.sum() > 0 else 0.0
+    left = np.flatnonzero(remaining > 0)
+    longest = max((wl.pack_time(int(i), int(remaining[i])) for i in left), default=0.0)
     return max(spread, longest)
 
 

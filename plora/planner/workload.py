@@ -36,7 +36,8 @@ class Workload:
     Per TP degree ``d`` (only degrees the model supports and ``<= gpus``):
     ``mem[d][t]`` bytes one adapter of type t adds, ``step[d][t]`` seconds it adds to
     each step, ``fits[d][t]`` whether it fits alone. ``work[t]`` is the type's ideal
-    GPU-seconds (see :meth:`ideal_work`), the unit in which the planner counts progress.
+    GPU-seconds as the planner prices it (see :meth:`planning_work`), the unit in which it
+    counts progress; ``bound_work[t]`` the lower bound's (:meth:`ideal_work`).
     """
 
     def __init__(
@@ -94,7 +95,9 @@ class Workload:
         self._check_placeable()
         self.max_pack = {d: self._max_pack(d) for d in self.degrees}
         self.overhead = float(getattr(cost_model, "job_overhead_s", 0.0))  # once per job
-        self.work = self.ideal_work()
+        self.same_pack = {d: self._same_pack(d) for d in self.degrees}
+        self.bound_work = self.ideal_work()
+        self.work = self.planning_work()
         self.single_time = np.array([self._single_time(i) for i in range(len(self.types))])
 
     # ------------------------------------------------------------------------------------
@@ -158,6 +161,37 @@ class Workload:
             cost = d * (self.overhead / pack + self.steps * (self.step[d] + self.c0[d] / pack))
             w = np.where(self.fits[d], np.minimum(w, cost), w)
         return w
+
+    def _same_pack(self, d: int) -> np.ndarray:
+        """Per type: how many adapters of its own memory fit one job at degree d (at most
+        the cap): the pack a type can count on. `_max_pack` assumes the smallest
+        companions, which exist only for some of the adapters that need them."""
+        room = self.budget - self.mem_base[d]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            n = np.floor(room / np.maximum(self.mem[d], 1e-30))
+        return np.clip(np.minimum(n, self.max_pack[d]), 1, max(self.cap, 1))
+
+    def planning_work(self) -> np.ndarray:
+        """Per type: GPU-seconds of one adapter in a pack of `_same_pack` adapters like it,
+        at its cheapest degree -- what the scheduler expects an adapter still waiting to
+        cost. The lower bound's `ideal_work` prices every adapter as packed with the
+        smallest companions; pricing the ones too large for that so cheaply makes running
+        them look wasteful, and the scheduler would leave GPUs idle rather than start them."""
+        w = np.full(len(self.types), np.inf)
+        for d in self.degrees:
+            pack = self.same_pack[d]
+            cost = d * (self.overhead / pack + self.steps * (self.step[d] + self.c0[d] / pack))
+            w = np.where(self.fits[d], np.minimum(w, cost), w)
+        return w
+
+    def pack_time(self, i: int, n: int) -> float:
+        """Shortest job time of n adapters of type i alone together (n capped at what fits)."""
+        best = np.inf
+        for d in self.degrees:
+            if self.fits[d][i]:
+                k = max(1, min(n, int(self.same_pack[d][i])))
+                best = min(best, self.overhead + self.steps[i] * (self.c0[d] + k * self.step[d][i]))
+        return float(best)
 
     def _single_time(self, i: int) -> float:
         """Shortest time type i can finish in (alone, at its fastest degree): no pack makes it faster."""
