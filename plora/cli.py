@@ -374,6 +374,7 @@ def profile(
         ("per 1k tokens", "ms", lambda c, m: c.c_tok * 1e6),
         ("per rank·1k tokens", "µs", lambda c, m: c.c_rtok * 1e9),
         ("per adapter", "ms", lambda c, m: c.c_ad * 1e3),
+        ("per rank bucket", "ms", lambda c, m: c.c_bkt * 1e3),
         ("memory base", "GiB", lambda c, m: m.base / 2**30),
         ("per adapter", "MiB", lambda c, m: m.adapter / 2**20),
         ("per rank", "MiB", lambda c, m: m.rank / 2**20),

@@ -20,6 +20,11 @@ of one token of the adapter's rows; ``rank_tok`` the LoRA activations.
 Step time, per packed step::
 
     t(J, d) = c0[d] + c_tok[d]*sum_k bs_k*seq + c_rtok[d]*sum_k r_k*bs_k*seq + c_ad[d]*K
+              + c_bkt[d]*B(J)
+
+``B(J)`` is the number of distinct rank buckets among the pack's adapters (`rank_bucket`):
+the packed kernels launch once per bucket, stage and layer, so each bucket adds a fixed
+cost to every step (the host side of its launches), whatever its adapters' tokens.
 
 A job trains every adapter for its own number of steps and an adapter leaves the
 pack when it is done, so the step gets cheaper as the job goes on (``job_time``).
@@ -35,6 +40,7 @@ from typing import Any, Iterable, Sequence
 
 __all__ = [
     "AdapterLoad",
+    "rank_bucket",
     "CostModel",
     "MemoryCoeffs",
     "ModelShape",
@@ -48,6 +54,19 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _COLWISE = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 # ... and these their input features (row parallel).
 _ROWWISE = frozenset({"o_proj", "down_proj"})
+
+
+def rank_bucket(rank: int) -> int:
+    """The kernels' launch group of a rank: the next power of two, at least 16
+    (`plora.kernels.rank_bucket`, repeated here so the cost model needs no torch)."""
+    b = 16
+    while b < rank:
+        b *= 2
+    return b
+
+
+def num_buckets(ranks: Iterable[int]) -> int:
+    return len({rank_bucket(int(r)) for r in ranks})
 
 
 def resolve_lora_targets(targets: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -191,12 +210,14 @@ _PRESETS: dict[str, ModelShape] = {
 
 @dataclass(frozen=True)
 class TimeCoeffs:
-    """Step-time coefficients at one TP degree (seconds; per step, per token, per rank*token, per adapter)."""
+    """Step-time coefficients at one TP degree (seconds; per step, per token, per rank*token,
+    per adapter, per rank bucket)."""
 
     c0: float
     c_tok: float
     c_rtok: float
     c_ad: float
+    c_bkt: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -262,9 +283,14 @@ class CostModel:
         """Peak bytes per GPU of a job at TP degree ``d``."""
         return self.memory_base(d) + sum(self.memory_per_adapter(a, d) for a in adapters)
 
+    def step_per_bucket(self, d: int) -> float:
+        """Seconds each distinct rank bucket in a pack adds to every step."""
+        return self.time[d].c_bkt
+
     def step_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
         """Seconds of one packed step of all ``adapters``."""
-        return self.step_base(d) + sum(self.step_per_adapter(a, d) for a in adapters)
+        buckets = num_buckets(a.rank for a in adapters)
+        return self.step_base(d) + sum(self.step_per_adapter(a, d) for a in adapters) + self.step_per_bucket(d) * buckets
 
     def job_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
         """Seconds of a whole job; each adapter leaves the pack once its steps are done.
@@ -288,7 +314,7 @@ class CostModel:
     def scaled(self, factor: float) -> "CostModel":
         """The same model with every time `factor` times longer: what a re-plan uses once
         measured job times have drifted from the predicted ones by that factor."""
-        time_coeffs = {d: TimeCoeffs(c.c0 * factor, c.c_tok * factor, c.c_rtok * factor, c.c_ad * factor)
+        time_coeffs = {d: TimeCoeffs(c.c0 * factor, c.c_tok * factor, c.c_rtok * factor, c.c_ad * factor, c.c_bkt * factor)
                        for d, c in self.time.items()}
         return CostModel(self.gpu_memory_bytes, self.seq_len, time_coeffs, dict(self.memory_coeffs),
                          name=self.name, meta={**self.meta, "time_scale": factor},
@@ -365,6 +391,7 @@ class CostModel:
           * ``c_ad``: per-adapter work that does not scale with tokens or rank: its loss
             terms and host bookkeeping (the layers, norms and optimizer take the same few
             launches whatever the adapter count).
+          * ``c_bkt``: each rank bucket's kernel launches in every adapted layer.
           * ``c0``: streaming the weights from HBM once per pass, the per-layer kernel
             launches, all-reduce latency and a fixed per-step overhead.
         Memory follows PLoRA Appendix B with activation checkpointing: the inputs of
@@ -415,6 +442,7 @@ class CostModel:
                 c_tok=base_flops / (d * device_flops * mfu) + lora_bytes / (d * device_bandwidth) + comm_tok,
                 c_rtok=lora_flops / (d * device_flops * lora_efficiency),
                 c_ad=8 * kernel_launch_s,
+                c_bkt=L * len(names) * 6 * kernel_launch_s,  # 2 forward + ~4 backward launches per layer
             )
             memory[d] = MemoryCoeffs(
                 base=shape.n_params * dt / d + overhead_bytes,

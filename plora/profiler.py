@@ -68,7 +68,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, resolve_lora_targets
+from plora.costmodel import (AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, num_buckets,
+                             resolve_lora_targets)
 
 __all__ = [
     "DEFAULT_ITERS",
@@ -110,7 +111,7 @@ CPU_MAX_ROWS = 8
 CPU_DEFAULTS = {"max_probe_s": 0.5, "holdout": 3}
 PROFILE_KIND = "plora.profile/v1"
 CACHE_ENV = "PLORA_CACHE_DIR"
-TIME_FEATURES = ("c0", "c_tok", "c_rtok", "c_ad")
+TIME_FEATURES = ("c0", "c_tok", "c_rtok", "c_ad", "c_bkt")
 MEMORY_FEATURES = ("base", "adapter", "rank", "tok", "rank_tok")
 
 Log = Callable[[str], None]
@@ -502,7 +503,7 @@ class _RssPoller:
 
 
 def _time_row(p: Probe, seq: int) -> list[float]:
-    return [1.0, float(p.tokens(seq)), float(p.rank_tokens(seq)), float(p.adapters)]
+    return [1.0, float(p.tokens(seq)), float(p.rank_tokens(seq)), float(p.adapters), float(num_buckets(p.ranks))]
 
 
 def _memory_row(p: Probe, seq: int) -> list[float]:
@@ -535,7 +536,7 @@ def fit_cost_model(
     """A `CostModel` fitted on measured probes (d = 1), extended to ``tp_degrees``.
 
     Only probes that ran (no OOM) count. Time: ``t = c0 + c_tok·Σbs·seq + c_rtok·Σr·bs·seq
-    + c_ad·K``; memory: ``base + Σ_k (adapter + rank·r_k + tok·bs_k·seq + rank_tok·r_k·bs_k·seq)``;
+    + c_ad·K + c_bkt·buckets``; memory: ``base + Σ_k (adapter + rank·r_k + tok·bs_k·seq + rank_tok·r_k·bs_k·seq)``;
     every coefficient non-negative, relative errors minimized.
     """
     good = [m for m in measurements if m.ok]
@@ -605,6 +606,7 @@ def _extend_tp(t1: TimeCoeffs, m1: MemoryCoeffs, shape: ModelShape, seq: int, gp
             c_tok=t1.c_tok / d + comm_tok,
             c_rtok=t1.c_rtok * ratio(at.c_rtok, a1t.c_rtok),
             c_ad=t1.c_ad,
+            c_bkt=t1.c_bkt,
         )
         mem_c[d] = MemoryCoeffs(
             base=max(0.0, m1.base - weights) + weights / d,

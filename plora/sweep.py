@@ -80,7 +80,7 @@ def plan_jobs(
     without probing (a profile from the cache, else the analytic prior).
     """
     from plora.costmodel import AdapterLoad
-    from plora.planner import plan_sweep
+    from plora.planner import PLANNING_BUDGET_S, plan_sweep
 
     hw = hardware or hardware_for(spec)
     if cost_model is None:
@@ -92,7 +92,8 @@ def plan_jobs(
     loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
     plan = plan_sweep(
         loads, cost_model, slots, solver=spec.planner.solver, load_factor=spec.planner.memory_load_factor,
-        max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective, time_limit_s=60,
+        max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
+        time_limit_s=PLANNING_BUDGET_S,
     )
     jobs = [
         PlannedJob(f"job-{i:03d}", [by_id[a] for a in j.adapters], {a: steps[a] for a in j.adapters}, j.tp,

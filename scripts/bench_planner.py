@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from plora.costmodel import AdapterLoad, CostModel, ModelShape, steps_for  # noqa: E402
-from plora.planner import PlannerError, plan_sweep, simulate  # noqa: E402
+from plora.planner import PLANNING_BUDGET_S, PlannerError, plan_sweep, simulate  # noqa: E402
 
 DEFAULT_SPACE = REPO / "sweeps" / "paper-qwen2.5-7b.yaml"
 DEFAULT_MODELS = "qwen2.5-0.5b,qwen2.5-3b,qwen2.5-7b"
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-adapters", type=int, help="default: planner.max_adapters_per_job")
     ap.add_argument("--load-factor", type=float, help="default: planner.memory_load_factor")
     ap.add_argument("--solver", help="auto | gurobi | highs (default: planner.solver)")
-    ap.add_argument("--time-limit", type=float, default=None, help="planning budget per plan (seconds)")
+    ap.add_argument("--time-limit", type=float, default=PLANNING_BUDGET_S,
+                    help="soft planning budget per plan (seconds; default: what plora plan/sweep give it)")
     ap.add_argument("--out", type=Path, help="write each plan as <out>/<model>-<objective>.plan.json and a summary.json")
     ap.add_argument("--check", action="store_true",
                     help=f"exit 1 if a makespan-objective plan is over {MAX_BOUND_RATIO}x its bound or took over {MAX_PLANNING_S:.0f} s")

@@ -68,7 +68,19 @@ def tag_of(config: str) -> str:
 
 def config_of(tag: str) -> str:
     model, seq = tag.rsplit("-seq", 1)
+    if seq.endswith("-ac"):
+        return f"{model}:{seq[:-3]}:ac"
     return f"{model}:{seq}"
+
+
+def _raw_from_results(out: Path, work: Path) -> None:
+    """Rebuild the raw JSONL files from OUT/results.json (which keeps every measurement),
+    so a run fetched from the GPU machine without its working files can be refitted."""
+    data = json.loads((out / "results.json").read_text())
+    (work / "raw").mkdir(parents=True, exist_ok=True)
+    for tag, raw in data.get("raw", {}).items():
+        lines = [json.dumps({"meta": raw.get("meta", {})})] + [json.dumps(m) for m in raw.get("measurements", [])]
+        (work / "raw" / f"{tag}.jsonl").write_text("\n".join(lines) + "\n")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -369,6 +381,8 @@ def main() -> int:
     if args.worker:
         return worker(args)
     if args.refit is not None:
+        if not (args.work / "raw").is_dir() and (args.out / "results.json").is_file():
+            _raw_from_results(args.out, args.work)
         tags = sorted(p.stem for p in (args.work / "raw").glob("*.jsonl"))
         return report(args, [config_of(t) for t in tags], "refitted from the raw measurements", 0.0, refit=True)
     return run_all(args)

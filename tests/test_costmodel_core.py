@@ -146,3 +146,25 @@ def test_preset_shapes_add_up_to_their_parameter_count(name):
 def test_unknown_preset():
     with pytest.raises(KeyError, match="unknown model preset"):
         ModelShape.preset("gpt-5")
+
+
+def test_each_rank_bucket_adds_its_cost_while_it_is_in_the_pack():
+    """Ranks 8 and 16 share the kernels' bucket 16; 32 and 128 are buckets of their own."""
+    from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs, rank_bucket
+
+    assert [rank_bucket(r) for r in (1, 8, 16, 17, 32, 100, 128, 256)] == [16, 16, 16, 32, 32, 128, 128, 256]
+    cm = CostModel(1e12, 10, {1: TimeCoeffs(c0=1.0, c_tok=0.0, c_rtok=0.0, c_ad=0.0, c_bkt=0.5)},
+                   {1: MemoryCoeffs(0, 0, 0, 0, 0)})
+    a = AdapterLoad("a", 8, 1, steps=10)
+    b = AdapterLoad("b", 16, 1, steps=20)
+    c = AdapterLoad("c", 128, 1, steps=5)
+    assert cm.step_time([a, b], 1) == 1.5  # one bucket
+    assert cm.step_time([a, b, c], 1) == 2.0  # two
+    # c's bucket is paid for its 5 steps, a/b's for 20: 20 * 1.0 + 20 * 0.5 + 5 * 0.5
+    assert cm.job_time([a, b, c], 1) == 20 + 10 + 2.5
+    back = CostModel.from_dict(cm.to_dict())
+    assert back.time[1].c_bkt == 0.5
+    old = cm.to_dict()
+    for coeffs in old["time"].values():
+        del coeffs["c_bkt"]
+    assert CostModel.from_dict(old).time[1].c_bkt == 0.0  # profiles saved before the term load

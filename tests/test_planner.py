@@ -31,11 +31,12 @@ GIB = 2**30
 def random_model(rng: np.random.Generator, degrees=(1, 2, 4), job_overhead_s: float = 0.0) -> CostModel:
     """Coefficients of plausible shape: TP shortens steps at some loss of GPU-seconds."""
     c0, c_tok, c_rtok, c_ad = rng.uniform(0.5, 2.0), rng.uniform(0.005, 0.02), rng.uniform(1e-4, 1e-3), rng.uniform(0.01, 0.2)
+    c_bkt = rng.uniform(0.0, 0.5)  # per rank bucket in the pack
     base, per_tok, per_rank = rng.uniform(20, 40), rng.uniform(0.05, 0.2), rng.uniform(0.05, 0.3)
     time, memory = {}, {}
     for d in degrees:
         eff = 1.0 - 0.1 * math.log2(d)
-        time[d] = TimeCoeffs(c0=c0 / d + 0.1 * (d > 1), c_tok=c_tok / (d * eff), c_rtok=c_rtok / d, c_ad=c_ad)
+        time[d] = TimeCoeffs(c0=c0 / d + 0.1 * (d > 1), c_tok=c_tok / (d * eff), c_rtok=c_rtok / d, c_ad=c_ad, c_bkt=c_bkt)
         memory[d] = MemoryCoeffs(base=base / d, adapter=1.0, rank=per_rank / d, tok=per_tok / d, rank_tok=0.001)
     return CostModel(gpu_memory_bytes=100.0, seq_len=10, time=time, memory_coeffs=memory, name="random",
                      job_overhead_s=job_overhead_s)
@@ -45,7 +46,7 @@ def random_loads(rng: np.random.Generator, n: int, prefix: str = "a") -> list[Ad
     return [
         AdapterLoad(
             f"{prefix}{i}",
-            rank=int(rng.choice([4, 8, 16])),
+            rank=int(rng.choice([4, 8, 32, 64])),  # three rank buckets (16, 32, 64)
             batch_size=int(rng.choice([1, 2, 4])),
             steps=int(rng.choice([10, 20, 40])),
         )

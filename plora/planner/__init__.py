@@ -13,13 +13,14 @@ from plora.planner.bounds import lower_bound
 from plora.planner.errors import PlannerError
 from plora.planner.ilp import GUROBI_SIZE_LIMIT, Pack, PackSolver, SolverLog
 from plora.planner.plan import Job, Plan
-from plora.planner.scheduler import plan_sweep, schedule
+from plora.planner.scheduler import PLANNING_BUDGET_S, plan_sweep, schedule
 from plora.planner.simulate import SimulationResult, simulate
 from plora.planner.workload import AdapterType, Workload
 
 __all__ = [
     "BASELINES",
     "GUROBI_SIZE_LIMIT",
+    "PLANNING_BUDGET_S",
     "AdapterType",
     "Job",
     "Pack",

@@ -18,7 +18,8 @@ def lower_bound(wl: Workload) -> float:
       over all G GPUs. ``w_k`` (``Workload.ideal_work``) is adapter k's GPU-seconds in
       the most favourable job there could be: at the TP degree d that minimises
       ``d * (o / P_k(d) + steps_k * (m_k(d) + c0[d] / P_k(d)))``, where ``m_k(d)`` is
-      what k adds to a step, ``c0[d]`` the fixed cost of a step, ``o`` the cost
+      what k adds to a step, ``c0[d]`` the fixed cost of a step (with one rank
+      bucket's, which every job pays), ``o`` the cost
       model's once-per-job overhead and ``P_k(d)`` the most adapters a job holding k
       can pack (memory budget and cap). A job at degree d keeps d GPUs for
       ``o + c0[d] * max steps + sum steps_k m_k(d)`` seconds, which is at least the
@@ -48,7 +49,7 @@ def _packs_bound(wl: Workload) -> float:
     biggest = max(int(np.max(wl.max_pack[d])) for d in wl.degrees)
     biggest = max(1, biggest)
     steps = np.sort(np.repeat(wl.steps, np.asarray(wl.counts, dtype=int)))[::-1]
-    fixed = min(d * wl.c0[d] for d in wl.degrees)
+    fixed = min(d * (wl.c0[d] + wl.c_bkt[d]) for d in wl.degrees)  # every job has a rank bucket
     per_adapter = np.full(len(wl.types), np.inf)
     for d in wl.degrees:
         per_adapter = np.where(wl.fits[d], np.minimum(per_adapter, d * wl.step[d]), per_adapter)

@@ -221,9 +221,19 @@ class _DegreeModel:
             z = cp.Variable(len(levels), boolean=True)
             s = levels @ z
             self.t_max = cp.Parameter(nonneg=True)
-            self.t_scale = t_scale = max(float(steps.max() * (wl.c0[d] + m.max())), 1e-9)
+            self.t_scale = t_scale = max(float(steps.max() * (wl.c0[d] + wl.c_bkt[d] + m.max())), 1e-9)
             job_time = (wl.overhead + wl.c0[d] * s + (steps * m) @ self.n) / t_scale
-            cons += [cp.sum(z) == 1, self.n <= cp.multiply(self.ub, allowed @ z), job_time <= self.t_max]
+            cons += [cp.sum(z) == 1, self.n <= cp.multiply(self.ub, allowed @ z)]
+            if wl.c_bkt[d] > 0:
+                # Each rank bucket costs c_bkt per step while one of its adapters is in: for as
+                # many steps as its longest adapter. zb[b, l] = 1 picks that level (at most one
+                # per bucket; a type may be packed only below its bucket's level), exactly like z.
+                sel = self._bucket_onehot(wl)
+                zb = cp.Variable((sel.shape[1], len(levels)), boolean=True)
+                cons += [cp.sum(zb, axis=1) <= 1,
+                         self.n <= cp.multiply(self.ub, cp.sum(cp.multiply(allowed, sel @ zb), axis=1))]
+                job_time = job_time + wl.c_bkt[d] * cp.sum(zb @ levels) / t_scale
+            cons.append(job_time <= self.t_max)
             num = (wl.work[self.idx] / t_scale) @ self.n
             self.rho = cp.Parameter(nonneg=True)
             self.prob_work = cp.Problem(cp.Maximize(num + tiny), cons + [num - self.rho * d * job_time >= 0])
@@ -231,11 +241,25 @@ class _DegreeModel:
         else:
             cons.append(self.n <= self.ub)
             # rank in units of the largest, time in units of the slowest single-adapter step
-            r_max, tau = float(wl.rank[self.idx].max()), wl.c0[d] + float(m.max())
+            r_max, tau = float(wl.rank[self.idx].max()), wl.c0[d] + wl.c_bkt[d] + float(m.max())
             self.lam_scale = tau / r_max
-            ratio_obj = (wl.rank[self.idx] / r_max) @ self.n - self.lam * ((wl.c0[d] + m @ self.n) / tau)
+            step = wl.c0[d] + m @ self.n
+            if wl.c_bkt[d] > 0:  # y[b] = 1 when a type of rank bucket b is in the pack
+                sel = self._bucket_onehot(wl)
+                y = cp.Variable(sel.shape[1], boolean=True)
+                cons.append(self.n <= cp.multiply(self.ub, sel @ y))
+                step = step + wl.c_bkt[d] * cp.sum(y)
+            ratio_obj = (wl.rank[self.idx] / r_max) @ self.n - self.lam * (step / tau)
         # No tie-break here: at the optimum the objective is ~0 and any bonus would trade ratio.
         self.prob_ratio = cp.Problem(cp.Maximize(ratio_obj), cons)
+
+    def _bucket_onehot(self, wl: Workload) -> np.ndarray:
+        """(types here × buckets here): which rank bucket each candidate type is in."""
+        used = sorted(set(wl.bucket[self.idx].tolist()))
+        sel = np.zeros((len(self.idx), len(used)))
+        for i, b in enumerate(wl.bucket[self.idx]):
+            sel[i, used.index(int(b))] = 1.0
+        return sel
 
 
 class PackSolver:
@@ -326,7 +350,7 @@ class PackSolver:
         if not cand.any():
             return None
         if self.objective == "makespan":
-            t_floor = wl.overhead + float((wl.steps[cand] * (wl.c0[d] + wl.step[d][cand])).min())
+            t_floor = wl.overhead + float((wl.steps[cand] * (wl.c0[d] + wl.c_bkt[d] + wl.step[d][cand])).min())
             t_max = math.inf if t_max is None else max(t_max, t_floor)
             key: tuple = (d, tuple(available), round(t_max, 3), self.efficiency_floor)
         else:
@@ -339,7 +363,7 @@ class PackSolver:
         fit_n = np.floor((wl.budget - wl.mem_base[d]) / np.maximum(wl.mem[d], 1.0) * (1 + 1e-12))
         model.ub.value = np.where(cand, np.minimum(avail, fit_n), 0.0)[model.idx]
         if model.t_max is not None:
-            cap_t = wl.overhead + wl.steps.max() * (wl.c0[d] + wl.step[d].max()) * max(wl.cap, 1) * 2
+            cap_t = wl.overhead + wl.steps.max() * (wl.c0[d] + wl.c_bkt[d] * len(wl.buckets) + wl.step[d].max()) * max(wl.cap, 1) * 2
             model.t_max.value = min(t_max, cap_t) / model.t_scale * (1 + 1e-9)
         best = None
         if model.prob_work is not None:

@@ -21,7 +21,11 @@ from plora.planner.ilp import PackSolver, SolverLog
 from plora.planner.plan import Job, Plan
 from plora.planner.workload import Workload
 
-__all__ = ["plan_sweep", "schedule"]
+__all__ = ["PLANNING_BUDGET_S", "plan_sweep", "schedule"]
+
+#: the soft planning budget `plora plan`/`plora sweep` give `plan_sweep` (seconds): once spent,
+#: no further scheduling run starts and DTM keeps one branch per level
+PLANNING_BUDGET_S = 40.0
 
 #: (efficiency floor, slack) of the scheduling runs plan_sweep tries, best first; it keeps
 #: the plan predicted shortest. The floor is F's least acceptable pack efficiency
@@ -30,10 +34,12 @@ __all__ = ["plan_sweep", "schedule"]
 #: (a floor too high strands odd adapters until the end, one too low wastes GPU time),
 #: so a small portfolio of settings is cheap insurance (a run takes seconds).
 # Looser slacks let a pack run somewhat past the remaining-time estimate: where a per-job
-# start-up cost dominates (small sweeps, CPU), one longer job beats two short ones. A low
-# floor lets an incomplete pack of the longest adapters start early (longest first) where
-# the per-step constant makes every incomplete pack look inefficient.
-RUNS = ((0.9, 1.0), (0.8, 1.0), (0.95, 1.0), (0.9, 0.8), (0.97, 1.0), (0.9, 1.3), (0.8, 1.6), (0.7, 1.0))
+# start-up cost dominates (small sweeps, CPU), one longer job beats two short ones. Low
+# floors (early in the list: they are fast) let incomplete packs of the longest adapters
+# start first where a large per-step constant or per-bucket cost makes every incomplete
+# pack look inefficient (fitted GPU profiles).
+RUNS = ((0.9, 1.0), (0.5, 1.0), (0.6, 1.0), (0.8, 1.0), (0.95, 1.0), (0.9, 0.8), (0.97, 1.0), (0.9, 1.3), (0.8, 1.6),
+        (0.7, 1.0))
 
 
 def _take_gpus(free: set[int], d: int, gpus: int) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.costmodel import AdapterLoad, CostModel, rank_bucket
 from plora.planner.errors import PlannerError
 
 __all__ = ["AdapterType", "Workload"]
@@ -80,6 +80,10 @@ class Workload:
         # TP degrees are powers of two (DTM splits GPUs into such groups) within the GPU count.
         self.degrees = [d for d in cost_model.degrees if d <= gpus and d & (d - 1) == 0]
         self.rank = np.array([t.rank for t in self.types], dtype=float)
+        # rank buckets: each distinct one in a pack adds c_bkt[d] to every step while it is in it
+        self.buckets = sorted({rank_bucket(t.rank) for t in self.types})
+        self.bucket = np.array([self.buckets.index(rank_bucket(t.rank)) for t in self.types], dtype=int)
+        self.c_bkt: dict[int, float] = {}
         self.steps = np.array([t.steps for t in self.types], dtype=float)
         self.mem: dict[int, np.ndarray] = {}
         self.step: dict[int, np.ndarray] = {}
@@ -89,12 +93,14 @@ class Workload:
         for d in self.degrees:
             self.mem_base[d] = cost_model.memory_base(d)
             self.c0[d] = cost_model.step_base(d)
+            self.c_bkt[d] = float(cost_model.step_per_bucket(d)) if hasattr(cost_model, "step_per_bucket") else 0.0
             self.mem[d] = np.array([cost_model.memory_per_adapter(t.load(), d) for t in self.types])
             self.step[d] = np.array([cost_model.step_per_adapter(t.load(), d) for t in self.types])
             self.fits[d] = self.mem_base[d] + self.mem[d] <= self.budget * (1 + 1e-12)
         self._check_placeable()
         self.max_pack = {d: self._max_pack(d) for d in self.degrees}
         self.overhead = float(getattr(cost_model, "job_overhead_s", 0.0))  # once per job
+        self.bucket_pack = {d: self._bucket_pack(d) for d in self.degrees}
         self.same_pack = {d: self._same_pack(d) for d in self.degrees}
         self.bound_work = self.ideal_work()
         self.work = self.planning_work()
@@ -113,8 +119,9 @@ class Workload:
                     f"{self.budget / 2**30:.1f} GiB"
                 )
 
-    def _max_pack(self, d: int) -> np.ndarray:
-        """Per type: the most adapters any job at degree d containing one of that type can hold.
+    def _max_pack(self, d: int, counts: np.ndarray | None = None) -> np.ndarray:
+        """Per type: the most adapters any job at degree d containing one of that type can hold
+        (``counts``: the adapters that may be companions, default all).
 
         Taking the other adapters smallest-memory-first gives the largest number of
         companions that fit, so this is an exact cardinality bound. Done with a
@@ -124,7 +131,7 @@ class Workload:
         """
         mem = self.mem[d]
         order = np.argsort(mem, kind="stable")
-        counts = np.asarray(self.counts)[order]
+        counts = np.asarray(self.counts if counts is None else counts)[order]
         units = np.repeat(mem[order], counts)
         csum = np.concatenate([[0.0], np.cumsum(units)])
         start = np.empty(len(self.types), dtype=int)
@@ -149,18 +156,32 @@ class Workload:
         With the linear step model a job J at degree d occupies its d GPUs for
         ``o + c0[d] * max_k steps_k + sum_k steps_k * m_k(d)`` seconds (``o`` the cost
         model's once-per-job overhead), and ``max_k steps_k >= sum_k steps_k / |J|`` with
-        ``|J| <= P_k(d)``, the largest pack that can contain k (:meth:`_max_pack`). Hence
+        ``|J| <= P_k(d)``, the largest pack that can contain k (:meth:`_max_pack`); likewise
+        each rank bucket b in J costs ``c_bkt[d]`` per step for its longest adapter's steps,
+        shared by at most ``Q_k(d)`` adapters of k's bucket (:meth:`_bucket_pack`). Hence
         every job's GPU-seconds are at least the sum over its adapters of
-        ``d * (o / P_k(d) + steps_k * (m_k(d) + c0[d] / P_k(d)))``, minimised over the
-        degrees where k fits. Summed over adapters this bounds the whole sweep's
-        GPU-seconds from below.
+        ``d * (o / P_k(d) + steps_k * (m_k(d) + c0[d] / P_k(d) + c_bkt[d] / Q_k(d)))``,
+        minimised over the degrees where k fits. Summed over adapters this bounds the whole
+        sweep's GPU-seconds from below.
         """
         w = np.full(len(self.types), np.inf)
         for d in self.degrees:
             pack = np.maximum(self.max_pack[d], 1)
-            cost = d * (self.overhead / pack + self.steps * (self.step[d] + self.c0[d] / pack))
+            # a job pays each rank bucket's step cost over its longest adapter of that bucket:
+            # shared at best by the adapters of the bucket it can hold
+            share = np.maximum(self.bucket_pack[d], 1)
+            cost = d * (self.overhead / pack + self.steps * (self.step[d] + self.c0[d] / pack + self.c_bkt[d] / share))
             w = np.where(self.fits[d], np.minimum(w, cost), w)
         return w
+
+    def _bucket_pack(self, d: int) -> np.ndarray:
+        """Per type: the most adapters of its own rank bucket a job at degree d holding it can
+        hold -- how many can share that bucket's per-step cost."""
+        out = np.zeros(len(self.types))
+        for b in range(len(self.buckets)):
+            mine = self.bucket == b
+            out[mine] = self._max_pack(d, np.where(mine, self.counts, 0))[mine]
+        return out
 
     def _same_pack(self, d: int) -> np.ndarray:
         """Per type: how many adapters of its own memory fit one job at degree d (at most
@@ -180,7 +201,7 @@ class Workload:
         w = np.full(len(self.types), np.inf)
         for d in self.degrees:
             pack = self.same_pack[d]
-            cost = d * (self.overhead / pack + self.steps * (self.step[d] + self.c0[d] / pack))
+            cost = d * (self.overhead / pack + self.steps * (self.step[d] + (self.c0[d] + self.c_bkt[d]) / pack))
             w = np.where(self.fits[d], np.minimum(w, cost), w)
         return w
 
@@ -190,13 +211,13 @@ class Workload:
         for d in self.degrees:
             if self.fits[d][i]:
                 k = max(1, min(n, int(self.same_pack[d][i])))
-                best = min(best, self.overhead + self.steps[i] * (self.c0[d] + k * self.step[d][i]))
+                best = min(best, self.overhead + self.steps[i] * (self.c0[d] + self.c_bkt[d] + k * self.step[d][i]))
         return float(best)
 
     def _single_time(self, i: int) -> float:
         """Shortest time type i can finish in (alone, at its fastest degree): no pack makes it faster."""
         return self.overhead + min(
-            self.steps[i] * (self.c0[d] + self.step[d][i]) for d in self.degrees if self.fits[d][i]
+            self.steps[i] * (self.c0[d] + self.c_bkt[d] + self.step[d][i]) for d in self.degrees if self.fits[d][i]
         )
 
     def smallest_degree(self, i: int) -> int:
@@ -211,11 +232,15 @@ class Workload:
         counts = np.asarray(counts, dtype=float)
         if counts.sum() <= 0:
             return 0.0
-        s_max = float(self.steps[counts > 0].max())
-        return self.overhead + self.c0[d] * s_max + float(counts @ (self.steps * self.step[d]))
+        present = counts > 0
+        s_max = float(self.steps[present].max())
+        buckets = sum(float(self.steps[present & (self.bucket == b)].max(initial=0.0)) for b in range(len(self.buckets)))
+        return self.overhead + self.c0[d] * s_max + self.c_bkt[d] * buckets + float(counts @ (self.steps * self.step[d]))
 
     def step_time(self, counts: np.ndarray, d: int) -> float:
-        return self.c0[d] + float(np.asarray(counts, dtype=float) @ self.step[d])
+        counts = np.asarray(counts, dtype=float)
+        n_buckets = len(set(self.bucket[counts > 0].tolist()))
+        return self.c0[d] + self.c_bkt[d] * n_buckets + float(counts @ self.step[d])
 
     def memory(self, counts: np.ndarray, d: int) -> float:
         return self.mem_base[d] + float(np.asarray(counts, dtype=float) @ self.mem[d])
