@@ -217,16 +217,21 @@ def segmented_adamw_(
 def segmented_adamw_ref_(params, grads, exp_avg, exp_avg_sq, seg: Segments, hp: torch.Tensor) -> None:
     acc = torch.float64 if params.dtype == torch.float64 else torch.float32
     table = torch.cat([hp.to(acc), torch.zeros(1, hp.shape[1], dtype=acc, device=hp.device)])
-    h = table[seg.owner()]  # [numel, columns]
-    go = h[:, 0] != 0
-    decay, step_size, bc2_sqrt, b1, b2, eps, coef = h[:, 1:].unbind(1)
+    owner = seg.owner()
+
+    def col(name: str) -> torch.Tensor:  # one per-element column at a time: numel values, not numel x 8
+        return table[:, HP_COLUMNS.index(name)][owner]
+
+    go = col("step") != 0
     p = params.to(acc)
-    g = grads.to(acc) * coef
+    g = grads.to(acc) * col("grad_coef")
     m = exp_avg.to(acc)
     v = exp_avg_sq.to(acc)
-    m_new = m + (1.0 - b1) * (g - m)
+    m_new = m + (1.0 - col("beta1")) * (g - m)
+    b2 = col("beta2")
     v_new = v * b2 + (1.0 - b2) * g * g
-    p_new = p * decay - step_size * m_new / (v_new.sqrt() / bc2_sqrt.masked_fill(~go, 1.0) + eps)
+    denom = v_new.sqrt() / col("bc2_sqrt").masked_fill(~go, 1.0) + col("eps")
+    p_new = p * col("decay") - col("step_size") * m_new / denom
     params.copy_(torch.where(go, p_new, p).to(params.dtype))
     exp_avg.copy_(torch.where(go, m_new, m).to(exp_avg.dtype))
     exp_avg_sq.copy_(torch.where(go, v_new, v).to(exp_avg_sq.dtype))
