@@ -371,3 +371,29 @@ def test_packs_bound_charges_the_fixed_step_cost_over_the_longest_adapter():
     assert lb >= 1000 * 1.0 + 1000 * 0.01 + 70 * 0.01 - 1e-9 > work  # c0 over the long adapter's 1000 steps
     plan = plan_sweep(loads, cm, 1, max_adapters_per_job=8)
     assert plan.lower_bound <= plan.makespan * (1 + 1e-9) and plan.bound_ratio < 1.01
+
+
+def test_configuration_lp_bound_is_below_every_covering_and_above_the_work_bound():
+    """Any set of jobs covering the sweep -- the plan's, each baseline's -- takes at least
+    the LP's GPU-seconds; and the LP is never weaker than the work bound."""
+    from plora.planner.lp_bound import configuration_lp_bound
+
+    rng = np.random.default_rng(11)
+    checked = 0
+    for trial in range(8):
+        cm = random_model(rng, job_overhead_s=float(rng.choice([0.0, 3.0])))
+        loads = random_loads(rng, int(rng.integers(6, 12)), prefix=f"t{trial}-")
+        wl = Workload(loads, cm, gpus=4, max_adapters_per_job=int(rng.choice([2, 4, 8])))
+        lp = configuration_lp_bound(wl)
+        assert lp is not None
+        work = float((wl.bound_work * wl.counts).sum()) / wl.gpus
+        assert lp >= work * (1 - 1e-6)
+        plan = plan_sweep(loads, cm, 4, max_adapters_per_job=wl.cap)
+        coverings = [plan.jobs] + [baseline_jobs(name, loads, cm, 4) for name in ("min_gpu", "max_gpu")]
+        by_id = {a.id: a for a in loads}
+        for jobs in coverings:
+            gpu_seconds = sum(j.tp * cm.job_time([by_id[a] for a in j.adapters], j.tp) for j in jobs)
+            assert lp * wl.gpus <= gpu_seconds * (1 + 1e-6), trial
+        assert plan.lower_bound >= lp * (1 - 1e-9) and plan.lower_bound <= plan.makespan * (1 + 1e-9)
+        checked += 1
+    assert checked == 8

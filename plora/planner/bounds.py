@@ -9,10 +9,10 @@ from plora.planner.workload import Workload
 __all__ = ["lower_bound"]
 
 
-def lower_bound(wl: Workload) -> float:
+def lower_bound(wl: Workload, *, lp: bool = True, solver: str = "auto") -> float:
     """No schedule on ``wl``'s cost model, GPUs, memory budget and pack cap finishes sooner.
 
-    It is the larger of two bounds:
+    It is the largest of these bounds:
 
     * **work**: ``sum_k w_k / G`` -- total work at the best packed throughput spread
       over all G GPUs. ``w_k`` (``Workload.ideal_work``) is adapter k's GPU-seconds in
@@ -35,12 +35,24 @@ def lower_bound(wl: Workload) -> float:
       + ceil(n / P) min_d(d) o. Tight where adapters of very different lengths cannot
       fill packs of equals (a few batch-size-1 adapters among many larger batches).
 
+    * **configuration LP** (`plora.planner.lp_bound`): the least GPU-seconds of any set
+      of jobs covering every adapter, each job priced exactly, over G. It dominates the
+      work bound when it converges (in seconds on the paper's space); when it does not,
+      it is left out.
+
     All use exactly the quantities the planner optimises, so the plan's
     ``makespan / lower_bound`` is a certificate of how far from optimal it can be.
     """
     work = float((wl.bound_work * wl.counts).sum()) / wl.gpus
     straggler = float(wl.single_time.max()) if len(wl.types) else 0.0
-    return max(work, straggler, _packs_bound(wl))
+    bounds = [work, straggler, _packs_bound(wl)]
+    if lp:
+        from plora.planner.lp_bound import configuration_lp_bound
+
+        value = configuration_lp_bound(wl, solver=solver)
+        if value is not None:
+            bounds.append(value)
+    return max(bounds)
 
 
 def _packs_bound(wl: Workload) -> float:

@@ -38,8 +38,8 @@ PLANNING_BUDGET_S = 40.0
 # floors (early in the list: they are fast) let incomplete packs of the longest adapters
 # start first where a large per-step constant or per-bucket cost makes every incomplete
 # pack look inefficient (fitted GPU profiles).
-RUNS = ((0.9, 1.0), (0.5, 1.0), (0.6, 1.0), (0.8, 1.0), (0.95, 1.0), (0.9, 0.8), (0.97, 1.0), (0.9, 1.3), (0.8, 1.6),
-        (0.7, 1.0))
+RUNS = ((0.9, 1.0), (0.5, 1.0), (0.5, 1.3), (0.6, 1.0), (0.8, 1.0), (0.95, 1.0), (0.9, 0.8), (0.97, 1.0), (0.9, 1.3),
+        (0.8, 1.6), (0.7, 1.0))
 
 
 def _take_gpus(free: set[int], d: int, gpus: int) -> list[int]:
@@ -176,7 +176,7 @@ def plan_sweep(
         notes.append(f"packed schedule from efficiency floor {best_run[0]}, slack {best_run[1]}")
     if strategy != "dtm":
         notes.append(f"the packed schedule predicted {makespan(candidates['dtm']):.1f}s; kept {strategy}")
-    lb = lower_bound(wl)
+    lb = lower_bound(wl, solver=solver)
     return Plan(
         jobs=chosen,
         adapters=list(loads),
