@@ -152,7 +152,10 @@ def test_each_rank_bucket_adds_its_cost_while_it_is_in_the_pack():
     """Ranks 8 and 16 share the kernels' bucket 16; 32 and 128 are buckets of their own."""
     from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs, rank_bucket
 
+    from plora.kernels import rank_bucket as kernels_rank_bucket
+
     assert [rank_bucket(r) for r in (1, 8, 16, 17, 32, 100, 128, 256)] == [16, 16, 16, 32, 32, 128, 128, 256]
+    assert all(rank_bucket(r) == kernels_rank_bucket(r) for r in range(1, 257))  # the twin stays in step
     cm = CostModel(1e12, 10, {1: TimeCoeffs(c0=1.0, c_tok=0.0, c_rtok=0.0, c_ad=0.0, c_bkt=0.5)},
                    {1: MemoryCoeffs(0, 0, 0, 0, 0)})
     a = AdapterLoad("a", 8, 1, steps=10)

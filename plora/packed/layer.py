@@ -125,9 +125,6 @@ class PackedLoRALinear(nn.Module):
         """Each adapter's B_kᵀ (r_k × out local features): views of ``bt_all``."""
         return tuple(self.bt_all[r0:r1] for r0, r1 in zip(self._rows, self._rows[1:]))
 
-    def row_range(self, k: int) -> tuple[int, int]:
-        return self._rows[k], self._rows[k + 1]
-
     #: set by `plora.packed.tp` when the layer is sharded over tensor-parallel ranks: the
     #: sharded forward (local shards, collectives) replaces this one. None on one process.
     tp = None

@@ -197,15 +197,7 @@ class _DegreeModel:
         self.n = cp.Variable(k, integer=True)
         self.ub = cp.Parameter(k, nonneg=True)
         self.lam = cp.Parameter(nonneg=True)
-        mem = wl.mem[d][self.idx]
-        room = wl.budget - wl.mem_base[d]
-        scale = max(float(mem.max()), 1.0)  # keep the memory row near 1 for the solver
-        cons = [
-            self.n >= 0,
-            (mem / scale) @ self.n <= room / scale,
-            cp.sum(self.n) <= wl.cap,
-            cp.sum(self.n) >= 1,
-        ]
+        cons = pack_limits(wl, d, self.idx, self.n)
         m = wl.step[d][self.idx]
         steps = wl.steps[self.idx]
         tiny = 1e-5 * cp.sum(self.n)  # among packs of equal work, prefer the one serving more adapters
@@ -215,25 +207,11 @@ class _DegreeModel:
         self.t_scale = 1.0
         self.lam_scale = 1.0  # solver units of the ratio per unit of PackSolver.ratio
         if objective == "makespan":
-            levels = np.unique(steps)
-            level_of = np.searchsorted(levels, steps)
-            allowed = (np.arange(len(levels))[None, :] >= level_of[:, None]).astype(float)
-            z = cp.Variable(len(levels), boolean=True)
-            s = levels @ z
             self.t_max = cp.Parameter(nonneg=True)
             self.t_scale = t_scale = max(float(steps.max() * (wl.c0[d] + wl.c_bkt[d] + m.max())), 1e-9)
-            job_time = (wl.overhead + wl.c0[d] * s + (steps * m) @ self.n) / t_scale
-            cons += [cp.sum(z) == 1, self.n <= cp.multiply(self.ub, allowed @ z)]
-            if wl.c_bkt[d] > 0:
-                # Each rank bucket costs c_bkt per step while one of its adapters is in: for as
-                # many steps as its longest adapter. zb[b, l] = 1 picks that level (at most one
-                # per bucket; a type may be packed only below its bucket's level), exactly like z.
-                sel = self._bucket_onehot(wl)
-                zb = cp.Variable((sel.shape[1], len(levels)), boolean=True)
-                cons += [cp.sum(zb, axis=1) <= 1,
-                         self.n <= cp.multiply(self.ub, cp.sum(cp.multiply(allowed, sel @ zb), axis=1))]
-                job_time = job_time + wl.c_bkt[d] * cp.sum(zb @ levels) / t_scale
-            cons.append(job_time <= self.t_max)
+            time_cons, seconds = job_time_model(wl, d, self.idx, self.n, self.ub)
+            job_time = seconds / t_scale
+            cons += time_cons + [job_time <= self.t_max]
             num = (wl.work[self.idx] / t_scale) @ self.n
             self.rho = cp.Parameter(nonneg=True)
             self.prob_work = cp.Problem(cp.Maximize(num + tiny), cons + [num - self.rho * d * job_time >= 0])
@@ -245,7 +223,7 @@ class _DegreeModel:
             self.lam_scale = tau / r_max
             step = wl.c0[d] + m @ self.n
             if wl.c_bkt[d] > 0:  # y[b] = 1 when a type of rank bucket b is in the pack
-                sel = self._bucket_onehot(wl)
+                sel = bucket_onehot(wl, self.idx)
                 y = cp.Variable(sel.shape[1], boolean=True)
                 cons.append(self.n <= cp.multiply(self.ub, sel @ y))
                 step = step + wl.c_bkt[d] * cp.sum(y)
@@ -253,13 +231,51 @@ class _DegreeModel:
         # No tie-break here: at the optimum the objective is ~0 and any bonus would trade ratio.
         self.prob_ratio = cp.Problem(cp.Maximize(ratio_obj), cons)
 
-    def _bucket_onehot(self, wl: Workload) -> np.ndarray:
-        """(types here × buckets here): which rank bucket each candidate type is in."""
-        used = sorted(set(wl.bucket[self.idx].tolist()))
-        sel = np.zeros((len(self.idx), len(used)))
-        for i, b in enumerate(wl.bucket[self.idx]):
-            sel[i, used.index(int(b))] = 1.0
-        return sel
+
+def pack_limits(wl: Workload, d: int, idx: np.ndarray, n: cp.Variable) -> list:
+    """What any job at degree d of ``n[i]`` adapters of type ``idx[i]`` must respect: memory
+    next to the base model, the adapter cap, at least one adapter."""
+    mem = wl.mem[d][idx]
+    scale = max(float(mem.max()), 1.0)  # keep the memory row near 1 for the solver
+    return [
+        n >= 0,
+        (mem / scale) @ n <= (wl.budget - wl.mem_base[d]) / scale,
+        cp.sum(n) <= wl.cap,
+        cp.sum(n) >= 1,
+    ]
+
+
+def job_time_model(wl: Workload, d: int, idx: np.ndarray, n: cp.Variable, ub) -> tuple[list, cp.Expression]:
+    """The job's exact time in seconds (`Workload.job_time`) as a linear expression, and the
+    constraints that make it so; ``ub`` bounds each count (a parameter or an array).
+
+    The job runs its longest adapter's steps: a one-hot z over the distinct step counts picks
+    that level, and a type may be packed only at or below it. Each rank bucket costs c_bkt per
+    step while one of its adapters is in: for as many steps as its longest adapter. zb[b, l] = 1
+    picks that level (at most one per bucket), exactly like z.
+    """
+    steps = wl.steps[idx]
+    levels = np.unique(steps)
+    level_of = np.searchsorted(levels, steps)
+    allowed = (np.arange(len(levels))[None, :] >= level_of[:, None]).astype(float)
+    z = cp.Variable(len(levels), boolean=True)
+    cons = [cp.sum(z) == 1, n <= cp.multiply(ub, allowed @ z)]
+    seconds = wl.overhead + wl.c0[d] * (levels @ z) + (steps * wl.step[d][idx]) @ n
+    if wl.c_bkt[d] > 0:
+        sel = bucket_onehot(wl, idx)
+        zb = cp.Variable((sel.shape[1], len(levels)), boolean=True)
+        cons += [cp.sum(zb, axis=1) <= 1, n <= cp.multiply(ub, cp.sum(cp.multiply(allowed, sel @ zb), axis=1))]
+        seconds = seconds + wl.c_bkt[d] * cp.sum(zb @ levels)
+    return cons, seconds
+
+
+def bucket_onehot(wl: Workload, idx: np.ndarray) -> np.ndarray:
+    """(types ``idx`` × their rank buckets): which bucket each type is in."""
+    used = sorted(set(wl.bucket[idx].tolist()))
+    sel = np.zeros((len(idx), len(used)))
+    for i, b in enumerate(wl.bucket[idx]):
+        sel[i, used.index(int(b))] = 1.0
+    return sel
 
 
 class PackSolver:
@@ -360,8 +376,7 @@ class PackSolver:
             return self._memo[key]
         model = self._model(d)
         # The tightest count bounds: available, and how many fit in memory next to the base.
-        fit_n = np.floor((wl.budget - wl.mem_base[d]) / np.maximum(wl.mem[d], 1.0) * (1 + 1e-12))
-        model.ub.value = np.where(cand, np.minimum(avail, fit_n), 0.0)[model.idx]
+        model.ub.value = np.where(cand, np.minimum(avail, wl.fit_alone[d]), 0.0)[model.idx]
         if model.t_max is not None:
             cap_t = wl.overhead + wl.steps.max() * (wl.c0[d] + wl.c_bkt[d] * len(wl.buckets) + wl.step[d].max()) * max(wl.cap, 1) * 2
             model.t_max.value = min(t_max, cap_t) / model.t_scale * (1 + 1e-9)

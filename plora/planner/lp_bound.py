@@ -25,7 +25,7 @@ import time
 import cvxpy as cp
 import numpy as np
 
-from plora.planner.ilp import SolverLog, solve_problem
+from plora.planner.ilp import SolverLog, job_time_model, pack_limits, solve_problem
 from plora.planner.workload import Workload
 
 __all__ = ["configuration_lp_bound"]
@@ -37,33 +37,15 @@ class _Pricing:
     def __init__(self, wl: Workload, d: int):
         self.d = d
         self.idx = np.flatnonzero(wl.fits[d])
-        k = len(self.idx)
-        self.y = cp.Parameter(k, nonneg=True)
-        self.n = n = cp.Variable(k, integer=True)
+        self.y = cp.Parameter(len(self.idx), nonneg=True)
+        self.n = n = cp.Variable(len(self.idx), integer=True)
         counts = np.asarray(wl.counts, dtype=float)[self.idx]
-        mem = wl.mem[d][self.idx]
-        scale = max(float(mem.max()), 1.0)
-        fit_n = np.floor((wl.budget - wl.mem_base[d]) / np.maximum(mem, 1.0) * (1 + 1e-12))
-        ub = np.minimum(np.minimum(counts, fit_n), wl.cap)
-        steps = wl.steps[self.idx]
+        ub = np.minimum(np.minimum(counts, wl.fit_alone[d][self.idx]), wl.cap)
+        time_cons, seconds = job_time_model(wl, d, self.idx, n, ub)
         m = wl.step[d][self.idx]
-        levels = np.unique(steps)
-        level_of = np.searchsorted(levels, steps)
-        allowed = (np.arange(len(levels))[None, :] >= level_of[:, None]).astype(float)
-        z = cp.Variable(len(levels), boolean=True)
-        cons = [n >= 0, n <= cp.multiply(ub, allowed @ z), cp.sum(z) == 1, cp.sum(n) >= 1, cp.sum(n) <= wl.cap,
-                (mem / scale) @ n <= (wl.budget - wl.mem_base[d]) / scale]
-        job_time = wl.overhead + wl.c0[d] * (levels @ z) + (steps * m) @ n
-        if wl.c_bkt[d] > 0:
-            used = sorted(set(wl.bucket[self.idx].tolist()))
-            sel = np.zeros((k, len(used)))
-            for i, b in enumerate(wl.bucket[self.idx]):
-                sel[i, used.index(int(b))] = 1.0
-            zb = cp.Variable((len(used), len(levels)), boolean=True)
-            cons += [cp.sum(zb, axis=1) <= 1, n <= cp.multiply(ub, cp.sum(cp.multiply(allowed, sel @ zb), axis=1))]
-            job_time = job_time + wl.c_bkt[d] * cp.sum(zb @ levels)
-        self.unit = max(float(d * steps.max() * (wl.c0[d] + wl.c_bkt[d] + m.max())), 1e-9)
-        self.prob = cp.Problem(cp.Maximize((self.y @ n - d * job_time) / self.unit), cons)
+        self.unit = max(float(d * wl.steps[self.idx].max() * (wl.c0[d] + wl.c_bkt[d] + m.max())), 1e-9)
+        self.prob = cp.Problem(cp.Maximize((self.y @ n - d * seconds) / self.unit),
+                               pack_limits(wl, d, self.idx, n) + time_cons)
 
     def best(self, y_all: np.ndarray, wl: Workload, solver: str, log: SolverLog) -> np.ndarray:
         """The most valuable pack, proven optimal; raises `_Unproven` otherwise."""

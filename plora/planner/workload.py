@@ -90,6 +90,7 @@ class Workload:
         self.fits: dict[int, np.ndarray] = {}
         self.mem_base: dict[int, float] = {}
         self.c0: dict[int, float] = {}
+        self.fit_alone: dict[int, np.ndarray] = {}
         for d in self.degrees:
             self.mem_base[d] = cost_model.memory_base(d)
             self.c0[d] = cost_model.step_base(d)
@@ -97,6 +98,8 @@ class Workload:
             self.mem[d] = np.array([cost_model.memory_per_adapter(t.load(), d) for t in self.types])
             self.step[d] = np.array([cost_model.step_per_adapter(t.load(), d) for t in self.types])
             self.fits[d] = self.mem_base[d] + self.mem[d] <= self.budget * (1 + 1e-12)
+            # how many adapters of each type alone would fit one job next to the base
+            self.fit_alone[d] = np.floor((self.budget - self.mem_base[d]) / np.maximum(self.mem[d], 1.0) * (1 + 1e-12))
         self._check_placeable()
         self.max_pack = {d: self._max_pack(d) for d in self.degrees}
         self.overhead = float(getattr(cost_model, "job_overhead_s", 0.0))  # once per job
@@ -164,13 +167,18 @@ class Workload:
         minimised over the degrees where k fits. Summed over adapters this bounds the whole
         sweep's GPU-seconds from below.
         """
+        # a job pays each rank bucket's step cost over its longest adapter of that bucket:
+        # shared at best by the adapters of the bucket it can hold
+        return self._cheapest_work(self.max_pack, self.bucket_pack)
+
+    def _cheapest_work(self, pack: dict[int, np.ndarray], share: dict[int, np.ndarray]) -> np.ndarray:
+        """Per type, at its cheapest degree: d x (its share of the job overhead and of the
+        per-step constant among ``pack[d]`` adapters, of its bucket's step cost among
+        ``share[d]``, plus its own step cost) over its steps."""
         w = np.full(len(self.types), np.inf)
         for d in self.degrees:
-            pack = np.maximum(self.max_pack[d], 1)
-            # a job pays each rank bucket's step cost over its longest adapter of that bucket:
-            # shared at best by the adapters of the bucket it can hold
-            share = np.maximum(self.bucket_pack[d], 1)
-            cost = d * (self.overhead / pack + self.steps * (self.step[d] + self.c0[d] / pack + self.c_bkt[d] / share))
+            p, q = np.maximum(pack[d], 1), np.maximum(share[d], 1)
+            cost = d * (self.overhead / p + self.steps * (self.step[d] + self.c0[d] / p + self.c_bkt[d] / q))
             w = np.where(self.fits[d], np.minimum(w, cost), w)
         return w
 
@@ -187,10 +195,7 @@ class Workload:
         """Per type: how many adapters of its own memory fit one job at degree d (at most
         the cap): the pack a type can count on. `_max_pack` assumes the smallest
         companions, which exist only for some of the adapters that need them."""
-        room = self.budget - self.mem_base[d]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            n = np.floor(room / np.maximum(self.mem[d], 1e-30))
-        return np.clip(np.minimum(n, self.max_pack[d]), 1, max(self.cap, 1))
+        return np.clip(np.minimum(self.fit_alone[d], self.max_pack[d]), 1, max(self.cap, 1))
 
     def planning_work(self) -> np.ndarray:
         """Per type: GPU-seconds of one adapter in a pack of `_same_pack` adapters like it,
@@ -198,12 +203,7 @@ class Workload:
         cost. The lower bound's `ideal_work` prices every adapter as packed with the
         smallest companions; pricing the ones too large for that so cheaply makes running
         them look wasteful, and the scheduler would leave GPUs idle rather than start them."""
-        w = np.full(len(self.types), np.inf)
-        for d in self.degrees:
-            pack = self.same_pack[d]
-            cost = d * (self.overhead / pack + self.steps * (self.step[d] + (self.c0[d] + self.c_bkt[d]) / pack))
-            w = np.where(self.fits[d], np.minimum(w, cost), w)
-        return w
+        return self._cheapest_work(self.same_pack, self.same_pack)
 
     def pack_time(self, i: int, n: int) -> float:
         """Shortest job time of n adapters of type i alone together (n capped at what fits)."""
