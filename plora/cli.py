@@ -383,6 +383,11 @@ def profile(
     ]
     for label, unit, f in coeffs:
         t.add_row(label, unit, *(f"{f(cm.time[d], cm.memory_coeffs[d]):.4g}" for d in cm.degrees))
+    if cm.host_time:  # the step is the longer of the GPU piece above and the host's
+        for label, unit, f in (("host: step constant", "ms", lambda c: c.c0 * 1e3),
+                               ("host: per adapter", "ms", lambda c: c.c_ad * 1e3),
+                               ("host: per rank bucket", "ms", lambda c: c.c_bkt * 1e3)):
+            t.add_row(label, unit, *(f"{f(cm.host_time[d]):.4g}" if d in cm.host_time else "—" for d in cm.degrees))
     console.print(t)
     v = Table(title="held-out packs (not used in the fit)", title_justify="left")
     for col in ("pack", "K", "rows", "step ms", "pred.", "err", "peak GiB", "pred.", "err", "fits"):

@@ -2,10 +2,10 @@
 
 The planner needs two numbers for any candidate job -- a set of adapters trained
 together on one base-model copy at tensor-parallel (TP) degree ``d``: its peak
-memory per GPU and its time. Both are kept *linear in the adapters* on purpose:
-the planner's integer program can then express them exactly, and a profiler can
-refit the coefficients by least squares from a handful of probe jobs without
-touching the planner.
+memory per GPU and its time. Both are kept *linear in the adapters* on purpose (the
+step time at most a maximum of two linear forms, below): the planner's integer program
+can then express them, and a profiler can refit the coefficients by least squares from
+a handful of probe jobs without touching the planner.
 
 Memory (PLoRA, Appendix B), per GPU at TP degree d::
 
@@ -25,6 +25,17 @@ Step time, per packed step::
 ``B(J)`` is the number of distinct rank buckets among the pack's adapters (`rank_bucket`):
 the packed kernels launch once per bucket, stage and layer, so each bucket adds a fixed
 cost to every step (the host side of its launches), whatever its adapters' tokens.
+
+A profiled model may add a second, *host* piece of the same form (``host_time``): the
+time the host takes to issue the step's kernels, which does not grow with tokens. The GPU
+runs behind the host, so a step takes the longer of the two::
+
+    t(J, d) = max(gpu(J, d), host(J, d))
+
+Small packs are host-bound (flat in tokens), large ones GPU-bound; one linear form
+cannot follow both (its error on H200 probes reached 20-30%). The maximum of two linear
+forms is still convex and piecewise linear: the planner's integer program bounds the job
+time by each piece (`plora.planner.ilp.job_time_model`).
 
 A job trains every adapter for its own number of steps and an adapter leaves the
 pack when it is done, so the step gets cheaper as the job goes on (``job_time``).
@@ -233,7 +244,8 @@ class MemoryCoeffs:
 
 @dataclass
 class CostModel:
-    """Linear memory and time model of packed jobs, one set of coefficients per TP degree.
+    """Linear memory and (piecewise-)linear time model of packed jobs, one set of
+    coefficients per TP degree.
 
     ``time`` and ``memory`` are keyed by TP degree; a degree missing from them is one
     the model cannot run at. Treat instances as immutable: the planner caches
@@ -247,12 +259,16 @@ class CostModel:
     name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     job_overhead_s: float = 0.0  # process start, imports, model load: paid once per job
+    #: the host piece per TP degree (empty: the step is the GPU piece alone)
+    host_time: dict[int, TimeCoeffs] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if set(self.time) != set(self.memory_coeffs):
             raise ValueError("time and memory coefficients must cover the same TP degrees")
         if not self.time:
             raise ValueError("a cost model needs at least one TP degree")
+        if not set(self.host_time) <= set(self.time):
+            raise ValueError("host time coefficients at a TP degree without GPU time coefficients")
 
     # ---- the linear pieces (what the planner's ILP uses) -------------------------------
     @property
@@ -287,10 +303,22 @@ class CostModel:
         """Seconds each distinct rank bucket in a pack adds to every step."""
         return self.time[d].c_bkt
 
+    def pieces(self, d: int) -> tuple[TimeCoeffs, ...]:
+        """The linear step-time forms at degree ``d`` whose maximum is the step time: the
+        GPU piece first (``step_base``, ``step_per_adapter``, ``step_per_bucket`` are its
+        terms), then the host piece when there is one."""
+        return (self.time[d], self.host_time[d]) if d in self.host_time else (self.time[d],)
+
+    def piece_per_adapter(self, c: TimeCoeffs, a: AdapterLoad) -> float:
+        """Seconds adapter ``a`` adds to every step under the linear form ``c``."""
+        tok = a.batch_size * self.seq_len
+        return c.c_tok * tok + c.c_rtok * a.rank * tok + c.c_ad
+
     def step_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
-        """Seconds of one packed step of all ``adapters``."""
+        """Seconds of one packed step of all ``adapters``: the longest of the pieces."""
         buckets = num_buckets(a.rank for a in adapters)
-        return self.step_base(d) + sum(self.step_per_adapter(a, d) for a in adapters) + self.step_per_bucket(d) * buckets
+        return max(c.c0 + c.c_bkt * buckets + sum(self.piece_per_adapter(c, a) for a in adapters)
+                   for c in self.pieces(d))
 
     def job_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
         """Seconds of a whole job; each adapter leaves the pack once its steps are done.
@@ -314,11 +342,13 @@ class CostModel:
     def scaled(self, factor: float) -> "CostModel":
         """The same model with every time `factor` times longer: what a re-plan uses once
         measured job times have drifted from the predicted ones by that factor."""
-        time_coeffs = {d: TimeCoeffs(c.c0 * factor, c.c_tok * factor, c.c_rtok * factor, c.c_ad * factor, c.c_bkt * factor)
-                       for d, c in self.time.items()}
-        return CostModel(self.gpu_memory_bytes, self.seq_len, time_coeffs, dict(self.memory_coeffs),
-                         name=self.name, meta={**self.meta, "time_scale": factor},
-                         job_overhead_s=self.job_overhead_s * factor)
+        def scale(c: TimeCoeffs) -> TimeCoeffs:
+            return TimeCoeffs(c.c0 * factor, c.c_tok * factor, c.c_rtok * factor, c.c_ad * factor, c.c_bkt * factor)
+
+        return CostModel(self.gpu_memory_bytes, self.seq_len, {d: scale(c) for d, c in self.time.items()},
+                         dict(self.memory_coeffs), name=self.name, meta={**self.meta, "time_scale": factor},
+                         job_overhead_s=self.job_overhead_s * factor,
+                         host_time={d: scale(c) for d, c in self.host_time.items()})
 
     # ---- serialization ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -330,6 +360,7 @@ class CostModel:
             "time": {str(d): asdict(c) for d, c in sorted(self.time.items())},
             "memory": {str(d): asdict(c) for d, c in sorted(self.memory_coeffs.items())},
             "job_overhead_s": self.job_overhead_s,
+            **({"host_time": {str(d): asdict(c) for d, c in sorted(self.host_time.items())}} if self.host_time else {}),
             "meta": self.meta,
         }
 
@@ -343,6 +374,7 @@ class CostModel:
             name=str(data.get("name", "")),
             meta=dict(data.get("meta", {})),
             job_overhead_s=float(data.get("job_overhead_s", 0.0)),
+            host_time={int(d): TimeCoeffs(**c) for d, c in data.get("host_time", {}).items()},
         )
 
     def save(self, path: str | Path) -> None:

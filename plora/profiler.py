@@ -32,13 +32,15 @@ Choices, and why:
 * **Probe sizes** come from two small calibration probes: their memory gives the bytes per
   row, and the largest probes are sized to about 70% of the usable memory, so the fit
   covers the range the planner will use without running near the limit.
-* **Fit.** Step time: non-negative least squares on ``[1, Σ bs·seq, Σ r·bs·seq, K]``;
-  memory: the Appendix-B structure of `CostModel` (base; per adapter a constant, its
+* **Fit.** Step time: non-negative least squares on ``[1, Σ bs·seq, Σ r·bs·seq, K,
+  buckets]``, or the maximum of that (the GPU) and ``[1, K, buckets]`` (the host issuing
+  the step's kernels) when two pieces fit clearly better (`fit_step_time`); memory: the Appendix-B structure of `CostModel` (base; per adapter a constant, its
   parameters, gradients and AdamW state ∝ rank, activations ∝ bs·seq and ∝ r·bs·seq), all
   coefficients non-negative, calibrated on the measured peaks. Both minimize *relative*
-  error, because the planner compares small and large jobs alike. Where a linear step
-  time is wrong, measured: packs of a few hundred tokens on a 7B model are launch-bound
-  (flat in tokens), and packs whose reserved memory nears the device's are slowed by the
+  error, because the planner compares small and large jobs alike. Small packs are
+  launch-bound (flat in tokens: on an H200, 150-180 ms per step on the 0.5B shape from 256
+  to 4,000 tokens), which one linear form cannot follow next to GPU-bound large packs
+  (20-30% errors); the host piece does. Packs whose reserved memory nears the device's are slowed by the
   allocator freeing and retrying; the memory model and the load factor keep the planner's
   packs out of the second regime.
 * **TP degree.** One GPU measures d = 1 only. Degrees d > 1 are derived from the d = 1 fit
@@ -55,6 +57,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -97,6 +100,9 @@ __all__ = [
 
 DEFAULT_WARMUP = 2
 DEFAULT_ITERS = 10
+#: on a GPU, probes time at least this many seconds of steps (up to MAX_ITERS_FACTOR x iters)
+DEFAULT_MIN_TIMED_S = 3.0
+MAX_ITERS_FACTOR = 3
 #: fewest timed steps a probe gets when `max_probe_s` shortens it
 MIN_ITERS = 3
 #: ranks that probes and validation packs draw from
@@ -206,6 +212,12 @@ def fit_probes(rows: int, kmax: int = 16) -> list[Probe]:
         Probe(f"k{k_many}-r16", (16,) * k_many, (1,) * k_many),
         Probe("k4-mixed", mixed, (bs(R, 4),) * 4),
         Probe(f"k{k_mid}-small", tuple((8, 16, 32, 64)[i % 4] for i in range(k_mid)), (1,) * k_mid),
+        # between the launch-bound small packs and the GPU-bound large ones: where the two
+        # step-time pieces meet (`fit_step_time`)
+        Probe("rows-r64-q", (64,), (bs(R / 4, 1),)),
+        Probe("k2-r64-small", (64, 64), (1, 1)),
+        Probe("k4-mixed-h", mixed, (bs(R / 2, 4),) * 4),
+        Probe(f"k{k_mid}-r32-h", (32,) * k_mid, (bs(R / 2, k_mid),) * k_mid),
     ]
 
 
@@ -283,8 +295,13 @@ class Measurement:
 
     @property
     def step_time(self) -> float:
-        """Median of the timed steps (robust to one slow step)."""
-        return statistics.median(self.step_times) if self.step_times else float("nan")
+        """Interquartile mean of the timed steps: robust to a few slow or fast steps like the
+        median, steadier than it on the noisy launch-bound steps of small packs."""
+        if not self.step_times:
+            return float("nan")
+        ts = sorted(self.step_times)
+        cut = len(ts) // 4
+        return statistics.fmean(ts[cut: len(ts) - cut])
 
     @property
     def allocated_bytes(self) -> float | None:
@@ -365,15 +382,20 @@ def run_probe(
     warmup: int = DEFAULT_WARMUP,
     iters: int = DEFAULT_ITERS,
     max_probe_s: float | None = None,
+    min_timed_s: float | None = None,
     num_threads: int | None = None,
     activation_checkpointing: bool = False,
 ) -> Measurement:
     """Build a fresh packed job of ``probe``'s adapters, run warm-up and timed steps.
 
     ``max_probe_s`` caps the timed part: after warm-up, the number of timed steps is cut
-    to what fits in that many seconds (at least `MIN_ITERS`). Running out of memory is a
-    result (``oom=True``), not an error; any other failure propagates.
+    to what fits in that many seconds (at least `MIN_ITERS`). ``min_timed_s`` (default:
+    `DEFAULT_MIN_TIMED_S` on a GPU, none on CPU) raises it, up to `MAX_ITERS_FACTOR` x
+    ``iters``, until that many seconds are timed. Running out of memory is a result
+    (``oom=True``), not an error; any other failure propagates.
     """
+    if min_timed_s is None:
+        min_timed_s = DEFAULT_MIN_TIMED_S if str(device).startswith("cuda") else 0.0
     import torch
 
     from plora.recipes.packed_lora import PackedLoRARecipe
@@ -410,8 +432,11 @@ def run_probe(
                 dt = time.perf_counter() - t
                 if i >= warmup:
                     m.step_times.append(dt)
-                if max_probe_s and i == max(warmup - 1, 0) and dt > 0:
-                    total = warmup + max(MIN_ITERS, min(iters, int(max_probe_s / dt)))
+                if i == max(warmup - 1, 0) and dt > 0:
+                    # short, launch-bound steps are the noisiest: time at least min_timed_s of them
+                    total = warmup + max(iters, min(MAX_ITERS_FACTOR * iters, math.ceil(min_timed_s / dt)))
+                    if max_probe_s:
+                        total = warmup + max(MIN_ITERS, min(total - warmup, int(max_probe_s / dt)))
                 i += 1
             if cuda:
                 m.allocated_peak = float(torch.cuda.max_memory_allocated(dev))
@@ -506,6 +531,68 @@ def _time_row(p: Probe, seq: int) -> list[float]:
     return [1.0, float(p.tokens(seq)), float(p.rank_tokens(seq)), float(p.adapters), float(num_buckets(p.ranks))]
 
 
+#: columns of `_time_row` that the host piece uses: it issues the same kernels whatever
+#: the tokens, so it has a constant, a cost per adapter and one per rank bucket
+HOST_COLUMNS = (0, 3, 4)
+#: the fewest fit probes for which a two-piece step time is tried
+MIN_PROBES_TWO_PIECES = 6
+#: a two-piece fit is kept only if it has at most this share of the one-piece squared error
+TWO_PIECE_GAIN = 0.5
+#: exhaustive search over host/GPU splits up to this many probes (2^n fits)
+EXHAUSTIVE_SPLITS_MAX = 13
+
+
+def fit_step_time(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Step-time coefficients (the `_time_row` columns): a GPU piece, and a host piece over
+    `HOST_COLUMNS` (None when one linear form explains the probes about as well).
+
+    The step is ``max(gpu, host)`` (see `plora.costmodel`). Which probes are host-bound is
+    unknown, so the fit searches the splits: every split for up to `EXHAUSTIVE_SPLITS_MAX`
+    probes, else every split by tokens; each split is refined by reassigning probes to the
+    piece that predicts more (fitting a maximum of affine forms) and scored by the relative
+    squared error of the maximum on all probes.
+    """
+    one = _nnls_relative(X, y)
+
+    def sse(pred: np.ndarray) -> float:
+        return float(np.sum((pred / y - 1.0) ** 2))
+
+    best_err, best = sse(X @ one), (one, None)
+    n = len(y)
+    if n < MIN_PROBES_TWO_PIECES:
+        return best
+    H = X[:, HOST_COLUMNS]
+
+    def fit_split(gpu: np.ndarray) -> tuple[float, np.ndarray, np.ndarray] | None:
+        if gpu.sum() < 2 or (~gpu).sum() < 1:
+            return None
+        for _ in range(10):
+            g = _nnls_relative(X[gpu], y[gpu])
+            h = _nnls_relative(H[~gpu], y[~gpu])
+            new = X @ g >= H @ h
+            if (new == gpu).all() or new.sum() < 2 or (~new).sum() < 1:
+                break
+            gpu = new
+        return sse(np.maximum(X @ g, H @ h)), g, h
+
+    if n <= EXHAUSTIVE_SPLITS_MAX:
+        splits = (np.array([(mask >> i) & 1 for i in range(n)], dtype=bool) for mask in range(1, (1 << n) - 1))
+    else:
+        order = np.argsort(X[:, 1], kind="stable")  # by tokens
+        splits = (np.isin(np.arange(n), order[k:]) for k in range(1, n))
+    two_err, two = np.inf, None
+    for split in splits:
+        got = fit_split(split)
+        if got is not None and got[0] < two_err:
+            two_err, two = got[0], got
+    if two is not None and two_err < TWO_PIECE_GAIN * best_err:
+        _, g, h = two
+        host = np.zeros(X.shape[1])
+        host[list(HOST_COLUMNS)] = h
+        return g, host
+    return best
+
+
 def _memory_row(p: Probe, seq: int) -> list[float]:
     return [1.0, float(p.adapters), float(p.rank_sum), float(p.tokens(seq)), float(p.rank_tokens(seq))]
 
@@ -536,7 +623,8 @@ def fit_cost_model(
     """A `CostModel` fitted on measured probes (d = 1), extended to ``tp_degrees``.
 
     Only probes that ran (no OOM) count. Time: ``t = c0 + c_tok·Σbs·seq + c_rtok·Σr·bs·seq
-    + c_ad·K + c_bkt·buckets``; memory: ``base + Σ_k (adapter + rank·r_k + tok·bs_k·seq + rank_tok·r_k·bs_k·seq)``;
+    + c_ad·K + c_bkt·buckets``, or the larger of that and a host piece ``h0 + h_ad·K +
+    h_bkt·buckets`` where that fits clearly better (`fit_step_time`); memory: ``base + Σ_k (adapter + rank·r_k + tok·bs_k·seq + rank_tok·r_k·bs_k·seq)``;
     every coefficient non-negative, relative errors minimized.
     """
     good = [m for m in measurements if m.ok]
@@ -553,14 +641,17 @@ def fit_cost_model(
     yt = np.array([m.step_time for m in good])
     Xm = np.array([_memory_row(m.probe, seq) for m in good])
     ym = np.array([m.peak_bytes for m in good])
-    ct = _nnls_relative(Xt, yt)
+    ct, host = fit_step_time(Xt, yt)
     cm_ = _nnls_relative(Xm, ym)
     t1 = TimeCoeffs(*(float(v) for v in ct))
     m1 = MemoryCoeffs(*(float(v) for v in cm_))
     names = resolve_lora_targets(targets)
     degrees = sorted(set(int(d) for d in tp_degrees) | {1})
     time_c, mem_c = _extend_tp(t1, m1, shape, seq, gpu_memory_bytes, names, degrees)
-    fit_t = Xt @ ct / yt - 1.0
+    # every TP rank issues the same launches: the host piece is the same at every degree
+    host_c = {d: TimeCoeffs(*(float(v) for v in host)) for d in degrees} if host is not None else {}
+    pred_t = Xt @ ct if host is None else np.maximum(Xt @ ct, Xt @ host)
+    fit_t = pred_t / yt - 1.0
     fit_m = Xm @ cm_ / ym - 1.0
     info = {
         "source": "profile",
@@ -574,7 +665,9 @@ def fit_cost_model(
         "memory_measure": "cuda reserved peak + context" if any(m.reserved_peak for m in good) else "process rss",
         **(meta or {}),
     }
-    return CostModel(float(gpu_memory_bytes), seq, time_c, mem_c, name=name or f"{shape.name}@{seq}", meta=info)
+    info["step_time_pieces"] = 1 if host is None else 2
+    return CostModel(float(gpu_memory_bytes), seq, time_c, mem_c, name=name or f"{shape.name}@{seq}", meta=info,
+                     host_time=host_c)
 
 
 def _extend_tp(t1: TimeCoeffs, m1: MemoryCoeffs, shape: ModelShape, seq: int, gpu_memory_bytes: float,
@@ -777,7 +870,7 @@ def profile_model(
     warmup: int = DEFAULT_WARMUP,
     iters: int = DEFAULT_ITERS,
     max_probe_s: float | None = None,
-    holdout: int = 4,
+    holdout: int = 6,
     limit: bool | None = None,
     num_threads: int | None = None,
     deadline: float | None = None,

@@ -362,7 +362,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--max-probe-s", type=float, default=2.0, help="cap on a probe's timed steps (seconds)")
-    ap.add_argument("--holdout", type=int, default=4)
+    ap.add_argument("--holdout", type=int, default=6)
     ap.add_argument("--max-tp", type=int, default=8)
     ap.add_argument("--load-factor", type=float, default=0.9)
     ap.add_argument("--refit", type=Path, default=None, help="fit again from DIR's raw measurements, re-tabulate")

@@ -28,8 +28,10 @@ from plora.planner import ilp
 GIB = 2**30
 
 
-def random_model(rng: np.random.Generator, degrees=(1, 2, 4), job_overhead_s: float = 0.0) -> CostModel:
-    """Coefficients of plausible shape: TP shortens steps at some loss of GPU-seconds."""
+def random_model(rng: np.random.Generator, degrees=(1, 2, 4), job_overhead_s: float = 0.0,
+                 host: bool = False) -> CostModel:
+    """Coefficients of plausible shape: TP shortens steps at some loss of GPU-seconds. With
+    ``host``, a host piece (flat in tokens) makes small packs launch-bound."""
     c0, c_tok, c_rtok, c_ad = rng.uniform(0.5, 2.0), rng.uniform(0.005, 0.02), rng.uniform(1e-4, 1e-3), rng.uniform(0.01, 0.2)
     c_bkt = rng.uniform(0.0, 0.5)  # per rank bucket in the pack
     base, per_tok, per_rank = rng.uniform(20, 40), rng.uniform(0.05, 0.2), rng.uniform(0.05, 0.3)
@@ -38,17 +40,21 @@ def random_model(rng: np.random.Generator, degrees=(1, 2, 4), job_overhead_s: fl
         eff = 1.0 - 0.1 * math.log2(d)
         time[d] = TimeCoeffs(c0=c0 / d + 0.1 * (d > 1), c_tok=c_tok / (d * eff), c_rtok=c_rtok / d, c_ad=c_ad, c_bkt=c_bkt)
         memory[d] = MemoryCoeffs(base=base / d, adapter=1.0, rank=per_rank / d, tok=per_tok / d, rank_tok=0.001)
+    host_time = {}
+    if host:
+        h0, h_ad, h_bkt = rng.uniform(1.5, 4.0), rng.uniform(0.01, 0.1), rng.uniform(0.0, 0.5)
+        host_time = {d: TimeCoeffs(c0=h0, c_tok=0.0, c_rtok=0.0, c_ad=h_ad, c_bkt=h_bkt) for d in degrees}
     return CostModel(gpu_memory_bytes=100.0, seq_len=10, time=time, memory_coeffs=memory, name="random",
-                     job_overhead_s=job_overhead_s)
+                     job_overhead_s=job_overhead_s, host_time=host_time)
 
 
-def random_loads(rng: np.random.Generator, n: int, prefix: str = "a") -> list[AdapterLoad]:
+def random_loads(rng: np.random.Generator, n: int, prefix: str = "a", steps=(10, 20, 40)) -> list[AdapterLoad]:
     return [
         AdapterLoad(
             f"{prefix}{i}",
             rank=int(rng.choice([4, 8, 32, 64])),  # three rank buckets (16, 32, 64)
             batch_size=int(rng.choice([1, 2, 4])),
-            steps=int(rng.choice([10, 20, 40])),
+            steps=int(rng.choice(steps)),
         )
         for i in range(n)
     ]
@@ -89,13 +95,15 @@ def brute_force(wl: Workload, remaining: list[AdapterLoad], d: int, objective: s
     return ("ratio", max(eff for _, eff in feasible))
 
 
-@pytest.mark.parametrize("objective", ["makespan", "paper"])
-def test_f_matches_brute_force(objective):
-    rng = np.random.default_rng(7 if objective == "makespan" else 8)
+@pytest.mark.parametrize("objective,host", [("makespan", False), ("paper", False), ("makespan", True), ("paper", True)])
+def test_f_matches_brute_force(objective, host):
+    """With a host piece the integer program bounds the job time by each piece's closed form,
+    which is exact when the pack's adapters take equal steps: those instances are checked."""
+    rng = np.random.default_rng((7 if objective == "makespan" else 8) + 10 * host)
     checked = 0
     for trial in range(24):
-        cm = random_model(rng, job_overhead_s=float(rng.choice([0.0, 5.0])))
-        loads = random_loads(rng, int(rng.integers(5, 9)))
+        cm = random_model(rng, job_overhead_s=float(rng.choice([0.0, 5.0])), host=host)
+        loads = random_loads(rng, int(rng.integers(5, 9)), steps=(20,) if host else (10, 20, 40))
         cap = int(rng.choice([2, 3, 8]))
         wl = Workload(loads, cm, gpus=4, load_factor=float(rng.uniform(0.6, 1.0)), max_adapters_per_job=cap)
         remaining = [a for a in loads if rng.random() < 0.8] or loads[:1]
@@ -149,13 +157,15 @@ def overcommitment(plan: Plan, cm: CostModel) -> list[str]:
     return problems
 
 
-PLAN_CASES = [(seed, gpus, objective) for seed, gpus in [(1, 8), (2, 4), (3, 3), (4, 1)] for objective in ("makespan", "paper")]
+PLAN_CASES = [(seed, gpus, objective, False) for seed, gpus in [(1, 8), (2, 4), (3, 3), (4, 1)]
+              for objective in ("makespan", "paper")] + [(6, 4, "makespan", True), (7, 8, "makespan", True),
+                                                         (8, 2, "paper", True)]
 
 
-@pytest.mark.parametrize("seed,gpus,objective", PLAN_CASES)
-def test_plan_is_valid_and_beats_baselines(seed, gpus, objective):
+@pytest.mark.parametrize("seed,gpus,objective,host", PLAN_CASES)
+def test_plan_is_valid_and_beats_baselines(seed, gpus, objective, host):
     rng = np.random.default_rng(seed)
-    cm = random_model(rng, degrees=(1, 2, 4, 8), job_overhead_s=10.0 * (seed % 2))
+    cm = random_model(rng, degrees=(1, 2, 4, 8), job_overhead_s=10.0 * (seed % 2), host=host)
     loads = random_loads(rng, 18)
     plan = plan_sweep(loads, cm, gpus, objective=objective, max_adapters_per_job=4)
 
@@ -381,7 +391,7 @@ def test_configuration_lp_bound_is_below_every_covering_and_above_the_work_bound
     rng = np.random.default_rng(11)
     checked = 0
     for trial in range(8):
-        cm = random_model(rng, job_overhead_s=float(rng.choice([0.0, 3.0])))
+        cm = random_model(rng, job_overhead_s=float(rng.choice([0.0, 3.0])), host=trial % 2 == 1)
         loads = random_loads(rng, int(rng.integers(6, 12)), prefix=f"t{trial}-")
         wl = Workload(loads, cm, gpus=4, max_adapters_per_job=int(rng.choice([2, 4, 8])))
         lp = configuration_lp_bound(wl)
@@ -397,3 +407,20 @@ def test_configuration_lp_bound_is_below_every_covering_and_above_the_work_bound
         assert plan.lower_bound >= lp * (1 - 1e-9) and plan.lower_bound <= plan.makespan * (1 + 1e-9)
         checked += 1
     assert checked == 8
+
+
+def test_workload_job_time_follows_the_longest_piece_phase_by_phase():
+    rng = np.random.default_rng(21)
+    for trial in range(10):
+        cm = random_model(rng, host=True)
+        loads = random_loads(rng, 8, prefix=f"h{trial}-")
+        wl = Workload(loads, cm, gpus=4)
+        for _ in range(5):
+            sub = [a for a in loads if rng.random() < 0.5] or loads[:1]
+            counts = np.zeros(len(wl.types))
+            for a in sub:
+                counts[type_index(wl, a)] += 1
+            for d in wl.degrees:
+                assert wl.job_time(counts, d) == pytest.approx(cm.job_time(sub, d))
+                assert wl.step_time(counts, d) == pytest.approx(cm.step_time(sub, d))
+                assert wl.job_time_bound(counts, d) <= wl.job_time(counts, d) * (1 + 1e-12)

@@ -7,14 +7,17 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
 
 from plora import profiler
 from plora.cli import app
-from plora.costmodel import CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
-from plora.profiler import (
+from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.profiler import (  # noqa: I001
+    _nnls_relative,
+    _time_row,
     Measurement,
     Probe,
     Profile,
@@ -81,6 +84,52 @@ def test_fit_with_noise_predicts_held_out_packs():
     for row in prediction_errors(cm, held):
         assert abs(row["time_err"]) < 0.05, row
         assert abs(row["memory_err"]) < 0.02, row
+
+
+#: a launch-bound small model: the host takes 150 ms per step (plus per adapter and bucket)
+#: whatever the tokens, the GPU catches up only on the large probes
+HOST_BOUND = CostModel(
+    GPU, SEQ,
+    time={1: TimeCoeffs(c0=0.020, c_tok=1.2e-5, c_rtok=2.0e-9, c_ad=2e-4, c_bkt=0.004)},
+    memory_coeffs=TRUE.memory_coeffs,
+    host_time={1: TimeCoeffs(c0=0.150, c_tok=0.0, c_rtok=0.0, c_ad=1e-3, c_bkt=0.020)},
+)
+
+
+def test_fit_recovers_a_host_bound_step_and_predicts_held_out_packs():
+    probes = calibration_probes() + fit_probes(24)
+    truth_share = [HOST_BOUND.time[1].c0 + 1.2e-5 * p.tokens(SEQ) > 0.15 for p in probes]
+    assert any(truth_share) and not all(truth_share)  # both regimes are probed
+    cm = fit_cost_model(synthetic(probes, HOST_BOUND, noise=0.02, seed=2), SHAPE, SEQ, GPU, targets="all-linear")
+    assert cm.meta["step_time_pieces"] == 2 and 1 in cm.host_time
+    assert cm.host_time[1].c0 == pytest.approx(0.150, rel=0.1)
+    assert cm.time[1].c_tok == pytest.approx(1.2e-5, rel=0.15)
+    for row in prediction_errors(cm, synthetic(holdout_probes(24, n=8, seed=5), HOST_BOUND)):
+        assert abs(row["time_err"]) < 0.06, row
+    # one linear form cannot follow both regimes
+    one = CostModel(GPU, SEQ, {1: TimeCoeffs(*_nnls_relative(
+        np.array([_time_row(p, SEQ) for p in probes]), np.array([HOST_BOUND.step_time(p.loads(), 1) for p in probes])))},
+        TRUE.memory_coeffs)
+    assert max(abs(r["time_err"]) for r in prediction_errors(one, synthetic(probes, HOST_BOUND))) > 0.1
+
+
+def test_fit_keeps_one_piece_when_the_step_is_linear():
+    cm = fit_cost_model(synthetic(all_fit_probes(), noise=0.01, seed=4), SHAPE, SEQ, GPU)
+    assert cm.meta["step_time_pieces"] == 1 and not cm.host_time
+
+
+def test_host_piece_round_trips_and_scales(tmp_path):
+    path = tmp_path / "cm.json"
+    HOST_BOUND.save(path)
+    back = CostModel.load(path)
+    assert back.host_time == HOST_BOUND.host_time
+    loads = [AdapterLoad("a", 8, 1, 10), AdapterLoad("b", 64, 2, 5)]
+    assert back.step_time(loads, 1) == pytest.approx(HOST_BOUND.step_time(loads, 1))
+    assert HOST_BOUND.scaled(2.0).step_time(loads, 1) == pytest.approx(2 * HOST_BOUND.step_time(loads, 1))
+    # a step is the longer piece; the job runs 5 steps with both adapters, 5 with one
+    two = HOST_BOUND.step_time(loads, 1)
+    assert two == pytest.approx(0.150 + 2e-3 + 2 * 0.020)
+    assert HOST_BOUND.job_time(loads, 1) == pytest.approx(5 * two + 5 * HOST_BOUND.step_time(loads[:1], 1))
 
 
 def test_fit_skips_oom_probes_and_needs_enough_of_them():
@@ -266,12 +315,12 @@ def test_out_of_memory_is_a_result(tiny_model, monkeypatch):
 
 
 def test_deadline_skips_validation_after_min_checks(tmp_path, tiny_model, fake_probes):
-    from plora.profiler import profile_model, shape_from_model
+    from plora.profiler import fit_probes, profile_model, shape_from_model
 
     shape = shape_from_model(tiny_model, dtype="float32")
     prof = profile_model(tiny_model, shape, seq_len=32, dtype="float32", device="cpu", gpu_memory_bytes=4 * 2**30,
                          holdout=4, deadline=0.0, min_checks=2)
-    assert len(prof.measurements) == 9 and [m.probe.name for m in prof.holdout] == ["ho-1", "ho-2"]
+    assert len(prof.measurements) == 2 + len(fit_probes(8)) and [m.probe.name for m in prof.holdout] == ["ho-1", "ho-2"]
     assert prof.cost_model.meta["holdout"]["packs"] == 2
 
 
@@ -296,7 +345,7 @@ def test_acceptance_script_refits_from_raw_measurements(tmp_path):
     finally:
         sys.argv = argv
     table = (tmp_path / "table.md").read_text()
-    assert "| qwen2.5-7b:1024 | 9 |" in table
+    assert f"| qwen2.5-7b:1024 | {len(all_fit_probes())} |" in table
     prof = Profile.load(tmp_path / "work" / "profiles" / "qwen2.5-7b-seq1024.json")
     assert prof.cost_model.degrees == (1, 2, 4) and prof.summary()["memory_max_abs_err"] < 1e-6
     script.extract(tmp_path, tmp_path / "exported")

@@ -61,11 +61,14 @@ def _packs_bound(wl: Workload) -> float:
     biggest = max(int(np.max(wl.max_pack[d])) for d in wl.degrees)
     biggest = max(1, biggest)
     steps = np.sort(np.repeat(wl.steps, np.asarray(wl.counts, dtype=int)))[::-1]
-    fixed = min(d * (wl.c0[d] + wl.c_bkt[d]) for d in wl.degrees)  # every job has a rank bucket
-    per_adapter = np.full(len(wl.types), np.inf)
-    for d in wl.degrees:
-        per_adapter = np.where(wl.fits[d], np.minimum(per_adapter, d * wl.step[d]), per_adapter)
     n_jobs = -(-len(steps) // biggest)
-    gpu_seconds = (fixed * float(steps[::biggest].sum()) + float((wl.counts * wl.steps * per_adapter).sum())
-                   + n_jobs * min(wl.degrees) * wl.overhead)
-    return gpu_seconds / wl.gpus
+    best = 0.0
+    for p in range(wl.num_pieces):  # a job costs at least each step-time piece's sum
+        fixed = min(d * (wl.piece(d, p)[0] + wl.piece(d, p)[1]) for d in wl.degrees)  # every job has a rank bucket
+        per_adapter = np.full(len(wl.types), np.inf)
+        for d in wl.degrees:
+            per_adapter = np.where(wl.fits[d], np.minimum(per_adapter, d * wl.piece(d, p)[2]), per_adapter)
+        gpu_seconds = (fixed * float(steps[::biggest].sum()) + float((wl.counts * wl.steps * per_adapter).sum())
+                       + n_jobs * min(wl.degrees) * wl.overhead)
+        best = max(best, gpu_seconds / wl.gpus)
+    return best

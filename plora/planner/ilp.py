@@ -198,7 +198,6 @@ class _DegreeModel:
         self.ub = cp.Parameter(k, nonneg=True)
         self.lam = cp.Parameter(nonneg=True)
         cons = pack_limits(wl, d, self.idx, self.n)
-        m = wl.step[d][self.idx]
         steps = wl.steps[self.idx]
         tiny = 1e-5 * cp.sum(self.n)  # among packs of equal work, prefer the one serving more adapters
         self.t_max: cp.Parameter | None = None
@@ -208,7 +207,7 @@ class _DegreeModel:
         self.lam_scale = 1.0  # solver units of the ratio per unit of PackSolver.ratio
         if objective == "makespan":
             self.t_max = cp.Parameter(nonneg=True)
-            self.t_scale = t_scale = max(float(steps.max() * (wl.c0[d] + wl.c_bkt[d] + m.max())), 1e-9)
+            self.t_scale = t_scale = max(float(wl.single_times(d)[self.idx].max()), 1e-9)
             time_cons, seconds = job_time_model(wl, d, self.idx, self.n, self.ub)
             job_time = seconds / t_scale
             cons += time_cons + [job_time <= self.t_max]
@@ -219,14 +218,22 @@ class _DegreeModel:
         else:
             cons.append(self.n <= self.ub)
             # rank in units of the largest, time in units of the slowest single-adapter step
-            r_max, tau = float(wl.rank[self.idx].max()), wl.c0[d] + wl.c_bkt[d] + float(m.max())
+            r_max = float(wl.rank[self.idx].max())
+            tau = max(c0 + c_bkt + float(step_k[self.idx].max()) for c0, c_bkt, step_k in wl.pieces[d])
             self.lam_scale = tau / r_max
-            step = wl.c0[d] + m @ self.n
-            if wl.c_bkt[d] > 0:  # y[b] = 1 when a type of rank bucket b is in the pack
+            n_buckets = None
+            if any(c_bkt > 0 for _, c_bkt, _ in wl.pieces[d]):  # y[b] = 1 when a type of rank bucket b is in the pack
                 sel = bucket_onehot(wl, self.idx)
                 y = cp.Variable(sel.shape[1], boolean=True)
                 cons.append(self.n <= cp.multiply(self.ub, sel @ y))
-                step = step + wl.c_bkt[d] * cp.sum(y)
+                n_buckets = cp.sum(y)
+            forms = [c0 + step_k[self.idx] @ self.n + (c_bkt * n_buckets if n_buckets is not None and c_bkt > 0 else 0)
+                     for c0, c_bkt, step_k in wl.pieces[d]]
+            if len(forms) == 1:
+                step = forms[0]
+            else:  # the step is the longest piece; maximising rank - lam * step keeps it tight
+                step = cp.Variable(nonneg=True)
+                cons += [step >= f for f in forms]
             ratio_obj = (wl.rank[self.idx] / r_max) @ self.n - self.lam * (step / tau)
         # No tie-break here: at the optimum the objective is ~0 and any bonus would trade ratio.
         self.prob_ratio = cp.Problem(cp.Maximize(ratio_obj), cons)
@@ -260,13 +267,25 @@ def job_time_model(wl: Workload, d: int, idx: np.ndarray, n: cp.Variable, ub) ->
     allowed = (np.arange(len(levels))[None, :] >= level_of[:, None]).astype(float)
     z = cp.Variable(len(levels), boolean=True)
     cons = [cp.sum(z) == 1, n <= cp.multiply(ub, allowed @ z)]
-    seconds = wl.overhead + wl.c0[d] * (levels @ z) + (steps * wl.step[d][idx]) @ n
-    if wl.c_bkt[d] > 0:
+    bucket_levels = None
+    if any(c_bkt > 0 for _, c_bkt, _ in wl.pieces[d]):
         sel = bucket_onehot(wl, idx)
         zb = cp.Variable((sel.shape[1], len(levels)), boolean=True)
         cons += [cp.sum(zb, axis=1) <= 1, n <= cp.multiply(ub, cp.sum(cp.multiply(allowed, sel @ zb), axis=1))]
-        seconds = seconds + wl.c_bkt[d] * cp.sum(zb @ levels)
-    return cons, seconds
+        bucket_levels = cp.sum(zb @ levels)
+    forms = []
+    for c0, c_bkt, step in wl.pieces[d]:
+        form = wl.overhead + c0 * (levels @ z) + (steps * step[idx]) @ n
+        if c_bkt > 0 and bucket_levels is not None:
+            form = form + c_bkt * bucket_levels
+        forms.append(form)
+    if len(forms) == 1:
+        return cons, forms[0]
+    # Several step-time pieces: the time is bounded by each piece's closed form (exact when
+    # the job's adapters all take the same number of steps; `Workload.job_time_bound`). Every
+    # objective and constraint wants the time small, so it settles on the largest form.
+    seconds = cp.Variable(nonneg=True)
+    return cons + [seconds >= f for f in forms], seconds
 
 
 def bucket_onehot(wl: Workload, idx: np.ndarray) -> np.ndarray:
@@ -366,7 +385,7 @@ class PackSolver:
         if not cand.any():
             return None
         if self.objective == "makespan":
-            t_floor = wl.overhead + float((wl.steps[cand] * (wl.c0[d] + wl.c_bkt[d] + wl.step[d][cand])).min())
+            t_floor = float(wl.single_times(d)[cand].min())
             t_max = math.inf if t_max is None else max(t_max, t_floor)
             key: tuple = (d, tuple(available), round(t_max, 3), self.efficiency_floor)
         else:
@@ -378,7 +397,8 @@ class PackSolver:
         # The tightest count bounds: available, and how many fit in memory next to the base.
         model.ub.value = np.where(cand, np.minimum(avail, wl.fit_alone[d]), 0.0)[model.idx]
         if model.t_max is not None:
-            cap_t = wl.overhead + wl.steps.max() * (wl.c0[d] + wl.c_bkt[d] * len(wl.buckets) + wl.step[d].max()) * max(wl.cap, 1) * 2
+            cap_t = wl.overhead + wl.steps.max() * max(
+                c0 + c_bkt * len(wl.buckets) + step.max() for c0, c_bkt, step in wl.pieces[d]) * max(wl.cap, 1) * 2
             model.t_max.value = min(t_max, cap_t) / model.t_scale * (1 + 1e-9)
         best = None
         if model.prob_work is not None:

@@ -1,9 +1,10 @@
 """The configuration-LP lower bound: the least GPU-seconds any set of jobs covering the sweep takes.
 
 A *configuration* is one job: a degree d and a multiset of adapter types that fits d GPUs
-(memory, cap). Its cost is exact: d x the job's time on the cost model (`Workload.job_time`:
+(memory, cap). Its cost is d x the job's time on the cost model (`Workload.job_time_bound`:
 the per-step constant for its longest adapter, each rank bucket for its longest adapter,
-every adapter's own steps). Every schedule is a set of configurations covering every
+every adapter's own steps; exact with one step-time piece, and never above the exact time
+with several, so the LP stays a lower bound). Every schedule is a set of configurations covering every
 adapter, and G GPUs supply G x makespan GPU-seconds, so
 
     makespan >= min { sum_c g_c x_c : sum_c a_c x_c >= counts, x >= 0 } / G.
@@ -42,8 +43,7 @@ class _Pricing:
         counts = np.asarray(wl.counts, dtype=float)[self.idx]
         ub = np.minimum(np.minimum(counts, wl.fit_alone[d][self.idx]), wl.cap)
         time_cons, seconds = job_time_model(wl, d, self.idx, n, ub)
-        m = wl.step[d][self.idx]
-        self.unit = max(float(d * wl.steps[self.idx].max() * (wl.c0[d] + wl.c_bkt[d] + m.max())), 1e-9)
+        self.unit = max(float(d * wl.single_times(d)[self.idx].max()), 1e-9)
         self.prob = cp.Problem(cp.Maximize((self.y @ n - d * seconds) / self.unit),
                                pack_limits(wl, d, self.idx, n) + time_cons)
 
@@ -86,7 +86,7 @@ def configuration_lp_bound(
             return False
         seen.add(key)
         cols.append(c)
-        costs.append(d * wl.job_time(c, d))
+        costs.append(d * wl.job_time_bound(c, d))
         return True
 
     for i in range(len(wl.types)):  # singles: the master is feasible from the start
@@ -109,7 +109,7 @@ def configuration_lp_bound(
                 c = p.best(y, wl, solver, log)
             except _Unproven:
                 return None
-            reduced = float(y @ c) - d * wl.job_time(c, d)
+            reduced = float(y @ c) - d * wl.job_time_bound(c, d)
             if reduced > tol * max(1.0, float(res.fun) / max(counts.sum(), 1.0)):
                 added |= add(c, d)
         if not added:

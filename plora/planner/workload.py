@@ -91,12 +91,19 @@ class Workload:
         self.mem_base: dict[int, float] = {}
         self.c0: dict[int, float] = {}
         self.fit_alone: dict[int, np.ndarray] = {}
+        # The step takes the longest of its linear pieces (GPU, and the host where profiled):
+        # (c0, c_bkt, per-type step cost) each; c0/c_bkt/step above are the first, the GPU's.
+        self.pieces: dict[int, list[tuple[float, float, np.ndarray]]] = {}
         for d in self.degrees:
             self.mem_base[d] = cost_model.memory_base(d)
             self.c0[d] = cost_model.step_base(d)
             self.c_bkt[d] = float(cost_model.step_per_bucket(d)) if hasattr(cost_model, "step_per_bucket") else 0.0
             self.mem[d] = np.array([cost_model.memory_per_adapter(t.load(), d) for t in self.types])
             self.step[d] = np.array([cost_model.step_per_adapter(t.load(), d) for t in self.types])
+            self.pieces[d] = [(self.c0[d], self.c_bkt[d], self.step[d])]
+            for c in (cost_model.pieces(d)[1:] if hasattr(cost_model, "pieces") else ()):
+                self.pieces[d].append(
+                    (c.c0, c.c_bkt, np.array([cost_model.piece_per_adapter(c, t.load()) for t in self.types])))
             self.fits[d] = self.mem_base[d] + self.mem[d] <= self.budget * (1 + 1e-12)
             # how many adapters of each type alone would fit one job next to the base
             self.fit_alone[d] = np.floor((self.budget - self.mem_base[d]) / np.maximum(self.mem[d], 1.0) * (1 + 1e-12))
@@ -168,17 +175,33 @@ class Workload:
         sweep's GPU-seconds from below.
         """
         # a job pays each rank bucket's step cost over its longest adapter of that bucket:
-        # shared at best by the adapters of the bucket it can hold
-        return self._cheapest_work(self.max_pack, self.bucket_pack)
+        # shared at best by the adapters of the bucket it can hold.
+        # With several step-time pieces a job costs at least each piece's sum, not the sum of
+        # per-adapter maxima: the bound takes the one piece whose total is largest.
+        per_piece = [self._cheapest_work(self.max_pack, self.bucket_pack, piece=p) for p in range(self.num_pieces)]
+        return max(per_piece, key=lambda w: float(w @ np.asarray(self.counts, dtype=float)))
 
-    def _cheapest_work(self, pack: dict[int, np.ndarray], share: dict[int, np.ndarray]) -> np.ndarray:
+    @property
+    def num_pieces(self) -> int:
+        return max((len(v) for v in self.pieces.values()), default=1)
+
+    def piece(self, d: int, p: int) -> tuple[float, float, np.ndarray]:
+        """Piece ``p`` of the step time at degree d (the GPU piece where d has fewer)."""
+        pieces = self.pieces[d]
+        return pieces[min(p, len(pieces) - 1)]
+
+    def _cheapest_work(self, pack: dict[int, np.ndarray], share: dict[int, np.ndarray],
+                       piece: int | None = None) -> np.ndarray:
         """Per type, at its cheapest degree: d x (its share of the job overhead and of the
         per-step constant among ``pack[d]`` adapters, of its bucket's step cost among
-        ``share[d]``, plus its own step cost) over its steps."""
+        ``share[d]``, plus its own step cost) over its steps; under one ``piece`` of the step
+        time, or (None) the largest of them per type."""
         w = np.full(len(self.types), np.inf)
         for d in self.degrees:
             p, q = np.maximum(pack[d], 1), np.maximum(share[d], 1)
-            cost = d * (self.overhead / p + self.steps * (self.step[d] + self.c0[d] / p + self.c_bkt[d] / q))
+            chosen = self.pieces[d] if piece is None else [self.piece(d, piece)]
+            per_step = np.max([step + c0 / p + c_bkt / q for c0, c_bkt, step in chosen], axis=0)
+            cost = d * (self.overhead / p + self.steps * per_step)
             w = np.where(self.fits[d], np.minimum(w, cost), w)
         return w
 
@@ -211,14 +234,17 @@ class Workload:
         for d in self.degrees:
             if self.fits[d][i]:
                 k = max(1, min(n, int(self.same_pack[d][i])))
-                best = min(best, self.overhead + self.steps[i] * (self.c0[d] + self.c_bkt[d] + k * self.step[d][i]))
+                per_step = max(c0 + c_bkt + k * step[i] for c0, c_bkt, step in self.pieces[d])
+                best = min(best, self.overhead + self.steps[i] * per_step)
         return float(best)
+
+    def single_times(self, d: int) -> np.ndarray:
+        """Per type: the time of a job of one such adapter alone at degree d."""
+        return self.overhead + self.steps * np.max([c0 + c_bkt + step for c0, c_bkt, step in self.pieces[d]], axis=0)
 
     def _single_time(self, i: int) -> float:
         """Shortest time type i can finish in (alone, at its fastest degree): no pack makes it faster."""
-        return self.overhead + min(
-            self.steps[i] * (self.c0[d] + self.c_bkt[d] + self.step[d][i]) for d in self.degrees if self.fits[d][i]
-        )
+        return min(float(self.single_times(d)[i]) for d in self.degrees if self.fits[d][i])
 
     def smallest_degree(self, i: int) -> int:
         return min(d for d in self.degrees if self.fits[d][i])
@@ -228,19 +254,41 @@ class Workload:
 
     # ------------------------------------------------------------------------------------
     def job_time(self, counts: np.ndarray, d: int) -> float:
-        """Exact job time of a pack given as counts per type (the linear model's closed form)."""
+        """Exact job time of a pack given as counts per type.
+
+        One linear piece has a closed form; with several, the job runs phase by phase (an
+        adapter leaves when its steps are done) and each phase's step is the longest piece.
+        """
+        counts = np.asarray(counts, dtype=float)
+        if counts.sum() <= 0:
+            return 0.0
+        if len(self.pieces[d]) == 1:
+            return self.job_time_bound(counts, d)
+        present = counts > 0
+        total, done = self.overhead, 0.0
+        for s in np.unique(self.steps[present]):
+            still = np.where(present & (self.steps >= s), counts, 0.0)
+            total += (s - done) * self.step_time(still, d)
+            done = s
+        return float(total)
+
+    def job_time_bound(self, counts: np.ndarray, d: int) -> float:
+        """The largest piece's closed-form job time: exact with one piece, never above
+        `job_time` otherwise (a maximum of sums is at most the sum of maxima) -- the job time
+        the integer programs see (`plora.planner.ilp.job_time_model`)."""
         counts = np.asarray(counts, dtype=float)
         if counts.sum() <= 0:
             return 0.0
         present = counts > 0
         s_max = float(self.steps[present].max())
         buckets = sum(float(self.steps[present & (self.bucket == b)].max(initial=0.0)) for b in range(len(self.buckets)))
-        return self.overhead + self.c0[d] * s_max + self.c_bkt[d] * buckets + float(counts @ (self.steps * self.step[d]))
+        return self.overhead + max(c0 * s_max + c_bkt * buckets + float(counts @ (self.steps * step))
+                                   for c0, c_bkt, step in self.pieces[d])
 
     def step_time(self, counts: np.ndarray, d: int) -> float:
         counts = np.asarray(counts, dtype=float)
         n_buckets = len(set(self.bucket[counts > 0].tolist()))
-        return self.c0[d] + self.c_bkt[d] * n_buckets + float(counts @ self.step[d])
+        return max(c0 + c_bkt * n_buckets + float(counts @ step) for c0, c_bkt, step in self.pieces[d])
 
     def memory(self, counts: np.ndarray, d: int) -> float:
         return self.mem_base[d] + float(np.asarray(counts, dtype=float) @ self.mem[d])
