@@ -215,7 +215,7 @@ def fit_probes(rows: int, kmax: int = 16) -> list[Probe]:
         # between the launch-bound small packs and the GPU-bound large ones: where the two
         # step-time pieces meet (`fit_step_time`)
         Probe("rows-r64-q", (64,), (bs(R / 4, 1),)),
-        Probe("k2-r64-small", (64, 64), (1, 1)),
+        Probe(f"k{k_many}-mixed", tuple((8, 16, 32, 64, 128)[i % 5] for i in range(k_many)), (bs(R, k_many),) * k_many),
         Probe("k4-mixed-h", mixed, (bs(R / 2, 4),) * 4),
         Probe(f"k{k_mid}-r32-h", (32,) * k_mid, (bs(R / 2, k_mid),) * k_mid),
     ]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import yaml
 
 from plora.engine.journal import Journal
@@ -174,3 +175,15 @@ def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     ran = [a for job, members in launches(prep.run_dir) for a in members]
     assert sorted(ran) == sorted(adapters)  # every adapter launched exactly once
     assert all(a["attempts"] == 1 for a in adapters.values())
+
+
+def test_jobs_get_the_gpus_the_sweep_sees():
+    """Under CUDA_VISIBLE_DEVICES=2,3 the pool's GPU 0 is the machine's GPU 2."""
+    from plora.engine.local import visible_gpu_ids
+
+    assert visible_gpu_ids([0, 1], None) == ["0", "1"]
+    assert visible_gpu_ids([1], "") == ["1"]
+    assert visible_gpu_ids([0], "2,3") == ["2"]
+    assert visible_gpu_ids([0, 1], "GPU-a, GPU-b") == ["GPU-a", "GPU-b"]
+    with pytest.raises(ValueError, match="not among"):
+        visible_gpu_ids([2], "2,3")

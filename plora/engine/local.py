@@ -66,7 +66,7 @@ def launch(
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra_env or {})
     if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpu_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")))
         # Packs of many adapters allocate many differently sized activations: without
         # expandable segments the allocator reserves up to ~30% more than its peak.
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -94,6 +94,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except OSError:  # not Linux: resume's stale-process check still covers it
         pass
+
+
+def visible_gpu_ids(gpus: Sequence[int], visible: str | None) -> list[str]:
+    """The device ids to hand a job for the sweep's GPU indices ``gpus``.
+
+    The pool numbers the GPUs this process sees 0..n-1; where the sweep itself runs under
+    ``CUDA_VISIBLE_DEVICES`` (say ``2,3``), index 0 is the first entry of that list, not
+    the machine's GPU 0.
+    """
+    ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if not ids:
+        return [str(g) for g in gpus]
+    if any(g >= len(ids) for g in gpus):
+        raise ValueError(f"GPU index {max(gpus)} is not among CUDA_VISIBLE_DEVICES={visible}")
+    return [ids[g] for g in gpus]
 
 
 def default_slots(device: str) -> list[str]:
