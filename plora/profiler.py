@@ -73,6 +73,7 @@ import numpy as np
 
 from plora.costmodel import (AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, num_buckets,
                              resolve_lora_targets)
+from plora.heap import frozen_heap
 
 __all__ = [
     "DEFAULT_ITERS",
@@ -204,7 +205,7 @@ def fit_probes(rows: int, kmax: int = 16) -> list[Probe]:
         return max(1, round(total / k))
 
     mixed = (8, 32, 64, 128)
-    return [
+    probes = [
         Probe("rows-r8", (8,), (R,)),
         Probe("rows-r128", (128,), (bs(R / 2, 1),)),
         Probe(f"k{k_mid}-r8", (8,) * k_mid, (bs(R, k_mid),) * k_mid),
@@ -219,6 +220,13 @@ def fit_probes(rows: int, kmax: int = 16) -> list[Probe]:
         Probe("k4-mixed-h", mixed, (bs(R / 2, 4),) * 4),
         Probe(f"k{k_mid}-r32-h", (32,) * k_mid, (bs(R / 2, k_mid),) * k_mid),
     ]
+    seen: set[tuple] = set()  # few rows make some of them the same pack: run it once
+    unique = []
+    for p in probes:
+        if (p.ranks, p.batch_sizes) not in seen:
+            seen.add((p.ranks, p.batch_sizes))
+            unique.append(p)
+    return unique
 
 
 def holdout_probes(rows: int, kmax: int = 16, n: int = 4, seed: int = 0) -> list[Probe]:
@@ -422,22 +430,23 @@ def run_probe(
             m.build_s = time.perf_counter() - t0
             active = list(recipe.runs)
             total, i = warmup + iters, 0
-            while i < total:
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                t = time.perf_counter()
-                recipe.train_step(active, i)
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                dt = time.perf_counter() - t
-                if i >= warmup:
-                    m.step_times.append(dt)
-                if i == max(warmup - 1, 0) and dt > 0:
-                    # short, launch-bound steps are the noisiest: time at least min_timed_s of them
-                    total = warmup + max(iters, min(MAX_ITERS_FACTOR * iters, math.ceil(min_timed_s / dt)))
-                    if max_probe_s:
-                        total = warmup + max(MIN_ITERS, min(total - warmup, int(max_probe_s / dt)))
-                i += 1
+            with frozen_heap():  # as in a job's loop (`PackedLoRARecipe.run`)
+                while i < total:
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    t = time.perf_counter()
+                    recipe.train_step(active, i)
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    dt = time.perf_counter() - t
+                    if i >= warmup:
+                        m.step_times.append(dt)
+                    if i == max(warmup - 1, 0) and dt > 0:
+                        # short, launch-bound steps are the noisiest: time at least min_timed_s of them
+                        total = warmup + max(iters, min(MAX_ITERS_FACTOR * iters, math.ceil(min_timed_s / dt)))
+                        if max_probe_s:
+                            total = warmup + max(MIN_ITERS, min(total - warmup, int(max_probe_s / dt)))
+                    i += 1
             if cuda:
                 m.allocated_peak = float(torch.cuda.max_memory_allocated(dev))
                 m.reserved_peak = float(torch.cuda.max_memory_reserved(dev))

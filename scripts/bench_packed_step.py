@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from plora.costmodel import ModelShape
+from plora.heap import frozen_heap
 from plora.models import write_shape_folder
 from plora.recipes.packed_lora import PackedLoRARecipe
 
@@ -51,15 +52,16 @@ def make_recipe(model_dir: Path, out: Path, n_adapters: int, batch_size: int, ra
 def time_steps(recipe: PackedLoRARecipe, warmup: int, steps: int) -> list[float]:
     active = [r for r in recipe.runs]
     times = []
-    for i in range(warmup + steps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        recipe.train_step(active, i)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    with frozen_heap():  # as the recipe's own loop runs its steps
+        for i in range(warmup + steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            recipe.train_step(active, i)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
     return times
 
 

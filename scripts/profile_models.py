@@ -361,7 +361,7 @@ def main() -> int:
     ap.add_argument("--kmax", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--max-probe-s", type=float, default=2.0, help="cap on a probe's timed steps (seconds)")
+    ap.add_argument("--max-probe-s", type=float, default=4.0, help="cap on a probe's timed steps (seconds)")
     ap.add_argument("--holdout", type=int, default=6)
     ap.add_argument("--max-tp", type=int, default=8)
     ap.add_argument("--load-factor", type=float, default=0.9)

@@ -64,6 +64,16 @@ def test_tolerance_catches_a_real_difference(packed_run, tiny_model, reverse_dat
     assert _max_diff(_weights(out, "r2"), _weights(tmp_path, "r2")) > 100 * ATOL
 
 
+def test_steps_run_with_the_heap_frozen_and_it_is_released_after(tiny_model, reverse_data, tmp_path):
+    import gc
+
+    seen = []
+    PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path, ADAPTERS[:1])).run(
+        on_step=lambda recipe, step: seen.append(gc.get_freeze_count()))
+    assert seen and all(n > 0 for n in seen)
+    assert gc.get_freeze_count() == 0
+
+
 def test_each_adapter_runs_its_own_steps(packed_run):
     import json
 

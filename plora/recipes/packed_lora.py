@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from plora.data import AdapterStream, TextTokenizer, collate, load_split, synthetic_samples, tokenize_examples
 from plora.evaluate import evaluate_adapters, per_adapter_loss
+from plora.heap import frozen_heap
 from plora.models import load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
@@ -171,20 +172,21 @@ class PackedLoRARecipe:
         if c.get("eval_base"):
             self._eval_base()
         step = 0
-        while any(r.active for r in self.runs):
-            self._check_control()
-            active = [r for r in self.runs if r.active]
-            if not active:
-                break
-            self.train_step(active, step)
-            if on_step is not None:
-                on_step(self, step)
-            step += 1
-            self._intermediate_eval(active)
-            finished = [r for r in active if r.active and r.step >= r.total_steps]
-            if finished:
-                self._finish(finished, "done")
-            self._write_progress(step)
+        with frozen_heap():  # no full garbage collections of the model's objects mid-step
+            while any(r.active for r in self.runs):
+                self._check_control()
+                active = [r for r in self.runs if r.active]
+                if not active:
+                    break
+                self.train_step(active, step)
+                if on_step is not None:
+                    on_step(self, step)
+                step += 1
+                self._intermediate_eval(active)
+                finished = [r for r in active if r.active and r.step >= r.total_steps]
+                if finished:
+                    self._finish(finished, "done")
+                self._write_progress(step)
         self._write_progress(step, final=True)
         if self._metrics_file is not None:
             self._metrics_file.close()
