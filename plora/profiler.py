@@ -1026,6 +1026,17 @@ def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloa
                       dtype_bytes, info.tie_word_embeddings)
 
 
+def sweep_cache_path(spec) -> Path:
+    """Where the profile of a sweep's model on this machine is cached (`profile_sweep`)."""
+    dtype = spec.model.dtype
+    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, dtype)
+    device, device_name, _ = _device_info(spec.hardware.device)
+    key = profile_key(shape, seq_len=spec.model.max_seq_len, dtype=dtype, device_name=device_name,
+                      backend=_backend(device), targets=list(spec.lora.resolved_targets()),
+                      dropout=spec.lora.dropout, activation_checkpointing=bool(spec.training.activation_checkpointing))
+    return cache_path(key)
+
+
 def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log: Log | None = None,
                   cached_only: bool = False, **options) -> CostModel | None:
     """The cost model of a sweep's model on this machine: from the cache when there is one
@@ -1044,9 +1055,7 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
     degrees = shape.tp_degrees(max_tp=spec.hardware.gpus)
     seq = spec.model.max_seq_len
     ac = bool(spec.training.activation_checkpointing)
-    key = profile_key(shape, seq_len=seq, dtype=dtype, device_name=device_name, backend=_backend(device),
-                      targets=targets, dropout=spec.lora.dropout, activation_checkpointing=ac)
-    path = cache_path(key)
+    path = sweep_cache_path(spec)
     load_factor = spec.planner.memory_load_factor
     prof = None
     if path.is_file() and not force:

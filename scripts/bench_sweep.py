@@ -9,6 +9,7 @@ the cache) before either run, so neither pays for it.
 
     python scripts/bench_sweep.py --shape qwen2.5-0.5b --device cuda --out DIR
     python scripts/bench_sweep.py --model builtin:tiny-llama --device cpu --out DIR   # smoke test
+    ... --profile scripts/profiles/qwen2.5-0.5b-seq256.json   # reuse a profile of this GPU kind
 
 Writes DIR/sweep_bench.json and prints a table.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -72,6 +74,8 @@ def main() -> None:
     ap.add_argument("--max-adapters", type=int, default=16)
     ap.add_argument("--only", choices=["packed", "one-per-job"], default=None)
     ap.add_argument("--out", type=Path, default=Path("bench-sweep"))
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="a profile.json of this model on this GPU kind: used instead of profiling again")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plora = [sys.executable, "-m", "plora.cli"]
@@ -79,6 +83,17 @@ def main() -> None:
     # the profile first (cached per machine), so neither timed run pays for it
     first = args.out / f"{'one-per-job' if variants[0] else 'packed'}.yaml"
     first.write_text(yaml.safe_dump(space(args, variants[0]), sort_keys=False))
+    if args.profile is not None:  # a private cache holding the given profile, for both runs
+        from plora.profiler import Profile, sweep_cache_path
+        from plora.spec import load_spec
+
+        os.environ["PLORA_CACHE_DIR"] = str((args.out / "cache").resolve())
+        try:
+            prof = Profile.load(args.profile)
+        except Exception as e:  # noqa: BLE001 - say which file and why, then stop
+            raise SystemExit(f"--profile {args.profile}: {e} (give a profile.json that `plora profile` or "
+                             "scripts/profile_models.py wrote)") from None
+        prof.save(sweep_cache_path(load_spec(first)))
     t0 = time.time()
     subprocess.run(plora + ["profile", str(first)], check=True)
     profile_s = time.time() - t0
