@@ -219,6 +219,9 @@ def fit_probes(rows: int, kmax: int = 16) -> list[Probe]:
         Probe(f"k{k_many}-mixed", tuple((8, 16, 32, 64, 128)[i % 5] for i in range(k_many)), (bs(R, k_many),) * k_many),
         Probe("k4-mixed-h", mixed, (bs(R / 2, 4),) * 4),
         Probe(f"k{k_mid}-r32-h", (32,) * k_mid, (bs(R / 2, k_mid),) * k_mid),
+        # small packs of several buckets: the host piece's per-adapter and per-bucket costs
+        Probe("k4-mixed-small", mixed, (1,) * 4),
+        Probe("k2-spread", (8, 128), (1, 1)),
     ]
     seen: set[tuple] = set()  # few rows make some of them the same pack: run it once
     unique = []
@@ -540,65 +543,88 @@ def _time_row(p: Probe, seq: int) -> list[float]:
     return [1.0, float(p.tokens(seq)), float(p.rank_tokens(seq)), float(p.adapters), float(num_buckets(p.ranks))]
 
 
-#: columns of `_time_row` that the host piece uses: it issues the same kernels whatever
-#: the tokens, so it has a constant, a cost per adapter and one per rank bucket
-HOST_COLUMNS = (0, 3, 4)
+#: host-piece forms tried, as columns of `_time_row`: the host issues the same kernels
+#: whatever the tokens, so it has a constant, maybe a cost per adapter and per rank bucket
+HOST_FORMS = ((0, 3, 4), (0, 3), (0,))
 #: the fewest fit probes for which a two-piece step time is tried
 MIN_PROBES_TWO_PIECES = 6
-#: a two-piece fit is kept only if it has at most this share of the one-piece squared error
-TWO_PIECE_GAIN = 0.5
-#: exhaustive search over host/GPU splits up to this many probes (2^n fits)
-EXHAUSTIVE_SPLITS_MAX = 13
+#: a two-piece fit must predict left-out probes this much better than one piece to be kept
+TWO_PIECE_GAIN = 0.7
+#: every host/GPU split is tried up to this many probes (2^n fits), beyond only splits by tokens
+EXHAUSTIVE_SPLITS_MAX = 10
 
 
 def fit_step_time(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Step-time coefficients (the `_time_row` columns): a GPU piece, and a host piece over
-    `HOST_COLUMNS` (None when one linear form explains the probes about as well).
+    """Step-time coefficients (the `_time_row` columns): a GPU piece, and a host piece (None
+    when one linear form predicts as well).
 
     The step is ``max(gpu, host)`` (see `plora.costmodel`). Which probes are host-bound is
-    unknown, so the fit searches the splits: every split for up to `EXHAUSTIVE_SPLITS_MAX`
-    probes, else every split by tokens; each split is refined by reassigning probes to the
-    piece that predicts more (fitting a maximum of affine forms) and scored by the relative
-    squared error of the maximum on all probes.
+    unknown, so for each host form (`HOST_FORMS`) the fit searches the splits (all of them
+    for up to `EXHAUSTIVE_SPLITS_MAX` probes, else the splits by tokens), refines each by
+    reassigning probes to the piece that predicts more, and keeps the split whose maximum
+    fits best. Two pieces have up to 8 coefficients for a dozen probes, enough to fit
+    noise: the form is chosen by leave-one-out error (each probe predicted by the pieces
+    refitted without it), not by the fit's own error.
     """
-    one = _nnls_relative(X, y)
-
-    def sse(pred: np.ndarray) -> float:
-        return float(np.sum((pred / y - 1.0) ** 2))
-
-    best_err, best = sse(X @ one), (one, None)
     n = len(y)
+
+    def rel2(pred: np.ndarray, idx=slice(None)) -> float:
+        return float(np.sum((pred / y[idx] - 1.0) ** 2))
+
+    def loo_one() -> float:
+        err = 0.0
+        for i in range(n):
+            keep = np.arange(n) != i
+            err += (X[i] @ _nnls_relative(X[keep], y[keep]) / y[i] - 1.0) ** 2
+        return err
+
+    one = _nnls_relative(X, y)
     if n < MIN_PROBES_TWO_PIECES:
-        return best
-    H = X[:, HOST_COLUMNS]
+        return one, None
+    best_loo, best = loo_one(), (one, None)
 
-    def fit_split(gpu: np.ndarray) -> tuple[float, np.ndarray, np.ndarray] | None:
-        if gpu.sum() < 2 or (~gpu).sum() < 1:
-            return None
-        for _ in range(10):
-            g = _nnls_relative(X[gpu], y[gpu])
-            h = _nnls_relative(H[~gpu], y[~gpu])
-            new = X @ g >= H @ h
-            if (new == gpu).all() or new.sum() < 2 or (~new).sum() < 1:
+    for cols in HOST_FORMS:
+        H = X[:, cols]
+
+        def fit_split(gpu: np.ndarray):
+            g = h = None
+            for _ in range(10):
+                if gpu.sum() < 2 or (~gpu).sum() < 1:
+                    return None
+                g = _nnls_relative(X[gpu], y[gpu])
+                h = _nnls_relative(H[~gpu], y[~gpu])
+                new = X @ g >= H @ h
+                if (new == gpu).all():
+                    break
+                gpu = new
+            return rel2(np.maximum(X @ g, H @ h)), g, h, gpu
+
+        if n <= EXHAUSTIVE_SPLITS_MAX:
+            splits = (np.array([(m >> i) & 1 for i in range(n)], dtype=bool) for m in range(1, (1 << n) - 1))
+        else:
+            order = np.argsort(X[:, 1], kind="stable")  # by tokens
+            splits = (np.isin(np.arange(n), order[k:]) for k in range(1, n))
+        found = None
+        for split in splits:
+            got = fit_split(split)
+            if got is not None and (found is None or got[0] < found[0]):
+                found = got
+        if found is None:
+            continue
+        _, g, h, gpu = found
+        loo = 0.0  # the split fixed, each probe predicted by both pieces refitted without it
+        for i in range(n):
+            keep = np.arange(n) != i
+            gk, hk = gpu & keep, ~gpu & keep
+            if gk.sum() < 1 or hk.sum() < 1:
+                loo = np.inf
                 break
-            gpu = new
-        return sse(np.maximum(X @ g, H @ h)), g, h
-
-    if n <= EXHAUSTIVE_SPLITS_MAX:
-        splits = (np.array([(mask >> i) & 1 for i in range(n)], dtype=bool) for mask in range(1, (1 << n) - 1))
-    else:
-        order = np.argsort(X[:, 1], kind="stable")  # by tokens
-        splits = (np.isin(np.arange(n), order[k:]) for k in range(1, n))
-    two_err, two = np.inf, None
-    for split in splits:
-        got = fit_split(split)
-        if got is not None and got[0] < two_err:
-            two_err, two = got[0], got
-    if two is not None and two_err < TWO_PIECE_GAIN * best_err:
-        _, g, h = two
-        host = np.zeros(X.shape[1])
-        host[list(HOST_COLUMNS)] = h
-        return g, host
+            pred = max(X[i] @ _nnls_relative(X[gk], y[gk]), H[i] @ _nnls_relative(H[hk], y[hk]))
+            loo += (pred / y[i] - 1.0) ** 2
+        if loo < TWO_PIECE_GAIN * best_loo:
+            host = np.zeros(X.shape[1])
+            host[list(cols)] = h
+            best_loo, best = loo, (g, host)
     return best
 
 
