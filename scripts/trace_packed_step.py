@@ -1,0 +1,118 @@
+"""Where the time of a packed training step goes: host (Python, dispatch, launches) or GPU.
+
+Small packs are launch-bound: the GPU waits for the host to issue the step's kernels
+(profiles put the floor at 150-250 ms per step on the 0.5B shape, whatever the tokens).
+This traces a few steps of the real recipe step on a random-init model with
+`torch.profiler` and reports, per step: wall time, the GPU's busy time (sum of kernel
+times), the number of kernel launches (Triton and torch), and the operators and Python
+functions with the most host time.
+
+    python scripts/trace_packed_step.py --shape qwen2.5-0.5b --seq 256 --adapters 16 --ranks 8,16,32,64 --out DIR
+
+Writes DIR/trace_summary.json, DIR/host_ops.txt and a Chrome trace DIR/trace.json.gz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_packed_step import ALL_LINEAR  # noqa: E402
+
+from plora.costmodel import ModelShape  # noqa: E402
+from plora.heap import frozen_heap  # noqa: E402
+from plora.models import write_shape_folder  # noqa: E402
+from plora.recipes.packed_lora import PackedLoRARecipe  # noqa: E402
+
+
+def make_recipe(model_dir: Path, out: Path, ranks: list[int], batch_size: int, seq: int, dtype: str) -> PackedLoRARecipe:
+    adapters = [dict(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=batch_size, seed=k, steps=10**6)
+                for k, r in enumerate(ranks)]
+    return PackedLoRARecipe({
+        "job_id": "trace", "output_dir": str(out),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype, "random_init": True},
+        "data": {"synthetic": {"seq_len": seq, "num_samples": 256}},
+        "lora": {"targets": ALL_LINEAR, "dropout": 0.0},
+        "adapters": adapters,
+        "training": {"scheduler": "constant", "grad_clip": 1.0},
+        "eval": {"metrics": []},
+    })
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--adapters", type=int, default=16)
+    ap.add_argument("--ranks", default="32", help="ranks, cycled over the adapters")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("trace-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cycle = [int(r) for r in args.ranks.split(",")]
+    ranks = [cycle[i % len(cycle)] for i in range(args.adapters)]
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_shape_folder(ModelShape.preset(args.shape) if args.shape != "deep-tiny" else
+                                       ModelShape("deep-tiny", 0, 64, 128, 24, 4, 2, 16, 512, 2, True),
+                                       Path(tmp) / "model")
+        recipe = make_recipe(model_dir, Path(tmp) / "out", ranks, args.batch_size, args.seq, args.dtype)
+        active = list(recipe.runs)
+        with frozen_heap():
+            plain = []
+            for i in range(args.warmup + args.steps):
+                sync()
+                t = time.perf_counter()
+                recipe.train_step(active, i)
+                sync()
+                if i >= args.warmup:
+                    plain.append(time.perf_counter() - t)
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            with torch.profiler.profile(activities=acts, with_stack=False, record_shapes=False) as prof:
+                for i in range(args.steps):
+                    recipe.train_step(active, 100 + i)
+                sync()
+    events = prof.key_averages()
+    table = events.table(sort_by="self_cpu_time_total", row_limit=40)
+    (args.out / "host_ops.txt").write_text(table + "\n")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_busy_us = sum(e.device_time for e in kernels) if cuda else 0.0
+    launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                       "cudaLaunchKernelExC")]
+    summary = {
+        "shape": args.shape, "seq": args.seq, "ranks": ranks, "batch_size": args.batch_size,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "step_ms": statistics.median(plain) * 1e3,
+        "gpu_busy_ms_per_step": gpu_busy_us / 1e3 / args.steps,
+        "kernels_per_step": len(kernels) / args.steps,
+        "launch_calls_per_step": len(launches) / args.steps,
+        "launch_host_ms_per_step": sum(e.cpu_time_total for e in launches) / 1e3 / args.steps,
+    }
+    (args.out / "trace_summary.json").write_text(json.dumps(summary, indent=2))
+    raw = args.out / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    print(table)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
