@@ -284,3 +284,59 @@ def test_gpu_bf16(dy_mode, monkeypatch):
         got_lx = _run(ts, meta, None, use_lora_x=True)
     _compare(got, _oracle(ts, tokens, ranks, scales), TOL[torch.bfloat16], "bf16")
     _compare(got_lx, _oracle(ts, tokens, ranks, scales, use_lora_x=True), TOL[torch.bfloat16], "bf16 lora_x")
+
+
+def test_fast_launch_key_never_merges_what_triton_specializes_apart():
+    """Two arguments with the same `_arg_key` must get the same compiled kernel: Triton's
+    own specialization (the native rule its launcher uses) must agree on them."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    base = torch.empty(4096, dtype=torch.uint8)
+    values: list = [None, True, False, 0.5, -3.0]
+    values += list(range(-40, 41)) + [2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40, -(2**31), -(2**31) - 16]
+    values += [2**63, 2**63 + 16, 2**64 - 1]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64):
+        width = torch.empty(0, dtype=dtype).element_size()
+        for offset in range(0, 64, width):  # views at every element offset: aligned and not
+            values.append(base[offset: offset + 64 * width].view(dtype))
+    seen: dict = {}
+    for v in values:
+        spec = native_specialize_impl(BaseBackend, v, False, True, True)
+        key = triton_ops._arg_key(v)
+        assert seen.setdefault(key, spec) == spec, (v if not isinstance(v, torch.Tensor) else v.data_ptr(), key)
+
+
+def test_fast_launch_argument_order_fills_keywords_and_defaults(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled kernels' parameters, not the interpreter's
+    k = triton_ops.kernels_module().shrink_kernel
+    names = [p.name for p in k.params]
+    n = names.index("BT")
+    order = triton_ops._arg_order(k, n, {"BT": 64, "BD": 128, "RP": 16, "ATOMIC": False, "EVEN_D": True, "IEEE": False,
+                                         "num_warps": 4})
+    assert order[:n] == tuple((0, i) for i in range(n))
+    assert [o for o in order[n:]] == [(1, name) for name in names[n:]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fast_launch_matches_triton_launch(monkeypatch):
+    """The cached-launcher path gives what Triton's own launch gives, on aligned and
+    misaligned inputs (a misaligned view must not reuse a kernel compiled for alignment)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("PLORA_KERNELS", raising=False)
+    rng = _rng()
+    tokens, ranks = [5, 0, 300, 64], [8, 16, 100, 128]
+    scales = [rng.uniform(0.25, 4.0) for _ in ranks]
+    meta = build_lora_meta(tokens, ranks, scales, "cuda")
+    for d_in in (1024, 1001):  # 1001: rows of x start off 16-byte boundaries
+        ts = _tensors(rng, tokens, ranks, d_in, 896, torch.bfloat16, device="cuda")
+        monkeypatch.setattr(triton_ops, "FAST_LAUNCH", False)
+        want = _run(ts, meta, None)
+        monkeypatch.setattr(triton_ops, "FAST_LAUNCH", True)
+        for _ in range(3):  # first call fills the cache, the next ones launch from it
+            got = _run(ts, meta, None)
+            for a, b in zip(got, want):
+                if a is not None:
+                    assert torch.equal(a, b)
+    assert triton_ops._LAUNCHERS
