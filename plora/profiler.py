@@ -866,6 +866,24 @@ def load_profile(path: str | Path) -> Profile:
     return Profile.load(path)
 
 
+def _match_job_allocator(say: Log) -> None:
+    """Probe with the CUDA allocator settings jobs run with (`plora.engine.local.JOB_ALLOCATOR`):
+    expandable segments reserve up to ~30% less for the same pack, so peaks measured
+    without them would not be a job's. Left alone where ``PYTORCH_CUDA_ALLOC_CONF`` is set
+    (a job's environment already has it; so does a user's explicit choice)."""
+    from plora.engine.local import JOB_ALLOCATOR
+
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = JOB_ALLOCATOR  # jobs and processes started from here
+    try:
+        import torch
+
+        torch.cuda.memory._set_allocator_settings(JOB_ALLOCATOR)
+    except Exception as e:  # noqa: BLE001 - probing still works, its peaks are then conservative
+        say(f"  could not set the CUDA allocator to {JOB_ALLOCATOR} ({e}); peaks may be overestimated")
+
+
 def _device_info(device: str) -> tuple[str, str, float | None]:
     """(resolved device, device name, total memory in bytes or None on CPU)."""
     import torch
@@ -961,6 +979,8 @@ def profile_model(
             on_measurement(m)
         return m
 
+    if cuda:
+        _match_job_allocator(say)
     t_start = time.time()
     say(f"profiling {shape.name} at seq {seq_len}, {dtype}, on {device_name} ({_backend(device)} kernels)")
     fit_set = [measure(p) for p in calibration_probes()]
@@ -969,7 +989,8 @@ def profile_model(
     fit_set += [measure(p) for p in fit_probes(rows, kmax)]
     profiling_s = time.time() - t_start
     meta = {"device": device_name, "backend": _backend(device), "dtype": dtype, "seq_len": int(seq_len),
-            "warmup": warmup, "iters": iters, "probe_rows": rows, "profiling_s": profiling_s}
+            "warmup": warmup, "iters": iters, "probe_rows": rows, "profiling_s": profiling_s,
+            **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if cuda else {})}
     cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees, meta=meta)
 
     t_val = time.time()

@@ -143,6 +143,7 @@ def run_all(args: argparse.Namespace) -> int:
     start = time.time()
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as jobs run (JOB_ALLOCATOR)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
     notes = []
     log = (args.out / "log.txt").open("a")

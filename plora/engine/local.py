@@ -69,7 +69,7 @@ def launch(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpu_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")))
         # Packs of many adapters allocate many differently sized activations: without
         # expandable segments the allocator reserves up to ~30% more than its peak.
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", JOB_ALLOCATOR)
     else:
         env.setdefault("OMP_NUM_THREADS", "1")
     log = open(job_dir / "log.txt", "a")
@@ -94,6 +94,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except OSError:  # not Linux: resume's stale-process check still covers it
         pass
+
+
+#: the CUDA allocator settings every job runs with (and the profiler's probes, so that what
+#: they measure is what jobs use)
+JOB_ALLOCATOR = "expandable_segments:True"
 
 
 def visible_gpu_ids(gpus: Sequence[int], visible: str | None) -> list[str]:
