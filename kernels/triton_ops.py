@@ -432,14 +432,33 @@ def wgrad_stage(P: torch.Tensor, X: torch.Tensor, meta: LoRAMeta, like: torch.Te
     return g.result()
 
 
+def _cached(meta: LoRAMeta, key: tuple, build):
+    """A per-step plan of one op and layer shape, built once and reused by every layer of
+    that shape (the host side of ~170 layers a step is what a small pack waits for)."""
+    if _OVERRIDES:
+        return build()
+    hit = meta._schedules.get(key)
+    if hit is None:
+        hit = meta._schedules[key] = build()
+    return hit
+
+
+def _forward_plans(meta: LoRAMeta, d_in: int, d_out: int, sms: int):
+    def build():
+        shrink = {rp: _plan(meta, "shrink", rp, d_in, sms) for rp in meta.buckets}
+        expand = {rp: _plan(meta, "expand", rp, d_out, sms) for rp in meta.buckets}
+        return shrink, expand, any(p[2] > 1 for p in shrink.values())
+
+    return _cached(meta, ("forward", d_in, d_out, sms), build)
+
+
 def lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRAMeta, y: torch.Tensor) -> torch.Tensor:
     """Accumulate s_k (x_k A_kᵀ) B_k into ``y`` in place; return the packed S'."""
     _check(x, A, meta)
     x, A, B = _rowmajor(x), _rowmajor(A), _rowmajor(B)
     k, sms, ieee = kernels_module(), _num_sms(x.device), x.dtype == torch.float32
-    shrink = {rp: _plan(meta, "shrink", rp, x.shape[1], sms) for rp in meta.buckets}
-    expand = {rp: _plan(meta, "expand", rp, y.shape[1], sms) for rp in meta.buckets}
-    S = _low_rank_buffer(meta, any(p[2] > 1 for p in shrink.values()), x.dtype, x.device)
+    shrink, expand, atomic = _forward_plans(meta, x.shape[1], y.shape[1], sms)
+    S = _low_rank_buffer(meta, atomic, x.dtype, x.device)
 
     def chain(rp: int) -> None:
         _launch_shrink(k, x, A, S, meta, rp, shrink[rp], ieee)
@@ -512,6 +531,16 @@ def x_stage(
     return dA
 
 
+def _backward_plans(meta: LoRAMeta, d_in: int, d_out: int, sms: int, need_dx: bool):
+    def build():
+        dy = _dy_plans(meta, d_out, sms)
+        wgrad = {rp: _plan(meta, "wgrad", rp, d_in, sms) for rp in meta.buckets}
+        expand = {rp: _plan(meta, "expand", rp, d_in, sms) for rp in meta.buckets} if need_dx else {}
+        return (*dy, wgrad, expand, any(p[1].split for p in wgrad.values()))
+
+    return _cached(meta, ("backward", d_in, d_out, sms, need_dx), build)
+
+
 def lora_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -529,12 +558,11 @@ def lora_backward(
     accumulate = dx is not None
     if need_dx and dx is None:
         dx = (torch.empty_like if meta.num_tokens == x.shape[0] else torch.zeros_like)(x)
-    modes, plans, shrink, atomic_ds, atomic_db = _dy_plans(meta, dy.shape[1], sms)
-    wgrad = {rp: _plan(meta, "wgrad", rp, x.shape[1], sms) for rp in meta.buckets}
-    expand = {rp: _plan(meta, "expand", rp, x.shape[1], sms) for rp in meta.buckets} if need_dx else {}
+    modes, plans, shrink, atomic_ds, atomic_db, wgrad, expand, atomic_da = _backward_plans(
+        meta, x.shape[1], dy.shape[1], sms, need_dx)
     dS = _low_rank_buffer(meta, atomic_ds, dy.dtype, dy.device)
     gB = _GradBuffer(B, atomic_db, meta.has_empty_adapter)
-    gA = _GradBuffer(A, any(p[1].split for p in wgrad.values()), meta.has_empty_adapter)
+    gA = _GradBuffer(A, atomic_da, meta.has_empty_adapter)
 
     def chain(rp: int) -> None:
         _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee)
