@@ -35,6 +35,10 @@ from plora.models import write_shape_folder  # noqa: E402
 from plora.recipes.packed_lora import PackedLoRARecipe  # noqa: E402
 
 
+#: the 0.5B shape's depth and adapted layers at tiny widths: its host work without its FLOPs
+DEEP_TINY = ModelShape("deep-tiny", 0, 64, 128, 24, 4, 2, 16, 512, 2, True)
+
+
 def make_recipe(model_dir: Path, out: Path, ranks: list[int], batch_size: int, seq: int, dtype: str) -> PackedLoRARecipe:
     adapters = [dict(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=batch_size, seed=k, steps=10**6)
                 for k, r in enumerate(ranks)]
@@ -52,7 +56,8 @@ def make_recipe(model_dir: Path, out: Path, ranks: list[int], batch_size: int, s
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--shape", default="qwen2.5-0.5b",
+                    help="a ModelShape preset, or deep-tiny (the 0.5B's 24 layers at width 64: host work only, for CPUs)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--adapters", type=int, default=16)
     ap.add_argument("--ranks", default="32", help="ranks, cycled over the adapters")
@@ -68,8 +73,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_shape_folder(ModelShape.preset(args.shape) if args.shape != "deep-tiny" else
-                                       ModelShape("deep-tiny", 0, 64, 128, 24, 4, 2, 16, 512, 2, True),
+        model_dir = write_shape_folder(DEEP_TINY if args.shape == "deep-tiny" else ModelShape.preset(args.shape),
                                        Path(tmp) / "model")
         recipe = make_recipe(model_dir, Path(tmp) / "out", ranks, args.batch_size, args.seq, args.dtype)
         active = list(recipe.runs)

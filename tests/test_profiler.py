@@ -4,6 +4,7 @@ and a real probe on the tiny model measures something."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -364,3 +365,20 @@ def test_shipped_gpu_profiles_load():
         assert prof.measurements and prof.key["device"].startswith("NVIDIA")
         loads = Probe("p", (16, 32), (1, 2)).loads()
         assert 0 < cm.memory(loads, 1) < cm.gpu_memory_bytes and cm.step_time(loads, 1) > 0
+
+
+def test_trace_script_reports_a_step(tmp_path):
+    """scripts/trace_packed_step.py runs on CPU (the deep-tiny shape) and writes its summary."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "trace"
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "trace_packed_step.py"),
+         "--shape", "deep-tiny", "--seq", "16", "--adapters", "2", "--ranks", "8,64", "--dtype", "float32",
+         "--warmup", "1", "--steps", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "trace_summary.json").read_text())
+    assert summary["step_ms"] > 0 and summary["ranks"] == [8, 64] and summary["device"] == "cpu"
+    assert (out / "host_ops.txt").read_text().strip() and (out / "trace.json.gz").is_file()
