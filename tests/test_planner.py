@@ -97,13 +97,12 @@ def brute_force(wl: Workload, remaining: list[AdapterLoad], d: int, objective: s
 
 @pytest.mark.parametrize("objective,host", [("makespan", False), ("paper", False), ("makespan", True), ("paper", True)])
 def test_f_matches_brute_force(objective, host):
-    """With a host piece the integer program bounds the job time by each piece's closed form,
-    which is exact when the pack's adapters take equal steps: those instances are checked."""
+    """With a host piece the step is the longer of two linear forms, phase by phase."""
     rng = np.random.default_rng((7 if objective == "makespan" else 8) + 10 * host)
     checked = 0
     for trial in range(24):
         cm = random_model(rng, job_overhead_s=float(rng.choice([0.0, 5.0])), host=host)
-        loads = random_loads(rng, int(rng.integers(5, 9)), steps=(20,) if host else (10, 20, 40))
+        loads = random_loads(rng, int(rng.integers(5, 9)))
         cap = int(rng.choice([2, 3, 8]))
         wl = Workload(loads, cm, gpus=4, load_factor=float(rng.uniform(0.6, 1.0)), max_adapters_per_job=cap)
         remaining = [a for a in loads if rng.random() < 0.8] or loads[:1]

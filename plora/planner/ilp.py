@@ -254,7 +254,8 @@ def pack_limits(wl: Workload, d: int, idx: np.ndarray, n: cp.Variable) -> list:
 
 def job_time_model(wl: Workload, d: int, idx: np.ndarray, n: cp.Variable, ub) -> tuple[list, cp.Expression]:
     """The job's exact time in seconds (`Workload.job_time`) as a linear expression, and the
-    constraints that make it so; ``ub`` bounds each count (a parameter or an array).
+    constraints that make it so (with several step-time pieces, exact at the optimum of a
+    problem that minimises it); ``ub`` bounds each count (a parameter or an array).
 
     The job runs its longest adapter's steps: a one-hot z over the distinct step counts picks
     that level, and a type may be packed only at or below it. Each rank bucket costs c_bkt per
@@ -273,19 +274,30 @@ def job_time_model(wl: Workload, d: int, idx: np.ndarray, n: cp.Variable, ub) ->
         zb = cp.Variable((sel.shape[1], len(levels)), boolean=True)
         cons += [cp.sum(zb, axis=1) <= 1, n <= cp.multiply(ub, cp.sum(cp.multiply(allowed, sel @ zb), axis=1))]
         bucket_levels = cp.sum(zb @ levels)
-    forms = []
-    for c0, c_bkt, step in wl.pieces[d]:
-        form = wl.overhead + c0 * (levels @ z) + (steps * step[idx]) @ n
+    if len(wl.pieces[d]) == 1:  # one linear piece: the closed form
+        c0, c_bkt, step = wl.pieces[d][0]
+        seconds = wl.overhead + c0 * (levels @ z) + (steps * step[idx]) @ n
         if c_bkt > 0 and bucket_levels is not None:
-            form = form + c_bkt * bucket_levels
-        forms.append(form)
-    if len(forms) == 1:
-        return cons, forms[0]
-    # Several step-time pieces: the time is bounded by each piece's closed form (exact when
-    # the job's adapters all take the same number of steps; `Workload.job_time_bound`). Every
-    # objective and constraint wants the time small, so it settles on the largest form.
-    seconds = cp.Variable(nonneg=True)
-    return cons + [seconds >= f for f in forms], seconds
+            seconds = seconds + c_bkt * bucket_levels
+        return cons, seconds
+    # Several pieces: the job runs phase by phase (phase l: steps levels[l-1]..levels[l], with
+    # the adapters of at least levels[l] steps), each phase's step the longest piece. Which
+    # phases run, which buckets are in each and which adapters are all linear in z, zb and n,
+    # so t_l >= every piece's phase form is exact once the time is minimised (every
+    # objective and constraint wants it small).
+    L = len(levels)
+    upper = np.triu(np.ones((L, L)))  # upper[l, m] = 1 for m >= l: "reaches level l"
+    running = upper @ z
+    buckets_in = upper @ cp.sum(zb, axis=0) if bucket_levels is not None else None
+    still_in = (steps[None, :] >= levels[:, None]).astype(float)  # [phase, type]
+    t = cp.Variable(L, nonneg=True)
+    for c0, c_bkt, step in wl.pieces[d]:
+        form = c0 * running + (still_in * step[idx][None, :]) @ n
+        if c_bkt > 0 and buckets_in is not None:
+            form = form + c_bkt * buckets_in
+        cons.append(t >= form)
+    spans = np.diff(np.concatenate([[0.0], levels]))
+    return cons, wl.overhead + spans @ t
 
 
 def bucket_onehot(wl: Workload, idx: np.ndarray) -> np.ndarray:

@@ -1,10 +1,9 @@
 """The configuration-LP lower bound: the least GPU-seconds any set of jobs covering the sweep takes.
 
 A *configuration* is one job: a degree d and a multiset of adapter types that fits d GPUs
-(memory, cap). Its cost is d x the job's time on the cost model (`Workload.job_time_bound`:
+(memory, cap). Its cost is exact: d x the job's time on the cost model (`Workload.job_time`:
 the per-step constant for its longest adapter, each rank bucket for its longest adapter,
-every adapter's own steps; exact with one step-time piece, and never above the exact time
-with several, so the LP stays a lower bound). Every schedule is a set of configurations covering every
+every adapter's own steps; phase by phase where the step is the longest of two pieces). Every schedule is a set of configurations covering every
 adapter, and G GPUs supply G x makespan GPU-seconds, so
 
     makespan >= min { sum_c g_c x_c : sum_c a_c x_c >= counts, x >= 0 } / G.
@@ -86,7 +85,7 @@ def configuration_lp_bound(
             return False
         seen.add(key)
         cols.append(c)
-        costs.append(d * wl.job_time_bound(c, d))
+        costs.append(d * wl.job_time(c, d))
         return True
 
     for i in range(len(wl.types)):  # singles: the master is feasible from the start
@@ -109,7 +108,7 @@ def configuration_lp_bound(
                 c = p.best(y, wl, solver, log)
             except _Unproven:
                 return None
-            reduced = float(y @ c) - d * wl.job_time_bound(c, d)
+            reduced = float(y @ c) - d * wl.job_time(c, d)
             if reduced > tol * max(1.0, float(res.fun) / max(counts.sum(), 1.0)):
                 added |= add(c, d)
         if not added:

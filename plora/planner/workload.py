@@ -274,8 +274,7 @@ class Workload:
 
     def job_time_bound(self, counts: np.ndarray, d: int) -> float:
         """The largest piece's closed-form job time: exact with one piece, never above
-        `job_time` otherwise (a maximum of sums is at most the sum of maxima) -- the job time
-        the integer programs see (`plora.planner.ilp.job_time_model`)."""
+        `job_time` otherwise (a maximum of sums is at most the sum of maxima)."""
         counts = np.asarray(counts, dtype=float)
         if counts.sum() <= 0:
             return 0.0
