@@ -198,7 +198,6 @@ class _DegreeModel:
         self.ub = cp.Parameter(k, nonneg=True)
         self.lam = cp.Parameter(nonneg=True)
         cons = pack_limits(wl, d, self.idx, self.n)
-        steps = wl.steps[self.idx]
         tiny = 1e-5 * cp.sum(self.n)  # among packs of equal work, prefer the one serving more adapters
         self.t_max: cp.Parameter | None = None
         self.rho: cp.Parameter | None = None
