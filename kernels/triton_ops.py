@@ -220,7 +220,7 @@ _KNOBS = None
 
 def _fast_launch(kernel, grid, args: tuple, kwargs: dict) -> None:
     device = args[0].device.index
-    key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(kwargs.items()))
+    key = (kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
     hit = _LAUNCHERS.get(key)
     if hit is None:  # first time for this specialization: Triton compiles (or finds) and launches
         compiled = kernel[grid](*args, **kwargs)
