@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -30,10 +31,12 @@ from plora.recipes.packed_lora import PackedLoRARecipe
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_recipe(model_dir: Path, out: Path, n_adapters: int, batch_size: int, rank: int, seq: int, dtype: str):
+def make_recipe(model_dir: Path, out: Path, ranks: Sequence[int], batch_size: int, seq: int,
+                dtype: str) -> PackedLoRARecipe:
+    """A packed job of one adapter per rank in ``ranks``, on synthetic data, that never ends."""
     adapters = [
-        dict(id=f"a{k}", rank=rank, alpha=2.0 * rank, learning_rate=1e-4, batch_size=batch_size, seed=k, steps=10**6)
-        for k in range(n_adapters)
+        dict(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=batch_size, seed=k, steps=10**6)
+        for k, r in enumerate(ranks)
     ]
     cfg = {
         "job_id": "bench",
@@ -89,7 +92,7 @@ def main() -> None:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                recipe = make_recipe(model_dir, Path(tmp) / "out", k, bs, args.rank, args.seq, args.dtype)
+                recipe = make_recipe(model_dir, Path(tmp) / "out", [args.rank] * k, bs, args.seq, args.dtype)
                 times = time_steps(recipe, args.warmup, args.steps)
                 med = statistics.median(times)
                 tokens = k * bs * args.seq

@@ -21,37 +21,20 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_packed_step import ALL_LINEAR  # noqa: E402
+from bench_packed_step import make_recipe, time_steps  # noqa: E402
 
 from plora.costmodel import ModelShape  # noqa: E402
 from plora.heap import frozen_heap  # noqa: E402
 from plora.models import write_shape_folder  # noqa: E402
-from plora.recipes.packed_lora import PackedLoRARecipe  # noqa: E402
 
 
 #: the 0.5B shape's depth and adapted layers at tiny widths: its host work without its FLOPs
 DEEP_TINY = ModelShape("deep-tiny", 0, 64, 128, 24, 4, 2, 16, 512, 2, True)
-
-
-def make_recipe(model_dir: Path, out: Path, ranks: list[int], batch_size: int, seq: int, dtype: str) -> PackedLoRARecipe:
-    adapters = [dict(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=batch_size, seed=k, steps=10**6)
-                for k, r in enumerate(ranks)]
-    return PackedLoRARecipe({
-        "job_id": "trace", "output_dir": str(out),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype, "random_init": True},
-        "data": {"synthetic": {"seq_len": seq, "num_samples": 256}},
-        "lora": {"targets": ALL_LINEAR, "dropout": 0.0},
-        "adapters": adapters,
-        "training": {"scheduler": "constant", "grad_clip": 1.0},
-        "eval": {"metrics": []},
-    })
 
 
 def main() -> int:
@@ -71,26 +54,19 @@ def main() -> int:
     cycle = [int(r) for r in args.ranks.split(",")]
     ranks = [cycle[i % len(cycle)] for i in range(args.adapters)]
     cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_folder(DEEP_TINY if args.shape == "deep-tiny" else ModelShape.preset(args.shape),
                                        Path(tmp) / "model")
         recipe = make_recipe(model_dir, Path(tmp) / "out", ranks, args.batch_size, args.seq, args.dtype)
+        plain = time_steps(recipe, args.warmup, args.steps)
         active = list(recipe.runs)
         with frozen_heap():
-            plain = []
-            for i in range(args.warmup + args.steps):
-                sync()
-                t = time.perf_counter()
-                recipe.train_step(active, i)
-                sync()
-                if i >= args.warmup:
-                    plain.append(time.perf_counter() - t)
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             with torch.profiler.profile(activities=acts, with_stack=False, record_shapes=False) as prof:
                 for i in range(args.steps):
                     recipe.train_step(active, 100 + i)
-                sync()
+                if cuda:
+                    torch.cuda.synchronize()
     events = prof.key_averages()
     table = events.table(sort_by="self_cpu_time_total", row_limit=40)
     (args.out / "host_ops.txt").write_text(table + "\n")
