@@ -34,8 +34,9 @@ runs behind the host, so a step takes the longer of the two::
 
 Small packs are host-bound (flat in tokens), large ones GPU-bound; one linear form
 cannot follow both (its error on H200 probes reached 20-30%). The maximum of two linear
-forms is still convex and piecewise linear: the planner's integer program bounds the job
-time by each piece (`plora.planner.ilp.job_time_model`).
+forms is still convex and piecewise linear: the planner's integer program takes each phase
+of a job at least as long as every piece (`plora.planner.ilp.job_time_model`), which is
+exact once it minimises the time.
 
 A job trains every adapter for its own number of steps and an adapter leaves the
 pack when it is done, so the step gets cheaper as the job goes on (``job_time``).
@@ -290,9 +291,8 @@ class CostModel:
         return self.time[d].c0
 
     def step_per_adapter(self, a: AdapterLoad, d: int) -> float:
-        """Seconds that adapter ``a`` adds to every step it takes part in."""
-        c, tok = self.time[d], a.batch_size * self.seq_len
-        return c.c_tok * tok + c.c_rtok * a.rank * tok + c.c_ad
+        """Seconds that adapter ``a`` adds to every step it takes part in (the GPU piece)."""
+        return self.piece_per_adapter(self.time[d], a)
 
     # ---- the contract -------------------------------------------------------------------
     def memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:

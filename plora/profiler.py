@@ -34,7 +34,8 @@ Choices, and why:
   covers the range the planner will use without running near the limit.
 * **Fit.** Step time: non-negative least squares on ``[1, Σ bs·seq, Σ r·bs·seq, K,
   buckets]``, or the maximum of that (the GPU) and ``[1, K, buckets]`` (the host issuing
-  the step's kernels) when two pieces fit clearly better (`fit_step_time`); memory: the Appendix-B structure of `CostModel` (base; per adapter a constant, its
+  the step's kernels) when two pieces predict left-out probes clearly better
+  (`fit_step_time`); memory: the Appendix-B structure of `CostModel` (base; per adapter a constant, its
   parameters, gradients and AdamW state ∝ rank, activations ∝ bs·seq and ∝ r·bs·seq), all
   coefficients non-negative, calibrated on the measured peaks. Both minimize *relative*
   error, because the planner compares small and large jobs alike. Small packs are
@@ -568,8 +569,8 @@ def fit_step_time(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray 
     """
     n = len(y)
 
-    def rel2(pred: np.ndarray, idx=slice(None)) -> float:
-        return float(np.sum((pred / y[idx] - 1.0) ** 2))
+    def rel2(pred: np.ndarray) -> float:
+        return float(np.sum((pred / y - 1.0) ** 2))
 
     def loo_one() -> float:
         err = 0.0
@@ -659,7 +660,7 @@ def fit_cost_model(
 
     Only probes that ran (no OOM) count. Time: ``t = c0 + c_tok·Σbs·seq + c_rtok·Σr·bs·seq
     + c_ad·K + c_bkt·buckets``, or the larger of that and a host piece ``h0 + h_ad·K +
-    h_bkt·buckets`` where that fits clearly better (`fit_step_time`); memory: ``base + Σ_k (adapter + rank·r_k + tok·bs_k·seq + rank_tok·r_k·bs_k·seq)``;
+    h_bkt·buckets`` where that predicts left-out probes clearly better (`fit_step_time`); memory: ``base + Σ_k (adapter + rank·r_k + tok·bs_k·seq + rank_tok·r_k·bs_k·seq)``;
     every coefficient non-negative, relative errors minimized.
     """
     good = [m for m in measurements if m.ok]
@@ -1073,15 +1074,18 @@ def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloa
                       dtype_bytes, info.tie_word_embeddings)
 
 
-def sweep_cache_path(spec) -> Path:
-    """Where the profile of a sweep's model on this machine is cached (`profile_sweep`)."""
-    dtype = spec.model.dtype
-    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, dtype)
-    device, device_name, _ = _device_info(spec.hardware.device)
-    key = profile_key(shape, seq_len=spec.model.max_seq_len, dtype=dtype, device_name=device_name,
+def _sweep_cache_path(spec, shape: ModelShape, device: str, device_name: str) -> Path:
+    key = profile_key(shape, seq_len=spec.model.max_seq_len, dtype=spec.model.dtype, device_name=device_name,
                       backend=_backend(device), targets=list(spec.lora.resolved_targets()),
                       dropout=spec.lora.dropout, activation_checkpointing=bool(spec.training.activation_checkpointing))
     return cache_path(key)
+
+
+def sweep_cache_path(spec) -> Path:
+    """Where the profile of a sweep's model on this machine is cached (`profile_sweep`)."""
+    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
+    device, device_name, _ = _device_info(spec.hardware.device)
+    return _sweep_cache_path(spec, shape, device, device_name)
 
 
 def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log: Log | None = None,
@@ -1102,7 +1106,7 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
     degrees = shape.tp_degrees(max_tp=spec.hardware.gpus)
     seq = spec.model.max_seq_len
     ac = bool(spec.training.activation_checkpointing)
-    path = sweep_cache_path(spec)
+    path = _sweep_cache_path(spec, shape, device, device_name)
     load_factor = spec.planner.memory_load_factor
     prof = None
     if path.is_file() and not force:

@@ -137,6 +137,8 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> int:
+    from plora.engine.local import JOB_ALLOCATOR
+
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     for sub in ("raw", "profiles"):
@@ -144,7 +146,7 @@ def run_all(args: argparse.Namespace) -> int:
     start = time.time()
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as jobs run (JOB_ALLOCATOR)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", JOB_ALLOCATOR)  # probes measure what jobs use
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
     notes = []
     log = (args.out / "log.txt").open("a")

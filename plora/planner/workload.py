@@ -114,7 +114,12 @@ class Workload:
         self.same_pack = {d: self._same_pack(d) for d in self.degrees}
         self.bound_work = self.ideal_work()
         self.work = self.planning_work()
-        self.single_time = np.array([self._single_time(i) for i in range(len(self.types))])
+        # a job of one adapter alone, per degree, and at its fastest degree: no pack makes it faster
+        self._alone = {d: self.overhead + self.steps * np.max([c0 + c_bkt + step for c0, c_bkt, step in self.pieces[d]],
+                                                              axis=0) for d in self.degrees}
+        self.single_time = np.full(len(self.types), np.inf)
+        for d in self.degrees:
+            self.single_time = np.where(self.fits[d], np.minimum(self.single_time, self._alone[d]), self.single_time)
 
     # ------------------------------------------------------------------------------------
     def _check_placeable(self) -> None:
@@ -240,11 +245,7 @@ class Workload:
 
     def single_times(self, d: int) -> np.ndarray:
         """Per type: the time of a job of one such adapter alone at degree d."""
-        return self.overhead + self.steps * np.max([c0 + c_bkt + step for c0, c_bkt, step in self.pieces[d]], axis=0)
-
-    def _single_time(self, i: int) -> float:
-        """Shortest time type i can finish in (alone, at its fastest degree): no pack makes it faster."""
-        return min(float(self.single_times(d)[i]) for d in self.degrees if self.fits[d][i])
+        return self._alone[d]
 
     def smallest_degree(self, i: int) -> int:
         return min(d for d in self.degrees if self.fits[d][i])
