@@ -160,89 +160,10 @@ def dy_mode_for(rp: int) -> str:
 #: Compile only, launch nothing (benchmarks compile their variants in parallel processes).
 WARMUP_ONLY = False
 
-#: Launch from a cache of compiled kernels keyed by specialization, not through Triton's
-#: generic entry point. A packed step of the 0.5B shape with four rank buckets makes ~2,900
-#: Triton launches; traced on an H100 host, each costs ~40 µs of host time of which the
-#: driver call is 7 µs: Triton's entry re-binds the arguments, rebuilds the cache key as a
-#: string and queries device and stream on every call, and the step is launch-bound.
-#: ``PLORA_FAST_LAUNCH=1`` turns it on; off by default until timed and checked on a GPU.
-FAST_LAUNCH = os.environ.get("PLORA_FAST_LAUNCH", "0").lower() in ("1", "true", "yes", "on")
-
-_LAUNCHERS: dict[tuple, tuple] = {}
-_I32 = (-(2**31), 2**31)
-
-
-def _arg_key(a) -> object:
-    """What Triton specializes a kernel argument on, or finer: two arguments with the same
-    key get the same compiled kernel (checked against Triton's own rule in the tests).
-
-    Tensors: dtype and 16-byte alignment. Integers: 1 (a constant), divisibility by 16 and
-    the integer type their value needs. Booleans, floats and None by type.
-    """
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if a is None:
-        return None
-    if isinstance(a, bool):
-        return ("u1",)
-    if isinstance(a, int):
-        return (a == 1, a % 16 == 0, a < 0, _I32[0] <= a < _I32[1], a >= 2**63)
-    if isinstance(a, float):
-        return ("fp32",)
-    return ("value", a)
-
-
-def _arg_order(kernel, n_args: int, kwargs: dict) -> tuple:
-    """For each kernel parameter in signature order: where its value comes from, as
-    (0, index) for a positional argument, (1, name) for a keyword, (2, value) for a default."""
-    order = []
-    for i, p in enumerate(kernel.params):
-        if i < n_args:
-            order.append((0, i))
-        elif p.name in kwargs:
-            order.append((1, p.name))
-        else:
-            order.append((2, p.default))
-    return tuple(order)
-
-
-def _knobs():
-    global _KNOBS
-    if _KNOBS is None:
-        from triton import knobs
-
-        _KNOBS = knobs
-    return _KNOBS
-
-
-_KNOBS = None
-
-
-def _fast_launch(kernel, grid, args: tuple, kwargs: dict) -> None:
-    device = args[0].device.index
-    key = (kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
-    hit = _LAUNCHERS.get(key)
-    if hit is None:  # first time for this specialization: Triton compiles (or finds) and launches
-        compiled = kernel[grid](*args, **kwargs)
-        if compiled is not None:
-            _LAUNCHERS[key] = (compiled, _arg_order(kernel, len(args), kwargs))
-        return
-    compiled, order = hit
-    full = [args[v] if src == 0 else kwargs[v] if src == 1 else v for src, v in order]
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    knobs = _knobs()
-    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *full), knobs.runtime.launch_enter_hook,
-                 knobs.runtime.launch_exit_hook, *full)
-
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
     if WARMUP_ONLY:
         kernel.warmup(*args, grid=grid, **kwargs)
-    elif FAST_LAUNCH and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda and not _interpreting():
-        _fast_launch(kernel, grid, args, kwargs)
     else:
         kernel[grid](*args, **kwargs)
 

@@ -90,6 +90,7 @@ __all__ = [
     "fit_probes",
     "holdout_probes",
     "limit_probes",
+    "fill_probes",
     "load_profile",
     "prediction_errors",
     "profile_key",
@@ -109,8 +110,16 @@ MAX_ITERS_FACTOR = 3
 MIN_ITERS = 3
 #: ranks that probes and validation packs draw from
 RANKS = (8, 16, 32, 64, 128)
-#: the largest probes are sized to this share of the usable memory (load factor x total)
+#: the largest probes are sized to this share of the usable memory (load factor x total),
+#: by the bytes per row of the two calibration probes: a rough estimate (on the 7B shape, a
+#: pack of 16 mixed ranks came out 14% over it), so it stays well short of the limit
 PROBE_MEMORY_SHARE = 0.7
+#: "fill" probes, sized by the first fit's memory model (within 1-2% on the GPU) to this
+#: share of the usable memory, then part of the final fit. The planner fills GPUs to the
+#: load factor; a step-time fit that stops at 0.7 extrapolates the GPU piece from packs
+#: that are partly launch-bound (H200, 0.5B shape: packs at the limit under-predicted by up
+#: to 26%; refitted with one such pack among the probes, 15%).
+FILL_SHARE = 0.97
 #: more warm-up steps for the first probe of a process
 FIRST_PROBE_EXTRA_WARMUP = 3
 #: rows of the largest probe when memory cannot say (CPU)
@@ -256,30 +265,55 @@ def limit_probes(cm: CostModel, load_factor: float, kmax: int = 16, d: int = 1) 
     time while ``cm.fits`` still holds, so the prediction ends within one row of
     ``load_factor x gpu_memory``. Running them shows whether a predicted fit really fits.
     """
-    out = []
     shapes = (("limit-mixed", (8, 16, 32, 64, 128, 16, 32, 64)[: max(1, min(8, kmax))]), ("limit-r128", (128, 64)))
+    return [p for name, ranks in shapes if (p := _filled(cm, name, ranks, load_factor, d, "limit")) is not None]
+
+
+def fill_probes(cm: CostModel, load_factor: float, kmax: int = 16, d: int = 1,
+                max_rows: int | None = None) -> list[Probe]:
+    """Fit probes that fill `FILL_SHARE` of the usable memory by ``cm``'s prediction: the
+    large packs the planner forms, measured rather than extrapolated to. Their ranks differ
+    from the `limit_probes`, which stay validation packs. ``max_rows`` caps them (CPU)."""
+    shapes = (("fill-r32", (32,)), ("fill-k4", (16, 32, 64, 128)[: max(1, min(4, kmax))]))
+    out = []
     for name, ranks in shapes:
-        k = len(ranks)
-        while k > 0 and not _fits(cm, ranks[:k], (1,) * k, load_factor, d):
-            k -= 1
-        if k == 0:
-            continue
-        ranks = ranks[:k]
-        lo, hi = 1, 2
-        while _fits(cm, ranks, (hi,) * k, load_factor, d) and hi < 1 << 20:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:  # largest uniform batch that fits
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if _fits(cm, ranks, (mid,) * k, load_factor, d) else (lo, mid)
-        sizes = [lo] * k
-        for i in range(k):  # then one more row for as many adapters as still fit
-            trial = sizes.copy()
-            trial[i] += 1
-            if not _fits(cm, ranks, tuple(trial), load_factor, d):
-                break
-            sizes = trial
-        out.append(Probe(name, tuple(ranks), tuple(sizes), role="limit"))
+        p = _filled(cm, name, ranks, load_factor * FILL_SHARE, d, "fit", max_rows)
+        if p is not None:
+            out.append(p)
     return out
+
+
+def _filled(cm: CostModel, name: str, ranks: Sequence[int], load_factor: float, d: int, role: str,
+            max_rows: int | None = None) -> Probe | None:
+    """The pack of these ranks (as many as fit at one row each) with the most rows that
+    ``cm`` predicts fit at ``load_factor``: uniform batch sizes, then one more row for as
+    many adapters as still fit (at most ``max_rows`` in all)."""
+    ranks = tuple(ranks)
+    k = len(ranks)
+    while k > 0 and not _fits(cm, ranks[:k], (1,) * k, load_factor, d):
+        k -= 1
+    if k == 0:
+        return None
+    ranks = ranks[:k]
+    total = 1 << 20 if max_rows is None else max(k, int(max_rows))
+
+    def ok(sizes) -> bool:
+        return sum(sizes) <= total and _fits(cm, ranks, tuple(sizes), load_factor, d)
+
+    lo, hi = 1, 2
+    while ok((hi,) * k):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # largest uniform batch that fits
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok((mid,) * k) else (lo, mid)
+    sizes = [lo] * k
+    for i in range(k):  # then one more row for as many adapters as still fit
+        trial = sizes.copy()
+        trial[i] += 1
+        if not ok(trial):
+            break
+        sizes = trial
+    return Probe(name, ranks, tuple(sizes), role=role)
 
 
 def _fits(cm: CostModel, ranks, sizes, load_factor: float, d: int) -> bool:
@@ -926,6 +960,7 @@ def profile_model(
     max_probe_s: float | None = None,
     holdout: int = 6,
     limit: bool | None = None,
+    fill: bool | None = None,
     num_threads: int | None = None,
     deadline: float | None = None,
     min_checks: int = 0,
@@ -935,8 +970,8 @@ def profile_model(
 ) -> Profile:
     """Probe a model on this machine, fit its cost model, validate it on held-out packs.
 
-    ``limit`` adds the near-limit packs of `limit_probes` to the validation (default: on a
-    GPU). ``deadline`` (a ``time.time()`` value) skips validation packs that would start
+    ``limit`` adds the near-limit packs of `limit_probes` to the validation, ``fill`` the
+    memory-filling packs of `fill_probes` to the fit (both by default on a GPU). ``deadline`` (a ``time.time()`` value) skips validation packs that would start
     after it, once ``min_checks`` of them have run; the fit probes always run.
     """
     say = log or (lambda _msg: None)
@@ -988,11 +1023,18 @@ def profile_model(
     rows = _probe_rows(fit_set, gpu_memory_bytes * load_factor, seq_len, max_rows)
     say(f"  largest probes: {rows} rows of {seq_len} tokens")
     fit_set += [measure(p) for p in fit_probes(rows, kmax)]
-    profiling_s = time.time() - t_start
     meta = {"device": device_name, "backend": _backend(device), "dtype": dtype, "seq_len": int(seq_len),
-            "warmup": warmup, "iters": iters, "probe_rows": rows, "profiling_s": profiling_s,
+            "warmup": warmup, "iters": iters, "probe_rows": rows,
             **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if cuda else {})}
     cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees, meta=meta)
+    if fill is None:
+        fill = cuda
+    if fill:  # the largest packs, placed by the memory model just fitted; then fit again
+        fit_set += [measure(p) for p in fill_probes(cm, load_factor, kmax, max_rows=max_rows)]
+        cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees,
+                            meta=meta)
+    profiling_s = time.time() - t_start
+    cm.meta["profiling_s"] = profiling_s
 
     t_val = time.time()
     checks = holdout_probes(rows, kmax, n=holdout)

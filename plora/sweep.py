@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,23 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     return cm, ANALYTIC_SOURCE
 
 
+def recalibrated(cost_model: Any, drift: Any) -> Any:
+    """The cost model corrected by what finished jobs measured (`plora.engine.runner.Drift`).
+
+    With the jobs' step time known, the steps are scaled by their own drift and the fixed
+    per-job overhead is replaced by the measured one: on a GPU a profile taken in-process
+    says nothing of process start and model load, which dominate a one-adapter job, and one
+    factor for both would make the packed jobs' steps look slow too. Without it, every time
+    is scaled by the whole jobs' drift.
+    """
+    overhead = drift.overhead_s
+    predicted_steps = drift.predicted_s - drift.jobs * cost_model.job_overhead_s
+    if overhead is None or not drift.step_s or predicted_steps <= 0:
+        return cost_model.scaled(drift.factor)
+    model = cost_model.scaled(drift.step_s / predicted_steps)
+    return replace(model, job_overhead_s=overhead, meta={**model.meta, "job_overhead_measured": True})
+
+
 def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bool) -> dict[str, Any]:
     """The recipe config of one job (what `tune run` reads)."""
     return {
@@ -302,7 +319,7 @@ def run_prepared(
     """
     from plora.engine.journal import Journal
     from plora.engine.local import default_slots
-    from plora.engine.runner import Engine, QueuedJob
+    from plora.engine.runner import Drift, Engine, QueuedJob
 
     by_id = {c.id: c for c in prep.configs}
     journal = Journal(prep.run_dir / "journal.sqlite")
@@ -326,13 +343,13 @@ def run_prepared(
 
     if slots is None:
         slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
-    def replan(adapters: list[str], drift: float, now: float, free: int) -> list[QueuedJob]:
+    def replan(adapters: list[str], drift: Drift, now: float, free: int) -> list[QueuedJob]:
         from plora.costmodel import AdapterLoad
         from plora.planner import plan_sweep
 
         loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
         spec = prep.spec
-        plan = plan_sweep(loads, prep.cost_model.scaled(drift), len(slots), solver=spec.planner.solver,
+        plan = plan_sweep(loads, recalibrated(prep.cost_model, drift), len(slots), solver=spec.planner.solver,
                           load_factor=spec.planner.memory_load_factor,
                           max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
                           time_limit_s=30)

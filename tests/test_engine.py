@@ -170,6 +170,10 @@ def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     adapters = {a["id"]: a for a in j.adapters()}
     j.close()
     assert replans and replans[0]["drift"] > 2
+    # the jobs said how long their steps took, so the re-plan learned their fixed overhead apart
+    summaries = [json.loads(p.read_text()) for p in (prep.run_dir / "jobs").glob("*/summary.json")]
+    assert summaries and all(s["step_time_s"] > 0 and s["first_step_s"] > 0 for s in summaries)
+    assert replans[0]["overhead_s"] is not None and replans[0]["overhead_s"] > 0
     assert all(jobs[old].status == "replanned" for old in replans[0]["old"])
     assert all(jobs[new].status == "finished" for new in replans[-1]["new"])
     ran = [a for job, members in launches(prep.run_dir) for a in members]
@@ -187,3 +191,29 @@ def test_jobs_get_the_gpus_the_sweep_sees():
     assert visible_gpu_ids([0, 1], "GPU-a, GPU-b") == ["GPU-a", "GPU-b"]
     with pytest.raises(ValueError, match="not among"):
         visible_gpu_ids([2], "2,3")
+
+
+def test_replan_corrects_step_time_and_job_overhead_apart():
+    """Jobs that spend 20 s outside their steps and run their steps as predicted: the
+    re-plan keeps the step coefficients and learns the 20 s overhead (one factor for both
+    would make every step 3x slower, and packing look no better than running alone)."""
+    from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+    from plora.engine.runner import Drift
+    from plora.sweep import recalibrated
+
+    cm = CostModel(80 * 2**30, 256, {1: TimeCoeffs(0.1, 1e-5, 0.0, 0.0, 0.0)},
+                   {1: MemoryCoeffs(2**30, 0.0, 0.0, 0.0, 0.0)})
+    drift = Drift()
+    for _ in range(3):
+        drift.add(wall_s=30.0, predicted_s=10.0, step_s=10.0)
+    assert drift.factor == pytest.approx(3.0) and drift.overhead_s == pytest.approx(20.0)
+    fixed = recalibrated(cm, drift)
+    assert fixed.job_overhead_s == pytest.approx(20.0)
+    assert fixed.time[1].c0 == pytest.approx(0.1) and fixed.time[1].c_tok == pytest.approx(1e-5)
+    job = [AdapterLoad("a", 8, 4, 100)]
+    assert fixed.job_time(job, 1) == pytest.approx(cm.job_time(job, 1) + 20.0)
+
+    blind = Drift()  # a job without the steps' share: every time scales by the whole drift
+    blind.add(wall_s=30.0, predicted_s=10.0, step_s=None)
+    assert blind.overhead_s is None
+    assert recalibrated(cm, blind).time[1].c0 == pytest.approx(0.3)

@@ -325,6 +325,29 @@ def test_deadline_skips_validation_after_min_checks(tmp_path, tiny_model, fake_p
     assert prof.cost_model.meta["holdout"]["packs"] == 2
 
 
+def test_fill_probes_join_the_fit_at_the_memory_limit(tiny_model, fake_probes):
+    """The largest fit probes are placed by the first fit's memory model just under the
+    load factor (the planner's packs are that large), and the final fit includes them."""
+    from plora.profiler import FILL_SHARE, fit_probes, profile_model, shape_from_model
+
+    shape = shape_from_model(tiny_model, dtype="float32")
+    gpu = 4 * 2**30
+    prof = profile_model(tiny_model, shape, seq_len=32, dtype="float32", device="cpu", gpu_memory_bytes=gpu,
+                         holdout=2, fill=True, max_rows=100_000)
+    fills = [m for m in prof.measurements if m.probe.name.startswith("fill-")]
+    assert [m.probe.name for m in fills] == ["fill-r32", "fill-k4"] and all(m.probe.role == "fit" for m in fills)
+    assert fake_probes.index("fill-r32") > fake_probes.index(fit_probes(8)[-1].name)  # after the first fit
+    cm = prof.cost_model
+    for m in fills:
+        used = cm.memory(m.probe.loads(), 1)
+        assert 0.95 * FILL_SHARE * 0.9 * gpu < used <= FILL_SHARE * 0.9 * gpu
+        assert m.probe.rows > 100  # far beyond the calibrated probes
+
+    capped = profile_model(tiny_model, shape, seq_len=32, dtype="float32", device="cpu", gpu_memory_bytes=gpu,
+                           holdout=1, fill=True)  # CPU: max_rows defaults to a few rows
+    assert all(m.probe.rows <= 8 for m in capped.measurements if m.probe.name.startswith("fill-"))
+
+
 def test_acceptance_script_refits_from_raw_measurements(tmp_path):
     import importlib.util
 

@@ -59,10 +59,45 @@ class EngineSnapshot:
     events: list[str]
 
 
+@dataclass
+class Drift:
+    """Finished planned jobs, measured against the plan.
+
+    A job's wall time is its optimizer steps plus a fixed part (process start, model load,
+    evaluation, checkpoints). The two drift apart differently: a profile taken in-process
+    knows nothing of the fixed part, and a job of one adapter is mostly fixed part. The
+    recipe's summary gives the steps' share (`step_s`), so a re-plan can correct each.
+    """
+
+    jobs: int = 0
+    wall_s: float = 0.0
+    predicted_s: float = 0.0
+    #: wall time in optimizer steps 2..n, summed; None once a job did not say
+    step_s: float | None = 0.0
+
+    @property
+    def factor(self) -> float:
+        """Measured over predicted job time."""
+        return self.wall_s / self.predicted_s if self.predicted_s > 0 else 1.0
+
+    @property
+    def overhead_s(self) -> float | None:
+        """Mean measured time of a job outside its timed steps."""
+        if self.step_s is None or self.jobs == 0:
+            return None
+        return max(0.0, (self.wall_s - self.step_s) / self.jobs)
+
+    def add(self, wall_s: float, predicted_s: float, step_s: float | None) -> None:
+        self.jobs += 1
+        self.wall_s += wall_s
+        self.predicted_s += predicted_s
+        self.step_s = None if self.step_s is None or step_s is None else self.step_s + step_s
+
+
 WriteJob = Callable[[QueuedJob], Path]  # writes jobs/<id>/job.yaml for the job's adapters, returns the job dir
-#: (adapters of the jobs not started yet, measured / predicted job time so far, seconds since the start,
+#: (adapters of the jobs not started yet, finished jobs against the plan, seconds since the start,
 #: free slots now) -> new jobs for those adapters
-Replan = Callable[[list[str], float, float, int], list[QueuedJob]]
+Replan = Callable[[list[str], Drift, float, int], list[QueuedJob]]
 #: re-plan when measured job times drift this far (relative) from the plan's
 DRIFT_THRESHOLD = 0.25
 
@@ -98,8 +133,7 @@ class Engine:
         self.start = time.time()
         self.replan = replan
         self.drift_threshold = drift_threshold
-        self.measured_s = 0.0  # finished planned jobs: measured and predicted durations, summed
-        self.predicted_s = 0.0
+        self.drift = Drift()  # finished planned jobs: measured and predicted durations
         self.drift_at_last_plan = 1.0
         self.replans = 0
 
@@ -240,16 +274,15 @@ class Engine:
         predicted = job.predicted_end - job.predicted_start
         if predicted <= 0:
             return
-        self.measured_s += (rj.proc.ended or time.time()) - rj.proc.started
-        self.predicted_s += predicted
-        drift = self.measured_s / self.predicted_s
+        self.drift.add((rj.proc.ended or time.time()) - rj.proc.started, predicted, _step_seconds(rj.proc.job_dir))
+        drift = self.drift.factor
         if self.replan is None or abs(drift / self.drift_at_last_plan - 1) <= self.drift_threshold:
             return
         waiting = [j for j in self.queue if j.attempt == 0 and j.parent is None]
         if not waiting:
             return
         adapters = [a for j in waiting for a in j.adapters]
-        new_jobs = self.replan(adapters, drift, time.time() - self.start, len(self.free))
+        new_jobs = self.replan(adapters, self.drift, time.time() - self.start, len(self.free))
         if sorted(a for j in new_jobs for a in j.adapters) != sorted(adapters):
             self._note("re-plan ignored: it did not cover the waiting adapters exactly once")
             return
@@ -258,7 +291,10 @@ class Engine:
             self.journal.update_job(j.job_id, status="replanned")
         self.drift_at_last_plan = drift
         self.replans += 1
-        self.journal.event("replan", "", {"drift": drift, "adapters": adapters,
+        ends = [j.predicted_end for j in new_jobs if j.predicted_end is not None]
+        if ends and self.predicted_makespan_s is not None:  # the live view compares with the new plan
+            self.predicted_makespan_s = max(ends)
+        self.journal.event("replan", "", {"drift": drift, "overhead_s": self.drift.overhead_s, "adapters": adapters,
                                           "old": [j.job_id for j in waiting], "new": [j.job_id for j in new_jobs]})
         self._note(f"measured/predicted {drift:.2f}: re-planned {len(adapters)} waiting adapters "
                    f"into {len(new_jobs)} jobs")
@@ -339,3 +375,16 @@ def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _step_seconds(job_dir: Path) -> float | None:
+    """Seconds a finished job's optimizer steps take at their steady rate (its summary.json
+    times steps 2..n; the first, which compiles kernels, counts as fixed overhead)."""
+    try:
+        summary = json.loads((Path(job_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    timed, steps = summary.get("step_time_s"), summary.get("steps")
+    if not isinstance(timed, (int, float)) or not isinstance(steps, int) or steps < 2:
+        return None
+    return float(timed) * steps / (steps - 1)
