@@ -113,7 +113,7 @@ def _plan_summary(prep) -> Optional[Table]:
     rows = [(f"plan ({plan.strategy})", plan.makespan)]
     if plan.strategy != "dtm":
         rows.append(("packed (dtm)", plan.packed_makespan))
-    names = {"min_gpu": "Min GPU (one adapter per job, smallest TP)", "max_gpu": "Max GPU (one adapter per job, all GPUs)",
+    names = {"min_gpu": "Min GPU (one adapter per job, smallest TP)", "lp_columns": "packed (LP columns)", "max_gpu": "Max GPU (one adapter per job, all GPUs)",
              "sequential": "sequential (one adapter at a time)"}
     rows += [(names.get(k, k), v) for k, v in plan.baselines.items()]
     rows.append(("lower bound", plan.lower_bound))

@@ -3,6 +3,7 @@
 * :mod:`~plora.planner.workload` -- adapters grouped into interchangeable types.
 * :mod:`~plora.planner.ilp` -- F(D, K), the best pack for one job, as an ILP (cvxpy).
 * :mod:`~plora.planner.dtm` -- DTM, splitting free GPUs into jobs of power-of-two degrees.
+* :mod:`~plora.planner.columns` -- a second packed plan from the configuration LP's columns.
 * :mod:`~plora.planner.scheduler` -- the job scheduler (PLoRA Alg. 2) and :func:`plan_sweep`.
 * :mod:`~plora.planner.baselines`, :mod:`~plora.planner.bounds` -- what a plan is judged against.
 * :mod:`~plora.planner.simulate` -- replay and check any plan on a cost model.

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from plora.planner.workload import Workload
 
+if TYPE_CHECKING:
+    from plora.planner.lp_bound import ConfigurationLP
+
 __all__ = ["lower_bound"]
 
 
-def lower_bound(wl: Workload, *, lp: bool = True, solver: str = "auto") -> float:
+def lower_bound(wl: Workload, *, lp: bool = True, solver: str = "auto",
+                configuration: "ConfigurationLP | None" = None) -> float:
     """No schedule on ``wl``'s cost model, GPUs, memory budget and pack cap finishes sooner.
 
     It is the largest of these bounds:
@@ -42,11 +48,14 @@ def lower_bound(wl: Workload, *, lp: bool = True, solver: str = "auto") -> float
 
     All use exactly the quantities the planner optimises, so the plan's
     ``makespan / lower_bound`` is a certificate of how far from optimal it can be.
+    ``configuration``: the LP already solved (`plan_sweep` also plans from its columns).
     """
     work = float((wl.bound_work * wl.counts).sum()) / wl.gpus
     straggler = float(wl.single_time.max()) if len(wl.types) else 0.0
     bounds = [work, straggler, _packs_bound(wl)]
-    if lp:
+    if configuration is not None:
+        bounds.append(configuration.value)
+    elif lp:
         from plora.planner.lp_bound import configuration_lp_bound
 
         value = configuration_lp_bound(wl, solver=solver)

@@ -21,6 +21,7 @@ pays their steps' constant, and that rank buckets are paid per job.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import cvxpy as cp
 import numpy as np
@@ -28,7 +29,21 @@ import numpy as np
 from plora.planner.ilp import SolverLog, job_time_model, pack_limits, solve_problem
 from plora.planner.workload import Workload
 
-__all__ = ["configuration_lp_bound"]
+__all__ = ["ConfigurationLP", "configuration_lp", "configuration_lp_bound"]
+
+
+@dataclass
+class ConfigurationLP:
+    """The solved configuration LP: its value and the columns column generation found.
+
+    The columns are good jobs in their own right -- each priced exactly, together able to
+    cover the sweep at the LP's cost -- which `plora.planner.columns` turns into a plan.
+    """
+
+    value: float  # least GPU-seconds of a fractional covering, over G: the bound
+    counts: list[np.ndarray]  # per column: adapters of each type in the job
+    degrees: list[int]  # per column: its TP degree
+    costs: list[float]  # per column: d x the job's time
 
 
 class _Pricing:
@@ -68,14 +83,24 @@ def configuration_lp_bound(
 ) -> float | None:
     """The configuration LP's value over G, or None when column generation did not finish
     within the limits (then it proves nothing and the caller keeps its other bounds)."""
+    lp = configuration_lp(wl, solver=solver, time_limit_s=time_limit_s, max_iters=max_iters)
+    return None if lp is None else lp.value
+
+
+def configuration_lp(
+    wl: Workload, *, solver: str = "auto", time_limit_s: float = 20.0, max_iters: int = 400
+) -> ConfigurationLP | None:
+    """Solve the configuration LP by column generation; None when it did not finish within
+    the limits."""
     from scipy.optimize import linprog
 
     if not len(wl.types):
-        return 0.0
+        return ConfigurationLP(0.0, [], [], [])
     t0 = time.perf_counter()
     counts = np.asarray(wl.counts, dtype=float)
     log = SolverLog()
     cols: list[np.ndarray] = []
+    degrees: list[int] = []
     costs: list[float] = []
     seen: set[tuple] = set()
 
@@ -85,6 +110,7 @@ def configuration_lp_bound(
             return False
         seen.add(key)
         cols.append(c)
+        degrees.append(d)
         costs.append(d * wl.job_time(c, d))
         return True
 
@@ -112,7 +138,7 @@ def configuration_lp_bound(
             if reduced > tol * max(1.0, float(res.fun) / max(counts.sum(), 1.0)):
                 added |= add(c, d)
         if not added:
-            return float(res.fun) / wl.gpus
+            return ConfigurationLP(float(res.fun) / wl.gpus, cols, degrees, costs)
         if time.perf_counter() - t0 > time_limit_s:
             return None
     return None

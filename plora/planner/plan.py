@@ -63,7 +63,8 @@ class Plan:
     the same cost model can beat (see :func:`plora.planner.bounds.lower_bound`);
     ``baselines`` the predicted makespans of the simple strategies and
     ``packed_makespan`` that of the packed (DTM) schedule; ``strategy`` says which
-    schedule was kept (``dtm``, or a baseline's name when it predicted better);
+    schedule was kept (``dtm``; ``lp_columns``, the jobs of the configuration LP's columns,
+    see :mod:`plora.planner.columns`; or a baseline's name when it predicted better);
     ``solver`` which ILP solver(s) ran, with ``solver_calls`` counting the solves.
     """
 

@@ -15,9 +15,11 @@ import numpy as np
 from plora.costmodel import AdapterLoad, CostModel
 from plora.planner.baselines import BASELINES, baseline_jobs, makespan
 from plora.planner.bounds import lower_bound
+from plora.planner.columns import column_jobs
 from plora.planner.dtm import SchedulerState, dtm
 from plora.planner.errors import PlannerError
 from plora.planner.ilp import PackSolver, SolverLog
+from plora.planner.lp_bound import configuration_lp
 from plora.planner.plan import Job, Plan
 from plora.planner.workload import Workload
 
@@ -26,6 +28,9 @@ __all__ = ["PLANNING_BUDGET_S", "plan_sweep", "schedule"]
 #: the soft planning budget `plora plan`/`plora sweep` give `plan_sweep` (seconds): once spent,
 #: no further scheduling run starts and DTM keeps one branch per level
 PLANNING_BUDGET_S = 40.0
+
+#: the strategy name of a plan built from the configuration LP's columns (`plora.planner.columns`)
+LP_COLUMNS = "lp_columns"
 
 #: (efficiency floor, slack) of the scheduling runs plan_sweep tries, best first; it keeps
 #: the plan predicted shortest. The floor is F's least acceptable pack efficiency
@@ -169,14 +174,20 @@ def plan_sweep(
         candidates[name] = jobs
         baselines[name] = makespan(jobs)
 
-    strategy = min(candidates, key=lambda k: (makespan(candidates[k]), k != "dtm"))
+    configuration = configuration_lp(wl, solver=solver)
+    if configuration is not None:
+        from_columns = column_jobs(wl, configuration, also=best_dtm)
+        if from_columns is not None:
+            candidates[LP_COLUMNS] = from_columns
+    strategy = min(candidates, key=lambda k: (makespan(candidates[k]), k != "dtm", k != LP_COLUMNS))
     chosen = candidates[strategy]
     notes = list(dict.fromkeys(log.fallbacks))
     if objective == "makespan":
         notes.append(f"packed schedule from efficiency floor {best_run[0]}, slack {best_run[1]}")
     if strategy != "dtm":
         notes.append(f"the packed schedule predicted {makespan(candidates['dtm']):.1f}s; kept {strategy}")
-    lb = lower_bound(wl, solver=solver)
+    lb = lower_bound(wl, solver=solver, lp=False) if configuration is None else \
+        lower_bound(wl, solver=solver, configuration=configuration)
     return Plan(
         jobs=chosen,
         adapters=list(loads),
