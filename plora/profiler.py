@@ -96,6 +96,7 @@ __all__ = [
     "profile_key",
     "profile_model",
     "profile_sweep",
+    "remember_job_overhead",
     "run_probe",
     "shape_from_model",
     "summarize_errors",
@@ -1130,6 +1131,29 @@ def sweep_cache_path(spec) -> Path:
     return _sweep_cache_path(spec, shape, device, device_name)
 
 
+def remember_job_overhead(spec, overhead_s: float, jobs: int) -> Path | None:
+    """Keep the per-job overhead a finished sweep measured in the cached profile of its model
+    on this machine, so that the next sweep's first plan counts it.
+
+    Probes run in-process and cannot see what every job pays besides its steps (process
+    start, model load, evaluation and checkpoints: about 20 s a job for the 0.5B shape on an
+    H200, where one packed job's steps took 22 s). The engine measures it from finished
+    jobs (`plora.engine.runner.Drift`); re-plans use it at once, and this carries it over.
+    Returns the profile written, or None when there is no cached profile to update.
+    """
+    path = sweep_cache_path(spec)
+    if not path.is_file():
+        return None
+    try:
+        prof = Profile.load(path)
+    except ProfileError:
+        return None
+    cm = prof.cost_model
+    cm.job_overhead_s = float(overhead_s)
+    cm.meta["job_overhead"] = {"measured_s": float(overhead_s), "jobs": int(jobs), "at": time.time()}
+    return prof.save(path)
+
+
 def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log: Log | None = None,
                   cached_only: bool = False, **options) -> CostModel | None:
     """The cost model of a sweep's model on this machine: from the cache when there is one
@@ -1162,8 +1186,10 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
         if set(cm.degrees) != set(degrees) or cm.gpu_memory_bytes != gpu_memory:
             keep = {k: v for k, v in cm.meta.items() if k in ("device", "backend", "dtype", "seq_len", "warmup",
                                                               "iters", "probe_rows", "profiling_s", "holdout")}
+            overhead = cm.job_overhead_s
             prof.cost_model = fit_cost_model(prof.measurements, shape, seq, gpu_memory, targets=targets,
                                              tp_degrees=degrees, meta=keep)
+            prof.cost_model.job_overhead_s = overhead  # learned from sweeps (remember_job_overhead)
         prof.reused, prof.load_factor = True, load_factor
     elif cached_only:
         return None

@@ -372,6 +372,13 @@ def run_prepared(
         engine.run()
     finally:
         journal.close()
+    if engine.drift.overhead_s is not None and (prep.hardware is None or prep.hardware.local):
+        from plora.profiler import ProfileError, remember_job_overhead
+
+        try:  # the next sweep of this model here plans with it; losing it costs nothing else
+            remember_job_overhead(prep.spec, engine.drift.overhead_s, engine.drift.jobs)
+        except (OSError, ValueError, ProfileError):
+            pass
     frame = collect_results(prep)
     from plora.optuna import record_sweep  # the sweep as an Optuna study; warns, never raises
 

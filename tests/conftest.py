@@ -28,6 +28,12 @@ if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _own_profile_cache(tmp_path_factory, monkeypatch):
+    """Profiles cached by one test (or by the user's own sweeps) never reach another."""
+    monkeypatch.setenv("PLORA_CACHE_DIR", str(tmp_path_factory.mktemp("profile-cache")))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     import torch

@@ -155,10 +155,14 @@ def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
 
 def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     """A cost model 100× too optimistic: after the first job, the waiting ones are re-planned."""
+    from plora.profiler import Profile, sweep_cache_path
+
     spec = load_spec(space(tmp_path, per_job=1))
     first = prepare(spec)
     wrong = first.cost_model.scaled(0.01)
     wrong.meta["plan_source"] = "a cost model 100x too fast"
+    cached = sweep_cache_path(spec)  # as if this machine had a profile of the model
+    Profile(wrong, [], [], {"model": "test"}).save(cached)
     prep = prepare(spec, cost_model=wrong)
     write_run_files(prep)
     assert len(prep.plan.jobs) == 4
@@ -174,6 +178,8 @@ def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     summaries = [json.loads(p.read_text()) for p in (prep.run_dir / "jobs").glob("*/summary.json")]
     assert summaries and all(s["step_time_s"] > 0 and s["first_step_s"] > 0 for s in summaries)
     assert replans[0]["overhead_s"] is not None and replans[0]["overhead_s"] > 0
+    # and the cached profile keeps what the sweep measured, for the next sweep's first plan
+    assert Profile.load(cached).cost_model.job_overhead_s > 0
     assert all(jobs[old].status == "replanned" for old in replans[0]["old"])
     assert all(jobs[new].status == "finished" for new in replans[-1]["new"])
     ran = [a for job, members in launches(prep.run_dir) for a in members]

@@ -325,6 +325,22 @@ def test_deadline_skips_validation_after_min_checks(tmp_path, tiny_model, fake_p
     assert prof.cost_model.meta["holdout"]["packs"] == 2
 
 
+def test_job_overhead_a_sweep_measured_is_kept_for_the_next(tmp_path, tiny_model, fake_probes):
+    """Probes cannot see a job's start-up and evaluation; once a sweep has measured them,
+    the cached profile carries them to the next sweep's first plan, without probing."""
+    from plora.profiler import remember_job_overhead
+
+    spec = parse_spec(yaml.safe_load(space(tmp_path, tiny_model).read_text()))
+    assert remember_job_overhead(spec, 12.5, 3) is None  # nothing cached yet: nothing written
+    assert profile_sweep(spec, tmp_path / "run1").job_overhead_s == 0.0
+    n = len(fake_probes)
+    path = remember_job_overhead(spec, 12.5, 3)
+    assert path is not None and path.is_file()
+    cm = profile_sweep(spec, tmp_path / "run2")
+    assert len(fake_probes) == n
+    assert cm.job_overhead_s == 12.5 and cm.meta["job_overhead"]["jobs"] == 3
+
+
 def test_fill_probes_join_the_fit_at_the_memory_limit(tiny_model, fake_probes):
     """The largest fit probes are placed by the first fit's memory model just under the
     load factor (the planner's packs are that large), and the final fit includes them."""
