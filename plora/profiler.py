@@ -276,12 +276,8 @@ def fill_probes(cm: CostModel, load_factor: float, kmax: int = 16, d: int = 1,
     large packs the planner forms, measured rather than extrapolated to. Their ranks differ
     from the `limit_probes`, which stay validation packs. ``max_rows`` caps them (CPU)."""
     shapes = (("fill-r32", (32,)), ("fill-k4", (16, 32, 64, 128)[: max(1, min(4, kmax))]))
-    out = []
-    for name, ranks in shapes:
-        p = _filled(cm, name, ranks, load_factor * FILL_SHARE, d, "fit", max_rows)
-        if p is not None:
-            out.append(p)
-    return out
+    return [p for name, ranks in shapes
+            if (p := _filled(cm, name, ranks, load_factor * FILL_SHARE, d, "fit", max_rows)) is not None]
 
 
 def _filled(cm: CostModel, name: str, ranks: Sequence[int], load_factor: float, d: int, role: str,
@@ -972,8 +968,9 @@ def profile_model(
     """Probe a model on this machine, fit its cost model, validate it on held-out packs.
 
     ``limit`` adds the near-limit packs of `limit_probes` to the validation, ``fill`` the
-    memory-filling packs of `fill_probes` to the fit (both by default on a GPU). ``deadline`` (a ``time.time()`` value) skips validation packs that would start
-    after it, once ``min_checks`` of them have run; the fit probes always run.
+    memory-filling packs of `fill_probes` to the fit (both by default on a GPU).
+    ``deadline`` (a ``time.time()`` value) skips validation packs that would start after
+    it, once ``min_checks`` of them have run; the fit probes always run.
     """
     say = log or (lambda _msg: None)
     device, device_name, total = _device_info(device)
@@ -985,6 +982,8 @@ def profile_model(
     names = list(resolve_lora_targets(targets))
     if limit is None:
         limit = cuda
+    if fill is None:
+        fill = cuda
     if max_rows is None and not cuda:
         max_rows = CPU_MAX_ROWS
     key = profile_key(shape, seq_len=seq_len, dtype=dtype, device_name=device_name, backend=_backend(device),
@@ -1028,8 +1027,6 @@ def profile_model(
             "warmup": warmup, "iters": iters, "probe_rows": rows,
             **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if cuda else {})}
     cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees, meta=meta)
-    if fill is None:
-        fill = cuda
     if fill:  # the largest packs, placed by the memory model just fitted; then fit again
         fit_set += [measure(p) for p in fill_probes(cm, load_factor, kmax, max_rows=max_rows)]
         cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees,

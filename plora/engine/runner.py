@@ -72,7 +72,8 @@ class Drift:
     jobs: int = 0
     wall_s: float = 0.0
     predicted_s: float = 0.0
-    #: wall time in optimizer steps 2..n, summed; None once a job did not say
+    #: time of the jobs' optimizer steps at their steady rate (`_step_seconds`), summed;
+    #: None once a job did not say
     step_s: float | None = 0.0
 
     @property

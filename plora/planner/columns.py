@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from plora.planner.baselines import list_schedule
-from plora.planner.lp_bound import ConfigurationLP
+from plora.planner.lp_bound import ConfigurationLP, column_key
 from plora.planner.plan import Job
 from plora.planner.workload import Workload
 
@@ -40,13 +40,13 @@ def column_jobs(wl: Workload, lp: ConfigurationLP, *, also: Sequence[Job] = (), 
         return None
     columns, degrees, costs = list(lp.counts), list(lp.degrees), list(lp.costs)
     type_of = {a: t for t, ids in enumerate(wl.ids) for a in ids}
-    seen = {(d, tuple(int(x) for x in c)) for c, d in zip(columns, degrees)}
+    seen = {column_key(c, d) for c, d in zip(columns, degrees)}
     for job in also:
         c = np.zeros(len(wl.types))
         for a in job.adapters:
             c[type_of[a]] += 1
-        if (job.tp, tuple(int(x) for x in c)) not in seen:
-            seen.add((job.tp, tuple(int(x) for x in c)))
+        if column_key(c, job.tp) not in seen:
+            seen.add(column_key(c, job.tp))
             columns.append(c)
             degrees.append(job.tp)
             costs.append(job.tp * wl.job_time(c, job.tp))

@@ -29,7 +29,7 @@ import numpy as np
 from plora.planner.ilp import SolverLog, job_time_model, pack_limits, solve_problem
 from plora.planner.workload import Workload
 
-__all__ = ["ConfigurationLP", "configuration_lp", "configuration_lp_bound"]
+__all__ = ["ConfigurationLP", "column_key", "configuration_lp", "configuration_lp_bound"]
 
 
 @dataclass
@@ -44,6 +44,11 @@ class ConfigurationLP:
     counts: list[np.ndarray]  # per column: adapters of each type in the job
     degrees: list[int]  # per column: its TP degree
     costs: list[float]  # per column: d x the job's time
+
+
+def column_key(counts: np.ndarray, d: int) -> tuple:
+    """What identifies a column (a job): its degree and its adapters of each type."""
+    return d, tuple(int(x) for x in counts)
 
 
 class _Pricing:
@@ -105,7 +110,7 @@ def configuration_lp(
     seen: set[tuple] = set()
 
     def add(c: np.ndarray, d: int) -> bool:
-        key = (d, tuple(int(x) for x in c))
+        key = column_key(c, d)
         if key in seen:
             return False
         seen.add(key)

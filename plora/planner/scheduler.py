@@ -186,8 +186,7 @@ def plan_sweep(
         notes.append(f"packed schedule from efficiency floor {best_run[0]}, slack {best_run[1]}")
     if strategy != "dtm":
         notes.append(f"the packed schedule predicted {makespan(candidates['dtm']):.1f}s; kept {strategy}")
-    lb = lower_bound(wl, solver=solver, lp=False) if configuration is None else \
-        lower_bound(wl, solver=solver, configuration=configuration)
+    lb = lower_bound(wl, lp=False, configuration=configuration)  # the LP is solved above (None: no convergence)
     return Plan(
         jobs=chosen,
         adapters=list(loads),
