@@ -160,10 +160,15 @@ class AdapterStream:
         return taken
 
 
-def collate(samples: Sequence[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded tokens and labels. Right padding keeps every real position's causal
-    context identical whatever the batch's longest row, so padding cannot change an adapter."""
-    width = max(len(s.tokens) for s in samples)
+def collate(samples: Sequence[Sample], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded tokens and labels, ``width`` wide (default: the longest row). Right
+    padding keeps every real position's causal context identical whatever the batch's
+    width, so padding cannot change an adapter."""
+    longest = max(len(s.tokens) for s in samples)
+    if width is None:
+        width = longest
+    elif width < longest:
+        raise ValueError(f"collate: width {width} is shorter than the longest row ({longest})")
     tokens = torch.full((len(samples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
     for i, s in enumerate(samples):

@@ -389,7 +389,7 @@ class Measurement:
 def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype: str, device: str,
                      targets: Sequence[str], family: str = "auto", dropout: float = 0.0,
                      output_dir: str | Path = ".", num_threads: int | None = None,
-                     activation_checkpointing: bool = False) -> dict[str, Any]:
+                     activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> dict[str, Any]:
     """The recipe config of a probe: a random-init model, fixed-length synthetic rows."""
     return {
         "job_id": f"probe-{probe.name}",
@@ -407,7 +407,7 @@ def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype
             for k, (r, b) in enumerate(zip(probe.ranks, probe.batch_sizes))
         ],
         "training": {"scheduler": "constant", "grad_clip": 1.0, "weight_decay": 0.0,
-                     "activation_checkpointing": bool(activation_checkpointing)},
+                     "activation_checkpointing": bool(activation_checkpointing), "cuda_graphs": cuda_graphs},
         "eval": {"metrics": []},
     }
 
@@ -428,6 +428,7 @@ def run_probe(
     min_timed_s: float | None = None,
     num_threads: int | None = None,
     activation_checkpointing: bool = False,
+    cuda_graphs: Any = "auto",
 ) -> Measurement:
     """Build a fresh packed job of ``probe``'s adapters, run warm-up and timed steps.
 
@@ -451,7 +452,7 @@ def run_probe(
     with tempfile.TemporaryDirectory(prefix="plora-probe-") as tmp:
         cfg = probe_job_config(model_dir, probe, seq_len=seq_len, dtype=dtype, device=device, targets=targets,
                                family=family, dropout=dropout, output_dir=tmp, num_threads=num_threads,
-                               activation_checkpointing=activation_checkpointing)
+                               activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
         recipe = None
         try:
             t0 = time.perf_counter()
@@ -931,10 +932,19 @@ def _device_info(device: str) -> tuple[str, str, float | None]:
     return "cpu", "cpu", None
 
 
-def _backend(device: str) -> str:
+def _backend(device: str, activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> str:
+    """How a job's steps run on ``device``: the kernels, and "+graph" when they are replayed
+    from CUDA graphs (a profile measured one way does not predict the other)."""
     if not device.startswith("cuda"):
         return "torch"
-    return "torch" if os.environ.get("PLORA_KERNELS", "auto").lower() == "torch" else "triton"
+    import torch
+
+    from plora.recipes.step_graph import graphs_wanted
+
+    kernels = "torch" if os.environ.get("PLORA_KERNELS", "auto").lower() == "torch" else "triton"
+    graphed = graphs_wanted(cuda_graphs, torch.device(device), tp=False,
+                            activation_checkpointing=activation_checkpointing)
+    return kernels + ("+graph" if graphed else "")
 
 
 def profile_model(
@@ -964,6 +974,7 @@ def profile_model(
     log: Log | None = None,
     on_measurement: Callable[[Measurement], None] | None = None,
     activation_checkpointing: bool = False,
+    cuda_graphs: Any = "auto",
 ) -> Profile:
     """Probe a model on this machine, fit its cost model, validate it on held-out packs.
 
@@ -986,8 +997,9 @@ def profile_model(
         fill = cuda
     if max_rows is None and not cuda:
         max_rows = CPU_MAX_ROWS
-    key = profile_key(shape, seq_len=seq_len, dtype=dtype, device_name=device_name, backend=_backend(device),
-                      targets=names, dropout=dropout, activation_checkpointing=activation_checkpointing)
+    key = profile_key(shape, seq_len=seq_len, dtype=dtype, device_name=device_name,
+                      backend=_backend(device, activation_checkpointing, cuda_graphs), targets=names, dropout=dropout,
+                      activation_checkpointing=activation_checkpointing)
 
     from scipy.optimize import nnls  # noqa: F401 - loaded now, not between probes (it moves the CPU baseline)
 
@@ -1001,7 +1013,8 @@ def profile_model(
         try:
             m = run_probe(model_dir, p, seq_len=seq_len, dtype=dtype, device=device, targets=names, family=family,
                           dropout=dropout, warmup=warmup + extra, iters=iters, max_probe_s=max_probe_s,
-                          num_threads=num_threads, activation_checkpointing=activation_checkpointing)
+                          num_threads=num_threads, activation_checkpointing=activation_checkpointing,
+                          cuda_graphs=cuda_graphs)
         except Exception as e:  # noqa: BLE001 - one failed probe is reported, the others still count
             m = Measurement(p, int(seq_len), error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         if m.error and not m.oom:
@@ -1018,12 +1031,12 @@ def profile_model(
     if cuda:
         _match_job_allocator(say)
     t_start = time.time()
-    say(f"profiling {shape.name} at seq {seq_len}, {dtype}, on {device_name} ({_backend(device)} kernels)")
+    say(f"profiling {shape.name} at seq {seq_len}, {dtype}, on {device_name} ({key['backend']} kernels)")
     fit_set = [measure(p) for p in calibration_probes()]
     rows = _probe_rows(fit_set, gpu_memory_bytes * load_factor, seq_len, max_rows)
     say(f"  largest probes: {rows} rows of {seq_len} tokens")
     fit_set += [measure(p) for p in fit_probes(rows, kmax)]
-    meta = {"device": device_name, "backend": _backend(device), "dtype": dtype, "seq_len": int(seq_len),
+    meta = {"device": device_name, "backend": key["backend"], "dtype": dtype, "seq_len": int(seq_len),
             "warmup": warmup, "iters": iters, "probe_rows": rows,
             **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if cuda else {})}
     cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees, meta=meta)
@@ -1116,7 +1129,8 @@ def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloa
 
 def _sweep_cache_path(spec, shape: ModelShape, device: str, device_name: str) -> Path:
     key = profile_key(shape, seq_len=spec.model.max_seq_len, dtype=spec.model.dtype, device_name=device_name,
-                      backend=_backend(device), targets=list(spec.lora.resolved_targets()),
+                      backend=_backend(device, bool(spec.training.activation_checkpointing), spec.training.cuda_graphs),
+                      targets=list(spec.lora.resolved_targets()),
                       dropout=spec.lora.dropout, activation_checkpointing=bool(spec.training.activation_checkpointing))
     return cache_path(key)
 
@@ -1201,7 +1215,7 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
         prof = profile_model(model_dir, shape, seq_len=seq, dtype=dtype, device=device, targets=targets,
                              family=spec.model.family, dropout=spec.lora.dropout, gpu_memory_bytes=gpu_memory,
                              tp_degrees=degrees, load_factor=load_factor, num_threads=threads, log=say,
-                             activation_checkpointing=ac, **options)
+                             activation_checkpointing=ac, cuda_graphs=spec.training.cuda_graphs, **options)
         prof.cache_path = str(path)
         prof.save(path)
     prof.cache_path = str(path)

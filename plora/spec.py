@@ -599,6 +599,22 @@ class TrainingConfig(_Model):
     weight_decay: float = Field(0.0, ge=0)
     divergence_loss: Optional[float] = Field(None, gt=0)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward: far less memory
+    # steps replayed from CUDA graphs: "auto" = on one GPU without activation checkpointing
+    cuda_graphs: Any = "auto"
+
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _graphs(cls, v: Any) -> Union[str, bool]:
+        if isinstance(v, bool):
+            return v
+        text = str(v).strip().lower()
+        if text == "auto":
+            return "auto"
+        if text in ("on", "true", "yes", "1"):
+            return True
+        if text in ("off", "false", "no", "0"):
+            return False
+        raise ValueError(f"expected auto, on or off, got {v!r}")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingConfig":

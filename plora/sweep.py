@@ -230,6 +230,7 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "weight_decay": spec.training.weight_decay,
             "divergence_loss": spec.training.divergence_loss,
             "activation_checkpointing": spec.training.activation_checkpointing,
+            "cuda_graphs": spec.training.cuda_graphs,
         },
         "eval": {
             "metrics": list(spec.eval.metrics),

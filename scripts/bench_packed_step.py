@@ -3,7 +3,8 @@
 What packing is worth: K adapters at batch size 1 each, packed, against one adapter at
 batch size K on the same model (the most packing can give: the same rows, one adapter).
 Each variant runs the real recipe step (`PackedLoRARecipe.train_step`), on the Triton
-kernels and on the torch reference path.
+kernels and on the torch reference path, replayed from a CUDA graph and eagerly
+(``--modes``: backend+graph or backend alone).
 
     python scripts/bench_packed_step.py --shape qwen2.5-0.5b --seq 256 --adapters 16 --out DIR
 
@@ -27,6 +28,7 @@ from plora.costmodel import ModelShape
 from plora.heap import frozen_heap
 from plora.models import write_shape_folder
 from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.recipes.step_graph import ENV as GRAPHS_ENV
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -77,7 +79,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--backends", default="triton,torch")
+    ap.add_argument("--modes", default="triton+graph,triton,torch",
+                    help="kernel backend, +graph to replay steps from CUDA graphs")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -86,8 +89,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_folder(shape, Path(tmp) / "model")
         variants = [("packed", args.adapters, 1), ("one adapter", 1, args.adapters)]
-        for backend in args.backends.split(","):
+        for mode in args.modes.split(","):
+            backend, _, graph = mode.partition("+")
             os.environ["PLORA_KERNELS"] = backend
+            os.environ[GRAPHS_ENV] = "on" if graph else "off"
             for name, k, bs in variants:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -97,7 +102,7 @@ def main() -> None:
                 med = statistics.median(times)
                 tokens = k * bs * args.seq
                 rows.append({
-                    "backend": backend, "variant": name, "adapters": k, "batch_size": bs,
+                    "backend": mode, "variant": name, "adapters": k, "batch_size": bs,
                     "rank": args.rank, "seq": args.seq, "step_ms": med * 1e3,
                     "tokens_per_s": tokens / med,
                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
@@ -114,11 +119,11 @@ def main() -> None:
     }
     (args.out / "packed_step.json").write_text(json.dumps(meta, indent=2))
     print(f"\n{args.shape} seq {args.seq} rank {args.rank} on {meta['device']}")
-    print(f"{'backend':8} {'variant':12} {'K':>3} {'bs':>3} {'step ms':>9} {'tokens/s':>10} {'vs 1×bs' + str(args.adapters):>10} {'mem GiB':>8}")
+    print(f"{'path':13} {'variant':12} {'K':>3} {'bs':>3} {'step ms':>9} {'tokens/s':>10} {'vs 1×bs' + str(args.adapters):>10} {'mem GiB':>8}")
     for r in rows:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{r['backend']:8} {r['variant']:12} {r['adapters']:>3} {r['batch_size']:>3} {r['step_ms']:>9.2f} "
-              f"{r['tokens_per_s']:>10.0f} {r['vs_one_adapter_triton']:>10.2f} {mem:>8}")
+        print(f"{r['backend']:13} {r['variant']:12} {r['adapters']:>3} {r['batch_size']:>3} {r['step_ms']:>9.2f} "
+              f"{r['tokens_per_s']:>10.0f} {r['vs_one_adapter_same_backend']:>10.2f} {mem:>8}")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     from plora.models import write_shape_folder
-    from plora.profiler import Measurement, profile_model
+    from plora.profiler import Measurement, _backend, profile_model
 
     model, seq, ac = parse_config(args.config)
     shape = preset(model)
@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> int:
     raw = args.work / "raw" / f"{tag}.jsonl"
     raw.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "backend": ("torch" if os.environ.get("PLORA_KERNELS") == "torch" else "triton") if cuda else "torch",
+            "backend": _backend("cuda" if cuda else "cpu", ac),
             "gpu_memory_bytes": gpu_memory, "targets": args.targets, "dtype": args.dtype, "max_tp": args.max_tp,
             "load_factor": args.load_factor, "warmup": args.warmup, "iters": args.iters,
             "max_probe_s": args.max_probe_s, "activation_checkpointing": ac}

@@ -111,6 +111,32 @@ def test_diverging_adapter_is_isolated(packed_run, tiny_model, reverse_data, tmp
     assert m["status"] == "diverged" and m["checkpoint_path"] is None and "non-finite" in m["reason"]
 
 
+def test_nan_loss_adapter_is_isolated_in_the_shared_backward(packed_run, tiny_model, reverse_data, tmp_path):
+    """An adapter whose forward turns NaN stays in the one backward of the pack (the step
+    decides on the device, so it can be replayed from a CUDA graph): its loss is masked
+    out, its NaN stays in its own rows, and it leaves as diverged on its loss."""
+    import json
+
+    out, _ = packed_run
+    extra = dict(id="poisoned", rank=4, alpha=8.0, learning_rate=1e-3, batch_size=2, seed=98, steps=14)
+    recipe = PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path, ADAPTERS + [extra]))
+
+    def poison_at_step_2(rec, step):
+        if step == 2:
+            k = next(r.index for r in rec.runs if r.id == "poisoned")
+            with torch.no_grad():
+                for view in rec.bank.adapter_views(rec.bank.weights, k):
+                    view.fill_(float("nan"))
+
+    summary = recipe.run(on_step=poison_at_step_2)
+    assert summary["adapters"]["poisoned"] == "diverged"
+    m = json.loads((tmp_path / "adapters" / "poisoned" / "metrics.json").read_text())
+    assert m["reason"].startswith("loss nan") and m["steps"] == 3
+    for a in ADAPTERS:
+        assert summary["adapters"][a["id"]] == "done"
+        assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
+
+
 def test_activation_checkpointing_changes_nothing(packed_run, tiny_model, reverse_data, tmp_path):
     out, _ = packed_run
     cfg = job_config(tiny_model, reverse_data, tmp_path, ADAPTERS)

@@ -464,3 +464,30 @@ def test_lp_columns_plan_is_kept_where_greedy_packing_wastes_gpu_time():
     assert plan.strategy == "lp_columns" and plan.makespan < 0.8 * plan.packed_makespan
     assert plan.bound_ratio <= 1.15
     assert simulate(plan, cm).ok
+
+
+def test_one_gpu_jobs_are_balanced_where_longest_first_is_not():
+    """Times 3,3,2,2,2 on two GPUs: longest-first ends at 7, the best assignment at 6."""
+    from types import SimpleNamespace
+
+    from plora.planner.baselines import list_schedule
+    from plora.planner.columns import balanced_one_gpu_jobs
+
+    class Times:
+        def job_time(self, adapters, d):
+            return float(adapters[0].t)
+
+        step_time = job_time
+
+        def memory(self, adapters, d):
+            return 1.0
+
+    items = [([SimpleNamespace(id=f"a{i}", t=t)], 1) for i, t in enumerate([3, 3, 2, 2, 2])]
+    lpt = list_schedule(Times(), items, 2)
+    best = balanced_one_gpu_jobs(Times(), items, 2)
+    assert max(j.end for j in lpt) == 7.0
+    assert best is not None and max(j.end for j in best) == 6.0
+    assert sorted(a for j in best for a in j.adapters) == [f"a{i}" for i in range(5)]
+    for g in (0, 1):  # jobs of one GPU do not overlap
+        mine = sorted((j.start, j.end) for j in best if j.gpus == [g])
+        assert all(e <= s for (_, e), (s, _) in zip(mine, mine[1:]))

@@ -189,6 +189,7 @@ BAD = [
     ({"planner": {"memory_load_factor": 0}}, "planner.memory_load_factor"),
     ({"planner": {"memory_load_factor": 1.5}}, "planner.memory_load_factor"),
     ({"planner": {"objective": "speed"}}, "planner.objective"),
+    ({"training": {"cuda_graphs": "sometimes"}}, "training.cuda_graphs"),
     ({"output": {"dir": None}}, "output.dir"),
 ]
 
@@ -199,6 +200,13 @@ def test_bad_field_is_named_in_one_line(data, field, tmp_path):
     err = error_of({"name": "t", **data}, tmp_path)
     assert_field(err, field)
     assert isinstance(err, ValueError)
+
+
+def test_cuda_graphs_take_yaml_switches():
+    for text, value in (("off", False), ("on", True), ("auto", "auto"), ("false", False)):
+        data = yaml.safe_load(f"name: t\ntraining:\n  cuda_graphs: {text}\n")
+        assert parse_spec(data).training.cuda_graphs == value, text
+    assert make().training.cuda_graphs == "auto"
 
 
 def test_missing_name():

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from plora.kernels import adamw_hyperparams, build_segments, segment_sq_norms, segmented_adamw_
+from plora.kernels.segments import HP_COLUMNS
 from plora.packed.inject import PackedModel
 
 #: the stacked trainable tensors of a packed layer, in bank order
@@ -106,6 +107,29 @@ class PackedAdamW:
         self.exp_avg = torch.zeros(bank.weights.numel(), dtype=acc, device=bank.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.steps = [0] * bank.num_adapters
+
+    def planned_hyperparams(self, adapters: Sequence[int]) -> torch.Tensor:
+        """The `segmented_adamw_` table (host, float32) as if every adapter in ``adapters``
+        stepped now at its ``self.lrs`` with coefficient 1; `step_where` then keeps the rows
+        that may step and puts in their clipping coefficients, on the device, so a step needs
+        no host sync between the backward and the update (and can run in a CUDA graph)."""
+        b1, b2 = self.betas
+        table = {k: (self.steps[k] + 1, self.lrs[k], self.weight_decay, b1, b2, self.eps, 1.0) for k in adapters}
+        return adamw_hyperparams(table, self.bank.num_adapters, "cpu")
+
+    def step_where(self, planned: torch.Tensor, go: torch.Tensor, coef: torch.Tensor) -> None:
+        """Step the adapters whose ``go`` (bool [K], on the device) is set, with gradient
+        coefficients ``coef`` (float [K]); ``planned`` is `planned_hyperparams` on the device.
+        The caller counts the steps taken (`count_steps`) once it has read ``go`` back."""
+        hp = planned.clone()
+        hp[:, 0] *= go.to(hp.dtype)
+        hp[:, HP_COLUMNS.index("grad_coef")] = torch.where(go, coef.to(hp.dtype), 0.0)
+        bank = self.bank
+        segmented_adamw_(bank.weights, bank.grads, self.exp_avg, self.exp_avg_sq, bank.segments, hp)
+
+    def count_steps(self, adapters: Sequence[int]) -> None:
+        for k in adapters:
+            self.steps[k] += 1
 
     def step(self, coefs: dict[int, float]) -> None:
         """Step the adapters in ``coefs`` (adapter -> gradient coefficient, 1 without

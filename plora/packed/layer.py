@@ -86,6 +86,10 @@ class PackState:
     def clear(self) -> None:
         self.active, self.meta = [], None
 
+    def use(self, active: Sequence[int], meta: LoRAMeta | None) -> None:
+        """Set a batch whose metadata was built before (a replayed step reads the same)."""
+        self.active, self.meta = list(active), meta
+
 
 class PackedLoRALinear(nn.Module):
     """`y = x Wᵀ + b + concat_k(s_k (x_k A_kᵀ) B_kᵀ)` over the active adapters' segments.

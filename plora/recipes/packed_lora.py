@@ -35,6 +35,7 @@ from plora.packed.layer import AdapterSpec
 from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.peft_format import save_peft_adapter
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
+from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, padded_width
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
 EXIT_OOM = 3
@@ -156,6 +157,10 @@ class PackedLoRARecipe:
             [float(r.cfg["learning_rate"]) for r in self.runs],
             weight_decay=float(t.get("weight_decay", 0.0)),
         )
+        self.graphs: StepGraph | None = None
+        if graphs_wanted(t.get("cuda_graphs"), self.device, tp=self.tp is not None,
+                         activation_checkpointing=bool(t.get("activation_checkpointing"))):
+            self.graphs = StepGraph(self.device)
         self.grad_clip = t.get("grad_clip")
         self.divergence_loss = t.get("divergence_loss")
         self.scheduler = str(t.get("scheduler", "constant"))
@@ -212,74 +217,124 @@ class PackedLoRARecipe:
         return summary
 
     def train_step(self, active: list[AdapterRun], step: int) -> None:
+        """One optimizer step of the active adapters, with one host sync.
+
+        The step's decisions per adapter (a non-finite or too-large loss, a non-finite
+        gradient norm, the clipping coefficient) are made on the device (`_device_step`);
+        the host reads the losses and norms back once and keeps the books: so the same step
+        runs eagerly or replayed from a CUDA graph (`StepGraph`).
+        """
         samples, rows = [], []
         for r in active:
             idx = r.stream.next(int(r.cfg["batch_size"]))
             samples.extend(self.train_samples[i] for i in idx)
             rows.append(len(idx))
-        tokens, labels = collate(samples, self.tok.pad_id)
-        tokens, labels = tokens.to(self.device), labels.to(self.device)
-        seq = tokens.shape[1]
-        self.bank.zero_grad()
-        self.pm.state.set_batch([r.index for r in active], [n * seq for n in rows], self.device)
-        logits = self.pm.model(tokens)
-        losses = per_adapter_loss(logits, labels, rows)
-        del logits
-
-        # One host sync for all losses, one for all gradient norms, one for the weight check:
-        # per-adapter syncs would cost more than the LoRA math on a GPU.
-        values = torch.stack([loss.detach().float() for loss in losses])
-        if self.tp is not None:  # rank 0's losses: one divergence decision on every rank
-            self.tp.broadcast_(values)
-        values = values.tolist()
-        total, alive = None, []
-        for r, loss, value in zip(active, losses, values):
-            if not math.isfinite(value) or (self.divergence_loss is not None and value > float(self.divergence_loss)):
-                self._diverge(r, f"loss {value} at step {r.step}")
-                continue
-            r.losses.append(value)
-            alive.append(r)
-            total = loss if total is None else total + loss
-        if total is not None:
-            total.backward()  # an adapter left out of `total` gets zero gradient rows
-        self.pm.state.clear()
-        if self.tp is not None:  # partial gradients of replicated LoRA tensors
-            self.tp.reduce_grads()
-
-        norms = self._norms() if alive else []
-        coefs: dict[int, float] = {}
-        for r in alive:
-            norm = norms[r.index]
-            if not math.isfinite(norm):
-                self._diverge(r, f"gradient norm {norm} at step {r.step}")
-                continue
-            coef = 1.0
-            if self.grad_clip is not None:  # as torch's clip_grad_norm_, per adapter
-                coef = min(1.0, float(self.grad_clip) / (norm + 1e-6))
+        ids = [r.index for r in active]
+        graphed = self.graphs is not None and self.graphs.enabled
+        width = None
+        if graphed:
+            longest = max(len(s.tokens) for s in samples)
+            width = padded_width(longest, max(longest, int(self.cfg.model.max_seq_len)))
+        tokens, labels = collate(samples, self.tok.pad_id, width=width)
+        for r in active:
             lr = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
             # lr / (1 - beta1) goes to the device as float32: a larger value would turn one
             # absurd adapter's step into inf before its weights could show it.
             self.optimizer.lrs[r.index] = min(lr, MAX_LR)
-            coefs[r.index] = coef
-            self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": r.losses[-1],
-                       "lr": self.optimizer.lrs[r.index], "grad_norm": norm})
-        self.optimizer.step(coefs)
-        stepping = [r for r in alive if r.index in coefs]
-        for r in stepping:
-            r.step += 1
-        if stepping:
-            weight_norms = self._norms(of_weights=True)
-            for r in stepping:
-                if not math.isfinite(weight_norms[r.index]):
-                    self._diverge(r, f"non-finite weights after step {r.step}")
+        planned = self.optimizer.planned_hyperparams(ids)
+        seq = tokens.shape[1]
 
-    def _norms(self, of_weights: bool = False) -> list[float]:
-        """Every adapter's L2 norm (gradient, or weights) over the whole model: one launch,
-        one all-reduce under TP, one host sync."""
+        def make() -> StepBuffers:
+            buffers = StepBuffers.allocate((tuple(ids), tuple(rows), seq), tokens, labels, planned, ids,
+                                           len(self.runs), self.device)
+            self.pm.state.set_batch(ids, [n * seq for n in rows], self.device)
+            buffers.keep.append(self.pm.state.meta)
+            return buffers
+
+        if graphed:
+            def body(b: StepBuffers) -> None:
+                self.pm.state.use(ids, b.keep[0])  # an eval since the last step may have cleared it
+                self._device_step(b, rows)
+
+            buffers = self.graphs.run((tuple(ids), tuple(rows), seq), make, (tokens, labels, planned), body)
+            self.pm.state.clear()
+        else:
+            buffers = make()
+            try:
+                self._device_step(buffers, rows)
+            finally:
+                self.pm.state.clear()
+        self._account(active, step, buffers.out.tolist())
+
+    def _device_step(self, b: StepBuffers, rows: list[int]) -> None:
+        """Forward, per-adapter losses, backward, norms, clipping and AdamW, all on the
+        device; results go to ``b.out``. An adapter whose loss is non-finite (or over
+        ``divergence_loss``) or whose gradient norm is non-finite does not step: its rows
+        of the batch are its own (attention, norms and the loss are per row; its LoRA
+        gradients are its own segment), so whatever it computes cannot reach another."""
+        self.bank.zero_grad()
+        logits = self.pm.model(b.tokens)
+        losses = torch.stack(per_adapter_loss(logits, b.labels, rows))
+        del logits
+        values = losses.detach().float()
+        if self.tp is not None:  # rank 0's losses: one divergence decision on every rank
+            self.tp.broadcast_(values)
+        ok = torch.isfinite(values)
+        if self.divergence_loss is not None:
+            ok &= values <= float(self.divergence_loss)
+        torch.where(ok, losses, torch.zeros_like(losses)).sum().backward()
+        if self.tp is not None:  # partial gradients of replicated LoRA tensors
+            self.tp.reduce_grads()
+        k = len(self.runs)
+        loss_k = torch.full((k,), float("nan"), dtype=torch.float32, device=values.device)
+        loss_k.index_copy_(0, b.active, values)
+        go = torch.zeros(k, dtype=torch.bool, device=values.device)
+        go.index_copy_(0, b.active, ok)
+        norms = self._sq_norms().sqrt()
+        go &= torch.isfinite(norms)
+        if self.grad_clip is not None:  # as torch's clip_grad_norm_, per adapter
+            coef = (float(self.grad_clip) / (norms + 1e-6)).clamp(max=1.0)
+        else:
+            coef = torch.ones_like(norms)
+        self.optimizer.step_where(b.planned, go, coef)
+        b.out[0].copy_(loss_k)
+        b.out[1].copy_(norms)
+        b.out[2].copy_(self._sq_norms(of_weights=True).sqrt())
+
+    def _account(self, active: list[AdapterRun], step: int, out: list[list[float]]) -> None:
+        """The host's books after a step, from what `_device_step` decided and reported."""
+        losses, norms, weight_norms = out
+        stepped = []
+        for r in active:
+            k = r.index
+            value = losses[k]
+            if not math.isfinite(value) or (self.divergence_loss is not None and value > float(self.divergence_loss)):
+                self._diverge(r, f"loss {value} at step {r.step}")
+                continue
+            r.losses.append(value)
+            if not math.isfinite(norms[k]):
+                self._diverge(r, f"gradient norm {norms[k]} at step {r.step}")
+                continue
+            self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": value,
+                       "lr": self.optimizer.lrs[k], "grad_norm": norms[k]})
+            stepped.append(r)
+        self.optimizer.count_steps([r.index for r in stepped])
+        for r in stepped:
+            r.step += 1
+            if not math.isfinite(weight_norms[r.index]):
+                self._diverge(r, f"non-finite weights after step {r.step}")
+
+    def _drop_graph(self) -> None:
+        if self.graphs is not None:
+            self.graphs.drop()
+
+    def _sq_norms(self, of_weights: bool = False) -> torch.Tensor:
+        """Every adapter's squared L2 norm (gradient, or weights) over the whole model: one
+        launch, one all-reduce under TP; a device tensor [K]."""
         sq = self.bank.sq_norms(of_weights)
         if self.tp is not None:
             self.tp.reduce_sq_norms(sq)
-        return sq.sqrt().tolist()
+        return sq
 
     # ---------------------------------------------------------- leaving the pack
     def _diverge(self, r: AdapterRun, reason: str) -> None:
@@ -289,6 +344,7 @@ class PackedLoRARecipe:
     def _finish(self, runs: list[AdapterRun], status: str) -> None:
         """Evaluate and save adapters leaving the pack (packed eval), then drop their state."""
         c = self.cfg
+        self._drop_graph()  # its memory, for the eval's activations
         metrics = evaluate_adapters(
             self.pm,
             [r.index for r in runs],
@@ -326,6 +382,7 @@ class PackedLoRARecipe:
         due = [r for r in stepped if r.active and r.step % int(every) == 0 and r.step < r.total_steps]
         if not due:
             return
+        self._drop_graph()  # its memory, for the eval's activations
         metrics = evaluate_adapters(
             self.pm, [r.index for r in due], self.eval_samples, self.eval_examples, self.tok,
             metrics=["loss"], max_new_tokens=1, max_seq_len=int(self.cfg.model.max_seq_len),
@@ -339,6 +396,7 @@ class PackedLoRARecipe:
                                     "time": round(time.time() - self.start_time, 4)}) + "\n")
 
     def _eval_base(self) -> None:
+        self._drop_graph()  # its memory, for the eval's activations
         metrics = evaluate_adapters(
             self.pm,
             [None],

@@ -1,0 +1,100 @@
+"""Steps replayed from CUDA graphs: when they are used, how batches are padded for them,
+and (on a GPU) that a job trained from graphs equals the same job trained eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import job_config
+from plora.data import Sample, collate
+from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.recipes.step_graph import ENV, WIDTH_MULTIPLE, graphs_wanted, padded_width
+
+CUDA = torch.device("cuda")
+
+
+def test_graphs_are_for_one_cuda_device_without_recomputation(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert not graphs_wanted("auto", torch.device("cpu"), tp=False, activation_checkpointing=False)
+    assert not graphs_wanted("on", torch.device("cpu"), tp=False, activation_checkpointing=False)
+    assert graphs_wanted(None, CUDA, tp=False, activation_checkpointing=False)
+    assert not graphs_wanted("auto", CUDA, tp=True, activation_checkpointing=False)
+    assert not graphs_wanted("auto", CUDA, tp=False, activation_checkpointing=True)
+    assert not graphs_wanted("off", CUDA, tp=False, activation_checkpointing=False)
+    monkeypatch.setenv(ENV, "0")
+    assert not graphs_wanted("on", CUDA, tp=False, activation_checkpointing=False)
+
+
+def test_a_bad_setting_names_the_field(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        graphs_wanted("sometimes", CUDA, tp=False, activation_checkpointing=False)
+
+
+def test_widths_fall_on_a_few_values_never_past_the_longest_allowed():
+    assert padded_width(1, 512) == WIDTH_MULTIPLE
+    assert padded_width(WIDTH_MULTIPLE, 512) == WIDTH_MULTIPLE
+    assert padded_width(WIDTH_MULTIPLE + 1, 512) == 2 * WIDTH_MULTIPLE
+    assert padded_width(500, 512) == 512
+    assert padded_width(40, 48) == 48
+    assert padded_width(60, 40) == 60  # never narrower than the batch
+
+
+def test_collate_pads_to_a_given_width_and_refuses_a_short_one():
+    samples = [Sample([5, 6, 7], [-100, 6, 7]), Sample([8, 9], [-100, 9])]
+    tokens, labels = collate(samples, pad_id=0, width=6)
+    assert tokens.shape == labels.shape == (2, 6)
+    assert tokens[1].tolist() == [8, 9, 0, 0, 0, 0] and labels[1].tolist() == [-100, 9, -100, -100, -100, -100]
+    with pytest.raises(ValueError, match="width 2"):
+        collate(samples, pad_id=0, width=2)
+
+
+ADAPTERS = [
+    dict(id="a", rank=4, alpha=8.0, learning_rate=3e-3, batch_size=2, seed=1, steps=9),
+    dict(id="b", rank=16, alpha=16.0, learning_rate=1e-3, batch_size=3, seed=2, steps=6),
+    dict(id="c", rank=40, alpha=40.0, learning_rate=2e-3, batch_size=1, seed=3, steps=12),
+]
+
+
+def _losses(job_dir) -> dict[tuple[str, int], float]:
+    import json
+
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    return {(r["adapter"], r["adapter_step"]): r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_path, monkeypatch):
+    """Adapters finish at different steps, so the job captures a graph per composition.
+
+    The kernels' float32 atomics make two GPU runs differ in the last bits even in one
+    mode, and AdamW's first steps turn a near-zero gradient's noise into a full ±lr move
+    of that element: so the check is the loss of every adapter at every step (a stale or
+    misplaced input would change those at once) and the weights in the mean."""
+    monkeypatch.delenv(ENV, raising=False)
+    weights, recipes, losses = {}, {}, {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        cfg = job_config(tiny_model, reverse_data, out, ADAPTERS, device="cuda")
+        cfg["training"] = dict(cfg["training"], cuda_graphs=mode)
+        recipe = PackedLoRARecipe(cfg)
+        summary = recipe.run()
+        assert set(summary["adapters"].values()) == {"done"}
+        recipes[mode] = recipe
+        losses[mode] = _losses(recipe.job_dir)
+        weights[mode] = {a["id"]: load_file(str(out / "adapters" / a["id"] / "adapter_model.safetensors"))
+                         for a in ADAPTERS}
+    graphs = recipes["on"].graphs
+    assert recipes["off"].graphs is None
+    assert graphs is not None and graphs.enabled and graphs.captures == 3
+    assert graphs.replays == 12 - 3  # 12 steps, 3 compositions: the first step of each runs eagerly
+    assert losses["on"].keys() == losses["off"].keys() and len(losses["on"]) == sum(a["steps"] for a in ADAPTERS)
+    for key, value in losses["off"].items():
+        assert losses["on"][key] == pytest.approx(value, rel=1e-4), key
+    for a in ADAPTERS:
+        for name, t in weights["off"][a["id"]].items():
+            diff = (t - weights["on"][a["id"]][name]).abs()
+            assert float(diff.mean()) <= 1e-3 * float(t.abs().mean()) + 1e-7, (a["id"], name)
