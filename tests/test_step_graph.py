@@ -40,6 +40,10 @@ def test_widths_fall_on_a_few_values_never_past_the_longest_allowed():
     assert padded_width(500, 512) == 512
     assert padded_width(40, 48) == 48
     assert padded_width(60, 40) == 60  # never narrower than the batch
+    # a held graph's width is kept while the batch fits in it, so the width only grows
+    assert padded_width(10, 512, held=256) == 256
+    assert padded_width(300, 512, held=256) == 320
+    assert padded_width(10, 512, held=None) == WIDTH_MULTIPLE
 
 
 def test_collate_pads_to_a_given_width_and_refuses_a_short_one():

@@ -234,7 +234,8 @@ class PackedLoRARecipe:
         width = None
         if graphed:
             longest = max(len(s.tokens) for s in samples)
-            width = padded_width(longest, max(longest, int(self.cfg.model.max_seq_len)))
+            width = padded_width(longest, max(longest, int(self.cfg.model.max_seq_len)),
+                                 held=self.graphs.held_width(ids, rows))
         tokens, labels = collate(samples, self.tok.pad_id, width=width)
         for r in active:
             lr = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)

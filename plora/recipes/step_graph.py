@@ -16,7 +16,7 @@ A graph is made for one *composition*: the active adapters, their row counts and
 padded width of the batch. The first step of a composition runs eagerly (on the stream
 the graph is captured on: it also builds the kernels' schedules, which the graph then
 reads), the second captures the graph and replays it, the following ones replay it. A new
-composition (an adapter left, a batch of another width) drops the graph first and gives
+composition (an adapter left, a batch wider than the graph's) drops the graph first and gives
 its memory back, so a job never holds two steps' activations at once.
 """
 
@@ -33,8 +33,8 @@ import torch
 #: ``training.cuda_graphs``: "auto" (on for one CUDA device without activation
 #: checkpointing), "on" or "off"; the environment variable overrides the config.
 ENV = "PLORA_CUDA_GRAPHS"
-#: the batch width is padded to a multiple of this in graph mode, so batches of real data
-#: (padded to their longest row) fall into a few compositions instead of one per step
+#: the batch width is padded to a multiple of this in graph mode (and never shrinks while
+#: a composition's graph is held: `padded_width`)
 WIDTH_MULTIPLE = 64
 
 
@@ -58,9 +58,13 @@ def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_ch
     return True
 
 
-def padded_width(width: int, max_width: int) -> int:
-    """The batch width in graph mode: rounded up to `WIDTH_MULTIPLE`, at most ``max_width``."""
-    return max(width, min(max_width, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
+def padded_width(width: int, max_width: int, held: int | None = None) -> int:
+    """The batch width in graph mode: rounded up to `WIDTH_MULTIPLE`, at most ``max_width``;
+    or ``held``, the width of the graph held for the same adapters and rows, when the batch
+    fits in it. A composition's width then only grows, so batches of real data (each padded
+    to its longest row) settle on one graph after a few captures instead of alternating."""
+    padded = max(width, min(max_width, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
+    return held if held is not None and held >= padded else padded
 
 
 @dataclass
@@ -117,6 +121,13 @@ class StepGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
         self.replays = 0
+
+    def held_width(self, adapters: Sequence[int], rows: Sequence[int]) -> int | None:
+        """The batch width of the graph held for these adapters and rows, if any."""
+        b = self._buffers
+        if b is None or b.key[:2] != (tuple(adapters), tuple(rows)):
+            return None
+        return int(b.key[2])
 
     def drop(self) -> None:
         """Forget the current composition and give its graph's memory back."""
