@@ -589,6 +589,21 @@ class SpaceConfig(_Model):
         return list(out)
 
 
+def cuda_graphs_setting(value: Any) -> Union[str, bool]:
+    """``training.cuda_graphs`` (or ``PLORA_CUDA_GRAPHS``) as "auto", True or False; YAML's
+    on/off arrive as booleans, the environment's as text."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text in ("on", "true", "yes", "1"):
+        return True
+    if text in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(f"expected auto, on or off, got {value!r}")
+
+
 class TrainingConfig(_Model):
     epochs: Optional[float] = Field(None, gt=0)  # defaults to 1 when steps is not given
     steps: Optional[int] = Field(None, ge=1)
@@ -605,16 +620,7 @@ class TrainingConfig(_Model):
     @field_validator("cuda_graphs", mode="before")
     @classmethod
     def _graphs(cls, v: Any) -> Union[str, bool]:
-        if isinstance(v, bool):
-            return v
-        text = str(v).strip().lower()
-        if text == "auto":
-            return "auto"
-        if text in ("on", "true", "yes", "1"):
-            return True
-        if text in ("off", "false", "no", "0"):
-            return False
-        raise ValueError(f"expected auto, on or off, got {v!r}")
+        return cuda_graphs_setting(v)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingConfig":

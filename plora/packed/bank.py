@@ -134,16 +134,16 @@ class PackedAdamW:
     def step(self, coefs: dict[int, float]) -> None:
         """Step the adapters in ``coefs`` (adapter -> gradient coefficient, 1 without
         clipping) at their learning rate in ``self.lrs``; every other adapter is left alone."""
-        b1, b2 = self.betas
-        table = {}
-        for k, coef in coefs.items():
-            self.steps[k] += 1
-            table[k] = (self.steps[k], self.lrs[k], self.weight_decay, b1, b2, self.eps, float(coef))
-        if not table:
+        if not coefs:
             return
-        bank = self.bank
-        hp = adamw_hyperparams(table, bank.num_adapters, bank.device)
-        segmented_adamw_(bank.weights, bank.grads, self.exp_avg, self.exp_avg_sq, bank.segments, hp)
+        ids = list(coefs)
+        device = self.bank.device
+        go = torch.zeros(self.bank.num_adapters, dtype=torch.bool)
+        coef = torch.zeros(self.bank.num_adapters, dtype=torch.float32)
+        go[ids] = True
+        coef[ids] = torch.tensor([float(c) for c in coefs.values()], dtype=torch.float32)
+        self.step_where(self.planned_hyperparams(ids).to(device), go.to(device), coef.to(device))
+        self.count_steps(ids)
 
     def state_views(self, k: int) -> list[torch.Tensor]:
         """Adapter k's pieces of both moments."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from plora.planner.baselines import _job, list_schedule
+from plora.planner.baselines import _job, list_schedule, makespan
 from plora.planner.lp_bound import ConfigurationLP, column_key
 from plora.planner.plan import Job
 from plora.planner.workload import Workload
@@ -79,13 +79,9 @@ def column_jobs(wl: Workload, lp: ConfigurationLP, *, also: Sequence[Job] = (), 
     if all(d == 1 for _, d in items) and wl.gpus > 1:
         balanced = balanced_one_gpu_jobs(wl.cost_model, items, wl.gpus, prefix=prefix,
                                          time_limit_s=min(time_limit_s, BALANCE_LIMIT_S))
-        if balanced is not None and _makespan(balanced) < _makespan(jobs) - 1e-9:
+        if balanced is not None and makespan(balanced) < makespan(jobs) - 1e-9:
             return balanced
     return jobs
-
-
-def _makespan(jobs: Sequence[Job]) -> float:
-    return max((j.end for j in jobs), default=0.0)
 
 
 def balanced_one_gpu_jobs(cm, items, gpus: int, *, prefix: str = "c", time_limit_s: float = 10.0) -> list[Job] | None:

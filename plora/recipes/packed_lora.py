@@ -249,12 +249,12 @@ class PackedLoRARecipe:
             buffers = StepBuffers.allocate((tuple(ids), tuple(rows), seq), tokens, labels, planned, ids,
                                            len(self.runs), self.device)
             self.pm.state.set_batch(ids, [n * seq for n in rows], self.device)
-            buffers.keep.append(self.pm.state.meta)
+            buffers.meta = self.pm.state.meta
             return buffers
 
         if graphed:
             def body(b: StepBuffers) -> None:
-                self.pm.state.use(ids, b.keep[0])  # an eval since the last step may have cleared it
+                self.pm.state.use(ids, b.meta)  # an eval since the last step may have cleared it
                 self._device_step(b, rows)
 
             buffers = self.graphs.run((tuple(ids), tuple(rows), seq), make, (tokens, labels, planned), body)
@@ -301,19 +301,23 @@ class PackedLoRARecipe:
         b.out[0].copy_(loss_k)
         b.out[1].copy_(norms)
         b.out[2].copy_(self._sq_norms(of_weights=True).sqrt())
+        b.out[3].zero_().index_copy_(0, b.active, ok.float())
+        b.out[4].copy_(go)
 
     def _account(self, active: list[AdapterRun], step: int, out: list[list[float]]) -> None:
-        """The host's books after a step, from what `_device_step` decided and reported."""
-        losses, norms, weight_norms = out
+        """The host's books after a step, from what `_device_step` decided and reported:
+        its decisions are read back, not made again, so the steps counted here are the
+        steps the device took."""
+        losses, norms, weight_norms, loss_ok, went = out
         stepped = []
         for r in active:
             k = r.index
             value = losses[k]
-            if not math.isfinite(value) or (self.divergence_loss is not None and value > float(self.divergence_loss)):
+            if not loss_ok[k]:
                 self._diverge(r, f"loss {value} at step {r.step}")
                 continue
             r.losses.append(value)
-            if not math.isfinite(norms[k]):
+            if not went[k]:
                 self._diverge(r, f"gradient norm {norms[k]} at step {r.step}")
                 continue
             self._log({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": value,

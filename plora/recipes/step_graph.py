@@ -25,10 +25,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from plora.spec import cuda_graphs_setting
 
 #: ``training.cuda_graphs``: "auto" (on for one CUDA device without activation
 #: checkpointing), "on" or "off"; the environment variable overrides the config.
@@ -45,13 +47,11 @@ def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_ch
     graph are not set up here) and activation checkpointing (recomputation saves and
     restores RNG state, which a capture does not allow).
     """
-    value = os.environ.get(ENV, setting if setting is not None else "auto")
-    value = str(value).strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return False
-    if value not in ("1", "on", "true", "yes", "auto"):
-        raise ValueError(f"cuda_graphs: expected auto, on or off, got {value!r}")
-    if device.type != "cuda":
+    try:
+        value = cuda_graphs_setting(os.environ.get(ENV, setting if setting is not None else "auto"))
+    except ValueError as e:
+        raise ValueError(f"cuda_graphs: {e}") from None
+    if value is False or device.type != "cuda":
         return False
     if value == "auto" and (tp or activation_checkpointing):
         return False
@@ -73,9 +73,11 @@ class StepBuffers:
 
     ``tokens``/``labels``: the batch; ``planned``: the optimizer table as if every active
     adapter stepped (`PackedAdamW.planned_hyperparams`); ``active``: the active adapters'
-    indices (int64, ascending); ``out``: what the step reports, (3, K) float32 — each
-    adapter's loss, gradient norm and weight norm after the update (NaN loss for an adapter
-    not in the batch). ``keep`` holds what the captured kernels read (the segment metadata).
+    indices (int64, ascending); ``out``: what the step reports, (5, K) float32 — each
+    adapter's loss, gradient norm, weight norm after the update, whether its loss was kept
+    (finite, under ``divergence_loss``) and whether it stepped (NaN loss and 0, 0 for an
+    adapter not in the batch). ``meta``: the segment metadata the captured kernels read,
+    kept alive with the graph.
     """
 
     key: tuple
@@ -84,7 +86,7 @@ class StepBuffers:
     planned: torch.Tensor
     active: torch.Tensor
     out: torch.Tensor
-    keep: list[Any] = field(default_factory=list)
+    meta: Any = None
 
     @classmethod
     def allocate(cls, key: tuple, tokens: torch.Tensor, labels: torch.Tensor, planned: torch.Tensor,
@@ -95,7 +97,7 @@ class StepBuffers:
             labels=labels.to(device),
             planned=planned.to(device),
             active=torch.tensor(list(active), dtype=torch.int64).to(device),
-            out=torch.zeros(3, num_adapters, dtype=torch.float32, device=device),
+            out=torch.zeros(5, num_adapters, dtype=torch.float32, device=device),
         )
 
     def fill(self, tokens: torch.Tensor, labels: torch.Tensor, planned: torch.Tensor) -> None:
