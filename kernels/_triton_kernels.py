@@ -136,19 +136,42 @@ def shrink_kernel(
 
 
 @triton.jit
+def _expand_tile(S, Y, w, t, hi, ts, so, offs_n, mn, stride_y,
+                 BT: tl.constexpr, RP: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+    """Y[t:t+BT, n-tile] (+)= S[t:t+BT, :] W-tile, rows past ``hi`` masked."""
+    ct = Y.dtype.element_ty
+    rows = tl.arange(0, BT)
+    offs_r = tl.arange(0, RP)
+    mt = rows < hi - t
+    y_ptrs = Y + t.to(tl.int64) * stride_y + (rows[:, None] * stride_y + offs_n[None, :])
+    m = mt[:, None] & mn[None, :]
+    s = tl.load(  # full RP-wide rows (the padding holds zeros): vector loads
+        S + (so + (t - ts).to(tl.int64) * RP) + (rows[:, None] * RP + offs_r[None, :]),
+        mask=mt[:, None], other=0.0,
+    ).to(ct)
+    acc = tl.zeros((BT, offs_n.shape[0]), dtype=tl.float32)
+    acc = _mm(s, w, acc, IEEE)
+    if ACCUM:
+        acc += tl.load(y_ptrs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(ct), mask=m)
+
+
+@triton.jit
 def expand_kernel(
     S, W, Y,
     seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets,
     N, stride_y, stride_w,
     BT: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
-    ACCUM: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
+    ACCUM: tl.constexpr, IEEE: tl.constexpr, YS: tl.constexpr,
 ):
     """Y[t, n-tile] (+)= S[t, :r] W[ro:ro+r, n-tile] over the tokens of one item.
 
     Forward: y += S' B. Backward: dx += dS A. The W tile is loaded once per program and
-    reused for every BT-token step; Y is read and written once, in place. PREFETCH issues
-    the load of the next Y tile before the current one is computed and stored, so a load
-    is always in flight (the compiler pipelines only loads that feed a dot).
+    reused for every BT-token step; Y is read and written once, in place. The compiler
+    pipelines by itself only the loads that feed a dot (S here), so Y's load would wait
+    out its whole latency every step: YS > 0 asks for a YS-stage software pipeline of the
+    token loop, which keeps YS - 1 tiles of Y in flight through shared memory (H200: the
+    expand went from 80% to 87% of copy bandwidth at rank 32, NOTES.md).
     """
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -162,35 +185,12 @@ def expand_kernel(
         W + ro.to(tl.int64) * stride_w + (offs_r[:, None] * stride_w + offs_n[None, :]),
         mask=mr[:, None] & mn[None, :], other=0.0,
     ).to(ct)
-    rows = tl.arange(0, BT)
-    y_next = tl.zeros((BT, BN), dtype=Y.dtype.element_ty)
-    if PREFETCH and ACCUM:
-        y_next = tl.load(
-            Y + lo.to(tl.int64) * stride_y + (rows[:, None] * stride_y + offs_n[None, :]),
-            mask=(rows < hi - lo)[:, None] & mn[None, :], other=0.0,
-        )
-    for i in range(0, tl.cdiv(hi - lo, BT)):
-        t = lo + i * BT
-        mt = rows < hi - t
-        y_ptrs = Y + t.to(tl.int64) * stride_y + (rows[:, None] * stride_y + offs_n[None, :])
-        m = mt[:, None] & mn[None, :]
-        y_cur = y_next
-        if PREFETCH and ACCUM:  # the next tile (fully masked past the end)
-            y_next = tl.load(
-                y_ptrs + BT * stride_y, mask=(rows < hi - t - BT)[:, None] & mn[None, :], other=0.0
-            )
-        s = tl.load(  # full RP-wide rows (the padding holds zeros): vector loads
-            S + (so + (t - ts).to(tl.int64) * RP) + (rows[:, None] * RP + offs_r[None, :]),
-            mask=mt[:, None], other=0.0,
-        ).to(ct)
-        acc = tl.zeros((BT, BN), dtype=tl.float32)
-        acc = _mm(s, w, acc, IEEE)
-        if ACCUM:
-            if PREFETCH:
-                acc += y_cur.to(tl.float32)
-            else:
-                acc += tl.load(y_ptrs, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(ct), mask=m)
+    if YS > 0:
+        for i in tl.range(0, tl.cdiv(hi - lo, BT), num_stages=YS):
+            _expand_tile(S, Y, w, lo + i * BT, hi, ts, so, offs_n, mn, stride_y, BT, RP, ACCUM, IEEE)
+    else:
+        for i in range(0, tl.cdiv(hi - lo, BT)):
+            _expand_tile(S, Y, w, lo + i * BT, hi, ts, so, offs_n, mn, stride_y, BT, RP, ACCUM, IEEE)
 
 
 @triton.jit

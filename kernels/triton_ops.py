@@ -73,7 +73,7 @@ class TileConfig:
     max_chunk: int = 0  # cap on tokens per program (0: whole segments when they fill the GPU)
     bt2: int = 64
     bh2: int = 128
-    prefetch: bool = False  # expand: keep the next tile's load in flight
+    ystages: int = 0  # expand: software-pipeline the token loop, Y's loads included (0: off)
 
 
 def _default_tiles(kind: str, rp: int) -> TileConfig:
@@ -94,30 +94,31 @@ def _t(bt, bh, warps, stages, waves, **kw) -> TileConfig:
     return TileConfig(bt=bt, bh=bh, warps=warps, stages=stages, waves=waves, **kw)
 
 
-#: Tiles per (kind, rank bucket): the fastest of a sweep on an H200 (bf16; hidden 2048 to
-#: 18944, K = 8 and 32; `scripts/bench_kernels.py --sweep`, NOTES.md). Buckets not listed
-#: (256) take `_default_tiles`.
+#: Tiles per (kind, rank bucket): of a sweep on an H200 (bf16; hidden 2048 to 18944, K = 8 and
+#: 32; `scripts/bench_kernels.py --sweep`, NOTES.md), per bucket the variant whose worst time
+#: over the swept shapes, relative to each shape's fastest, is least (or within 1% of it).
+#: Buckets not listed (256) take `_default_tiles`.
 TILES: dict[tuple[str, int], TileConfig] = {
-    ("shrink", 16): _t(32, 128, 4, 3, 2),
+    ("shrink", 16): _t(64, 128, 4, 3, 2),
     ("shrink", 32): _t(64, 64, 4, 4, 2),
     ("shrink", 64): _t(64, 128, 4, 3, 2),
     ("shrink", 128): _t(64, 64, 4, 4, 2),
-    ("expand", 16): _t(64, 128, 4, 3, 8),
-    ("expand", 32): _t(64, 256, 4, 3, 8),
-    ("expand", 64): _t(64, 128, 4, 3, 8),
-    ("expand", 128): _t(64, 128, 4, 3, 4),
-    ("wgrad", 16): _t(32, 256, 8, 3, 2),
+    ("expand", 16): _t(64, 64, 4, 3, 8, ystages=3),
+    ("expand", 32): _t(64, 128, 4, 3, 8, ystages=3),
+    ("expand", 64): _t(32, 128, 4, 3, 16, ystages=3),
+    ("expand", 128): _t(64, 64, 4, 3, 8, ystages=4),
+    ("wgrad", 16): _t(32, 128, 4, 3, 2),
     ("wgrad", 32): _t(64, 128, 4, 3, 2),
     ("wgrad", 64): _t(32, 128, 4, 3, 2),
-    ("wgrad", 128): _t(64, 128, 4, 3, 2),
+    ("wgrad", 128): _t(32, 64, 4, 4, 2),
     ("dy_fused", 16): _t(64, 256, 8, 3, 2),
     ("dy_fused", 32): _t(64, 512, 8, 3, 2),
     ("dy_fused", 64): _t(64, 256, 8, 3, 2),
     ("dy_fused", 128): _t(32, 128, 4, 3, 2),
-    ("dy_pair", 16): _t(64, 128, 4, 3, 4, bt2=64, bh2=128),
+    ("dy_pair", 16): _t(64, 64, 4, 4, 2, bt2=64, bh2=64),
     ("dy_pair", 32): _t(64, 128, 4, 3, 2, bt2=64, bh2=128),
     ("dy_pair", 64): _t(64, 128, 4, 3, 2, bt2=64, bh2=128),
-    ("dy_pair", 128): _t(128, 64, 8, 3, 2, bt2=64, bh2=128),
+    ("dy_pair", 128): _t(64, 64, 4, 4, 2, bt2=64, bh2=64),
 }
 #: dy side of the backward per rank bucket: "pair" (one launch, one pass over dy from
 #: memory), "split" (two launches, two passes) or "fused" (one pass, atomics). "pair" won
@@ -283,7 +284,7 @@ def _launch_expand(k, S, W, Y, meta, rp, plan, accumulate, ieee):
         S, W, Y, sched.seg, sched.lo, sched.hi,
         meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
         Y.shape[1], Y.stride(0), W.stride(0),
-        BT=cfg.bt, BN=cfg.bh, RP=rp, ACCUM=accumulate, PREFETCH=cfg.prefetch, IEEE=ieee,
+        BT=cfg.bt, BN=cfg.bh, RP=rp, ACCUM=accumulate, IEEE=ieee, YS=cfg.ystages,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
 
@@ -298,7 +299,7 @@ def expand_stage(S: torch.Tensor, W: torch.Tensor, meta: LoRAMeta, Y: torch.Tens
 #: Run the launches of different rank buckets on their own CUDA streams, so that one
 #: bucket's tail overlaps the others' work (a pack of mixed ranks is one launch per bucket
 #: and stage, each too small to fill the GPU to its end on its own).
-BUCKET_STREAMS = False  # correct on the GPU (tests), not yet timed there: off until it is
+BUCKET_STREAMS = True  # H200: mixed-rank packs 12-20% faster (NOTES.md)
 _STREAMS: dict[str, list] = {}
 
 
@@ -374,12 +375,23 @@ def _forward_plans(meta: LoRAMeta, d_in: int, d_out: int, sms: int):
 
 
 def lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRAMeta, y: torch.Tensor) -> torch.Tensor:
-    """Accumulate s_k (x_k A_kᵀ) B_k into ``y`` in place; return the packed S'."""
+    """Accumulate s_k (x_k A_kᵀ) B_k into ``y`` in place; return the packed S'.
+
+    S' is returned (and kept for the backward) in the compute dtype. When some shrink
+    splits the hidden dimension, its partial sums meet in a float32 buffer first, which is
+    cast once before anything reads it: S' is read again by every hidden tile of the
+    expand and of the backward's dB, so reading it in float32 would double that traffic.
+    """
     _check(x, A, meta)
     x, A, B = _rowmajor(x), _rowmajor(A), _rowmajor(B)
     k, sms, ieee = kernels_module(), _num_sms(x.device), x.dtype == torch.float32
     shrink, expand, atomic = _forward_plans(meta, x.shape[1], y.shape[1], sms)
     S = _low_rank_buffer(meta, atomic, x.dtype, x.device)
+    if atomic:
+        _each_bucket(meta, x.device, lambda rp: _launch_shrink(k, x, A, S, meta, rp, shrink[rp], ieee))
+        S = S.to(x.dtype)
+        _each_bucket(meta, x.device, lambda rp: _launch_expand(k, S, B, y, meta, rp, expand[rp], True, ieee))
+        return S
 
     def chain(rp: int) -> None:
         _launch_shrink(k, x, A, S, meta, rp, shrink[rp], ieee)
@@ -485,11 +497,18 @@ def lora_backward(
     gB = _GradBuffer(B, atomic_db, meta.has_empty_adapter)
     gA = _GradBuffer(A, atomic_da, meta.has_empty_adapter)
 
-    def chain(rp: int) -> None:
+    def dy_side(rp: int) -> None:
         _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee)
+
+    def x_side(rp: int) -> None:
         _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)
         if need_dx:
             _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee)
 
-    _each_bucket(meta, x.device, chain)
+    if atomic_ds:  # summed in float32: cast once, before both readers (as S' in the forward)
+        _each_bucket(meta, x.device, dy_side)
+        dS = dS.to(dy.dtype)
+        _each_bucket(meta, x.device, x_side)
+    else:
+        _each_bucket(meta, x.device, lambda rp: (dy_side(rp), x_side(rp)))
     return gA.result(), gB.result(), (dx if need_dx else None)

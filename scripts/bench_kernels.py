@@ -73,26 +73,38 @@ CHECK_CASES = [
 LAYER_SHAPES = [(3584, 32, "32"), (3584, 32, "mixed")]
 SWEEP_SHAPES = [
     (3584, 32, "8"), (3584, 32, "32"), (3584, 32, "64"), (3584, 32, "128"),
-    (18944, 32, "32"), (2048, 8, "128"), (3584, 8, "32"),
+    (18944, 32, "32"), (18944, 32, "128"), (2048, 8, "8"), (2048, 8, "128"), (3584, 8, "32"), (3584, 8, "128"),
 ]
 # (bt, bh, warps, stages, waves[, other TileConfig fields])
-PF = {"prefetch": True}
+
+
+def _ys(n: int) -> dict:
+    return {"ystages": n}
+
+
 SWEEP = {
     "shrink": [(64, 64, 4, 4, 2), (64, 128, 4, 3, 2), (64, 128, 8, 3, 2), (128, 64, 8, 3, 2), (32, 128, 4, 3, 2),
-               (64, 64, 4, 4, 4), (128, 64, 4, 4, 2), (128, 128, 8, 3, 2), (128, 64, 8, 4, 2), (64, 32, 4, 4, 2)],
+               (64, 64, 4, 4, 4), (128, 64, 4, 4, 2), (128, 128, 8, 3, 2), (128, 64, 8, 4, 2), (64, 32, 4, 4, 2),
+               (256, 32, 8, 4, 2), (256, 64, 8, 3, 2), (128, 32, 8, 4, 2), (64, 32, 4, 6, 2), (32, 64, 4, 4, 4),
+               (128, 64, 8, 3, 4)],
     "expand": [(64, 128, 4, 3, 8), (64, 256, 4, 3, 8), (32, 256, 4, 3, 8), (64, 128, 4, 3, 4), (128, 128, 8, 3, 4),
-               (64, 64, 4, 3, 8), (64, 256, 8, 3, 4), (64, 128, 4, 3, 8, PF), (64, 256, 4, 3, 8, PF),
-               (32, 256, 4, 3, 8, PF), (64, 128, 8, 3, 8, PF), (32, 128, 4, 3, 8, PF), (64, 64, 4, 3, 8, PF),
-               (128, 128, 8, 3, 4, PF)],
+               (64, 64, 4, 3, 8), (64, 256, 8, 3, 4), (64, 128, 4, 3, 8, _ys(3)), (64, 128, 4, 3, 8, _ys(2)),
+               (64, 64, 4, 3, 8, _ys(3)), (64, 64, 4, 3, 8, _ys(4)), (32, 128, 4, 3, 8, _ys(4)),
+               (64, 256, 8, 3, 4, _ys(2)), (128, 128, 8, 3, 4, _ys(2)), (32, 256, 4, 3, 8, _ys(3)),
+               (64, 128, 8, 3, 8, _ys(3)), (64, 128, 4, 3, 4, _ys(3)), (32, 128, 4, 3, 16, _ys(3))],
     "wgrad": [(64, 128, 4, 3, 2), (32, 128, 4, 3, 2), (32, 256, 8, 3, 2), (64, 128, 8, 3, 2), (64, 256, 8, 3, 2),
-              (64, 256, 8, 4, 2), (64, 512, 8, 3, 2), (64, 128, 4, 3, 8), (128, 128, 8, 3, 2)],
+              (64, 256, 8, 4, 2), (64, 512, 8, 3, 2), (64, 128, 4, 3, 8), (128, 128, 8, 3, 2), (64, 64, 4, 4, 2),
+              (128, 64, 8, 3, 2), (32, 64, 4, 4, 2), (64, 128, 4, 4, 2), (64, 64, 4, 4, 4), (128, 128, 8, 4, 2)],
     "dy_fused": [(64, 512, 8, 3, 2), (64, 256, 8, 3, 2)],
     "dy_pair": [(64, 128, 4, 3, 2, {"bt2": 64, "bh2": 128}), (32, 128, 4, 3, 2, {"bt2": 64, "bh2": 128}),
                 (128, 64, 8, 3, 2, {"bt2": 64, "bh2": 128}), (32, 64, 4, 4, 2, {"bt2": 32, "bh2": 128}),
                 (64, 128, 8, 3, 2, {"bt2": 64, "bh2": 256}), (64, 128, 4, 3, 2, {"bt2": 64, "bh2": 128, "max_chunk": 256}),
                 (32, 128, 4, 3, 2, {"bt2": 64, "bh2": 128, "max_chunk": 256}),
                 (64, 128, 4, 3, 2, {"bt2": 32, "bh2": 128, "max_chunk": 512}),
-                (128, 64, 8, 3, 2, {"bt2": 64, "bh2": 128, "max_chunk": 256})],
+                (128, 64, 8, 3, 2, {"bt2": 64, "bh2": 128, "max_chunk": 256}),
+                (256, 32, 8, 4, 2, {"bt2": 64, "bh2": 64}), (64, 64, 4, 4, 2, {"bt2": 64, "bh2": 64}),
+                (128, 64, 8, 3, 2, {"bt2": 64, "bh2": 64}), (128, 64, 8, 3, 2, {"bt2": 128, "bh2": 128}),
+                (128, 64, 8, 4, 2, {"bt2": 64, "bh2": 128})],
 }
 
 
@@ -109,16 +121,21 @@ def _extra(cfg) -> dict:
 
 
 def fits(kind: str, rp: int, cfg) -> bool:
-    """Skip tiles whose float32 accumulators alone would not fit in registers."""
-    bt, bh = cfg[0], cfg[1]
+    """Skip tiles whose float32 accumulators alone would take more than 128 registers a thread."""
+    bt, bh, warps = cfg[0], cfg[1], cfg[2]
+    per_thread = 128 * warps * 32
+
+    def ok(*elems: int) -> bool:
+        return all(e <= per_thread for e in elems)
+
     if kind == "shrink":
-        return bt * rp <= 16384
+        return ok(bt * rp)
     if kind == "expand":
-        return bt * bh <= 16384 and rp * bh <= 32768
+        return ok(bt * bh) and rp * bh <= 32768
     if kind == "dy_pair":
         e = _extra(cfg)
-        return bt * rp <= 16384 and rp * e["bh2"] <= 16384 and e["bt2"] * rp <= 16384
-    return rp * bh <= 16384 and bt * rp <= 16384
+        return ok(bt * rp, rp * e["bh2"], e["bt2"] * rp)
+    return ok(rp * bh, bt * rp)
 
 
 def tile(cfg) -> T.TileConfig:
@@ -502,8 +519,9 @@ def sweep(jobs: int, log, out: Path) -> dict:
 
 
 def pick_tiles(rows: list[dict], log) -> dict:
-    """Per (stage, bucket): the config with the least summed time over the swept shapes
-    (each shape's time normalized by its best), among variants that computed right."""
+    """Per (stage, bucket): among variants that computed right, the config whose worst time
+    over the swept shapes, relative to each shape's fastest, is least (a config that wins
+    the large shapes can lose the small ones by 2×: a sum hides that, the worst case not)."""
     good = [r for r in rows if "ms" in r and r.get("err", 1) < 2e-2]
     best: dict = {}
     for kind in SWEEP:
@@ -514,7 +532,7 @@ def pick_tiles(rows: list[dict], log) -> dict:
             score: dict = {}
             for r in rs:
                 score.setdefault(cfg_key(r["cfg"]), []).append(r["ms"] / mins[(r["hidden"], r["K"], r["ranks"])])
-            full = {c: sum(v) for c, v in score.items() if len(v) == len(shapes)}
+            full = {c: max(v) for c, v in score.items() if len(v) == len(shapes)}
             if full:
                 best[(kind, rp)] = min(full, key=full.get)
     # dy side per bucket, on the swept shapes: one launch (pair, fused) or shrink + wgrad
@@ -526,12 +544,15 @@ def pick_tiles(rows: list[dict], log) -> dict:
                  and (r["hidden"], r["K"], r["ranks"]) == s]
             return v[0] if v else math.inf
         shapes = {(r["hidden"], r["K"], r["ranks"]) for r in good if r["rp"] == rp}
-        t = {"fused": sum(tbest("dy_fused", s) for s in shapes),
-             "pair": sum(tbest("dy_pair", s) for s in shapes),
-             "split": sum(tbest("shrink", s) + tbest("wgrad", s) for s in shapes)}
-        dy_mode[rp] = min(t, key=t.get)
-        log(f"bucket {rp}: dy side " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items())
-            + f" (summed over {len(shapes)} shapes) -> {dy_mode[rp]}")
+        t = {"fused": [tbest("dy_fused", s) for s in sorted(shapes)],
+             "pair": [tbest("dy_pair", s) for s in sorted(shapes)],
+             "split": [tbest("shrink", s) + tbest("wgrad", s) for s in sorted(shapes)]}
+        fastest = [min(v[i] for v in t.values()) for i in range(len(shapes))]
+        worst = {m: max((x / f for x, f in zip(v, fastest) if math.isfinite(f)), default=math.inf)
+                 for m, v in t.items()}
+        dy_mode[rp] = min(worst, key=worst.get)
+        log(f"bucket {rp}: dy side, worst over {len(shapes)} shapes against the fastest mode: "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in worst.items()) + f" -> {dy_mode[rp]}")
     for (kind, rp), c in sorted(best.items()):
         log(f"best {kind:9s} rp={rp:3d}: {c}")
     return {"tiles": {f"{k}:{rp}": json.loads(c) for (k, rp), c in best.items()}, "dy_mode": dy_mode}
@@ -601,9 +622,52 @@ def diagnose(log, i: int) -> None:
             return
 
 
+def trace_rows(log, out: Path) -> None:
+    """Per table row: GPU time of each kernel of one fwd + bwd (torch.profiler, 5 calls),
+    against the op's CUDA-graph time: what each launch costs where the op is slow."""
+    rows = []
+    bw = copy_bandwidth()[0]
+    for h, k, rs in table_shapes():
+        p = Problem(h, k, rs)
+        f, b, fb = plora_fns(p)
+        total = t_graph(fb)
+        cuda = DEVICE == "cuda"
+        acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(5):
+                fb()
+            if cuda:
+                torch.cuda.synchronize()
+        per: dict = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA or not cuda:
+                name = e.name.split("(")[0][:40]
+                n, us = per.get(name, (0, 0.0))
+                per[name] = (n + 1, us + (e.device_time if cuda else e.cpu_time))
+        busy = sum(us for _, us in per.values()) / 5
+        parts = sorted(((us / 5, n / 5, name) for name, (n, us) in per.items()), reverse=True)
+        row = {"hidden": h, "K": k, "ranks": rs, "graph_us": total * 1e3, "kernels_us": busy,
+               "floor_us": p.floor_bytes() / bw * 1e6,
+               "kernels": [{"name": nm, "per_call": c, "us": u} for u, c, nm in parts],
+               "s_atomic": any(pl[2] > 1 for pl in [T._plan(p.meta, "shrink", rp, h, T._num_sms(p.x.device))
+                                                    for rp in p.meta.buckets])}
+        rows.append(row)
+        log(f"trace {h} {k} {rs}: graph {total * 1e3:.0f} us, floor {row['floor_us']:.0f} us, kernels {busy:.0f} us: "
+            + ", ".join(f"{nm} {u:.0f}us x{c:g}" for u, c, nm in parts))
+        del p, f, b, fb
+        if cuda:
+            torch.cuda.empty_cache()
+    (out / "trace.json").write_text(json.dumps(rows, indent=1))
+
+
 def table_shapes() -> list[tuple]:
     shapes = [(h, k, rs) for h in HIDDEN for k in KS for rs in RANK_SETS]
-    return shapes + [(h, 32, "31x8+1x128") for h in HIDDEN if 32 in KS]
+    shapes += [(h, 32, "31x8+1x128") for h in HIDDEN if 32 in KS]
+    only = os.environ.get("PLORA_BENCH_ONLY")  # "h:K:ranks,...", any field may be "*"
+    if only:
+        pats = [tuple(p.split(":")) for p in only.split(",") if p]
+        shapes = [s for s in shapes if any(all(f in ("*", str(v)) for f, v in zip(pat, s)) for pat in pats)]
+    return shapes
 
 
 def layer_rows(log) -> list[dict]:
@@ -684,11 +748,15 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in Triton's interpreter")
+    ap.add_argument("--trace", action="store_true", help="per-kernel GPU times of the table rows (no table)")
+    ap.add_argument("--only", help="table rows to run: comma-separated hidden:K:ranks patterns, '*' matches any")
     ap.add_argument("--child", choices=["check", "table", "diagnose"], help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.smoke:
         smoke()
+    if args.only:
+        os.environ["PLORA_BENCH_ONLY"] = args.only  # children inherit it
     args.out.mkdir(parents=True, exist_ok=True)
     logf = open(args.out / "log.txt", "a")
 
@@ -699,6 +767,8 @@ def main() -> None:
 
     if args.tiles and args.tiles.exists():
         apply_tiles(json.loads(args.tiles.read_text()))
+    if args.trace:
+        return trace_rows(log, args.out)
     if args.child == "check":
         result = {"check": check_bf16(log), "layer": layer_rows(log)}
         (args.out / "check.json").write_text(json.dumps(result, indent=1))

@@ -8,9 +8,6 @@ float64 autograd through the plain formula, so it checks the torch reference too
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton decides how to build kernels
-
 import random
 
 import pytest
@@ -26,11 +23,13 @@ pytest.importorskip("triton")
 # with atomics show up at the tiny sizes the interpreter can afford.
 SMALL_TILES = {
     "shrink": {"bt": 16, "bh": 32},
-    "expand": {"bt": 16, "bh": 16, "max_chunk": 32, "prefetch": True},
+    "expand": {"bt": 16, "bh": 16, "max_chunk": 32},
     "wgrad": {"bt": 16, "bh": 32, "max_chunk": 16},
     "dy_fused": {"bt": 16, "bh": 16, "max_chunk": 16},
     "dy_pair": {"bt": 16, "bh": 32, "bt2": 16, "bh2": 16, "max_chunk": 16},
 }
+# The same, with the expand's token loop software-pipelined (its Y loads in flight ahead).
+PIPELINED_TILES = {**SMALL_TILES, "expand": {"bt": 16, "bh": 16, "max_chunk": 48, "ystages": 3}}
 TOL = {torch.float32: 2e-5, torch.float16: 6e-3, torch.bfloat16: 3e-2}
 
 
@@ -136,6 +135,7 @@ F32, F16 = torch.float32, torch.float16
         (F32, SMALL_TILES, "fused"),
         (F32, SMALL_TILES, "split"),
         (F16, SMALL_TILES, "pair"),
+        (F32, PIPELINED_TILES, "pair"),
     ],
 )
 def test_triton_matches_oracle(triton_cpu, dtype, tiles, dy_mode):
@@ -268,8 +268,10 @@ def test_meta_layout_and_validation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dy_mode", ["split", "fused", "pair"])
-def test_gpu_bf16(dy_mode, monkeypatch):
+@pytest.mark.parametrize("dy_mode,streams", [("split", True), ("fused", True), ("pair", True), ("pair", False)])
+def test_gpu_bf16(dy_mode, streams, monkeypatch):
+    """Compiled kernels in bf16; rank buckets on their own streams (the default) or on one."""
+    monkeypatch.setattr(triton_ops, "BUCKET_STREAMS", streams)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("PLORA_KERNELS", raising=False)
     rng = _rng()

@@ -7,9 +7,6 @@ test runs them compiled in bf16.
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import random
 
 import pytest
