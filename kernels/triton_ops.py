@@ -299,7 +299,7 @@ def expand_stage(S: torch.Tensor, W: torch.Tensor, meta: LoRAMeta, Y: torch.Tens
 #: Run the launches of different rank buckets on their own CUDA streams, so that one
 #: bucket's tail overlaps the others' work (a pack of mixed ranks is one launch per bucket
 #: and stage, each too small to fill the GPU to its end on its own).
-BUCKET_STREAMS = True  # H200: mixed-rank packs 12-20% faster (NOTES.md)
+BUCKET_STREAMS = True  # H200: mixed-rank packs 1.11-1.41x faster than on one stream (NOTES.md)
 _STREAMS: dict[str, list] = {}
 
 
@@ -354,6 +354,24 @@ def wgrad_stage(P: torch.Tensor, X: torch.Tensor, meta: LoRAMeta, like: torch.Te
     return g.result()
 
 
+def _write_then_read(meta: LoRAMeta, device: torch.device, buf: torch.Tensor, dtype: torch.dtype, write, read):
+    """``write(rp)`` fills a packed low-rank buffer (S' or dS) for every bucket, then
+    ``read(rp, buf)`` uses it; returns the buffer as read.
+
+    Each bucket writes and reads only its own rows, so a bucket's write and read go in one
+    chain. A buffer summed atomically in float32 is instead written for every bucket, cast
+    once to the compute dtype, and then read: its readers re-read it once per hidden tile,
+    and in float32 that traffic doubles.
+    """
+    if buf.dtype == dtype:
+        _each_bucket(meta, device, lambda rp: (write(rp), read(rp, buf)))
+        return buf
+    _each_bucket(meta, device, write)
+    buf = buf.to(dtype)
+    _each_bucket(meta, device, lambda rp: read(rp, buf))
+    return buf
+
+
 def _cached(meta: LoRAMeta, key: tuple, build):
     """A per-step plan of one op and layer shape, built once and reused by every layer of
     that shape (the host side of ~170 layers a step is what a small pack waits for)."""
@@ -377,28 +395,19 @@ def _forward_plans(meta: LoRAMeta, d_in: int, d_out: int, sms: int):
 def lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRAMeta, y: torch.Tensor) -> torch.Tensor:
     """Accumulate s_k (x_k A_kᵀ) B_k into ``y`` in place; return the packed S'.
 
-    S' is returned (and kept for the backward) in the compute dtype. When some shrink
-    splits the hidden dimension, its partial sums meet in a float32 buffer first, which is
-    cast once before anything reads it: S' is read again by every hidden tile of the
-    expand and of the backward's dB, so reading it in float32 would double that traffic.
+    S' is returned (and kept for the backward) in the compute dtype, even when some shrink
+    splits the hidden dimension and sums its parts in float32 (`_write_then_read`).
     """
     _check(x, A, meta)
     x, A, B = _rowmajor(x), _rowmajor(A), _rowmajor(B)
     k, sms, ieee = kernels_module(), _num_sms(x.device), x.dtype == torch.float32
     shrink, expand, atomic = _forward_plans(meta, x.shape[1], y.shape[1], sms)
     S = _low_rank_buffer(meta, atomic, x.dtype, x.device)
-    if atomic:
-        _each_bucket(meta, x.device, lambda rp: _launch_shrink(k, x, A, S, meta, rp, shrink[rp], ieee))
-        S = S.to(x.dtype)
-        _each_bucket(meta, x.device, lambda rp: _launch_expand(k, S, B, y, meta, rp, expand[rp], True, ieee))
-        return S
-
-    def chain(rp: int) -> None:
-        _launch_shrink(k, x, A, S, meta, rp, shrink[rp], ieee)
-        _launch_expand(k, S, B, y, meta, rp, expand[rp], True, ieee)
-
-    _each_bucket(meta, x.device, chain)
-    return S
+    return _write_then_read(
+        meta, x.device, S, x.dtype,
+        lambda rp: _launch_shrink(k, x, A, S, meta, rp, shrink[rp], ieee),
+        lambda rp, S: _launch_expand(k, S, B, y, meta, rp, expand[rp], True, ieee),
+    )
 
 
 _DY_KINDS = {"fused": "dy_fused", "pair": "dy_pair", "split": "wgrad"}
@@ -497,18 +506,14 @@ def lora_backward(
     gB = _GradBuffer(B, atomic_db, meta.has_empty_adapter)
     gA = _GradBuffer(A, atomic_da, meta.has_empty_adapter)
 
-    def dy_side(rp: int) -> None:
-        _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee)
-
-    def x_side(rp: int) -> None:
+    def x_side(rp: int, dS: torch.Tensor) -> None:
         _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)
         if need_dx:
             _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee)
 
-    if atomic_ds:  # summed in float32: cast once, before both readers (as S' in the forward)
-        _each_bucket(meta, x.device, dy_side)
-        dS = dS.to(dy.dtype)
-        _each_bucket(meta, x.device, x_side)
-    else:
-        _each_bucket(meta, x.device, lambda rp: (dy_side(rp), x_side(rp)))
+    _write_then_read(
+        meta, x.device, dS, dy.dtype,
+        lambda rp: _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee),
+        x_side,
+    )
     return gA.result(), gB.result(), (dx if need_dx else None)

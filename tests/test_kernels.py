@@ -160,6 +160,24 @@ def test_triton_lora_x_and_uncovered_rows(triton_cpu, dtype):
     _compare(got, _oracle(ts, tokens, ranks, scales, use_lora_x=True), TOL[dtype], "lora_x")
 
 
+@pytest.mark.parametrize("dy_mode", ["pair", "split"])
+def test_low_rank_buffers_summed_in_float32_are_kept_in_the_compute_dtype(triton_cpu, dy_mode):
+    """A shrink that splits the hidden dimension sums S' (and, on the dy side, dS) in
+    float32; the op casts it once, so S' is kept and dS read in float16, and results hold."""
+    rng = _rng()
+    tokens, ranks = [0, 1, 37, 5], [8, 128, 100, 1]
+    scales = [rng.uniform(0.25, 4.0) for _ in ranks]
+    d_in, d_out = 200 + rng.randint(0, 40), 200 + rng.randint(0, 40)  # several hidden tiles to split
+    meta = build_lora_meta(tokens, ranks, scales, "cpu")
+    ts = _tensors(rng, tokens, ranks, d_in, d_out, F16)
+    with triton_ops.tile_overrides({"shrink": {"bt": 16, "bh": 32}}, dy_mode=dy_mode):
+        assert triton_ops._forward_plans(meta, d_in, d_out, triton_ops._num_sms(ts["x"].device))[2]
+        S = triton_ops.lora_forward(ts["x"], ts["A"], ts["B"], meta, ts["x"].new_zeros(ts["x"].shape[0], d_out))
+        got = _run(ts, meta, "triton")
+    assert S.dtype == F16
+    _compare(got, _oracle(ts, tokens, ranks, scales), TOL[F16], f"{dy_mode} {d_in}x{d_out}")
+
+
 def test_reference_matches_oracle():
     rng = _rng()
     tokens, ranks, scales, d_in, d_out = _problem(rng)
