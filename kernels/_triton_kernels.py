@@ -162,7 +162,7 @@ def expand_kernel(
     seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets,
     N, stride_y, stride_w,
     BT: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
-    ACCUM: tl.constexpr, IEEE: tl.constexpr, YS: tl.constexpr,
+    ACCUM: tl.constexpr, IEEE: tl.constexpr, YS: tl.constexpr, HFIRST: tl.constexpr = False,
 ):
     """Y[t, n-tile] (+)= S[t, :r] W[ro:ro+r, n-tile] over the tokens of one item.
 
@@ -173,8 +173,12 @@ def expand_kernel(
     token loop, which keeps YS - 1 tiles of Y in flight through shared memory (H200: the
     expand went from 80% to 87% of copy bandwidth at rank 32, NOTES.md).
     """
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if HFIRST:  # neighbouring programs cover one token range across the hidden tiles
+        pid = tl.program_id(1)
+        pid_n = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        pid_n = tl.program_id(1)
     seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
     ct = Y.dtype.element_ty
     offs_r = tl.arange(0, RP)
@@ -287,3 +291,87 @@ def dy_fused_kernel(
         tl.atomic_add(db_ptrs, acc, mask=m, sem="relaxed")
     else:
         tl.store(db_ptrs, acc.to(DB.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def dy_band_kernel(
+    DY, SP, B, P, DB,
+    seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets, scales,
+    N, stride_dy, stride_b, stride_db, stride_p,
+    BT: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+    ATOMIC: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TACC: tl.constexpr = False,
+):
+    """Both products of dy from one read of it, in bands of BN output columns.
+
+    A program walks the tokens of one item over one band: dB for the band, S'ᵀ dy, is
+    summed over those tokens in registers (complete when the item is a whole segment), and
+    each step's s·dy Bᵀ over the band is that band's part of dS, stored in float32 to the
+    band's plane of P (``band_sum_kernel`` adds the planes). The planes cost 2·RP/BN of dy's
+    bytes each way, against a second pass over dy for the two-program "pair" schedule,
+    whose second read of a dy tile misses L2 once many segments are in flight.
+    """
+    pid = tl.program_id(0)
+    band = tl.program_id(1)
+    seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
+    scale = tl.load(scales + seg)
+    ct = DY.dtype.element_ty
+    offs_r = tl.arange(0, RP)
+    mr = offs_r < r
+    offs_n = band * BN + tl.arange(0, BN)
+    mn = offs_n < N
+    bt = tl.load(
+        B + ro.to(tl.int64) * stride_b + (offs_r[None, :] * stride_b + offs_n[:, None]),
+        mask=mr[None, :] & mn[:, None], other=0.0,
+    ).to(ct)
+    p_band = P + band.to(tl.int64) * stride_p
+    if TACC:  # dBᵀ (BN × RP): the band is the product's long side (warp-group MMA shapes)
+        acc = tl.zeros((BN, RP), dtype=tl.float32)
+    else:
+        acc = tl.zeros((RP, BN), dtype=tl.float32)
+    rows = tl.arange(0, BT)
+    for i in range(0, tl.cdiv(hi - lo, BT)):
+        t = lo + i * BT
+        mt = rows < hi - t
+        s_off = (so + (t - ts).to(tl.int64) * RP) + (rows[:, None] * RP + offs_r[None, :])
+        sp = tl.load(SP + s_off, mask=mt[:, None], other=0.0).to(ct)
+        dy_ptrs = DY + t.to(tl.int64) * stride_dy + (rows[:, None] * stride_dy + offs_n[None, :])
+        if EVEN_N:
+            dy = tl.load(dy_ptrs, mask=mt[:, None], other=0.0)
+        else:
+            dy = tl.load(dy_ptrs, mask=mt[:, None] & mn[None, :], other=0.0)
+        if TACC:
+            acc = _mm(tl.trans(dy), sp, acc, IEEE)
+        else:
+            acc = _mm(tl.trans(sp), dy, acc, IEEE)
+        part = tl.zeros((BT, RP), dtype=tl.float32)
+        part = _mm(dy, bt, part, IEEE) * scale
+        tl.store(p_band + s_off, part, mask=mt[:, None])
+    if TACC:
+        db_ptrs = DB + ro.to(tl.int64) * stride_db + (offs_r[None, :] * stride_db + offs_n[:, None])
+        m = mr[None, :] & mn[:, None]
+    else:
+        db_ptrs = DB + ro.to(tl.int64) * stride_db + (offs_r[:, None] * stride_db + offs_n[None, :])
+        m = mr[:, None] & mn[None, :]
+    if ATOMIC:
+        tl.atomic_add(db_ptrs, acc, mask=m, sem="relaxed")
+    else:
+        tl.store(db_ptrs, acc.to(DB.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def band_sum_kernel(
+    P, DS, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets, bands, stride_p,
+    BT: tl.constexpr, RP: tl.constexpr,
+):
+    """dS[item rows] = Σ over the bands of P (float32 sums, stored in dS's dtype)."""
+    pid = tl.program_id(0)
+    seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
+    rows = tl.arange(0, BT)
+    offs = (so + (lo - ts).to(tl.int64) * RP) + (rows[:, None] * RP + tl.arange(0, RP)[None, :])
+    m = (rows < hi - lo)[:, None]
+    acc = tl.zeros((BT, RP), dtype=tl.float32)
+    p_ptrs = P + offs
+    for _ in range(0, bands):
+        acc += tl.load(p_ptrs, mask=m, other=0.0)
+        p_ptrs += stride_p
+    tl.store(DS + offs, acc.to(DS.dtype.element_ty), mask=m)

@@ -9,7 +9,10 @@ rank bucket (`DY_MODE`):
 - "pair": one launch whose programs compute either dS or dB, scheduled so that both
   read each row of dy at about the same time, so the second read mostly hits L2;
 - "split": a shrink and a weight-gradient launch, two full reads of dy;
-- "fused": each dy tile gives its dB part and adds its dS partial atomically.
+- "fused": each dy tile gives its dB part and adds its dS partial atomically;
+- "band": one read of dy; a program walks a whole segment over a band of output
+  columns, so dB is complete in it, and stores the band's partial dS in float32 for a
+  small launch to sum (ranks up to 32: the partials cost 2·rank/band of dy's bytes).
 
 Tile sizes come from `TILES` (chosen on an H100/H200, see NOTES.md) and can be overridden
 with `tile_overrides` (benchmarks, tests). How many token rows one program walks (its
@@ -74,6 +77,8 @@ class TileConfig:
     bt2: int = 64
     bh2: int = 128
     ystages: int = 0  # expand: software-pipeline the token loop, Y's loads included (0: off)
+    hfirst: bool = False  # expand: grid's first axis over hidden tiles (launch order by token range)
+    tacc: bool = False  # dy band: accumulate dBᵀ (band × rank) instead of dB
 
 
 def _default_tiles(kind: str, rp: int) -> TileConfig:
@@ -84,6 +89,8 @@ def _default_tiles(kind: str, rp: int) -> TileConfig:
         return TileConfig(bt=64, bh=64 if rp >= 256 else 128, warps=8 if big else 4, stages=3, waves=4.0)
     if kind in ("wgrad", "dy_fused"):
         return TileConfig(bt=32 if rp >= 256 else 64, bh=64 if big else 128, warps=8 if rp >= 64 else 4, stages=3)
+    if kind == "dy_band":  # waves: fall back to "pair" below waves × SMs programs
+        return TileConfig(bt=32, bh=512 if rp <= 32 else 128, warps=8, stages=3, waves=1.0)
     if kind == "dy_pair":
         return TileConfig(bt=64, bh=64 if big else 128, bt2=32 if rp >= 256 else 64, bh2=64 if big else 128,
                           warps=8 if rp >= 64 else 4, stages=3)
@@ -94,19 +101,20 @@ def _t(bt, bh, warps, stages, waves, **kw) -> TileConfig:
     return TileConfig(bt=bt, bh=bh, warps=warps, stages=stages, waves=waves, **kw)
 
 
-#: Tiles per (kind, rank bucket): of a sweep on an H200 (bf16; hidden 2048 to 18944, K = 8 and
+#: Tiles per (kind, rank bucket): of sweeps on an H200 (bf16; hidden 2048 to 18944, K = 8 and
 #: 32; `scripts/bench_kernels.py --sweep`, NOTES.md), per bucket the variant whose worst time
-#: over the swept shapes, relative to each shape's fastest, is least (or within 1% of it).
+#: over the swept shapes, relative to each shape's fastest, is least (or within 1% of it);
+#: `TILES_LARGE` likewise over the shapes past `LARGE_ELEMS`, where it wins there.
 #: Buckets not listed (256) take `_default_tiles`.
 TILES: dict[tuple[str, int], TileConfig] = {
     ("shrink", 16): _t(64, 128, 4, 3, 2),
     ("shrink", 32): _t(64, 64, 4, 4, 2),
     ("shrink", 64): _t(64, 128, 4, 3, 2),
     ("shrink", 128): _t(64, 64, 4, 4, 2),
-    ("expand", 16): _t(64, 64, 4, 3, 8, ystages=3),
-    ("expand", 32): _t(64, 128, 4, 3, 8, ystages=3),
-    ("expand", 64): _t(32, 128, 4, 3, 16, ystages=3),
-    ("expand", 128): _t(64, 64, 4, 3, 8, ystages=4),
+    ("expand", 16): _t(64, 64, 4, 3, 8, ystages=3, hfirst=True),
+    ("expand", 32): _t(64, 64, 4, 3, 8, ystages=3, hfirst=True),
+    ("expand", 64): _t(32, 128, 4, 3, 16, ystages=3, hfirst=True),
+    ("expand", 128): _t(64, 64, 4, 3, 8, ystages=4, hfirst=True),
     ("wgrad", 16): _t(32, 128, 4, 3, 2),
     ("wgrad", 32): _t(64, 128, 4, 3, 2),
     ("wgrad", 64): _t(32, 128, 4, 3, 2),
@@ -115,15 +123,23 @@ TILES: dict[tuple[str, int], TileConfig] = {
     ("dy_fused", 32): _t(64, 512, 8, 3, 2),
     ("dy_fused", 64): _t(64, 256, 8, 3, 2),
     ("dy_fused", 128): _t(32, 128, 4, 3, 2),
-    ("dy_pair", 16): _t(64, 64, 4, 4, 2, bt2=64, bh2=64),
+    ("dy_pair", 16): _t(32, 128, 4, 3, 2, bt2=64, bh2=128),
     ("dy_pair", 32): _t(64, 128, 4, 3, 2, bt2=64, bh2=128),
     ("dy_pair", 64): _t(64, 128, 4, 3, 2, bt2=64, bh2=128),
     ("dy_pair", 128): _t(64, 64, 4, 4, 2, bt2=64, bh2=64),
+    # waves: "band" needs that many waves of programs, or the bucket goes to "pair"
+    ("dy_band", 16): _t(64, 512, 4, 3, 1, tacc=True),
+    ("dy_band", 32): _t(64, 512, 8, 2, 4, tacc=True),
 }
-#: dy side of the backward per rank bucket: "pair" (one launch, one pass over dy from
-#: memory), "split" (two launches, two passes) or "fused" (one pass, atomics). "pair" won
-#: the sweep for every bucket (NOTES.md).
-DY_MODE: dict[int, str] = {}
+TILES_LARGE: dict[tuple[str, int], TileConfig] = {
+    ("expand", 16): _t(32, 128, 4, 3, 16, ystages=3, hfirst=True),
+    ("expand", 32): _t(64, 128, 4, 3, 16, ystages=3, hfirst=True),
+    ("dy_pair", 128): _t(64, 128, 8, 3, 2, bt2=64, bh2=256),
+}
+#: dy side of the backward per rank bucket: "band" (one pass over dy, float32 partial dS
+#: per band), "pair" (one launch, the second read of dy partly from L2), "split" (two
+#: launches, two passes) or "fused" (one pass, atomics). Buckets not listed take "pair".
+DY_MODE: dict[int, str] = {16: "band", 32: "band"}
 _DEFAULT_DY_MODE = "pair"
 
 _OVERRIDES: list[dict] = []
@@ -142,8 +158,15 @@ def tile_overrides(tiles: dict | None = None, dy_mode: str | None = None):
         _OVERRIDES.pop()
 
 
-def tiles_for(kind: str, rp: int) -> TileConfig:
-    cfg = TILES.get((kind, rp)) or _default_tiles(kind, rp)
+#: Launches over more than this many elements (bucket tokens × hidden size) take
+#: `TILES_LARGE` where it has an entry: the best tile of a big launch (many programs per
+#: SM slot, long streams) is not that of a small one (few programs, ramp and tail).
+LARGE_ELEMS = 1 << 26
+
+
+def tiles_for(kind: str, rp: int, elems: int = 0) -> TileConfig:
+    """Tiles of one launch of ``kind`` for bucket ``rp`` over ``elems`` elements."""
+    cfg = (elems > LARGE_ELEMS and TILES_LARGE.get((kind, rp))) or TILES.get((kind, rp)) or _default_tiles(kind, rp)
     for ov in _OVERRIDES:
         for key in (kind, (kind, rp)):
             if key in ov["tiles"]:
@@ -209,12 +232,12 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
 
 def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
     """Tiles, schedule and grid of one launch; cached in the meta (once per step and shape)."""
-    key = ("plan", kind, rp, d, TILES.get((kind, rp)))
+    cfg = tiles_for(kind, rp, sum(meta.bucket_tokens(rp)) * d)
+    key = ("plan", kind, rp, d, cfg)
     if not _OVERRIDES:
         hit = meta._schedules.get(key)
         if hit is not None:
             return hit
-    cfg = tiles_for(kind, rp)
     blocks = _cdiv(d, cfg.bh)
     if kind == "shrink":  # one BT-token tile per program; split the hidden dim to fill the GPU
         sched = meta.schedule(rp, cfg.bt)
@@ -228,6 +251,13 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
         ct = _chunk_tokens(lengths, blocks2, replace(cfg, bt=cfg.bt2, waves=max(cfg.waves * sms - n_s, 0) / sms), sms)
         sched = meta.pair_schedule(rp, cfg.bt, ct, blocks2)
         plan = (cfg, sched, blocks2, 0)
+    elif kind == "dy_band":  # whole segments (dB complete in one program), one band each
+        lengths = meta.bucket_tokens(rp)
+        ct = _cdiv(max(lengths, default=1), cfg.bt) * cfg.bt
+        if cfg.max_chunk:
+            ct = min(ct, max(cfg.bt, cfg.max_chunk // cfg.bt * cfg.bt))
+        sched = meta.schedule(rp, ct)
+        plan = (cfg, sched, blocks, meta.schedule(rp, BAND_SUM_TOKENS))
     else:  # chunks of tokens per program, one hidden tile each
         sched = meta.schedule(rp, _chunk_tokens(meta.bucket_tokens(rp), blocks, cfg, sms))
         plan = (cfg, sched, blocks, 0)
@@ -279,14 +309,18 @@ def shrink_stage(X: torch.Tensor, W: torch.Tensor, meta: LoRAMeta) -> torch.Tens
 
 def _launch_expand(k, S, W, Y, meta, rp, plan, accumulate, ieee):
     cfg, sched, blocks, _ = plan
+    hfirst = cfg.hfirst and sched.n <= _MAX_GRID_Y
     _launch(
-        k.expand_kernel, (sched.n, blocks),
+        k.expand_kernel, (blocks, sched.n) if hfirst else (sched.n, blocks),
         S, W, Y, sched.seg, sched.lo, sched.hi,
         meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
         Y.shape[1], Y.stride(0), W.stride(0),
-        BT=cfg.bt, BN=cfg.bh, RP=rp, ACCUM=accumulate, IEEE=ieee, YS=cfg.ystages,
+        BT=cfg.bt, BN=cfg.bh, RP=rp, ACCUM=accumulate, IEEE=ieee, YS=cfg.ystages, HFIRST=hfirst,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
+
+
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def expand_stage(S: torch.Tensor, W: torch.Tensor, meta: LoRAMeta, Y: torch.Tensor, accumulate: bool = True) -> None:
@@ -410,11 +444,35 @@ def lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRAMe
     )
 
 
-_DY_KINDS = {"fused": "dy_fused", "pair": "dy_pair", "split": "wgrad"}
+_DY_KINDS = {"fused": "dy_fused", "pair": "dy_pair", "split": "wgrad", "band": "dy_band"}
+#: Tokens per program of the band planes' sum.
+BAND_SUM_TOKENS = 64
+
+
+#: "band" keeps a (band × rank) float32 dB in registers and writes 2·rank/band of dy's bytes
+#: of partials: past this rank it loses to "pair" (2.5× slower at rank 128 on an H200).
+BAND_MAX_RANK = 32
+
+
+def _dy_mode(meta: LoRAMeta, rp: int, d_out: int, sms: int) -> str:
+    """The bucket's dy mode; "band" only up to `BAND_MAX_RANK` and when its programs (whole
+    segments × bands) fill the GPU, since it never splits a segment: few tokens go to "pair"."""
+    mode = dy_mode_for(rp)
+    if mode == "band" and rp > BAND_MAX_RANK:
+        return "pair"
+    if mode == "band":
+        cfg = tiles_for("dy_band", rp, sum(meta.bucket_tokens(rp)) * d_out)
+        ct = _cdiv(max(meta.bucket_tokens(rp), default=1), cfg.bt) * cfg.bt
+        if cfg.max_chunk:
+            ct = min(ct, max(cfg.bt, cfg.max_chunk // cfg.bt * cfg.bt))
+        programs = sum(_cdiv(n, ct) for n in meta.bucket_tokens(rp)) * _cdiv(d_out, cfg.bh)
+        if programs < cfg.waves * sms:
+            return "pair"
+    return mode
 
 
 def _dy_plans(meta: LoRAMeta, d_out: int, sms: int):
-    modes = {rp: dy_mode_for(rp) for rp in meta.buckets}
+    modes = {rp: _dy_mode(meta, rp, d_out, sms) for rp in meta.buckets}
     plans = {rp: _plan(meta, _DY_KINDS[m], rp, d_out, sms) for rp, m in modes.items()}
     shrink = {rp: _plan(meta, "shrink", rp, d_out, sms) for rp, m in modes.items() if m == "split"}
     atomic_ds = any(m == "fused" for m in modes.values()) or any(p[2] > 1 for p in shrink.values())
@@ -433,6 +491,22 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
             BT=cfg.bt, BN=cfg.bh, BT2=cfg.bt2, BN2=cfg.bh2, RP=rp,
             ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee,
             num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+    elif mode == "band":
+        red = plan[3]
+        P = torch.empty((blocks, max(meta.s_numel, 1)), dtype=torch.float32, device=dy.device)
+        _launch(
+            k.dy_band_kernel, (sched.n, blocks),
+            dy, S, B, P, dB, sched.seg, sched.lo, sched.hi,
+            meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
+            d_out, dy.stride(0), B.stride(0), dB.stride(0), P.stride(0),
+            BT=cfg.bt, BN=cfg.bh, RP=rp, ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee, TACC=cfg.tacc,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+        _launch(
+            k.band_sum_kernel, (red.n,),
+            P, dS, red.seg, red.lo, red.hi, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
+            blocks, P.stride(0), BT=BAND_SUM_TOKENS, RP=rp, num_warps=4,
         )
     elif mode == "fused":
         _launch(

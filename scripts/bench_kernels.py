@@ -71,11 +71,16 @@ CHECK_CASES = [
     ([0, 1, 777, 64, 1500, 33], [8, 128, 100, 1, 8, 256], 1000, 1100),
 ]
 LAYER_SHAPES = [(3584, 32, "32"), (3584, 32, "mixed")]
+EXTRA_SWEEP_SHAPES = [(11008, 32, "8"), (11008, 32, "32"), (18944, 32, "8"), (2048, 32, "32"), (11008, 8, "8"),
+                      (11008, 8, "32"), (18944, 8, "32"), (3584, 8, "8"), (2048, 8, "32")]
 SWEEP_SHAPES = [
     (3584, 32, "8"), (3584, 32, "32"), (3584, 32, "64"), (3584, 32, "128"),
     (18944, 32, "32"), (18944, 32, "128"), (2048, 8, "8"), (2048, 8, "128"), (3584, 8, "32"), (3584, 8, "128"),
 ]
 # (bt, bh, warps, stages, waves[, other TileConfig fields])
+
+
+_ta = {"tacc": True}
 
 
 def _ys(n: int) -> dict:
@@ -91,11 +96,21 @@ SWEEP = {
                (64, 64, 4, 3, 8), (64, 256, 8, 3, 4), (64, 128, 4, 3, 8, _ys(3)), (64, 128, 4, 3, 8, _ys(2)),
                (64, 64, 4, 3, 8, _ys(3)), (64, 64, 4, 3, 8, _ys(4)), (32, 128, 4, 3, 8, _ys(4)),
                (64, 256, 8, 3, 4, _ys(2)), (128, 128, 8, 3, 4, _ys(2)), (32, 256, 4, 3, 8, _ys(3)),
-               (64, 128, 8, 3, 8, _ys(3)), (64, 128, 4, 3, 4, _ys(3)), (32, 128, 4, 3, 16, _ys(3))],
+               (64, 128, 8, 3, 8, _ys(3)), (64, 128, 4, 3, 4, _ys(3)), (32, 128, 4, 3, 16, _ys(3)),
+               (64, 128, 4, 3, 8, {"ystages": 3, "hfirst": True}), (64, 64, 4, 3, 8, {"ystages": 3, "hfirst": True}),
+               (64, 64, 4, 3, 8, {"ystages": 4, "hfirst": True}), (32, 128, 4, 3, 16, {"ystages": 3, "hfirst": True}),
+               (64, 256, 8, 3, 4, {"ystages": 3, "hfirst": True}), (64, 256, 8, 3, 4, _ys(3)),
+               (128, 128, 8, 3, 4, {"ystages": 3, "hfirst": True}), (64, 128, 4, 3, 16, {"ystages": 3, "hfirst": True})],
     "wgrad": [(64, 128, 4, 3, 2), (32, 128, 4, 3, 2), (32, 256, 8, 3, 2), (64, 128, 8, 3, 2), (64, 256, 8, 3, 2),
               (64, 256, 8, 4, 2), (64, 512, 8, 3, 2), (64, 128, 4, 3, 8), (128, 128, 8, 3, 2), (64, 64, 4, 4, 2),
               (128, 64, 8, 3, 2), (32, 64, 4, 4, 2), (64, 128, 4, 4, 2), (64, 64, 4, 4, 4), (128, 128, 8, 4, 2)],
     "dy_fused": [(64, 512, 8, 3, 2), (64, 256, 8, 3, 2)],
+    "dy_band": [(64, 512, 8, 2, 1, _ta), (64, 512, 8, 2, 2, _ta), (64, 512, 8, 2, 4, _ta), (64, 512, 4, 3, 1, _ta),
+                (64, 512, 4, 3, 2, _ta), (64, 512, 4, 3, 4, _ta), (64, 256, 4, 4, 1, _ta), (64, 256, 4, 4, 4, _ta),
+                (64, 512, 8, 3, 1), (64, 256, 4, 3, 1), (128, 256, 8, 2, 1, _ta),
+                (64, 512, 8, 2, 1, {"tacc": True, "max_chunk": 512}), (64, 512, 4, 3, 1, {"tacc": True, "max_chunk": 512}),
+                (64, 256, 4, 4, 1, {"tacc": True, "max_chunk": 512}), (64, 512, 8, 2, 1, {"tacc": True, "max_chunk": 256}),
+                (64, 512, 4, 3, 1, {"tacc": True, "max_chunk": 256})],
     "dy_pair": [(64, 128, 4, 3, 2, {"bt2": 64, "bh2": 128}), (32, 128, 4, 3, 2, {"bt2": 64, "bh2": 128}),
                 (128, 64, 8, 3, 2, {"bt2": 64, "bh2": 128}), (32, 64, 4, 4, 2, {"bt2": 32, "bh2": 128}),
                 (64, 128, 8, 3, 2, {"bt2": 64, "bh2": 256}), (64, 128, 4, 3, 2, {"bt2": 64, "bh2": 128, "max_chunk": 256}),
@@ -204,7 +219,7 @@ def run_stage(kind: str, p: Problem, out: dict | None = None):
         db = T.wgrad_stage(p.S, p.dy, p.meta, p.B)
         if out is not None:
             out["dB"] = db
-    elif kind in ("dy_fused", "dy_pair", "dy_split"):
+    elif kind in ("dy_fused", "dy_pair", "dy_split", "dy_band"):
         with T.tile_overrides(dy_mode=kind[3:]):
             ds, db = T.dy_stage(p.dy, p.S, p.B, p.meta)
         if out is not None:
@@ -241,9 +256,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def set_tiles(tiles: dict) -> None:
+def set_tiles(tiles: dict, large: dict | None = None) -> None:
     T.TILES.clear()
     T.TILES.update(tiles)
+    T.TILES_LARGE.clear()
+    T.TILES_LARGE.update(large or {})
 
 
 # ---------------------------------------------------------------- parallel compilation
@@ -480,19 +497,48 @@ def check_bf16(log) -> list[dict]:
     return rows
 
 
+def _matches(shape: tuple, patterns: str | None) -> bool:
+    """Whether (hidden, K, ranks) matches one of "h:K:ranks,..." ('*' matches any)."""
+    if not patterns:
+        return True
+    return any(all(p in ("*", str(v)) for p, v in zip(pat.split(":"), shape)) for pat in patterns.split(","))
+
+
+def sweep_plan() -> tuple[list, dict]:
+    """Shapes and stage variants to sweep (``--sweep-shapes``, ``--sweep-kinds`` narrow them)."""
+    shapes = [s for s in SWEEP_SHAPES + EXTRA_SWEEP_SHAPES if _matches(s, os.environ.get("PLORA_SWEEP_SHAPES"))]
+    if not os.environ.get("PLORA_SWEEP_SHAPES"):
+        shapes = list(SWEEP_SHAPES)
+    kinds = os.environ.get("PLORA_SWEEP_KINDS")
+    stages = {k: v for k, v in SWEEP.items() if not kinds or k in kinds.split(",")}
+    return shapes, stages
+
+
+def cfg_of(t: T.TileConfig) -> list:
+    """A TileConfig as a sweep entry (bt, bh, warps, stages, waves[, other fields])."""
+    extra = {f: getattr(t, f) for f in ("max_chunk", "bt2", "bh2", "ystages", "hfirst", "tacc")
+             if getattr(t, f) != getattr(T.TileConfig(), f)}
+    return [t.bt, t.bh, t.warps, t.stages, t.waves] + ([extra] if extra else [])
+
+
 def sweep(jobs: int, log, out: Path) -> dict:
-    """Time every tile variant of every stage; return the best tiles per (stage, bucket)."""
+    """Time every tile variant of every stage; return the best tiles per (stage, bucket).
+
+    Stages and buckets left out of the sweep keep their committed tiles in the result."""
+    shapes, stages = sweep_plan()
+    committed = {f"{k}:{rp}": cfg_of(t) for (k, rp), t in T.TILES.items()}
+    committed_large = {f"{k}:{rp}": cfg_of(t) for (k, rp), t in T.TILES_LARGE.items()}
     tasks = []
-    for shape in SWEEP_SHAPES:
+    for shape in shapes:
         rp = K.rank_bucket(ranks_for(shape[2], shape[1])[0])
-        for kind, cfgs in SWEEP.items():
+        for kind, cfgs in stages.items():
             tasks += [(kind, cfg, shape, {}) for cfg in cfgs if fits(kind, rp, cfg)]
     precompile(tasks, jobs, log)
     rows = []
-    for shape in SWEEP_SHAPES:
+    for shape in shapes:
         p = Problem(*shape)
         rp = K.rank_bucket(p.ranks[0])
-        for kind, cfgs in SWEEP.items():
+        for kind, cfgs in stages.items():
             want = stage_reference(kind, p)
             for cfg in cfgs:
                 if not fits(kind, rp, cfg):
@@ -506,7 +552,7 @@ def sweep(jobs: int, log, out: Path) -> dict:
                         torch.cuda.synchronize()
                     row["err"] = max(rel_err(got[n], want[n]) for n in want)
                     row["ms"] = t_graph(lambda: run_stage(kind, p), rep=10)
-                    row["floor_passes"] = {"shrink": 1, "expand": 2, "wgrad": 1, "dy_fused": 1, "dy_pair": 1}[kind]
+                    row["floor_passes"] = {"shrink": 1, "expand": 2, "wgrad": 1, "dy_fused": 1, "dy_pair": 1, "dy_band": 1}[kind]
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
@@ -515,7 +561,12 @@ def sweep(jobs: int, log, out: Path) -> dict:
         torch.cuda.empty_cache()
         log(f"swept {shape}")
         (out / "sweep.json").write_text(json.dumps(rows, indent=1))
-    return pick_tiles(rows, log)
+    choice = pick_tiles(rows, log)
+    swept = {f"{r['kind']}:{r['rp']}" for r in rows}
+    choice["tiles"] = {**committed, **choice["tiles"]}
+    choice["large"] = {**{k: v for k, v in committed_large.items() if k not in swept}, **choice["large"]}
+    choice["dy_mode"] = {**T.DY_MODE, **choice["dy_mode"]}
+    return choice
 
 
 def pick_tiles(rows: list[dict], log) -> dict:
@@ -523,43 +574,71 @@ def pick_tiles(rows: list[dict], log) -> dict:
     over the swept shapes, relative to each shape's fastest, is least (a config that wins
     the large shapes can lose the small ones by 2×: a sum hides that, the worst case not)."""
     good = [r for r in rows if "ms" in r and r.get("err", 1) < 2e-2]
+
+    def shape(r):
+        return r["hidden"], r["K"], r["ranks"]
+
+    def worst_case(rs: list) -> dict:
+        """config -> its worst time over the shapes of ``rs``, relative to each one's fastest."""
+        shapes = {shape(r) for r in rs}
+        mins = {s: min(r["ms"] for r in rs if shape(r) == s) for s in shapes}
+        score: dict = {}
+        for r in rs:
+            score.setdefault(cfg_key(r["cfg"]), []).append(r["ms"] / mins[shape(r)])
+        return {c: max(v) for c, v in score.items() if len(v) == len(shapes)}
+
+    def large(r) -> bool:
+        return r["K"] * TOKENS * r["hidden"] > T.LARGE_ELEMS
+
     best: dict = {}
+    best_large: dict = {}
     for kind in SWEEP:
         for rp in sorted({r["rp"] for r in good if r["kind"] == kind}):
             rs = [r for r in good if r["kind"] == kind and r["rp"] == rp]
-            shapes = {(r["hidden"], r["K"], r["ranks"]) for r in rs}
-            mins = {s: min(r["ms"] for r in rs if (r["hidden"], r["K"], r["ranks"]) == s) for s in shapes}
-            score: dict = {}
-            for r in rs:
-                score.setdefault(cfg_key(r["cfg"]), []).append(r["ms"] / mins[(r["hidden"], r["K"], r["ranks"])])
-            full = {c: max(v) for c, v in score.items() if len(v) == len(shapes)}
+            small = [r for r in rs if not large(r)] or rs
+            full = worst_case(small)
             if full:
                 best[(kind, rp)] = min(full, key=full.get)
+            big = worst_case([r for r in rs if large(r)])
+            if big and best.get((kind, rp)) in big:
+                c = min(big, key=big.get)
+                if big[c] < 0.98 * big[best[(kind, rp)]]:
+                    best_large[(kind, rp)] = c
     # dy side per bucket, on the swept shapes: one launch (pair, fused) or shrink + wgrad
     dy_mode = {}
     for rp in sorted({r["rp"] for r in good}):
         def tbest(kind, s):
-            c = best.get((kind, rp))
+            big = s[1] * TOKENS * s[0] > T.LARGE_ELEMS
+            c = (big and best_large.get((kind, rp))) or best.get((kind, rp))
             v = [r["ms"] for r in good if r["kind"] == kind and r["rp"] == rp and cfg_key(r["cfg"]) == c
                  and (r["hidden"], r["K"], r["ranks"]) == s]
             return v[0] if v else math.inf
         shapes = {(r["hidden"], r["K"], r["ranks"]) for r in good if r["rp"] == rp}
         t = {"fused": [tbest("dy_fused", s) for s in sorted(shapes)],
              "pair": [tbest("dy_pair", s) for s in sorted(shapes)],
+             "band": [tbest("dy_band", s) for s in sorted(shapes)],
              "split": [tbest("shrink", s) + tbest("wgrad", s) for s in sorted(shapes)]}
         fastest = [min(v[i] for v in t.values()) for i in range(len(shapes))]
         worst = {m: max((x / f for x, f in zip(v, fastest) if math.isfinite(f)), default=math.inf)
                  for m, v in t.items()}
+        if not math.isfinite(min(worst.values())):
+            continue  # the dy side was not swept for this bucket
         dy_mode[rp] = min(worst, key=worst.get)
         log(f"bucket {rp}: dy side, worst over {len(shapes)} shapes against the fastest mode: "
             + ", ".join(f"{k} {v:.2f}x" for k, v in worst.items()) + f" -> {dy_mode[rp]}")
     for (kind, rp), c in sorted(best.items()):
-        log(f"best {kind:9s} rp={rp:3d}: {c}")
-    return {"tiles": {f"{k}:{rp}": json.loads(c) for (k, rp), c in best.items()}, "dy_mode": dy_mode}
+        log(f"best {kind:9s} rp={rp:3d}: {c}" + (f"; past {T.LARGE_ELEMS} elements {best_large[(kind, rp)]}"
+                                                  if (kind, rp) in best_large else ""))
+    return {"tiles": {f"{k}:{rp}": json.loads(c) for (k, rp), c in best.items()},
+            "large": {f"{k}:{rp}": json.loads(c) for (k, rp), c in best_large.items()}, "dy_mode": dy_mode}
+
+
+def _keyed(tiles: dict) -> dict:
+    return {(k.split(":")[0], int(k.split(":")[1])): tile(c) for k, c in tiles.items()}
 
 
 def apply_tiles(choice: dict) -> None:
-    set_tiles({(k.split(":")[0], int(k.split(":")[1])): tile(c) for k, c in choice["tiles"].items()})
+    set_tiles(_keyed(choice["tiles"]), _keyed(choice.get("large", {})))
     T.DY_MODE.clear()
     T.DY_MODE.update({int(k): v for k, v in choice["dy_mode"].items()})
 
@@ -749,6 +828,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in Triton's interpreter")
     ap.add_argument("--trace", action="store_true", help="per-kernel GPU times of the table rows (no table)")
+    ap.add_argument("--sweep-kinds", help="stages to sweep, comma-separated (others keep their tiles)")
+    ap.add_argument("--sweep-shapes", help="shapes to sweep: hidden:K:ranks patterns (default: the standard set)")
     ap.add_argument("--only", help="table rows to run: comma-separated hidden:K:ranks patterns, '*' matches any")
     ap.add_argument("--child", choices=["check", "table", "diagnose"], help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
@@ -757,6 +838,10 @@ def main() -> None:
         smoke()
     if args.only:
         os.environ["PLORA_BENCH_ONLY"] = args.only  # children inherit it
+    if args.sweep_kinds:
+        os.environ["PLORA_SWEEP_KINDS"] = args.sweep_kinds
+    if args.sweep_shapes:
+        os.environ["PLORA_SWEEP_SHAPES"] = args.sweep_shapes
     args.out.mkdir(parents=True, exist_ok=True)
     logf = open(args.out / "log.txt", "a")
 

@@ -27,6 +27,7 @@ SMALL_TILES = {
     "wgrad": {"bt": 16, "bh": 32, "max_chunk": 16},
     "dy_fused": {"bt": 16, "bh": 16, "max_chunk": 16},
     "dy_pair": {"bt": 16, "bh": 32, "bt2": 16, "bh2": 16, "max_chunk": 16},
+    "dy_band": {"bt": 16, "bh": 16, "max_chunk": 16, "waves": 0},
 }
 # The same, with the expand's token loop software-pipelined (its Y loads in flight ahead).
 PIPELINED_TILES = {**SMALL_TILES, "expand": {"bt": 16, "bh": 16, "max_chunk": 48, "ystages": 3}}
@@ -136,6 +137,9 @@ F32, F16 = torch.float32, torch.float16
         (F32, SMALL_TILES, "split"),
         (F16, SMALL_TILES, "pair"),
         (F32, PIPELINED_TILES, "pair"),
+        (F32, SMALL_TILES, "band"),
+        (F16, {"dy_band": {"waves": 0}}, "band"),
+        (F32, {**SMALL_TILES, "dy_band": {"bt": 16, "bh": 32, "waves": 0, "tacc": True}}, "band"),
     ],
 )
 def test_triton_matches_oracle(triton_cpu, dtype, tiles, dy_mode):
@@ -286,7 +290,9 @@ def test_meta_layout_and_validation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dy_mode,streams", [("split", True), ("fused", True), ("pair", True), ("pair", False)])
+@pytest.mark.parametrize(
+    "dy_mode,streams", [("split", True), ("fused", True), ("pair", True), ("pair", False), ("band", True), (None, True)]
+)
 def test_gpu_bf16(dy_mode, streams, monkeypatch):
     """Compiled kernels in bf16; rank buckets on their own streams (the default) or on one."""
     monkeypatch.setattr(triton_ops, "BUCKET_STREAMS", streams)
@@ -299,7 +305,8 @@ def test_gpu_bf16(dy_mode, streams, monkeypatch):
     d_in, d_out = 1000 + rng.randint(0, 100), 3584
     meta = build_lora_meta(tokens, ranks, scales, "cuda")
     ts = _tensors(rng, tokens, ranks, d_in, d_out, torch.bfloat16, device="cuda")
-    with triton_ops.tile_overrides(dy_mode=dy_mode):
+    # "band" on every bucket it takes, even with too few programs to choose it by itself
+    with triton_ops.tile_overrides({"dy_band": {"waves": 0}} if dy_mode == "band" else None, dy_mode=dy_mode):
         got = _run(ts, meta, None)
         got_lx = _run(ts, meta, None, use_lora_x=True)
     _compare(got, _oracle(ts, tokens, ranks, scales), TOL[torch.bfloat16], "bf16")
