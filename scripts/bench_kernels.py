@@ -72,7 +72,8 @@ CHECK_CASES = [
 ]
 LAYER_SHAPES = [(3584, 32, "32"), (3584, 32, "mixed")]
 EXTRA_SWEEP_SHAPES = [(11008, 32, "8"), (11008, 32, "32"), (18944, 32, "8"), (2048, 32, "32"), (11008, 8, "8"),
-                      (11008, 8, "32"), (18944, 8, "32"), (3584, 8, "8"), (2048, 8, "32")]
+                      (11008, 8, "32"), (18944, 8, "32"), (3584, 8, "8"), (2048, 8, "32"), (2048, 32, "128"),
+                      (11008, 32, "128"), (3584, 8, "64"), (3584, 32, "64"), (18944, 32, "64")]
 SWEEP_SHAPES = [
     (3584, 32, "8"), (3584, 32, "32"), (3584, 32, "64"), (3584, 32, "128"),
     (18944, 32, "32"), (18944, 32, "128"), (2048, 8, "8"), (2048, 8, "128"), (3584, 8, "32"), (3584, 8, "128"),
@@ -506,7 +507,7 @@ def _matches(shape: tuple, patterns: str | None) -> bool:
 
 def sweep_plan() -> tuple[list, dict]:
     """Shapes and stage variants to sweep (``--sweep-shapes``, ``--sweep-kinds`` narrow them)."""
-    shapes = [s for s in SWEEP_SHAPES + EXTRA_SWEEP_SHAPES if _matches(s, os.environ.get("PLORA_SWEEP_SHAPES"))]
+    shapes = [s for s in dict.fromkeys(SWEEP_SHAPES + EXTRA_SWEEP_SHAPES) if _matches(s, os.environ.get("PLORA_SWEEP_SHAPES"))]
     if not os.environ.get("PLORA_SWEEP_SHAPES"):
         shapes = list(SWEEP_SHAPES)
     kinds = os.environ.get("PLORA_SWEEP_KINDS")
@@ -600,9 +601,9 @@ def pick_tiles(rows: list[dict], log) -> dict:
             if full:
                 best[(kind, rp)] = min(full, key=full.get)
             big = worst_case([r for r in rs if large(r)])
-            if big and best.get((kind, rp)) in big:
-                c = min(big, key=big.get)
-                if big[c] < 0.98 * big[best[(kind, rp)]]:
+            if big:  # its own pick when the small one fails there or is 2% slower
+                c, small_pick = min(big, key=big.get), best.get((kind, rp))
+                if small_pick not in big or big[c] < 0.98 * big[small_pick]:
                     best_large[(kind, rp)] = c
     # dy side per bucket, on the swept shapes: one launch (pair, fused) or shrink + wgrad
     dy_mode = {}
