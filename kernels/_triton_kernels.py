@@ -243,63 +243,13 @@ def dy_pair_kernel(
 
 
 @triton.jit
-def dy_fused_kernel(
-    DY, SP, B, DS, DB,
-    seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets, scales,
-    N, stride_dy, stride_b, stride_db,
-    BT: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
-    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Both products of dy from each dy tile: dB = S'ᵀ dy and dS += s · dy Bᵀ.
-
-    dS sums over the whole output dimension, which is split across programs, so each
-    program adds its partial (BT × r per step) into a zeroed float32 dS: r/BN atomic adds
-    per dy element.
-    """
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
-    scale = tl.load(scales + seg)
-    ct = DY.dtype.element_ty
-    offs_r = tl.arange(0, RP)
-    mr = offs_r < r
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mn = offs_n < N
-    bt = tl.load(
-        B + ro.to(tl.int64) * stride_b + (offs_r[None, :] * stride_b + offs_n[:, None]),
-        mask=mr[None, :] & mn[:, None], other=0.0,
-    ).to(ct)
-    acc = tl.zeros((RP, BN), dtype=tl.float32)
-    rows = tl.arange(0, BT)
-    for i in range(0, tl.cdiv(hi - lo, BT)):
-        t = lo + i * BT
-        mt = rows < hi - t
-        sp_ptrs = (so + (t - ts).to(tl.int64) * RP) + (rows[:, None] * RP + offs_r[None, :])
-        msr = mt[:, None] & mr[None, :]
-        sp = tl.load(SP + sp_ptrs, mask=mt[:, None], other=0.0).to(ct)
-        dy = tl.load(
-            DY + t.to(tl.int64) * stride_dy + (rows[:, None] * stride_dy + offs_n[None, :]),
-            mask=mt[:, None] & mn[None, :], other=0.0,
-        )
-        acc = _mm(tl.trans(sp), dy, acc, IEEE)
-        part = tl.zeros((BT, RP), dtype=tl.float32)
-        part = _mm(dy, bt, part, IEEE) * scale
-        tl.atomic_add(DS + sp_ptrs, part, mask=msr, sem="relaxed")
-    db_ptrs = DB + ro.to(tl.int64) * stride_db + (offs_r[:, None] * stride_db + offs_n[None, :])
-    m = mr[:, None] & mn[None, :]
-    if ATOMIC:
-        tl.atomic_add(db_ptrs, acc, mask=m, sem="relaxed")
-    else:
-        tl.store(db_ptrs, acc.to(DB.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def dy_band_kernel(
     DY, SP, B, P, DB,
     seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets, scales,
     N, stride_dy, stride_b, stride_db, stride_p,
     BT: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
     ATOMIC: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TACC: tl.constexpr = False,
+    DS_ATOMIC: tl.constexpr = False,
 ):
     """Both products of dy from one read of it, in bands of BN output columns.
 
@@ -309,6 +259,9 @@ def dy_band_kernel(
     band's plane of P (``band_sum_kernel`` adds the planes). The planes cost 2·RP/BN of dy's
     bytes each way, against a second pass over dy for the two-program "pair" schedule,
     whose second read of a dy tile misses L2 once many segments are in flight.
+
+    DS_ATOMIC ("fused" mode): the parts are added atomically into a zeroed float32 dS
+    (P, one plane) instead, RP/BN atomic adds per dy element.
     """
     pid = tl.program_id(0)
     band = tl.program_id(1)
@@ -345,7 +298,10 @@ def dy_band_kernel(
             acc = _mm(tl.trans(sp), dy, acc, IEEE)
         part = tl.zeros((BT, RP), dtype=tl.float32)
         part = _mm(dy, bt, part, IEEE) * scale
-        tl.store(p_band + s_off, part, mask=mt[:, None])
+        if DS_ATOMIC:
+            tl.atomic_add(P + s_off, part, mask=mt[:, None] & mr[None, :], sem="relaxed")
+        else:
+            tl.store(p_band + s_off, part, mask=mt[:, None])
     if TACC:
         db_ptrs = DB + ro.to(tl.int64) * stride_db + (offs_r[None, :] * stride_db + offs_n[:, None])
         m = mr[None, :] & mn[:, None]

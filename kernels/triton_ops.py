@@ -518,14 +518,14 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
             P, dS, red.seg, red.lo, red.hi, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
             blocks, P.stride(0), BT=BAND_SUM_TOKENS, RP=rp, num_warps=4,
         )
-    elif mode == "fused":
+    elif mode == "fused":  # the band kernel, its dS parts added atomically into dS
         _launch(
-            k.dy_fused_kernel, (sched.n, blocks),
+            k.dy_band_kernel, (sched.n, blocks),
             dy, S, B, dS, dB, sched.seg, sched.lo, sched.hi,
             meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
-            d_out, dy.stride(0), B.stride(0), dB.stride(0),
-            BT=cfg.bt, BN=cfg.bh, RP=rp, ATOMIC=sched.split, IEEE=ieee,
-            num_warps=cfg.warps, num_stages=cfg.stages,
+            d_out, dy.stride(0), B.stride(0), dB.stride(0), 0,
+            BT=cfg.bt, BN=cfg.bh, RP=rp, ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee,
+            DS_ATOMIC=True, num_warps=cfg.warps, num_stages=cfg.stages,
         )
     else:
         _launch_shrink(k, dy, B, dS, meta, rp, shrink_plan, ieee)
