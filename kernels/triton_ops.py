@@ -262,8 +262,7 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
         sched = meta.pair_schedule(rp, cfg.bt, ct, blocks2)
         plan = (cfg, sched, blocks2, 0)
     elif kind == "dy_band":  # whole segments (dB complete in one program), one band each
-        lengths = meta.bucket_tokens(rp)
-        ct = _cdiv(max(lengths, default=1), cfg.bt) * cfg.bt
+        ct = _cdiv(max(meta.bucket_tokens(rp), default=1), cfg.bt) * cfg.bt
         if cfg.max_chunk:
             ct = min(ct, max(cfg.bt, cfg.max_chunk // cfg.bt * cfg.bt))
         sched = meta.schedule(rp, ct)
@@ -471,12 +470,8 @@ def _dy_mode(meta: LoRAMeta, rp: int, d_out: int, sms: int) -> str:
     if mode == "band" and rp > BAND_MAX_RANK:
         return "pair"
     if mode == "band":
-        cfg = tiles_for("dy_band", rp, sum(meta.bucket_tokens(rp)) * d_out)
-        ct = _cdiv(max(meta.bucket_tokens(rp), default=1), cfg.bt) * cfg.bt
-        if cfg.max_chunk:
-            ct = min(ct, max(cfg.bt, cfg.max_chunk // cfg.bt * cfg.bt))
-        programs = sum(_cdiv(n, ct) for n in meta.bucket_tokens(rp)) * _cdiv(d_out, cfg.bh)
-        if programs < cfg.waves * sms:
+        cfg, sched, bands, _ = _plan(meta, "dy_band", rp, d_out, sms)
+        if sched.n * bands < cfg.waves * sms:
             return "pair"
     return mode
 
@@ -502,31 +497,24 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
             ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )
-    elif mode == "band":
-        red = plan[3]
-        P = torch.empty((blocks, max(meta.s_numel, 1)), dtype=torch.float32, device=dy.device)
+    elif mode in ("band", "fused"):  # "fused": the band kernel adding its dS parts into dS
+        band = mode == "band"
+        P = torch.empty((blocks, max(meta.s_numel, 1)), dtype=torch.float32, device=dy.device) if band else dS
         _launch(
             k.dy_band_kernel, (sched.n, blocks),
             dy, S, B, P, dB, sched.seg, sched.lo, sched.hi,
             meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
-            d_out, dy.stride(0), B.stride(0), dB.stride(0), P.stride(0),
+            d_out, dy.stride(0), B.stride(0), dB.stride(0), P.stride(0) if band else 0,
             BT=cfg.bt, BN=cfg.bh, RP=rp, ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee, TACC=cfg.tacc,
-            num_warps=cfg.warps, num_stages=cfg.stages,
+            DS_ATOMIC=not band, num_warps=cfg.warps, num_stages=cfg.stages,
         )
-        _launch(
-            k.band_sum_kernel, (red.n,),
-            P, dS, red.seg, red.lo, red.hi, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
-            blocks, P.stride(0), BT=BAND_SUM_TOKENS, RP=rp, num_warps=4,
-        )
-    elif mode == "fused":  # the band kernel, its dS parts added atomically into dS
-        _launch(
-            k.dy_band_kernel, (sched.n, blocks),
-            dy, S, B, dS, dB, sched.seg, sched.lo, sched.hi,
-            meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
-            d_out, dy.stride(0), B.stride(0), dB.stride(0), 0,
-            BT=cfg.bt, BN=cfg.bh, RP=rp, ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee,
-            DS_ATOMIC=True, num_warps=cfg.warps, num_stages=cfg.stages,
-        )
+        if band:
+            red = plan[3]
+            _launch(
+                k.band_sum_kernel, (red.n,),
+                P, dS, red.seg, red.lo, red.hi, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
+                blocks, P.stride(0), BT=BAND_SUM_TOKENS, RP=rp, num_warps=4,
+            )
     else:
         _launch_shrink(k, dy, B, dS, meta, rp, shrink_plan, ieee)
         _launch_wgrad(k, S, dy, dB, meta, rp, plan, ieee)

@@ -502,14 +502,13 @@ def _matches(shape: tuple, patterns: str | None) -> bool:
     """Whether (hidden, K, ranks) matches one of "h:K:ranks,..." ('*' matches any)."""
     if not patterns:
         return True
-    return any(all(p in ("*", str(v)) for p, v in zip(pat.split(":"), shape)) for pat in patterns.split(","))
+    return any(all(p in ("*", str(v)) for p, v in zip(pat.split(":"), shape)) for pat in patterns.split(",") if pat)
 
 
 def sweep_plan() -> tuple[list, dict]:
     """Shapes and stage variants to sweep (``--sweep-shapes``, ``--sweep-kinds`` narrow them)."""
-    shapes = [s for s in dict.fromkeys(SWEEP_SHAPES + EXTRA_SWEEP_SHAPES) if _matches(s, os.environ.get("PLORA_SWEEP_SHAPES"))]
-    if not os.environ.get("PLORA_SWEEP_SHAPES"):
-        shapes = list(SWEEP_SHAPES)
+    pattern = os.environ.get("PLORA_SWEEP_SHAPES")
+    shapes = [s for s in dict.fromkeys(SWEEP_SHAPES + EXTRA_SWEEP_SHAPES) if _matches(s, pattern)] if pattern else SWEEP_SHAPES
     kinds = os.environ.get("PLORA_SWEEP_KINDS")
     stages = {k: v for k, v in SWEEP.items() if not kinds or k in kinds.split(",")}
     return shapes, stages
@@ -743,11 +742,7 @@ def trace_rows(log, out: Path) -> None:
 def table_shapes() -> list[tuple]:
     shapes = [(h, k, rs) for h in HIDDEN for k in KS for rs in RANK_SETS]
     shapes += [(h, 32, "31x8+1x128") for h in HIDDEN if 32 in KS]
-    only = os.environ.get("PLORA_BENCH_ONLY")  # "h:K:ranks,...", any field may be "*"
-    if only:
-        pats = [tuple(p.split(":")) for p in only.split(",") if p]
-        shapes = [s for s in shapes if any(all(f in ("*", str(v)) for f, v in zip(pat, s)) for pat in pats)]
-    return shapes
+    return [s for s in shapes if _matches(s, os.environ.get("PLORA_BENCH_ONLY"))]
 
 
 def layer_rows(log) -> list[dict]:
