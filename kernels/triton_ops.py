@@ -3,8 +3,8 @@
 Forward (per rank bucket): ``shrink`` S' = s·x Aᵀ (reads x once), then ``expand``
 y += S' B (reads and writes y once). Backward: the dy side gives dS = s·dy Bᵀ and
 dB = S'ᵀ dy; the x side gives dA = dSᵀ x (``wgrad``, reads x once) and dx += dS A
-(``expand`` again, reads and writes dx once). The dy side runs in one of three ways per
-rank bucket (`DY_MODE`):
+(``expand`` again, reads and writes dx once). The dy side runs in one of four ways per
+rank bucket (`DY_MODE`, and `DY_MODE_LARGE` for launches past `LARGE_ELEMS` elements):
 
 - "pair": one launch whose programs compute either dS or dB, scheduled so that both
   read each row of dy at about the same time, so the second read mostly hits L2;
@@ -104,52 +104,57 @@ def _t(bt, bh, warps, stages, waves, **kw) -> TileConfig:
 #: Tiles per (kind, rank bucket): of sweeps on an H200 (bf16; hidden 2048 to 18944, K = 8 and
 #: 32; `scripts/bench_kernels.py --sweep`, NOTES.md), per bucket the variant whose worst time
 #: over the swept shapes, relative to each shape's fastest, is least (or within 1% of it);
-#: `TILES_LARGE` likewise over the shapes past `LARGE_ELEMS`, where it wins there.
+#: `TILES_LARGE` likewise over the shapes past `LARGE_ELEMS`, where it wins there by 2%.
+#: One wave of programs (``waves`` 1) is enough for small launches: whole segments per
+#: program then, so their weight gradients need no float32 atomics, zero-fills or casts.
 #: Buckets not listed (256) take `_default_tiles`.
 TILES: dict[tuple[str, int], TileConfig] = {
-    ("shrink", 16): _t(64, 128, 4, 3, 2),
-    ("shrink", 32): _t(64, 64, 4, 4, 2),
-    ("shrink", 64): _t(64, 64, 4, 4, 2),
-    ("shrink", 128): _t(64, 64, 4, 4, 2),
+    ("shrink", 16): _t(64, 128, 4, 3, 1),
+    ("shrink", 32): _t(64, 64, 4, 4, 1),
+    ("shrink", 64): _t(64, 128, 4, 3, 1),
+    ("shrink", 128): _t(64, 64, 4, 4, 1),
     ("expand", 16): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
     ("expand", 32): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
     ("expand", 64): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
     ("expand", 128): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
-    ("wgrad", 16): _t(64, 64, 4, 4, 2),
-    ("wgrad", 32): _t(64, 128, 4, 3, 2),
-    ("wgrad", 64): _t(32, 64, 4, 4, 2),
-    ("wgrad", 128): _t(32, 64, 4, 4, 2),
+    ("wgrad", 16): _t(64, 64, 4, 4, 1),
+    ("wgrad", 32): _t(64, 128, 4, 3, 1),
+    ("wgrad", 64): _t(64, 128, 4, 3, 1),
+    ("wgrad", 128): _t(32, 64, 4, 4, 1),
     ("dy_fused", 16): _t(64, 256, 8, 3, 2),
     ("dy_fused", 32): _t(64, 512, 8, 3, 2),
     ("dy_fused", 64): _t(64, 256, 8, 3, 2),
     ("dy_fused", 128): _t(32, 128, 4, 3, 2),
-    ("dy_pair", 16): _t(32, 128, 4, 3, 2, bh2=128, bt2=64),
-    ("dy_pair", 32): _t(64, 128, 4, 3, 2, bh2=128, bt2=64),
-    ("dy_pair", 64): _t(64, 128, 4, 3, 2, bh2=128, bt2=64),
-    ("dy_pair", 128): _t(64, 64, 4, 4, 2, bh2=64, bt2=64),
+    ("dy_pair", 16): _t(64, 128, 4, 3, 1, bh2=128, bt2=64),
+    ("dy_pair", 32): _t(64, 128, 4, 3, 1, bh2=128, bt2=64),
+    ("dy_pair", 64): _t(64, 128, 4, 3, 1, bh2=128, bt2=64),
+    ("dy_pair", 128): _t(64, 128, 8, 3, 1, bh2=256, bt2=64),
     # waves: "band" needs that many waves of programs, or the bucket goes to "pair"
-    ("dy_band", 16): _t(64, 512, 8, 2, 4, tacc=True),
-    ("dy_band", 32): _t(64, 512, 4, 3, 4, tacc=True),
+    ("dy_band", 16): _t(64, 256, 4, 3, 1),
+    ("dy_band", 32): _t(64, 512, 4, 3, 1, tacc=True),
 }
 TILES_LARGE: dict[tuple[str, int], TileConfig] = {
     ("shrink", 16): _t(32, 128, 4, 3, 2),
-    ("shrink", 64): _t(64, 128, 4, 3, 2),
+    ("shrink", 32): _t(64, 64, 4, 4, 2),
     ("expand", 16): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 32): _t(64, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 64): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 128): _t(64, 256, 8, 3, 4, hfirst=True, ystages=3),
-    ("wgrad", 16): _t(32, 256, 8, 3, 2),
-    ("wgrad", 64): _t(32, 128, 4, 3, 2),
-    ("wgrad", 128): _t(64, 128, 4, 3, 2),
-    ("dy_pair", 16): _t(64, 128, 4, 3, 2, bh2=128, bt2=64),
+    ("wgrad", 16): _t(128, 128, 8, 3, 2),
+    ("wgrad", 128): _t(64, 256, 8, 4, 2),
+    ("dy_fused", 16): _t(64, 512, 8, 3, 2),
     ("dy_pair", 128): _t(64, 128, 8, 3, 2, bh2=256, bt2=64),
     ("dy_band", 16): _t(64, 512, 4, 3, 1, tacc=True),
-    ("dy_band", 32): _t(64, 256, 4, 4, 4, tacc=True),
+    ("dy_band", 32): _t(64, 512, 8, 2, 4, tacc=True),
 }
 #: dy side of the backward per rank bucket: "band" (one pass over dy, float32 partial dS
 #: per band), "pair" (one launch, the second read of dy partly from L2), "split" (two
 #: launches, two passes) or "fused" (one pass, atomics). Buckets not listed take "pair".
-DY_MODE: dict[int, str] = {16: "band", 32: "band"}
+#: Picked by the same sweep per size class: "band" wins only on large launches (its
+#: programs are whole segments, too few on small ones), and "split" on large rank-128 ones.
+DY_MODE: dict[int, str] = {16: "pair", 32: "pair", 64: "pair", 128: "pair"}
+#: The dy mode of launches past `LARGE_ELEMS` elements, per bucket where it differs.
+DY_MODE_LARGE: dict[int, str] = {16: "band", 32: "band", 128: "split"}
 _DEFAULT_DY_MODE = "pair"
 
 _OVERRIDES: list[dict] = []
@@ -184,10 +189,13 @@ def tiles_for(kind: str, rp: int, elems: int = 0) -> TileConfig:
     return cfg
 
 
-def dy_mode_for(rp: int) -> str:
+def dy_mode_for(rp: int, elems: int = 0) -> str:
+    """The dy mode of bucket ``rp`` for a launch over ``elems`` elements (tokens × hidden)."""
     for ov in reversed(_OVERRIDES):
         if ov["dy_mode"]:
             return ov["dy_mode"]
+    if elems > LARGE_ELEMS and rp in DY_MODE_LARGE:
+        return DY_MODE_LARGE[rp]
     return DY_MODE.get(rp, _DEFAULT_DY_MODE)
 
 
@@ -466,7 +474,7 @@ BAND_MAX_RANK = 32
 def _dy_mode(meta: LoRAMeta, rp: int, d_out: int, sms: int) -> str:
     """The bucket's dy mode; "band" only up to `BAND_MAX_RANK` and when its programs (whole
     segments × bands) fill the GPU, since it never splits a segment: few tokens go to "pair"."""
-    mode = dy_mode_for(rp)
+    mode = dy_mode_for(rp, sum(meta.bucket_tokens(rp)) * d_out)
     if mode == "band" and rp > BAND_MAX_RANK:
         return "pair"
     if mode == "band":
@@ -521,7 +529,7 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
 
 
 def dy_stage(dy: torch.Tensor, S: torch.Tensor, B: torch.Tensor, meta: LoRAMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """dS = s·dy Bᵀ (packed) and dB = S'ᵀ dy, per bucket as its `DY_MODE` says."""
+    """dS = s·dy Bᵀ (packed) and dB = S'ᵀ dy, per bucket as `dy_mode_for` says."""
     k, sms, ieee = kernels_module(), _num_sms(dy.device), dy.dtype == torch.float32
     modes, plans, shrink, atomic_ds, atomic_db = _dy_plans(meta, dy.shape[1], sms)
     dS = _low_rank_buffer(meta, atomic_ds, dy.dtype, dy.device)

@@ -73,7 +73,8 @@ CHECK_CASES = [
 LAYER_SHAPES = [(3584, 32, "32"), (3584, 32, "mixed")]
 EXTRA_SWEEP_SHAPES = [(11008, 32, "8"), (11008, 32, "32"), (18944, 32, "8"), (2048, 32, "32"), (11008, 8, "8"),
                       (11008, 8, "32"), (18944, 8, "32"), (3584, 8, "8"), (2048, 8, "32"), (2048, 32, "128"),
-                      (11008, 32, "128"), (3584, 8, "64"), (3584, 32, "64"), (18944, 32, "64")]
+                      (11008, 32, "128"), (3584, 8, "64"), (3584, 32, "64"), (18944, 32, "64"),
+                      (18944, 8, "8"), (18944, 8, "128"), (11008, 8, "128"), (2048, 32, "8")]
 SWEEP_SHAPES = [
     (3584, 32, "8"), (3584, 32, "32"), (3584, 32, "64"), (3584, 32, "128"),
     (18944, 32, "32"), (18944, 32, "128"), (2048, 8, "8"), (2048, 8, "128"), (3584, 8, "32"), (3584, 8, "128"),
@@ -92,7 +93,7 @@ SWEEP = {
     "shrink": [(64, 64, 4, 4, 2), (64, 128, 4, 3, 2), (64, 128, 8, 3, 2), (128, 64, 8, 3, 2), (32, 128, 4, 3, 2),
                (64, 64, 4, 4, 4), (128, 64, 4, 4, 2), (128, 128, 8, 3, 2), (128, 64, 8, 4, 2), (64, 32, 4, 4, 2),
                (256, 32, 8, 4, 2), (256, 64, 8, 3, 2), (128, 32, 8, 4, 2), (64, 32, 4, 6, 2), (32, 64, 4, 4, 4),
-               (128, 64, 8, 3, 4)],
+               (128, 64, 8, 3, 4), (64, 128, 4, 3, 1), (64, 64, 4, 4, 1), (32, 128, 4, 3, 1)],
     "expand": [(64, 128, 4, 3, 8), (64, 256, 4, 3, 8), (32, 256, 4, 3, 8), (64, 128, 4, 3, 4), (128, 128, 8, 3, 4),
                (64, 64, 4, 3, 8), (64, 256, 8, 3, 4), (64, 128, 4, 3, 8, _ys(3)), (64, 128, 4, 3, 8, _ys(2)),
                (64, 64, 4, 3, 8, _ys(3)), (64, 64, 4, 3, 8, _ys(4)), (32, 128, 4, 3, 8, _ys(4)),
@@ -104,7 +105,8 @@ SWEEP = {
                (128, 128, 8, 3, 4, {"ystages": 3, "hfirst": True}), (64, 128, 4, 3, 16, {"ystages": 3, "hfirst": True})],
     "wgrad": [(64, 128, 4, 3, 2), (32, 128, 4, 3, 2), (32, 256, 8, 3, 2), (64, 128, 8, 3, 2), (64, 256, 8, 3, 2),
               (64, 256, 8, 4, 2), (64, 512, 8, 3, 2), (64, 128, 4, 3, 8), (128, 128, 8, 3, 2), (64, 64, 4, 4, 2),
-              (128, 64, 8, 3, 2), (32, 64, 4, 4, 2), (64, 128, 4, 4, 2), (64, 64, 4, 4, 4), (128, 128, 8, 4, 2)],
+              (128, 64, 8, 3, 2), (32, 64, 4, 4, 2), (64, 128, 4, 4, 2), (64, 64, 4, 4, 4), (128, 128, 8, 4, 2),
+              (64, 64, 4, 4, 1), (64, 128, 4, 3, 1), (32, 64, 4, 4, 1), (32, 256, 8, 3, 1), (32, 128, 4, 3, 1)],
     "dy_fused": [(64, 512, 8, 3, 2), (64, 256, 8, 3, 2)],
     "dy_band": [(64, 512, 8, 2, 1, _ta), (64, 512, 8, 2, 2, _ta), (64, 512, 8, 2, 4, _ta), (64, 512, 4, 3, 1, _ta),
                 (64, 512, 4, 3, 2, _ta), (64, 512, 4, 3, 4, _ta), (64, 256, 4, 4, 1, _ta), (64, 256, 4, 4, 4, _ta),
@@ -120,7 +122,9 @@ SWEEP = {
                 (128, 64, 8, 3, 2, {"bt2": 64, "bh2": 128, "max_chunk": 256}),
                 (256, 32, 8, 4, 2, {"bt2": 64, "bh2": 64}), (64, 64, 4, 4, 2, {"bt2": 64, "bh2": 64}),
                 (128, 64, 8, 3, 2, {"bt2": 64, "bh2": 64}), (128, 64, 8, 3, 2, {"bt2": 128, "bh2": 128}),
-                (128, 64, 8, 4, 2, {"bt2": 64, "bh2": 128})],
+                (128, 64, 8, 4, 2, {"bt2": 64, "bh2": 128}), (32, 128, 4, 3, 1, {"bt2": 64, "bh2": 128}),
+                (64, 128, 4, 3, 1, {"bt2": 64, "bh2": 128}), (64, 64, 4, 4, 1, {"bt2": 64, "bh2": 64}),
+                (64, 128, 8, 3, 1, {"bt2": 64, "bh2": 256})],
 }
 
 
@@ -565,6 +569,8 @@ def sweep(jobs: int, log, out: Path) -> dict:
     swept = {f"{r['kind']}:{r['rp']}" for r in rows}
     choice["tiles"] = {**committed, **choice["tiles"]}
     choice["large"] = {**{k: v for k, v in committed_large.items() if k not in swept}, **choice["large"]}
+    choice["dy_mode_large"] = {**{rp: m for rp, m in T.DY_MODE_LARGE.items() if rp not in choice["dy_mode"]},
+                               **choice["dy_mode_large"]}
     choice["dy_mode"] = {**T.DY_MODE, **choice["dy_mode"]}
     return choice
 
@@ -604,8 +610,10 @@ def pick_tiles(rows: list[dict], log) -> dict:
                 c, small_pick = min(big, key=big.get), best.get((kind, rp))
                 if small_pick not in big or big[c] < 0.98 * big[small_pick]:
                     best_large[(kind, rp)] = c
-    # dy side per bucket, on the swept shapes: one launch (pair, fused) or shrink + wgrad
-    dy_mode = {}
+    # dy side per bucket and size class, on the swept shapes: one launch (pair, fused,
+    # band) or shrink + wgrad
+    dy_mode: dict = {}
+    dy_mode_large: dict = {}
     for rp in sorted({r["rp"] for r in good}):
         def tbest(kind, s):
             big = s[1] * TOKENS * s[0] > T.LARGE_ELEMS
@@ -613,24 +621,39 @@ def pick_tiles(rows: list[dict], log) -> dict:
             v = [r["ms"] for r in good if r["kind"] == kind and r["rp"] == rp and cfg_key(r["cfg"]) == c
                  and (r["hidden"], r["K"], r["ranks"]) == s]
             return v[0] if v else math.inf
-        shapes = {(r["hidden"], r["K"], r["ranks"]) for r in good if r["rp"] == rp}
-        t = {"fused": [tbest("dy_fused", s) for s in sorted(shapes)],
-             "pair": [tbest("dy_pair", s) for s in sorted(shapes)],
-             "band": [tbest("dy_band", s) for s in sorted(shapes)],
-             "split": [tbest("shrink", s) + tbest("wgrad", s) for s in sorted(shapes)]}
-        fastest = [min(v[i] for v in t.values()) for i in range(len(shapes))]
-        worst = {m: max((x / f for x, f in zip(v, fastest) if math.isfinite(f)), default=math.inf)
-                 for m, v in t.items()}
+
+        def worst_modes(shapes: list) -> dict:
+            t = {"fused": [tbest("dy_fused", s) for s in shapes],
+                 "pair": [tbest("dy_pair", s) for s in shapes],
+                 "split": [tbest("shrink", s) + tbest("wgrad", s) for s in shapes]}
+            if rp <= T.BAND_MAX_RANK:  # past it a "band" bucket runs "pair"
+                t["band"] = [tbest("dy_band", s) for s in shapes]
+            fastest = [min(v[i] for v in t.values()) for i in range(len(shapes))]
+            return {m: max((x / f for x, f in zip(v, fastest) if math.isfinite(f)), default=math.inf)
+                    for m, v in t.items()}
+
+        shapes = sorted({(r["hidden"], r["K"], r["ranks"]) for r in good if r["rp"] == rp})
+        big = [s for s in shapes if s[1] * TOKENS * s[0] > T.LARGE_ELEMS]
+        small = [s for s in shapes if s not in big] or shapes
+        worst = worst_modes(small)
         if not math.isfinite(min(worst.values())):
             continue  # the dy side was not swept for this bucket
         dy_mode[rp] = min(worst, key=worst.get)
-        log(f"bucket {rp}: dy side, worst over {len(shapes)} shapes against the fastest mode: "
+        log(f"bucket {rp}: dy side, worst over {len(small)} shapes against the fastest mode: "
             + ", ".join(f"{k} {v:.2f}x" for k, v in worst.items()) + f" -> {dy_mode[rp]}")
+        worst = worst_modes(big) if big else {}
+        if worst and math.isfinite(min(worst.values())):
+            m = min(worst, key=worst.get)
+            if m != dy_mode[rp] and worst[m] < 0.98 * worst[dy_mode[rp]]:  # its own pick when 2% better
+                dy_mode_large[rp] = m
+            log(f"bucket {rp}: past {T.LARGE_ELEMS} elements, worst over {len(big)} shapes: "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in worst.items()) + f" -> {dy_mode_large.get(rp, dy_mode[rp])}")
     for (kind, rp), c in sorted(best.items()):
         log(f"best {kind:9s} rp={rp:3d}: {c}" + (f"; past {T.LARGE_ELEMS} elements {best_large[(kind, rp)]}"
                                                   if (kind, rp) in best_large else ""))
     return {"tiles": {f"{k}:{rp}": json.loads(c) for (k, rp), c in best.items()},
-            "large": {f"{k}:{rp}": json.loads(c) for (k, rp), c in best_large.items()}, "dy_mode": dy_mode}
+            "large": {f"{k}:{rp}": json.loads(c) for (k, rp), c in best_large.items()}, "dy_mode": dy_mode,
+            "dy_mode_large": dy_mode_large}
 
 
 def _keyed(tiles: dict) -> dict:
@@ -641,6 +664,8 @@ def apply_tiles(choice: dict) -> None:
     set_tiles(_keyed(choice["tiles"]), _keyed(choice.get("large", {})))
     T.DY_MODE.clear()
     T.DY_MODE.update({int(k): v for k, v in choice["dy_mode"].items()})
+    T.DY_MODE_LARGE.clear()
+    T.DY_MODE_LARGE.update({int(k): v for k, v in choice.get("dy_mode_large", {}).items()})
 
 
 def table(log, out: Path, start: int) -> None:

@@ -311,3 +311,16 @@ def test_gpu_bf16(dy_mode, streams, monkeypatch):
         got_lx = _run(ts, meta, None, use_lora_x=True)
     _compare(got, _oracle(ts, tokens, ranks, scales), TOL[torch.bfloat16], "bf16")
     _compare(got_lx, _oracle(ts, tokens, ranks, scales, use_lora_x=True), TOL[torch.bfloat16], "bf16 lora_x")
+
+
+def test_dy_mode_depends_on_launch_size(monkeypatch):
+    """A bucket's dy mode is `DY_MODE`'s, or `DY_MODE_LARGE`'s past `LARGE_ELEMS` elements;
+    an override beats both."""
+    monkeypatch.setattr(triton_ops, "DY_MODE", {16: "pair"})
+    monkeypatch.setattr(triton_ops, "DY_MODE_LARGE", {16: "band"})
+    big = triton_ops.LARGE_ELEMS + 1
+    assert triton_ops.dy_mode_for(16, 1024) == "pair"
+    assert triton_ops.dy_mode_for(16, big) == "band"
+    assert triton_ops.dy_mode_for(32, big) == "pair"  # not listed: the default
+    with triton_ops.tile_overrides(dy_mode="split"):
+        assert triton_ops.dy_mode_for(16, big) == "split"
