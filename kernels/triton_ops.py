@@ -224,11 +224,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _chunk_tokens(lengths: list[int], hidden_tiles: int, cfg: TileConfig, sms: int) -> int:
-    """Tokens per program: whole segments if that gives enough programs, else halve."""
-    ct = _cdiv(max(lengths), cfg.bt) * cfg.bt
+def _whole_segments(lengths: list[int], cfg: TileConfig) -> int:
+    """Tokens per program that cover the longest segment (in BT steps), capped by ``max_chunk``."""
+    ct = _cdiv(max(lengths, default=1), cfg.bt) * cfg.bt
     if cfg.max_chunk:
         ct = min(ct, max(cfg.bt, cfg.max_chunk // cfg.bt * cfg.bt))
+    return ct
+
+
+def _chunk_tokens(lengths: list[int], hidden_tiles: int, cfg: TileConfig, sms: int) -> int:
+    """Tokens per program: whole segments if that gives enough programs, else halve."""
+    ct = _whole_segments(lengths, cfg)
     target = cfg.waves * sms
     while ct > cfg.bt and sum(_cdiv(n, ct) for n in lengths) * hidden_tiles < target:
         ct = max(cfg.bt, _cdiv(ct // 2, cfg.bt) * cfg.bt)
@@ -248,9 +254,14 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _launch_elems(meta: LoRAMeta, rp: int, d: int) -> int:
+    """Elements (bucket tokens × hidden) of one launch: what picks its size class."""
+    return sum(meta.bucket_tokens(rp)) * d
+
+
 def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
     """Tiles, schedule and grid of one launch; cached in the meta (once per step and shape)."""
-    cfg = tiles_for(kind, rp, sum(meta.bucket_tokens(rp)) * d)
+    cfg = tiles_for(kind, rp, _launch_elems(meta, rp, d))
     key = ("plan", kind, rp, d, cfg)
     if not _OVERRIDES:
         hit = meta._schedules.get(key)
@@ -270,10 +281,7 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
         sched = meta.pair_schedule(rp, cfg.bt, ct, blocks2)
         plan = (cfg, sched, blocks2, 0)
     elif kind == "dy_band":  # whole segments (dB complete in one program), one band each
-        ct = _cdiv(max(meta.bucket_tokens(rp), default=1), cfg.bt) * cfg.bt
-        if cfg.max_chunk:
-            ct = min(ct, max(cfg.bt, cfg.max_chunk // cfg.bt * cfg.bt))
-        sched = meta.schedule(rp, ct)
+        sched = meta.schedule(rp, _whole_segments(meta.bucket_tokens(rp), cfg))
         plan = (cfg, sched, blocks, meta.schedule(rp, BAND_SUM_TOKENS))
     else:  # chunks of tokens per program, one hidden tile each
         sched = meta.schedule(rp, _chunk_tokens(meta.bucket_tokens(rp), blocks, cfg, sms))
@@ -474,7 +482,7 @@ BAND_MAX_RANK = 32
 def _dy_mode(meta: LoRAMeta, rp: int, d_out: int, sms: int) -> str:
     """The bucket's dy mode; "band" only up to `BAND_MAX_RANK` and when its programs (whole
     segments × bands) fill the GPU, since it never splits a segment: few tokens go to "pair"."""
-    mode = dy_mode_for(rp, sum(meta.bucket_tokens(rp)) * d_out)
+    mode = dy_mode_for(rp, _launch_elems(meta, rp, d_out))
     if mode == "band" and rp > BAND_MAX_RANK:
         return "pair"
     if mode == "band":

@@ -593,19 +593,20 @@ def pick_tiles(rows: list[dict], log) -> dict:
             score.setdefault(cfg_key(r["cfg"]), []).append(r["ms"] / mins[shape(r)])
         return {c: max(v) for c, v in score.items() if len(v) == len(shapes)}
 
-    def large(r) -> bool:
-        return r["K"] * TOKENS * r["hidden"] > T.LARGE_ELEMS
+    def large(s: tuple) -> bool:
+        """Whether a shape's launches are past `LARGE_ELEMS` (they take the large tables)."""
+        return s[1] * TOKENS * s[0] > T.LARGE_ELEMS
 
     best: dict = {}
     best_large: dict = {}
     for kind in SWEEP:
         for rp in sorted({r["rp"] for r in good if r["kind"] == kind}):
             rs = [r for r in good if r["kind"] == kind and r["rp"] == rp]
-            small = [r for r in rs if not large(r)] or rs
+            small = [r for r in rs if not large(shape(r))] or rs
             full = worst_case(small)
             if full:
                 best[(kind, rp)] = min(full, key=full.get)
-            big = worst_case([r for r in rs if large(r)])
+            big = worst_case([r for r in rs if large(shape(r))])
             if big:  # its own pick when the small one fails there or is 2% slower
                 c, small_pick = min(big, key=big.get), best.get((kind, rp))
                 if small_pick not in big or big[c] < 0.98 * big[small_pick]:
@@ -616,10 +617,9 @@ def pick_tiles(rows: list[dict], log) -> dict:
     dy_mode_large: dict = {}
     for rp in sorted({r["rp"] for r in good}):
         def tbest(kind, s):
-            big = s[1] * TOKENS * s[0] > T.LARGE_ELEMS
-            c = (big and best_large.get((kind, rp))) or best.get((kind, rp))
+            c = (large(s) and best_large.get((kind, rp))) or best.get((kind, rp))
             v = [r["ms"] for r in good if r["kind"] == kind and r["rp"] == rp and cfg_key(r["cfg"]) == c
-                 and (r["hidden"], r["K"], r["ranks"]) == s]
+                 and shape(r) == s]
             return v[0] if v else math.inf
 
         def worst_modes(shapes: list) -> dict:
@@ -632,8 +632,8 @@ def pick_tiles(rows: list[dict], log) -> dict:
             return {m: max((x / f for x, f in zip(v, fastest) if math.isfinite(f)), default=math.inf)
                     for m, v in t.items()}
 
-        shapes = sorted({(r["hidden"], r["K"], r["ranks"]) for r in good if r["rp"] == rp})
-        big = [s for s in shapes if s[1] * TOKENS * s[0] > T.LARGE_ELEMS]
+        shapes = sorted({shape(r) for r in good if r["rp"] == rp})
+        big = [s for s in shapes if large(s)]
         small = [s for s in shapes if s not in big] or shapes
         worst = worst_modes(small)
         if not math.isfinite(min(worst.values())):
