@@ -203,14 +203,21 @@ def wgrad_kernel(
     seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets,
     D, stride_x, stride_dw,
     BT: tl.constexpr, BD: tl.constexpr, RP: tl.constexpr, ATOMIC: tl.constexpr, IEEE: tl.constexpr,
+    HFIRST: tl.constexpr = False,
 ):
     """A weight gradient, DW[ro:ro+r, d-tile] (=|+=) P[item, :r]ᵀ X[item, d-tile].
 
     dB: P = S', X = dy. dA: P = dS, X = x. ATOMIC when a segment is cut into several
-    items: their partial sums meet in a zeroed float32 DW.
+    items: their partial sums meet in a zeroed float32 DW. HFIRST orders the grid as the
+    expand's: neighbouring programs take the hidden tiles of one item, so the programs in
+    flight share its rows of P in L2 and stream whole rows of X.
     """
-    pid = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    if HFIRST:
+        pid = tl.program_id(1)
+        pid_d = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        pid_d = tl.program_id(1)
     seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
     _wgrad_body(P, X, DW, lo, hi, ts, r, ro, so, pid_d, D, stride_x, stride_dw, BT, BD, RP, ATOMIC, IEEE)
 

@@ -77,7 +77,7 @@ class TileConfig:
     bt2: int = 64
     bh2: int = 128
     ystages: int = 0  # expand: software-pipeline the token loop, Y's loads included (0: off)
-    hfirst: bool = False  # expand: grid's first axis over hidden tiles (launch order by token range)
+    hfirst: bool = False  # expand, wgrad: grid's first axis over hidden tiles (launch order by token range)
     tacc: bool = False  # dy band: accumulate dBᵀ (band × rank) instead of dB
 
 
@@ -113,14 +113,14 @@ TILES: dict[tuple[str, int], TileConfig] = {
     ("shrink", 32): _t(64, 64, 4, 4, 1),
     ("shrink", 64): _t(64, 128, 4, 3, 1),
     ("shrink", 128): _t(64, 64, 4, 4, 1),
-    ("expand", 16): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
-    ("expand", 32): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
-    ("expand", 64): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
-    ("expand", 128): _t(64, 64, 4, 3, 8, hfirst=True, ystages=3),
-    ("wgrad", 16): _t(64, 64, 4, 4, 1),
-    ("wgrad", 32): _t(64, 128, 4, 3, 1),
-    ("wgrad", 64): _t(64, 128, 4, 3, 1),
-    ("wgrad", 128): _t(32, 64, 4, 4, 1),
+    ("expand", 16): _t(64, 128, 4, 3, 1, hfirst=True, ystages=3),
+    ("expand", 32): _t(64, 64, 4, 3, 1, hfirst=True, ystages=3),
+    ("expand", 64): _t(64, 128, 4, 3, 1, hfirst=True, ystages=3),
+    ("expand", 128): _t(64, 64, 4, 3, 1, hfirst=True, ystages=3),
+    ("wgrad", 16): _t(64, 64, 4, 4, 1, hfirst=True),
+    ("wgrad", 32): _t(64, 128, 4, 3, 1, hfirst=True),
+    ("wgrad", 64): _t(64, 128, 4, 3, 1, hfirst=True),
+    ("wgrad", 128): _t(32, 64, 4, 4, 1, hfirst=True),
     ("dy_fused", 16): _t(64, 256, 8, 3, 2),
     ("dy_fused", 32): _t(64, 512, 8, 3, 2),
     ("dy_fused", 64): _t(64, 256, 8, 3, 2),
@@ -140,8 +140,7 @@ TILES_LARGE: dict[tuple[str, int], TileConfig] = {
     ("expand", 32): _t(64, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 64): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 128): _t(64, 256, 8, 3, 4, hfirst=True, ystages=3),
-    ("wgrad", 16): _t(128, 128, 8, 3, 2),
-    ("wgrad", 128): _t(64, 256, 8, 4, 2),
+    ("wgrad", 128): _t(64, 256, 8, 4, 2, hfirst=True),
     ("dy_fused", 16): _t(64, 512, 8, 3, 2),
     ("dy_pair", 128): _t(64, 128, 8, 3, 2, bh2=256, bt2=64),
     ("dy_band", 16): _t(64, 512, 4, 3, 1, tacc=True),
@@ -298,6 +297,9 @@ def _low_rank_buffer(meta: LoRAMeta, atomic: bool, dtype: torch.dtype, device) -
     return torch.empty(meta.s_numel, dtype=dtype, device=device)
 
 
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+
+
 def _launch_shrink(k, X, W, S, meta, rp, plan, ieee):
     cfg, sched, nsplit, split_len = plan
     _launch(
@@ -312,12 +314,13 @@ def _launch_shrink(k, X, W, S, meta, rp, plan, ieee):
 
 def _launch_wgrad(k, P, X, DW, meta, rp, plan, ieee):
     cfg, sched, blocks, _ = plan
+    hfirst = cfg.hfirst and sched.n <= _MAX_GRID_Y
     _launch(
-        k.wgrad_kernel, (sched.n, blocks),
+        k.wgrad_kernel, (blocks, sched.n) if hfirst else (sched.n, blocks),
         P, X, DW, sched.seg, sched.lo, sched.hi,
         meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
         X.shape[1], X.stride(0), DW.stride(0),
-        BT=cfg.bt, BD=cfg.bh, RP=rp, ATOMIC=sched.split, IEEE=ieee,
+        BT=cfg.bt, BD=cfg.bh, RP=rp, ATOMIC=sched.split, IEEE=ieee, HFIRST=hfirst,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
 
@@ -344,8 +347,6 @@ def _launch_expand(k, S, W, Y, meta, rp, plan, accumulate, ieee):
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
 
-
-_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def expand_stage(S: torch.Tensor, W: torch.Tensor, meta: LoRAMeta, Y: torch.Tensor, accumulate: bool = True) -> None:

@@ -29,8 +29,10 @@ SMALL_TILES = {
     "dy_pair": {"bt": 16, "bh": 32, "bt2": 16, "bh2": 16, "max_chunk": 16},
     "dy_band": {"bt": 16, "bh": 16, "max_chunk": 16, "waves": 0},
 }
-# The same, with the expand's token loop software-pipelined (its Y loads in flight ahead).
-PIPELINED_TILES = {**SMALL_TILES, "expand": {"bt": 16, "bh": 16, "max_chunk": 48, "ystages": 3}}
+# The same, with the expand's token loop software-pipelined (its Y loads in flight ahead)
+# and the weight gradient's grid ordered by item (hidden tiles first).
+PIPELINED_TILES = {**SMALL_TILES, "expand": {"bt": 16, "bh": 16, "max_chunk": 48, "ystages": 3},
+                   "wgrad": {**SMALL_TILES["wgrad"], "hfirst": True}}
 TOL = {torch.float32: 2e-5, torch.float16: 6e-3, torch.bfloat16: 3e-2}
 
 
