@@ -10,6 +10,7 @@ on the copy engines and is slower; both are logged).
     python scripts/bench_kernels.py --out DIR            # bf16 check + the table
     python scripts/bench_kernels.py --sweep --out DIR    # tile sweep first, table on its best
     python scripts/bench_kernels.py --smoke --out DIR    # tiny, CPU, Triton interpreter
+    python scripts/bench_kernels.py --library --out DIR  # stages against library GEMMs
 
 ``--sweep`` times each kernel stage under many tile configurations (compiled first in
 ``--jobs`` parallel processes), checks every variant's output against a float32 reference,
@@ -776,6 +777,61 @@ def trace_rows(log, out: Path) -> None:
     (out / "trace.json").write_text(json.dumps(rows, indent=1))
 
 
+def library_stages(p: Problem) -> dict:
+    """Each stage of the op, and the same product from library GEMMs, for equal ranks.
+
+    torch's grouped GEMM (CUTLASS on Hopper: TMA loads, warp-specialized) takes the jagged
+    segments; cuBLAS's batched GEMM needs equal segments. Neither scales by adapter nor
+    accumulates into y in place (grouped: a separate add, one more pass over y), so they
+    are the best a library gets per product, not a drop-in op."""
+    F = torch.nn.functional
+    m, n, h, G = p.meta, p.t, p.hidden, p.k
+    r = p.ranks[0]
+    A3, B3 = p.A.view(G, r, h), p.B.view(G, r, h)
+    offs = torch.tensor(m.token_starts_host[1:], dtype=torch.int32, device=p.x.device)
+    S2, dS2 = p.S.view(n, r), p.dS.view(n, r)
+    S3, dS3 = S2.view(G, TOKENS, r), dS2.view(G, TOKENS, r)
+    x3, y3 = p.x.view(G, TOKENS, h), p.y.view(G, TOKENS, h)
+    fns = {
+        "shrink": lambda: T.shrink_stage(p.x, p.A, m),
+        "grouped shrink": lambda: F.grouped_mm(p.x, A3.transpose(1, 2), offs=offs),
+        "bmm shrink": lambda: torch.bmm(x3, A3.transpose(1, 2)),
+        "expand": lambda: T.expand_stage(p.S, p.B, m, p.y),
+        "grouped expand + add": lambda: p.y.add_(F.grouped_mm(S2, B3, offs=offs)),
+        "baddbmm expand": lambda: y3.baddbmm_(S3, B3),
+        "wgrad": lambda: T.wgrad_stage(p.dS, p.x, m, p.A),
+        "grouped wgrad": lambda: F.grouped_mm(dS2.t(), p.x, offs=offs),
+        "bmm wgrad": lambda: torch.bmm(dS3.transpose(1, 2), x3),
+        "dy side": lambda: T.dy_stage(p.dy, p.S, p.B, m),
+        "copy (2 passes)": lambda: p.dx.copy_(p.x),
+    }
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        out[name] = t_graph(fn) * 1e3
+    return out
+
+
+def library_rows(log, out: Path) -> None:
+    """Per-stage µs of the equal-rank table rows (``--only`` narrows) against library GEMMs."""
+    bw = copy_bandwidth()[0]
+    rows = []
+    for h, k, rs in table_shapes():
+        if not rs.isdigit() or k < 8:
+            continue
+        p = Problem(h, k, rs)
+        row = {"hidden": h, "K": k, "ranks": rs, "pass_us": p.t * h * p.x.element_size() / bw * 1e6,
+               **library_stages(p)}
+        rows.append(row)
+        log(f"library {h} {k} {rs}: one pass {row['pass_us']:.1f} us; "
+            + ", ".join(f"{name} {v:.1f}" for name, v in row.items() if isinstance(v, float) and name != "pass_us"))
+        del p
+        torch.cuda.empty_cache()
+    (out / "library.json").write_text(json.dumps(rows, indent=1))
+
+
 def table_shapes() -> list[tuple]:
     shapes = [(h, k, rs) for h in HIDDEN for k in KS for rs in RANK_SETS]
     shapes += [(h, 32, "31x8+1x128") for h in HIDDEN if 32 in KS]
@@ -861,6 +917,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in Triton's interpreter")
     ap.add_argument("--trace", action="store_true", help="per-kernel GPU times of the table rows (no table)")
+    ap.add_argument("--library", action="store_true",
+                    help="equal-rank rows, K >= 8: each stage against torch's grouped GEMM and cuBLAS batched GEMMs")
     ap.add_argument("--sweep-kinds", help="stages to sweep, comma-separated (others keep their tiles)")
     ap.add_argument("--sweep-shapes", help="shapes to sweep: hidden:K:ranks patterns (default: the standard set)")
     ap.add_argument("--only", help="table rows to run: comma-separated hidden:K:ranks patterns, '*' matches any")
@@ -887,6 +945,8 @@ def main() -> None:
         apply_tiles(json.loads(args.tiles.read_text()))
     if args.trace:
         return trace_rows(log, args.out)
+    if args.library:
+        return library_rows(log, args.out)
     if args.child == "check":
         result = {"check": check_bf16(log), "layer": layer_rows(log)}
         (args.out / "check.json").write_text(json.dumps(result, indent=1))
