@@ -46,6 +46,16 @@ def _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets):
 
 
 @triton.jit
+def _item_and_tile(HFIRST: tl.constexpr):
+    """(work item, hidden tile) of this program; HFIRST: the grid's first axis runs over
+    the hidden tiles, so neighbouring programs cover one item (`triton_ops._item_grid`)."""
+    if HFIRST:
+        return tl.program_id(1), tl.program_id(0)
+    else:
+        return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _shrink_body(
     X, W, S, lo, hi, ts, r, ro, so, scale, d_lo, d_hi, D, stride_x, stride_w,
     BT: tl.constexpr, BD: tl.constexpr, RP: tl.constexpr,
@@ -173,12 +183,7 @@ def expand_kernel(
     token loop, which keeps YS - 1 tiles of Y in flight through shared memory (H200: the
     expand went from 80% to 87% of copy bandwidth at rank 32, NOTES.md).
     """
-    if HFIRST:  # neighbouring programs cover one token range across the hidden tiles
-        pid = tl.program_id(1)
-        pid_n = tl.program_id(0)
-    else:
-        pid = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    pid, pid_n = _item_and_tile(HFIRST)  # HFIRST: neighbours cover one token range
     seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
     ct = Y.dtype.element_ty
     offs_r = tl.arange(0, RP)
@@ -212,12 +217,7 @@ def wgrad_kernel(
     expand's: neighbouring programs take the hidden tiles of one item, so the programs in
     flight share its rows of P in L2 and stream whole rows of X.
     """
-    if HFIRST:
-        pid = tl.program_id(1)
-        pid_d = tl.program_id(0)
-    else:
-        pid = tl.program_id(0)
-        pid_d = tl.program_id(1)
+    pid, pid_d = _item_and_tile(HFIRST)
     seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
     _wgrad_body(P, X, DW, lo, hi, ts, r, ro, so, pid_d, D, stride_x, stride_dw, BT, BD, RP, ATOMIC, IEEE)
 

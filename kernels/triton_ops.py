@@ -300,6 +300,14 @@ def _low_rank_buffer(meta: LoRAMeta, atomic: bool, dtype: torch.dtype, device) -
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
+def _item_grid(cfg: TileConfig, sched, tiles: int) -> tuple[tuple[int, int], bool]:
+    """Grid of a launch over (work items × hidden tiles) and whether it runs hidden tiles
+    first (``cfg.hfirst``: neighbouring programs share one item), where the items fit
+    on the grid's second axis."""
+    hfirst = cfg.hfirst and sched.n <= _MAX_GRID_Y
+    return ((tiles, sched.n) if hfirst else (sched.n, tiles)), hfirst
+
+
 def _launch_shrink(k, X, W, S, meta, rp, plan, ieee):
     cfg, sched, nsplit, split_len = plan
     _launch(
@@ -314,9 +322,9 @@ def _launch_shrink(k, X, W, S, meta, rp, plan, ieee):
 
 def _launch_wgrad(k, P, X, DW, meta, rp, plan, ieee):
     cfg, sched, blocks, _ = plan
-    hfirst = cfg.hfirst and sched.n <= _MAX_GRID_Y
+    grid, hfirst = _item_grid(cfg, sched, blocks)
     _launch(
-        k.wgrad_kernel, (blocks, sched.n) if hfirst else (sched.n, blocks),
+        k.wgrad_kernel, grid,
         P, X, DW, sched.seg, sched.lo, sched.hi,
         meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
         X.shape[1], X.stride(0), DW.stride(0),
@@ -337,16 +345,15 @@ def shrink_stage(X: torch.Tensor, W: torch.Tensor, meta: LoRAMeta) -> torch.Tens
 
 def _launch_expand(k, S, W, Y, meta, rp, plan, accumulate, ieee):
     cfg, sched, blocks, _ = plan
-    hfirst = cfg.hfirst and sched.n <= _MAX_GRID_Y
+    grid, hfirst = _item_grid(cfg, sched, blocks)
     _launch(
-        k.expand_kernel, (blocks, sched.n) if hfirst else (sched.n, blocks),
+        k.expand_kernel, grid,
         S, W, Y, sched.seg, sched.lo, sched.hi,
         meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
         Y.shape[1], Y.stride(0), W.stride(0),
         BT=cfg.bt, BN=cfg.bh, RP=rp, ACCUM=accumulate, IEEE=ieee, YS=cfg.ystages, HFIRST=hfirst,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
-
 
 
 def expand_stage(S: torch.Tensor, W: torch.Tensor, meta: LoRAMeta, Y: torch.Tensor, accumulate: bool = True) -> None:
