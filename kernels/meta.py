@@ -20,6 +20,13 @@ import torch
 MAX_RANK = 256
 #: Smallest rank bucket: tensor-core dots need at least 16 along every dimension.
 MIN_BUCKET = 16
+#: A rank bucket whose adapters hold fewer tokens than this joins the next larger bucket of
+#: the pack (cumulatively). A launch that small is mostly ramp and tail, so one launch of
+#: the merged adapters beats one each; the merged adapters' padding is still masked, so
+#: they load only their own rank's bytes, and pay the larger bucket in arithmetic only.
+#: Mixed ranks 8-128 on an H100 (NOTES.md, v7): K = 8, h = 2048, 148 -> 127 us; K = 32,
+#: h = 2048 (buckets 16 and 32 join 64), 482 -> 407 us.
+MERGE_BUCKET_TOKENS = 8192
 
 
 def rank_bucket(rank: int) -> int:
@@ -27,7 +34,8 @@ def rank_bucket(rank: int) -> int:
 
     Adapters are grouped by bucket and each group gets its own launch, so an adapter pays
     for its own rank (at most twice it, in arithmetic only: the padding is masked and never
-    loaded), not for the largest rank of the pack.
+    loaded), not for the largest rank of the pack. Buckets with few tokens are merged
+    upwards (`MERGE_BUCKET_TOKENS`, `merged_buckets`).
     """
     b = MIN_BUCKET
     while b < rank:
@@ -66,7 +74,7 @@ class LoRAMeta:
     Device tensors: ``token_starts`` (int32 [K+1]), ``rank_starts`` (int32 [K+1]),
     ``ranks`` (int32 [K]), ``scales`` (float32 [K]) and ``s_offsets`` (int64 [K+1]: where
     adapter k's low-rank activations start in the packed buffer: n_k rows of
-    ``rank_bucket(r_k)`` values, of which the first r_k are used).
+    ``bucket_of_host[k]`` values, of which the first r_k are used).
     The ``*_host`` tuples hold the same numbers on the host, so that no op has to read
     them back from the device. Device tensors (and the schedules made on first use) are
     copied without blocking on the current stream: like any tensor, using them from another
@@ -79,6 +87,7 @@ class LoRAMeta:
     token_starts_host: tuple[int, ...]
     rank_starts_host: tuple[int, ...]
     s_offsets_host: tuple[int, ...]
+    bucket_of_host: tuple[int, ...]  # the bucket (row width of S'/dS) each adapter is launched in
     device: torch.device
     token_starts: torch.Tensor
     rank_starts: torch.Tensor
@@ -170,17 +179,37 @@ class LoRAMeta:
         return [self.tokens_host[k] for k in self.buckets.get(bucket, ())]
 
 
+def merged_buckets(tokens: Sequence[int], ranks: Sequence[int], merge_tokens: int) -> list[int]:
+    """The bucket each adapter is launched in: its own `rank_bucket`, except that buckets
+    holding fewer than ``merge_tokens`` tokens (counting those merged into them) join the
+    next larger bucket of the pack. The largest bucket never changes, so no adapter goes
+    to a bucket above the pack's largest rank; 0 keeps every bucket."""
+    own = [rank_bucket(r) for r in ranks]
+    out = list(own)
+    pending: list[int] = []
+    present = sorted({b for b, n in zip(own, tokens) if n > 0})
+    for i, b in enumerate(present):
+        pending += [k for k, (ob, n) in enumerate(zip(own, tokens)) if ob == b and n > 0]
+        if i == len(present) - 1 or sum(tokens[k] for k in pending) >= merge_tokens:
+            for k in pending:
+                out[k] = b
+            pending = []
+    return out
+
+
 def build_lora_meta(
     tokens_per_adapter: Sequence[int],
     ranks: Sequence[int],
     scales: Sequence[float],
     device: torch.device | str,
+    merge_tokens: int | None = None,
 ) -> LoRAMeta:
     """Build the metadata of one packed step; call once per step, pass it to every layer.
 
     Segments are contiguous in the flattened token dimension, in adapter order; adapter k
     owns rows ``token_starts[k]:token_starts[k+1]`` and rows ``rank_starts[k]:rank_starts[k+1]``
     of the stacked A (R × in) and B (R × out). Segments may be empty; K may be 0.
+    ``merge_tokens`` (default `MERGE_BUCKET_TOKENS`; 0: never) merges small rank buckets.
     """
     tokens = tuple(int(n) for n in tokens_per_adapter)
     rks = tuple(int(r) for r in ranks)
@@ -194,15 +223,16 @@ def build_lora_meta(
     if any(r < 1 for r in rks):
         raise ValueError(f"build_lora_meta: ranks must be >= 1, got {list(rks)}")
     device = torch.device(device)
+    bucket_of = merged_buckets(tokens, rks, MERGE_BUCKET_TOKENS if merge_tokens is None else merge_tokens)
     tstarts, rstarts, soffs = [0], [0], [0]
-    for n, r in zip(tokens, rks):
+    for n, r, b in zip(tokens, rks, bucket_of):
         tstarts.append(tstarts[-1] + n)
         rstarts.append(rstarts[-1] + r)
-        soffs.append(soffs[-1] + n * rank_bucket(r))
+        soffs.append(soffs[-1] + n * b)
     buckets: dict[int, list[int]] = {}
-    for k, (n, r) in enumerate(zip(tokens, rks)):
+    for k, (n, b) in enumerate(zip(tokens, bucket_of)):
         if n > 0:
-            buckets.setdefault(rank_bucket(r), []).append(k)
+            buckets.setdefault(b, []).append(k)
     ints = torch.tensor([tstarts, rstarts, rks + (0,)], dtype=torch.int32).to(device, non_blocking=True)
     return LoRAMeta(
         tokens_host=tokens,
@@ -211,6 +241,7 @@ def build_lora_meta(
         token_starts_host=tuple(tstarts),
         rank_starts_host=tuple(rstarts),
         s_offsets_host=tuple(soffs),
+        bucket_of_host=tuple(bucket_of),
         device=device,
         token_starts=ints[0],
         rank_starts=ints[1],

@@ -9,7 +9,7 @@ function can call either one:
   dx_k += dS_k A_k
 
 where B_k is stored transposed (r_k × out). S' and dS live in one packed buffer: adapter k's
-n_k rows start at ``meta.s_offsets_host[k]``, with row stride ``rank_bucket(r_k)`` (the first
+n_k rows start at ``meta.s_offsets_host[k]``, with row stride ``meta.bucket_of_host[k]`` (the first
 r_k columns are used). Arithmetic is in float32, or float64
 when the inputs are float64 (the test oracle).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .meta import LoRAMeta, rank_bucket
+from .meta import LoRAMeta
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -37,9 +37,9 @@ def _blocks(meta: LoRAMeta):
 
 
 def _rows(buf: torch.Tensor, ts: slice, rs: slice, ss: slice) -> torch.Tensor:
-    """Adapter k's n_k × r_k view of a packed low-rank buffer."""
-    r = rs.stop - rs.start
-    return buf[ss].view(ts.stop - ts.start, rank_bucket(r))[:, :r]
+    """Adapter k's n_k × r_k view of a packed low-rank buffer (rows as wide as its bucket)."""
+    n = ts.stop - ts.start
+    return buf[ss].view(n, (ss.stop - ss.start) // n)[:, : rs.stop - rs.start]
 
 
 def lora_forward_ref(

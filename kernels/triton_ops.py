@@ -109,10 +109,11 @@ def _t(bt, bh, warps, stages, waves, **kw) -> TileConfig:
 #: program then, so their weight gradients need no float32 atomics, zero-fills or casts.
 #: Buckets not listed (256) take `_default_tiles`.
 TILES: dict[tuple[str, int], TileConfig] = {
-    ("shrink", 16): _t(64, 128, 4, 3, 1),
-    ("shrink", 32): _t(64, 64, 4, 4, 1),
+    ("shrink", 16): _t(64, 128, 8, 4, 1),
+    ("shrink", 32): _t(64, 128, 8, 4, 1),
     ("shrink", 64): _t(64, 128, 4, 3, 1),
-    ("shrink", 128): _t(64, 64, 4, 4, 1),
+    ("shrink", 128): _t(64, 128, 8, 4, 1),
+    ("dy_shrink", 128): _t(64, 128, 8, 3, 1),  # beside dB ("split"): one stage less than the forward's
     ("expand", 16): _t(64, 128, 4, 3, 1, hfirst=True, ystages=3),
     ("expand", 32): _t(64, 64, 4, 3, 1, hfirst=True, ystages=3),
     ("expand", 64): _t(64, 128, 4, 3, 1, hfirst=True, ystages=3),
@@ -136,6 +137,7 @@ TILES: dict[tuple[str, int], TileConfig] = {
 TILES_LARGE: dict[tuple[str, int], TileConfig] = {
     ("shrink", 16): _t(32, 128, 4, 3, 2),
     ("shrink", 32): _t(64, 64, 4, 4, 2),
+    ("shrink", 128): _t(64, 64, 4, 4, 1),
     ("expand", 16): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 32): _t(64, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 64): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
@@ -154,6 +156,12 @@ TILES_LARGE: dict[tuple[str, int], TileConfig] = {
 DY_MODE: dict[int, str] = {16: "pair", 32: "pair", 64: "pair", 128: "pair"}
 #: The dy mode of launches past `LARGE_ELEMS` elements, per bucket where it differs.
 DY_MODE_LARGE: dict[int, str] = {16: "band", 32: "band", 128: "split"}
+#: The dy mode of launches of at most `SMALL_ELEMS` elements, per bucket where it differs:
+#: "split" runs dB beside dS (`STAGE_STREAMS`), which at rank 128 beats "pair" there (H100,
+#: whole op, K = 8: h = 2048 128.0 -> 122.0 us, h = 3584 214.4 -> 210.4), not above (K = 32,
+#: h = 2048, 2^26 elements: 445 -> 467).
+DY_MODE_SMALL: dict[int, str] = {128: "split"}
+SMALL_ELEMS = 1 << 25
 _DEFAULT_DY_MODE = "pair"
 
 _OVERRIDES: list[dict] = []
@@ -178,13 +186,23 @@ def tile_overrides(tiles: dict | None = None, dy_mode: str | None = None):
 LARGE_ELEMS = 1 << 26
 
 
+#: Kinds that take another kind's tiles where they have none of their own: the shrink of
+#: dy (the dy side's "split" mode) is the forward's shrink on other operands.
+_TILE_FALLBACK = {"dy_shrink": "shrink"}
+
+
 def tiles_for(kind: str, rp: int, elems: int = 0) -> TileConfig:
     """Tiles of one launch of ``kind`` for bucket ``rp`` over ``elems`` elements."""
-    cfg = (elems > LARGE_ELEMS and TILES_LARGE.get((kind, rp))) or TILES.get((kind, rp)) or _default_tiles(kind, rp)
+    kinds = (kind, _TILE_FALLBACK[kind]) if kind in _TILE_FALLBACK else (kind,)
+    cfg = None
+    for kd in kinds:
+        cfg = cfg or (elems > LARGE_ELEMS and TILES_LARGE.get((kd, rp))) or TILES.get((kd, rp))
+    cfg = cfg or _default_tiles(kinds[-1], rp)
     for ov in _OVERRIDES:
-        for key in (kind, (kind, rp)):
-            if key in ov["tiles"]:
-                cfg = replace(cfg, **ov["tiles"][key])
+        for kd in reversed(kinds):
+            for key in (kd, (kd, rp)):
+                if key in ov["tiles"]:
+                    cfg = replace(cfg, **ov["tiles"][key])
     return cfg
 
 
@@ -195,6 +213,8 @@ def dy_mode_for(rp: int, elems: int = 0) -> str:
             return ov["dy_mode"]
     if elems > LARGE_ELEMS and rp in DY_MODE_LARGE:
         return DY_MODE_LARGE[rp]
+    if elems <= SMALL_ELEMS and rp in DY_MODE_SMALL:
+        return DY_MODE_SMALL[rp]
     return DY_MODE.get(rp, _DEFAULT_DY_MODE)
 
 
@@ -231,10 +251,18 @@ def _whole_segments(lengths: list[int], cfg: TileConfig) -> int:
     return ct
 
 
-def _chunk_tokens(lengths: list[int], hidden_tiles: int, cfg: TileConfig, sms: int) -> int:
-    """Tokens per program: whole segments if that gives enough programs, else halve."""
+#: A launch whose segments are cut only to fill the GPU keeps them whole when it already has
+#: this share of the programs it aims at: cutting sums the cuts' weight gradients with float32
+#: atomics, a zero-fill and a cast, for a few more programs (K = 8 × 1024 tokens of a
+#: 128-column tile at h = 2048 is 128 programs on 132 SMs).
+FILL = 0.9
+
+
+def _chunk_tokens(lengths: list[int], hidden_tiles: int, cfg: TileConfig, sms: int, fill: float = 1.0) -> int:
+    """Tokens per program: whole segments if that gives ``fill`` of the programs the tiles aim
+    at (``waves`` × SMs), else halve."""
     ct = _whole_segments(lengths, cfg)
-    target = cfg.waves * sms
+    target = cfg.waves * sms * fill
     while ct > cfg.bt and sum(_cdiv(n, ct) for n in lengths) * hidden_tiles < target:
         ct = max(cfg.bt, _cdiv(ct // 2, cfg.bt) * cfg.bt)
     return ct
@@ -258,6 +286,13 @@ def _launch_elems(meta: LoRAMeta, rp: int, d: int) -> int:
     return sum(meta.bucket_tokens(rp)) * d
 
 
+#: A shrink splits the hidden dimension (partial sums in a zeroed float32 buffer, cast once)
+#: only from this hidden size up: below it each program's loop is short, and the zero-fill,
+#: the atomics and the cast cost more than the programs it adds (H100, K = 8, rank 128:
+#: h = 2048 134 -> 130 us, h = 3584 229 -> 217 us unsplit; h = 11008 627 split, 637 not).
+SPLIT_MIN_HIDDEN = 4096
+
+
 def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
     """Tiles, schedule and grid of one launch; cached in the meta (once per step and shape)."""
     cfg = tiles_for(kind, rp, _launch_elems(meta, rp, d))
@@ -267,9 +302,11 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
         if hit is not None:
             return hit
     blocks = _cdiv(d, cfg.bh)
-    if kind == "shrink":  # one BT-token tile per program; split the hidden dim to fill the GPU
+    if kind in ("shrink", "dy_shrink"):  # one BT-token tile per program; split the hidden dim to fill the GPU
         sched = meta.schedule(rp, cfg.bt)
         split = min(max(1, math.ceil(cfg.waves * sms / max(sched.n, 1))), max(1, blocks // 2))
+        if d < SPLIT_MIN_HIDDEN:
+            split = 1
         split_len = _cdiv(blocks, split) * cfg.bh
         plan = (cfg, sched, _cdiv(d, split_len), split_len)
     elif kind == "dy_pair":
@@ -282,8 +319,9 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
     elif kind == "dy_band":  # whole segments (dB complete in one program), one band each
         sched = meta.schedule(rp, _whole_segments(meta.bucket_tokens(rp), cfg))
         plan = (cfg, sched, blocks, meta.schedule(rp, BAND_SUM_TOKENS))
-    else:  # chunks of tokens per program, one hidden tile each
-        sched = meta.schedule(rp, _chunk_tokens(meta.bucket_tokens(rp), blocks, cfg, sms))
+    else:  # chunks of tokens per program, one hidden tile each (weight gradients: atomics if cut)
+        fill = FILL if kind == "wgrad" else 1.0
+        sched = meta.schedule(rp, _chunk_tokens(meta.bucket_tokens(rp), blocks, cfg, sms, fill))
         plan = (cfg, sched, blocks, 0)
     if not _OVERRIDES:
         meta._schedules[key] = plan
@@ -367,31 +405,85 @@ def expand_stage(S: torch.Tensor, W: torch.Tensor, meta: LoRAMeta, Y: torch.Tens
 #: bucket's tail overlaps the others' work (a pack of mixed ranks is one launch per bucket
 #: and stage, each too small to fill the GPU to its end on its own).
 BUCKET_STREAMS = True  # H200: mixed-rank packs 1.11-1.41x faster than on one stream (NOTES.md)
-_STREAMS: dict[str, list] = {}
+#: Run a bucket's independent backward launches side by side on streams of their own: dA
+#: beside dx (both read only dS), and dB beside dS where they are two launches ("split").
+#: Small launches are mostly ramp and tail; side by side, one's tail overlaps the other.
+STAGE_STREAMS = True
+_POOL: dict[str, list] = {}
+_BUSY: list[int] = []  # streams that the forks in progress run on
+
+
+def _free_streams(device: torch.device, n: int, busy: set[int]) -> list:
+    """``n`` streams of our own, none of them in ``busy``.
+
+    torch hands out streams round-robin from a small pool, so a stream someone else made
+    (a benchmark's, a graph capture's) can be one of ours: a fork onto the stream it forks
+    from, or two concurrent chains on one stream, would run in series. So every fork takes
+    streams that no fork in progress, and not the current stream, is using."""
+    pool = _POOL.setdefault(str(device), [])
+    free = [st for st in pool if st.cuda_stream not in busy]
+    tries = 0
+    while len(free) < n:
+        st = torch.cuda.Stream(device)
+        tries += 1
+        if tries > 256:
+            raise RuntimeError("no free CUDA stream for the packed LoRA kernels")
+        if all(st.cuda_stream != q.cuda_stream for q in pool):
+            pool.append(st)
+            if st.cuda_stream not in busy:
+                free.append(st)
+    return free[:n]
+
+
+def _fork(device: torch.device, fns, first_here: bool) -> None:
+    """Run ``fns`` after what the current stream holds, each on a stream of its own (the
+    first on the current one when ``first_here``); the current stream then waits for all.
+
+    Everything the functions touch is allocated before and disjoint between them but for
+    what they only read (rows of S'/dS, of A/B and their gradients, of y/dx); as the current
+    stream waits for every side stream before returning, later work and frees come after."""
+    main = torch.cuda.current_stream(device)
+    outermost = not _BUSY
+    busy = {*_BUSY, main.cuda_stream}
+    sides = _free_streams(device, len(fns) - (1 if first_here else 0), busy)
+    # a nested fork's streams stay taken until the outermost one returns: the chains of two
+    # buckets are enqueued one after the other, but run at once
+    _BUSY.extend(st.cuda_stream for st in sides)
+    if outermost:
+        _BUSY.append(main.cuda_stream)
+    try:
+        for st in sides:
+            st.wait_stream(main)
+        if first_here:
+            fns[0]()
+        for st, fn in zip(sides, fns[1:] if first_here else fns):
+            with torch.cuda.stream(st):
+                fn()
+        for st in sides:
+            main.wait_stream(st)
+    finally:
+        if outermost:
+            _BUSY.clear()
 
 
 def _each_bucket(meta: LoRAMeta, device: torch.device, chain) -> None:
-    """``chain(rp)`` for every bucket: in order, or forked onto side streams and joined.
-
-    Everything a chain touches is allocated before the fork and is disjoint between
-    buckets (rows of S'/dS, of A/B and their gradients, of y/dx); the current stream waits
-    for every side stream before returning, so later work and frees are ordered after.
-    """
+    """``chain(rp)`` for every bucket: in order, or each on a stream of its own and joined."""
     rps = list(meta.buckets)
     if len(rps) <= 1 or not BUCKET_STREAMS or WARMUP_ONLY or device.type != "cuda":
         for rp in rps:
             chain(rp)
         return
-    main = torch.cuda.current_stream(device)
-    pool = _STREAMS.setdefault(str(device), [])
-    while len(pool) < len(rps):
-        pool.append(torch.cuda.Stream(device))
-    for stream, rp in zip(pool, rps):
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            chain(rp)
-    for stream in pool[: len(rps)]:
-        main.wait_stream(stream)
+    _fork(device, [lambda rp=rp: chain(rp) for rp in rps], first_here=False)
+
+
+def _side_by_side(device: torch.device, *fns) -> None:
+    """``fns`` of one bucket's chain: the first on the current stream, the others on side
+    streams (`STAGE_STREAMS`), or all in order."""
+    if len(fns) <= 1 or not STAGE_STREAMS or WARMUP_ONLY or device.type != "cuda":
+        for fn in fns:
+            fn()
+        return
+    _fork(device, fns, first_here=True)
 
 
 class _GradBuffer:
@@ -503,7 +595,7 @@ def _dy_mode(meta: LoRAMeta, rp: int, d_out: int, sms: int) -> str:
 def _dy_plans(meta: LoRAMeta, d_out: int, sms: int):
     modes = {rp: _dy_mode(meta, rp, d_out, sms) for rp in meta.buckets}
     plans = {rp: _plan(meta, _DY_KINDS[m], rp, d_out, sms) for rp, m in modes.items()}
-    shrink = {rp: _plan(meta, "shrink", rp, d_out, sms) for rp, m in modes.items() if m == "split"}
+    shrink = {rp: _plan(meta, "dy_shrink", rp, d_out, sms) for rp, m in modes.items() if m == "split"}
     atomic_ds = any(m == "fused" for m in modes.values()) or any(p[2] > 1 for p in shrink.values())
     return modes, plans, shrink, atomic_ds, any(p[1].split for p in plans.values())
 
@@ -540,8 +632,11 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
                 blocks, P.stride(0), BT=BAND_SUM_TOKENS, RP=rp, num_warps=4,
             )
     else:
-        _launch_shrink(k, dy, B, dS, meta, rp, shrink_plan, ieee)
-        _launch_wgrad(k, S, dy, dB, meta, rp, plan, ieee)
+        _side_by_side(
+            dy.device,
+            lambda: _launch_shrink(k, dy, B, dS, meta, rp, shrink_plan, ieee),
+            lambda: _launch_wgrad(k, S, dy, dB, meta, rp, plan, ieee),
+        )
 
 
 def dy_stage(dy: torch.Tensor, S: torch.Tensor, B: torch.Tensor, meta: LoRAMeta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -603,13 +698,34 @@ def lora_backward(
     gA = _GradBuffer(A, atomic_da, meta.has_empty_adapter)
 
     def x_side(rp: int, dS: torch.Tensor) -> None:
-        _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)
+        dA = lambda: _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)  # noqa: E731
         if need_dx:
-            _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee)
+            _side_by_side(x.device, dA, lambda: _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee))
+        else:
+            dA()
 
-    _write_then_read(
-        meta, x.device, dS, dy.dtype,
-        lambda rp: _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee),
-        x_side,
-    )
+    def dy_side(rp: int) -> None:
+        _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee)
+
+    def chain(rp: int) -> None:
+        """One bucket's backward. Where dB is a launch of its own ("split") it needs only
+        S' and dy, so it runs beside the whole dS -> (dA, dx) chain, not just beside dS."""
+        if modes[rp] == "split" and DB_BESIDE_CHAIN:
+            _side_by_side(
+                x.device,
+                lambda: (_launch_shrink(k, dy, B, dS, meta, rp, shrink[rp], ieee), x_side(rp, dS)),
+                lambda: _launch_wgrad(k, S, dy, gB.buf, meta, rp, plans[rp], ieee),
+            )
+        else:
+            dy_side(rp)
+            x_side(rp, dS)
+
+    if dS.dtype == dy.dtype:  # no cast between writing dS and reading it
+        _each_bucket(meta, x.device, chain)
+    else:
+        dS = _write_then_read(meta, x.device, dS, dy.dtype, dy_side, x_side)
     return gA.result(), gB.result(), (dx if need_dx else None)
+
+
+#: "split" buckets: dB beside the bucket's whole dS -> (dA, dx) chain (else beside dS only).
+DB_BESIDE_CHAIN = True

@@ -129,25 +129,32 @@ def triton_cpu(monkeypatch):
 F32, F16 = torch.float32, torch.float16
 
 
+# merge_tokens of the metas: 0 keeps one bucket per rank class (as large packs have), which
+# the tiny token counts here would otherwise all merge into one (`MERGE_BUCKET_TOKENS`).
+SEPARATE, MERGED = 0, None
+
+
 @pytest.mark.parametrize(
-    "dtype,tiles,dy_mode",
+    "dtype,tiles,dy_mode,merge",
     [
-        (F32, None, "pair"),
-        (F16, None, "pair"),
-        (F16, None, "split"),
-        (F32, SMALL_TILES, "fused"),
-        (F32, SMALL_TILES, "split"),
-        (F16, SMALL_TILES, "pair"),
-        (F32, PIPELINED_TILES, "pair"),
-        (F32, SMALL_TILES, "band"),
-        (F16, {"dy_band": {"waves": 0}}, "band"),
-        (F32, {**SMALL_TILES, "dy_band": {"bt": 16, "bh": 32, "waves": 0, "tacc": True}}, "band"),
+        (F32, None, "pair", SEPARATE),
+        (F16, None, "pair", SEPARATE),
+        (F16, None, "split", SEPARATE),
+        (F32, SMALL_TILES, "fused", SEPARATE),
+        (F32, SMALL_TILES, "split", SEPARATE),
+        (F16, SMALL_TILES, "pair", SEPARATE),
+        (F32, PIPELINED_TILES, "pair", SEPARATE),
+        (F32, SMALL_TILES, "band", SEPARATE),
+        (F16, {"dy_band": {"waves": 0}}, "band", SEPARATE),
+        (F32, {**SMALL_TILES, "dy_band": {"bt": 16, "bh": 32, "waves": 0, "tacc": True}}, "band", SEPARATE),
+        (F32, SMALL_TILES, "pair", MERGED),
+        (F16, SMALL_TILES, "split", MERGED),
     ],
 )
-def test_triton_matches_oracle(triton_cpu, dtype, tiles, dy_mode):
+def test_triton_matches_oracle(triton_cpu, dtype, tiles, dy_mode, merge):
     rng = _rng()
     tokens, ranks, scales, d_in, d_out = _problem(rng)
-    meta = build_lora_meta(tokens, ranks, scales, "cpu")
+    meta = build_lora_meta(tokens, ranks, scales, "cpu", merge_tokens=merge)
     ts = _tensors(rng, tokens, ranks, d_in, d_out, dtype)
     with triton_ops.tile_overrides(tiles, dy_mode=dy_mode):
         got = _run(ts, meta, "triton")
@@ -159,7 +166,7 @@ def test_triton_lora_x_and_uncovered_rows(triton_cpu, dtype):
     """Dropout-ed LoRA input, and rows past the last segment (they get the base output)."""
     rng = _rng()
     tokens, ranks, scales, d_in, d_out = _problem(rng, k=4)
-    meta = build_lora_meta(tokens, ranks, scales, "cpu")
+    meta = build_lora_meta(tokens, ranks, scales, "cpu", merge_tokens=SEPARATE)
     ts = _tensors(rng, tokens, ranks, d_in, d_out, dtype, extra_rows=3)
     with triton_ops.tile_overrides(SMALL_TILES, dy_mode="pair"):
         got = _run(ts, meta, "triton", use_lora_x=True)
@@ -167,14 +174,15 @@ def test_triton_lora_x_and_uncovered_rows(triton_cpu, dtype):
 
 
 @pytest.mark.parametrize("dy_mode", ["pair", "split"])
-def test_low_rank_buffers_summed_in_float32_are_kept_in_the_compute_dtype(triton_cpu, dy_mode):
+def test_low_rank_buffers_summed_in_float32_are_kept_in_the_compute_dtype(triton_cpu, dy_mode, monkeypatch):
     """A shrink that splits the hidden dimension sums S' (and, on the dy side, dS) in
     float32; the op casts it once, so S' is kept and dS read in float16, and results hold."""
+    monkeypatch.setattr(triton_ops, "SPLIT_MIN_HIDDEN", 0)  # split at these small sizes too
     rng = _rng()
     tokens, ranks = [0, 1, 37, 5], [8, 128, 100, 1]
     scales = [rng.uniform(0.25, 4.0) for _ in ranks]
     d_in, d_out = 200 + rng.randint(0, 40), 200 + rng.randint(0, 40)  # several hidden tiles to split
-    meta = build_lora_meta(tokens, ranks, scales, "cpu")
+    meta = build_lora_meta(tokens, ranks, scales, "cpu", merge_tokens=SEPARATE)
     ts = _tensors(rng, tokens, ranks, d_in, d_out, F16)
     with triton_ops.tile_overrides({"shrink": {"bt": 16, "bh": 32}}, dy_mode=dy_mode):
         assert triton_ops._forward_plans(meta, d_in, d_out, triton_ops._num_sms(ts["x"].device))[2]
@@ -187,7 +195,7 @@ def test_low_rank_buffers_summed_in_float32_are_kept_in_the_compute_dtype(triton
 def test_reference_matches_oracle():
     rng = _rng()
     tokens, ranks, scales, d_in, d_out = _problem(rng)
-    meta = build_lora_meta(tokens, ranks, scales, "cpu")
+    meta = build_lora_meta(tokens, ranks, scales, "cpu", merge_tokens=SEPARATE)
     ts = _tensors(rng, tokens, ranks, d_in, d_out, torch.float32)
     _compare(_run(ts, meta, "torch"), _oracle(ts, tokens, ranks, scales), TOL[torch.float32], "torch")
     _compare(
@@ -202,7 +210,7 @@ def test_ops_against_float64_reference(triton_cpu):
     """The low-level ops (forward into y, backward into dx) and the packed S' buffer."""
     rng = _rng()
     tokens, ranks, scales, d_in, d_out = _problem(rng, k=4)
-    meta = build_lora_meta(tokens, ranks, scales, "cpu")
+    meta = build_lora_meta(tokens, ranks, scales, "cpu", merge_tokens=SEPARATE)
     ts = _tensors(rng, tokens, ranks, d_in, d_out, torch.float32)
     x, A, B, dy = ts["x"], ts["A"], ts["B"], ts["dy"]
     y0, dx0 = torch.randn(x.shape[0], d_out), torch.randn_like(x)
@@ -223,7 +231,7 @@ def test_ops_against_float64_reference(triton_cpu):
 def test_delta_is_the_lora_term(triton_cpu):
     rng = _rng()
     tokens, ranks, scales, d_in, d_out = _problem(rng, k=4)
-    meta = build_lora_meta(tokens, ranks, scales, "cpu")
+    meta = build_lora_meta(tokens, ranks, scales, "cpu", merge_tokens=SEPARATE)
     ts = _tensors(rng, tokens, ranks, d_in, d_out, torch.float32)
     want = torch.zeros(sum(tokens), d_out, dtype=torch.float64)
     ref = reference.lora_forward_ref(ts["x"].double(), ts["A"].double(), ts["B"].double(), meta, want)
@@ -290,14 +298,39 @@ def test_meta_layout_and_validation():
         build_lora_meta([1, 2], [8], [1.0], "cpu")
 
 
+def test_small_rank_buckets_merge_upwards():
+    """Buckets with fewer than `merge_tokens` tokens (with what joined them) go up into
+    the next bucket of the pack; large ones keep their own launch; the largest never moves."""
+    from plora.kernels.meta import merged_buckets
+
+    mixed8 = [8, 25, 42, 59, 77, 94, 111, 128]
+    assert merged_buckets([1024] * 8, mixed8, 8192) == [128] * 8
+    mixed32 = [round(8 + 120 * i / 31) for i in range(32)]
+    got = merged_buckets([1024] * 32, mixed32, 8192)
+    assert got == [64 if r <= 64 else 128 for r in mixed32]  # 16 and 32 (7 adapters) join 64
+    assert merged_buckets([1024] * 32, [8] * 31 + [128], 8192) == [16] * 31 + [128]
+    assert merged_buckets([1024] * 4, [8, 8, 200, 100], 0) == [16, 16, 256, 128]
+    assert merged_buckets([0, 5, 5], [300, 8, 100], 8192) == [512, 128, 128]  # no tokens: no launch, kept
+    meta = build_lora_meta([3, 5, 2], [8, 100, 1], [1.0] * 3, "cpu")
+    assert meta.buckets == {128: (0, 1, 2)} and meta.bucket_of_host == (128, 128, 128)
+    assert meta.s_numel == 10 * 128 and meta.s_offsets.tolist() == [0, 384, 1024, 1280]
+    assert build_lora_meta([3, 5, 2], [8, 100, 1], [1.0] * 3, "cpu", merge_tokens=0).buckets == {16: (0, 2), 128: (1,)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "dy_mode,streams", [("split", True), ("fused", True), ("pair", True), ("pair", False), ("band", True), (None, True)]
+    "dy_mode,streams,merge",
+    [("split", True, SEPARATE), ("fused", True, SEPARATE), ("pair", True, SEPARATE), ("pair", False, SEPARATE),
+     ("band", True, SEPARATE), (None, True, SEPARATE), ("split", True, MERGED), (None, True, MERGED),
+     ("split", False, MERGED)],
 )
-def test_gpu_bf16(dy_mode, streams, monkeypatch):
-    """Compiled kernels in bf16; rank buckets on their own streams (the default) or on one."""
+def test_gpu_bf16(dy_mode, streams, merge, monkeypatch):
+    """Compiled kernels in bf16; rank buckets, and a bucket's independent backward
+    launches, on their own streams (the default) or on one; buckets one per rank class
+    or merged as small packs are."""
     monkeypatch.setattr(triton_ops, "BUCKET_STREAMS", streams)
+    monkeypatch.setattr(triton_ops, "STAGE_STREAMS", streams)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("PLORA_KERNELS", raising=False)
     rng = _rng()
@@ -305,7 +338,8 @@ def test_gpu_bf16(dy_mode, streams, monkeypatch):
     ranks = [8, 128, 100, 1, 8, 256]
     scales = [rng.uniform(0.25, 4.0) for _ in ranks]
     d_in, d_out = 1000 + rng.randint(0, 100), 3584
-    meta = build_lora_meta(tokens, ranks, scales, "cuda")
+    meta = build_lora_meta(tokens, ranks, scales, "cuda", merge_tokens=merge)
+    assert len(meta.buckets) == (1 if merge is MERGED else 3)
     ts = _tensors(rng, tokens, ranks, d_in, d_out, torch.bfloat16, device="cuda")
     # "band" on every bucket it takes, even with too few programs to choose it by itself
     with triton_ops.tile_overrides({"dy_band": {"waves": 0}} if dy_mode == "band" else None, dy_mode=dy_mode):
@@ -315,14 +349,44 @@ def test_gpu_bf16(dy_mode, streams, monkeypatch):
     _compare(got_lx, _oracle(ts, tokens, ranks, scales, use_lora_x=True), TOL[torch.bfloat16], "bf16 lora_x")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forks_never_share_a_stream():
+    """Nested forks (buckets, then each bucket's side-by-side launches) run on streams
+    distinct from each other and from the stream they fork from, even when that stream is
+    one of the kernels' own (torch hands streams out round-robin from a small pool)."""
+    dev = torch.device("cuda")
+    triton_ops._free_streams(dev, 4, set())
+    seen: list[tuple[str, int]] = []
+
+    def leaf(tag):
+        return lambda: seen.append((tag, torch.cuda.current_stream(dev).cuda_stream))
+
+    def chain(b):
+        seen.append((f"chain{b}", torch.cuda.current_stream(dev).cuda_stream))
+        triton_ops._fork(dev, [leaf(f"a{b}"), leaf(f"b{b}")], first_here=True)
+
+    outer = triton_ops._POOL[str(dev)][0]
+    with torch.cuda.stream(outer):
+        triton_ops._fork(dev, [lambda b=b: chain(b) for b in range(3)], first_here=False)
+    got = dict(seen)
+    assert got["a0"] == got["chain0"] and got["a2"] == got["chain2"]  # first fn stays on its chain
+    side = [got[k] for k in ("chain0", "chain1", "chain2", "b0", "b1", "b2")]
+    assert len(set(side)) == 6 and outer.cuda_stream not in side
+    assert not triton_ops._BUSY
+
+
 def test_dy_mode_depends_on_launch_size(monkeypatch):
-    """A bucket's dy mode is `DY_MODE`'s, or `DY_MODE_LARGE`'s past `LARGE_ELEMS` elements;
-    an override beats both."""
+    """A bucket's dy mode is `DY_MODE`'s, or `DY_MODE_LARGE`'s past `LARGE_ELEMS` elements,
+    or `DY_MODE_SMALL`'s up to `SMALL_ELEMS`; an override beats them all."""
     monkeypatch.setattr(triton_ops, "DY_MODE", {16: "pair"})
     monkeypatch.setattr(triton_ops, "DY_MODE_LARGE", {16: "band"})
     big = triton_ops.LARGE_ELEMS + 1
     assert triton_ops.dy_mode_for(16, 1024) == "pair"
     assert triton_ops.dy_mode_for(16, big) == "band"
     assert triton_ops.dy_mode_for(32, big) == "pair"  # not listed: the default
+    monkeypatch.setattr(triton_ops, "DY_MODE_SMALL", {16: "split"})
+    assert triton_ops.dy_mode_for(16, triton_ops.SMALL_ELEMS) == "split"
+    assert triton_ops.dy_mode_for(16, triton_ops.SMALL_ELEMS + 1) == "pair"
     with triton_ops.tile_overrides(dy_mode="split"):
         assert triton_ops.dy_mode_for(16, big) == "split"
