@@ -138,6 +138,7 @@ TILES_LARGE: dict[tuple[str, int], TileConfig] = {
     ("shrink", 16): _t(32, 128, 4, 3, 2),
     ("shrink", 32): _t(64, 64, 4, 4, 2),
     ("shrink", 128): _t(64, 64, 4, 4, 1),
+    ("dy_shrink", 128): _t(64, 64, 4, 4, 1),
     ("expand", 16): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 32): _t(64, 128, 4, 3, 16, hfirst=True, ystages=3),
     ("expand", 64): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
