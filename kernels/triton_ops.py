@@ -306,8 +306,7 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
     if kind in ("shrink", "dy_shrink"):  # one BT-token tile per program; split the hidden dim to fill the GPU
         sched = meta.schedule(rp, cfg.bt)
         split = min(max(1, math.ceil(cfg.waves * sms / max(sched.n, 1))), max(1, blocks // 2))
-        if d < SPLIT_MIN_HIDDEN:
-            split = 1
+        split = 1 if d < SPLIT_MIN_HIDDEN else split
         split_len = _cdiv(blocks, split) * cfg.bh
         plan = (cfg, sched, _cdiv(d, split_len), split_len)
     elif kind == "dy_pair":
@@ -410,6 +409,8 @@ BUCKET_STREAMS = True  # H200: mixed-rank packs 1.11-1.41x faster than on one st
 #: beside dx (both read only dS), and dB beside dS where they are two launches ("split").
 #: Small launches are mostly ramp and tail; side by side, one's tail overlaps the other.
 STAGE_STREAMS = True
+#: "split" buckets: dB beside the bucket's whole dS -> (dA, dx) chain (else beside dS only).
+DB_BESIDE_CHAIN = True
 _POOL: dict[str, list] = {}
 _BUSY: list[int] = []  # streams that the forks in progress run on
 
@@ -514,17 +515,20 @@ def wgrad_stage(P: torch.Tensor, X: torch.Tensor, meta: LoRAMeta, like: torch.Te
     return g.result()
 
 
-def _write_then_read(meta: LoRAMeta, device: torch.device, buf: torch.Tensor, dtype: torch.dtype, write, read):
+def _write_then_read(
+    meta: LoRAMeta, device: torch.device, buf: torch.Tensor, dtype: torch.dtype, write, read, chain=None
+):
     """``write(rp)`` fills a packed low-rank buffer (S' or dS) for every bucket, then
     ``read(rp, buf)`` uses it; returns the buffer as read.
 
     Each bucket writes and reads only its own rows, so a bucket's write and read go in one
-    chain. A buffer summed atomically in float32 is instead written for every bucket, cast
-    once to the compute dtype, and then read: its readers re-read it once per hidden tile,
-    and in float32 that traffic doubles.
+    chain (``chain(rp)`` when given, else the write then the read). A buffer summed
+    atomically in float32 is instead written for every bucket, cast once to the compute
+    dtype, and then read: its readers re-read it once per hidden tile, and in float32 that
+    traffic doubles.
     """
     if buf.dtype == dtype:
-        _each_bucket(meta, device, lambda rp: (write(rp), read(rp, buf)))
+        _each_bucket(meta, device, chain or (lambda rp: (write(rp), read(rp, buf))))
         return buf
     _each_bucket(meta, device, write)
     buf = buf.to(dtype)
@@ -699,18 +703,18 @@ def lora_backward(
     gA = _GradBuffer(A, atomic_da, meta.has_empty_adapter)
 
     def x_side(rp: int, dS: torch.Tensor) -> None:
-        dA = lambda: _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)  # noqa: E731
+        fns = [lambda: _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)]
         if need_dx:
-            _side_by_side(x.device, dA, lambda: _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee))
-        else:
-            dA()
+            fns.append(lambda: _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee))
+        _side_by_side(x.device, *fns)
 
     def dy_side(rp: int) -> None:
         _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee)
 
     def chain(rp: int) -> None:
-        """One bucket's backward. Where dB is a launch of its own ("split") it needs only
-        S' and dy, so it runs beside the whole dS -> (dA, dx) chain, not just beside dS."""
+        """One bucket's backward when no cast comes between dS and its readers. Where dB
+        is a launch of its own ("split") it needs only S' and dy, so it runs beside the
+        whole dS -> (dA, dx) chain, not just beside dS."""
         if modes[rp] == "split" and DB_BESIDE_CHAIN:
             _side_by_side(
                 x.device,
@@ -721,12 +725,5 @@ def lora_backward(
             dy_side(rp)
             x_side(rp, dS)
 
-    if dS.dtype == dy.dtype:  # no cast between writing dS and reading it
-        _each_bucket(meta, x.device, chain)
-    else:
-        dS = _write_then_read(meta, x.device, dS, dy.dtype, dy_side, x_side)
+    _write_then_read(meta, x.device, dS, dy.dtype, dy_side, x_side, chain)
     return gA.result(), gB.result(), (dx if need_dx else None)
-
-
-#: "split" buckets: dB beside the bucket's whole dS -> (dA, dx) chain (else beside dS only).
-DB_BESIDE_CHAIN = True
