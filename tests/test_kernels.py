@@ -390,3 +390,31 @@ def test_dy_mode_depends_on_launch_size(monkeypatch):
     assert triton_ops.dy_mode_for(16, triton_ops.SMALL_ELEMS + 1) == "pair"
     with triton_ops.tile_overrides(dy_mode="split"):
         assert triton_ops.dy_mode_for(16, big) == "split"
+
+
+@pytest.mark.parametrize("dx_first_elems,first", [(1 << 40, "dx"), (0, "dA")])
+def test_small_backward_launches_dx_before_da(triton_cpu, dx_first_elems, first, monkeypatch):
+    """dA and dx both read only dS; side by side, the one enqueued first gets the SMs first,
+    so small launches (`DX_FIRST_ELEMS`) enqueue the longer one, dx, first. Results hold
+    either way."""
+    monkeypatch.setattr(triton_ops, "DX_FIRST_ELEMS", dx_first_elems)
+    order: list[str] = []
+    wgrad, expand = triton_ops._launch_wgrad, triton_ops._launch_expand
+
+    def rec(name, fn):
+        def launch(*args):
+            order.append(name)
+            return fn(*args)
+        return launch
+
+    rng = _rng()
+    tokens, ranks, scales, d_in, d_out = _problem(rng)
+    meta = build_lora_meta(tokens, ranks, scales, "cpu", merge_tokens=MERGED)
+    ts = _tensors(rng, tokens, ranks, d_in, d_out, F32)
+    monkeypatch.setattr(triton_ops, "_launch_wgrad", rec("dA", wgrad))
+    monkeypatch.setattr(triton_ops, "_launch_expand", rec("dx", expand))
+    with triton_ops.tile_overrides(SMALL_TILES, dy_mode="pair"):
+        got = _run(ts, meta, "triton")
+    assert len(meta.buckets) == 1 and order[0] == "dx"  # the forward's expand, then the backward's x side
+    assert order[-2:] == [first, "dA" if first == "dx" else "dx"]
+    _compare(got, _oracle(ts, tokens, ranks, scales), TOL[F32], f"{first} first")
