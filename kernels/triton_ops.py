@@ -680,7 +680,8 @@ def _backward_plans(meta: LoRAMeta, d_in: int, d_out: int, sms: int, need_dx: bo
         dy = _dy_plans(meta, d_out, sms)
         wgrad = {rp: _plan(meta, "wgrad", rp, d_in, sms) for rp in meta.buckets}
         expand = {rp: _plan(meta, "expand", rp, d_in, sms) for rp in meta.buckets} if need_dx else {}
-        return (*dy, wgrad, expand, any(p[1].split for p in wgrad.values()))
+        dx_first = {rp for rp in expand if _launch_elems(meta, rp, d_in) <= DX_FIRST_ELEMS}
+        return (*dy, wgrad, expand, dx_first, any(p[1].split for p in wgrad.values()))
 
     return _cached(meta, ("backward", d_in, d_out, sms, need_dx), build)
 
@@ -702,7 +703,7 @@ def lora_backward(
     accumulate = dx is not None
     if need_dx and dx is None:
         dx = (torch.empty_like if meta.num_tokens == x.shape[0] else torch.zeros_like)(x)
-    modes, plans, shrink, atomic_ds, atomic_db, wgrad, expand, atomic_da = _backward_plans(
+    modes, plans, shrink, atomic_ds, atomic_db, wgrad, expand, dx_first, atomic_da = _backward_plans(
         meta, x.shape[1], dy.shape[1], sms, need_dx)
     dS = _low_rank_buffer(meta, atomic_ds, dy.dtype, dy.device)
     gB = _GradBuffer(B, atomic_db, meta.has_empty_adapter)
@@ -712,7 +713,7 @@ def lora_backward(
         fns = [lambda: _launch_wgrad(k, dS, x, gA.buf, meta, rp, wgrad[rp], ieee)]
         if need_dx:
             fns.append(lambda: _launch_expand(k, dS, A, dx, meta, rp, expand[rp], accumulate, ieee))
-            if _launch_elems(meta, rp, x.shape[1]) <= DX_FIRST_ELEMS:
+            if rp in dx_first:
                 fns.reverse()
         _side_by_side(x.device, *fns)
 
