@@ -226,7 +226,7 @@ def wgrad_kernel(
 def dy_pair_kernel(
     DY, B, SP, DS, DB,
     kind_p, seg_p, lo_p, hi_p, aux_p, tok_starts, rank_starts, ranks, s_offsets, scales,
-    N, stride_dy, stride_b, stride_db,
+    N, stride_dy, stride_b, stride_db, CB, stride_p,
     BT: tl.constexpr, BN: tl.constexpr, BT2: tl.constexpr, BN2: tl.constexpr, RP: tl.constexpr,
     ATOMIC: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -235,7 +235,13 @@ def dy_pair_kernel(
     The two need different reductions (over the hidden dim, over tokens), so they are
     separate programs; the schedule interleaves the items of each segment, so both kinds
     of program stream the same rows of dy at about the same time and the second read of
-    each byte mostly hits L2 instead of memory: one pass over dy, no atomics.
+    each byte hits L2 instead of memory when the rows are still there.
+
+    "pair": a kind-0 item covers every column (CB = N) and stores dS itself. "block": the
+    columns come in blocks of CB (a multiple of BN), the schedule's unit is one segment ×
+    one block (its dS items and the dB items of its column tiles), so the dy both kinds
+    share is a few MB, not a whole segment; kind 0 then stores the block's part of dS in
+    float32 to plane ``aux`` of DS (``stride_p`` apart), summed by `band_sum_kernel`.
     """
     pid = tl.program_id(0)
     kind = tl.load(kind_p + pid)
@@ -243,8 +249,10 @@ def dy_pair_kernel(
     seg, lo, hi, ts, r, ro, so = _item(pid, seg_p, lo_p, hi_p, tok_starts, rank_starts, ranks, s_offsets)
     if kind == 0:
         scale = tl.load(scales + seg)
-        _shrink_body(DY, B, DS, lo, hi, ts, r, ro, so, scale, 0, N, N, stride_dy, stride_b,
-                     BT, BN, RP, False, EVEN_N, IEEE)
+        d_lo = aux * CB
+        d_hi = tl.minimum(d_lo + CB, N)
+        _shrink_body(DY, B, DS + aux.to(tl.int64) * stride_p, lo, hi, ts, r, ro, so, scale, d_lo, d_hi, N,
+                     stride_dy, stride_b, BT, BN, RP, False, EVEN_N, IEEE)
     else:
         _wgrad_body(SP, DY, DB, lo, hi, ts, r, ro, so, aux, N, stride_dy, stride_db, BT2, BN2, RP, ATOMIC, IEEE)
 

@@ -62,7 +62,7 @@ class PairSchedule:
     seg: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
-    aux: torch.Tensor  # int32 [n]: hidden tile of a kind-1 item
+    aux: torch.Tensor  # int32 [n]: hidden tile of a kind-1 item, column block of a kind-0 one
     n: int
     split: bool
 
@@ -145,12 +145,16 @@ class LoRAMeta:
         self._schedules[key] = sched
         return sched
 
-    def pair_schedule(self, bucket: int, tile_tokens: int, chunk_tokens: int, hidden_tiles: int) -> PairSchedule:
-        """Work of the one-launch dy pass: per segment, its dS items (``tile_tokens`` rows
-        each, kind 0) interleaved with its dB items (``chunk_tokens`` rows × one of
-        ``hidden_tiles`` columns tiles, kind 1, tile index in ``aux``). Interleaving per
-        segment makes both kinds read the same rows of dy at about the same time."""
-        key = ("pair", bucket, tile_tokens, chunk_tokens, hidden_tiles)
+    def pair_schedule(
+        self, bucket: int, tile_tokens: int, chunk_tokens: int, hidden_tiles: int, block_tiles: int = 0
+    ) -> PairSchedule:
+        """Work of the one-launch dy pass: per segment and column block of ``block_tiles``
+        column tiles (0: one block of every tile), its dS items (``tile_tokens`` rows each,
+        kind 0, block index in ``aux``) interleaved with its dB items (``chunk_tokens`` rows
+        × one of the block's column tiles, kind 1, tile index in ``aux``). Interleaving per
+        unit makes both kinds read the same dy at about the same time."""
+        block_tiles = block_tiles or max(hidden_tiles, 1)
+        key = ("pair", bucket, tile_tokens, chunk_tokens, hidden_tiles, block_tiles)
         hit = self._schedules.get(key)
         if hit is not None:
             return hit
@@ -159,15 +163,18 @@ class LoRAMeta:
         for k in self.buckets.get(bucket, ()):
             a, b = self.token_starts_host[k], self.token_starts_host[k + 1]
             split |= (b - a) > chunk_tokens
-            s_items = [(0, k, t, min(t + tile_tokens, b), 0) for t in range(a, b, tile_tokens)]
-            w_items = [
-                (1, k, t, min(t + chunk_tokens, b), j) for t in range(a, b, chunk_tokens) for j in range(hidden_tiles)
-            ]
-            n = max(len(s_items), len(w_items))
-            for i in range(n):  # spread the shorter list evenly through the longer one
-                for items in (s_items, w_items):
-                    lo_i, hi_i = i * len(items) // n, (i + 1) * len(items) // n
-                    rows.extend(items[lo_i:hi_i])
+            for c, j0 in enumerate(range(0, max(hidden_tiles, 1), block_tiles)):
+                s_items = [(0, k, t, min(t + tile_tokens, b), c) for t in range(a, b, tile_tokens)]
+                w_items = [
+                    (1, k, t, min(t + chunk_tokens, b), j)
+                    for t in range(a, b, chunk_tokens)
+                    for j in range(j0, min(j0 + block_tiles, hidden_tiles))
+                ]
+                n = max(len(s_items), len(w_items))
+                for i in range(n):  # spread the shorter list evenly through the longer one
+                    for items in (s_items, w_items):
+                        lo_i, hi_i = i * len(items) // n, (i + 1) * len(items) // n
+                        rows.extend(items[lo_i:hi_i])
         cols = list(zip(*rows)) if rows else [[]] * 5
         packed = torch.tensor([list(c) for c in cols], dtype=torch.int32).to(self.device, non_blocking=True)
         sched = PairSchedule(packed[0], packed[1], packed[2], packed[3], packed[4], len(rows), split)

@@ -3,7 +3,7 @@
 Forward (per rank bucket): ``shrink`` S' = s·x Aᵀ (reads x once), then ``expand``
 y += S' B (reads and writes y once). Backward: the dy side gives dS = s·dy Bᵀ and
 dB = S'ᵀ dy; the x side gives dA = dSᵀ x (``wgrad``, reads x once) and dx += dS A
-(``expand`` again, reads and writes dx once). The dy side runs in one of four ways per
+(``expand`` again, reads and writes dx once). The dy side runs in one of five ways per
 rank bucket (`DY_MODE`, and `DY_MODE_LARGE` for launches past `LARGE_ELEMS` elements):
 
 - "pair": one launch whose programs compute either dS or dB, scheduled so that both
@@ -12,7 +12,10 @@ rank bucket (`DY_MODE`, and `DY_MODE_LARGE` for launches past `LARGE_ELEMS` elem
 - "fused": each dy tile gives its dB part and adds its dS partial atomically;
 - "band": one read of dy; a program walks a whole segment over a band of output
   columns, so dB is complete in it, and stores the band's partial dS in float32 for a
-  small launch to sum (ranks up to 32: the partials cost 2·rank/band of dy's bytes).
+  small launch to sum (ranks up to 32: the partials cost 2·rank/band of dy's bytes);
+- "block": "pair" over column blocks of a few thousand columns, so that the dy both
+  kinds share fits in L2; each block's partial dS goes to a float32 plane, summed as in
+  "band" (2·rank/block of dy's bytes each way, rank 128 in 4,096 columns: 1/16).
 
 Tile sizes come from `TILES` (chosen on an H100/H200, see NOTES.md) and can be overridden
 with `tile_overrides` (benchmarks, tests). How many token rows one program walks (its
@@ -79,6 +82,7 @@ class TileConfig:
     ystages: int = 0  # expand: software-pipeline the token loop, Y's loads included (0: off)
     hfirst: bool = False  # expand, wgrad: grid's first axis over hidden tiles (launch order by token range)
     tacc: bool = False  # dy band: accumulate dBᵀ (band × rank) instead of dB
+    block: int = 0  # dy block: columns per block (a multiple of bh and bh2)
 
 
 def _default_tiles(kind: str, rp: int) -> TileConfig:
@@ -94,6 +98,8 @@ def _default_tiles(kind: str, rp: int) -> TileConfig:
     if kind == "dy_pair":
         return TileConfig(bt=64, bh=64 if big else 128, bt2=32 if rp >= 256 else 64, bh2=64 if big else 128,
                           warps=8 if rp >= 64 else 4, stages=3)
+    if kind == "dy_block":  # "pair"'s tiles, in blocks of 2048 columns
+        return replace(_default_tiles("dy_pair", rp), block=2048)
     raise KeyError(kind)
 
 
@@ -148,15 +154,22 @@ TILES_LARGE: dict[tuple[str, int], TileConfig] = {
     ("dy_pair", 128): _t(64, 128, 8, 3, 2, bh2=256, bt2=64),
     ("dy_band", 16): _t(64, 512, 4, 3, 1, tacc=True),
     ("dy_band", 32): _t(64, 512, 8, 2, 4, tacc=True),
+    # "block" (v9, H100 whole-op variants): 4096-column blocks, one stage more than "pair"
+    ("dy_block", 32): _t(64, 128, 4, 4, 2, bt2=64, bh2=128, block=4096),
+    ("dy_block", 64): _t(64, 128, 8, 4, 2, bt2=64, bh2=256, block=4096),
+    ("dy_block", 128): _t(64, 128, 8, 4, 2, bt2=64, bh2=256, block=4096),
 }
 #: dy side of the backward per rank bucket: "band" (one pass over dy, float32 partial dS
-#: per band), "pair" (one launch, the second read of dy partly from L2), "split" (two
-#: launches, two passes) or "fused" (one pass, atomics). Buckets not listed take "pair".
-#: Picked by the same sweep per size class: "band" wins only on large launches (its
-#: programs are whole segments, too few on small ones), and "split" on large rank-128 ones.
+#: per band), "pair" (one launch, the second read of dy partly from L2), "block" ("pair" in
+#: column blocks whose dy stays in L2), "split" (two launches, two passes) or "fused" (one
+#: pass, atomics). Buckets not listed take "pair". Picked per size class: "band" wins only
+#: on large launches (its programs are whole segments, too few on small ones), and so does
+#: "block" (v9: on large launches of buckets 32 to 128, where v8 had "band", "pair" and
+#: "split"; H100, K = 32, h = 18944: rank 128 3,756 -> 3,618 us, mixed 3,585 -> 3,353,
+#: rank 32 3,244 -> 3,188).
 DY_MODE: dict[int, str] = {16: "pair", 32: "pair", 64: "pair", 128: "pair"}
 #: The dy mode of launches past `LARGE_ELEMS` elements, per bucket where it differs.
-DY_MODE_LARGE: dict[int, str] = {16: "band", 32: "band", 128: "split"}
+DY_MODE_LARGE: dict[int, str] = {16: "band", 32: "block", 64: "block", 128: "block"}
 #: The dy mode of launches of at most `SMALL_ELEMS` elements, per bucket where it differs:
 #: "split" runs dB beside dS (`STAGE_STREAMS`), which at rank 128 beats "pair" there (H100,
 #: whole op, K = 8: h = 2048 128.0 -> 122.0 us, h = 3584 214.4 -> 210.4), not above (K = 32,
@@ -309,13 +322,21 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
         split = 1 if d < SPLIT_MIN_HIDDEN else split
         split_len = _cdiv(blocks, split) * cfg.bh
         plan = (cfg, sched, _cdiv(d, split_len), split_len)
-    elif kind == "dy_pair":
+    elif kind in ("dy_pair", "dy_block"):
         blocks2 = _cdiv(d, cfg.bh2)
+        block_tiles = blocks2
+        if kind == "dy_block":
+            if cfg.block <= 0 or cfg.block % cfg.bh2 or cfg.block % cfg.bh:
+                raise ValueError(f"dy block of {cfg.block} columns: needs a multiple of bh {cfg.bh} and bh2 {cfg.bh2}")
+            block_tiles = min(cfg.block // cfg.bh2, max(blocks2, 1))
+        planes = _cdiv(max(blocks2, 1), block_tiles)
         lengths = meta.bucket_tokens(rp)
-        n_s = sum(_cdiv(n, cfg.bt) for n in lengths)
+        n_s = sum(_cdiv(n, cfg.bt) for n in lengths) * planes
         ct = _chunk_tokens(lengths, blocks2, replace(cfg, bt=cfg.bt2, waves=max(cfg.waves * sms - n_s, 0) / sms), sms)
-        sched = meta.pair_schedule(rp, cfg.bt, ct, blocks2)
-        plan = (cfg, sched, blocks2, 0)
+        sched = meta.pair_schedule(rp, cfg.bt, ct, blocks2, block_tiles)
+        # columns per kind-0 item, and how many blocks (float32 planes of dS parts) there are
+        sum_sched = meta.schedule(rp, BAND_SUM_TOKENS) if planes > 1 else None
+        plan = (cfg, sched, (block_tiles * cfg.bh2 if planes > 1 else d, planes), sum_sched)
     elif kind == "dy_band":  # whole segments (dB complete in one program), one band each
         sched = meta.schedule(rp, _whole_segments(meta.bucket_tokens(rp), cfg))
         plan = (cfg, sched, blocks, meta.schedule(rp, BAND_SUM_TOKENS))
@@ -580,7 +601,7 @@ def lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRAMe
     )
 
 
-_DY_KINDS = {"fused": "dy_fused", "pair": "dy_pair", "split": "wgrad", "band": "dy_band"}
+_DY_KINDS = {"fused": "dy_fused", "pair": "dy_pair", "split": "wgrad", "band": "dy_band", "block": "dy_block"}
 #: Tokens per program of the band planes' sum.
 BAND_SUM_TOKENS = 64
 
@@ -611,19 +632,31 @@ def _dy_plans(meta: LoRAMeta, d_out: int, sms: int):
     return modes, plans, shrink, atomic_ds, any(p[1].split for p in plans.values())
 
 
+def _launch_band_sum(k, P, dS, meta, rp, red, planes):
+    _launch(
+        k.band_sum_kernel, (red.n,),
+        P, dS, red.seg, red.lo, red.hi, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
+        planes, P.stride(0), BT=BAND_SUM_TOKENS, RP=rp, num_warps=4,
+    )
+
+
 def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
     cfg, sched, blocks, _ = plan
     d_out = dy.shape[1]
-    if mode == "pair":
+    if mode in ("pair", "block"):  # "block" of one block is "pair"
+        cols, planes = blocks
+        P = torch.empty((planes, max(meta.s_numel, 1)), dtype=torch.float32, device=dy.device) if planes > 1 else dS
         _launch(
             k.dy_pair_kernel, (sched.n,),
-            dy, B, S, dS, dB, sched.kind, sched.seg, sched.lo, sched.hi, sched.aux,
+            dy, B, S, P, dB, sched.kind, sched.seg, sched.lo, sched.hi, sched.aux,
             meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
-            d_out, dy.stride(0), B.stride(0), dB.stride(0),
+            d_out, dy.stride(0), B.stride(0), dB.stride(0), cols, P.stride(0) if planes > 1 else 0,
             BT=cfg.bt, BN=cfg.bh, BT2=cfg.bt2, BN2=cfg.bh2, RP=rp,
             ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )
+        if planes > 1:
+            _launch_band_sum(k, P, dS, meta, rp, plan[3], planes)
     elif mode in ("band", "fused"):  # "fused": the band kernel adding its dS parts into dS
         band = mode == "band"
         P = torch.empty((blocks, max(meta.s_numel, 1)), dtype=torch.float32, device=dy.device) if band else dS
@@ -636,12 +669,7 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
             DS_ATOMIC=not band, num_warps=cfg.warps, num_stages=cfg.stages,
         )
         if band:
-            red = plan[3]
-            _launch(
-                k.band_sum_kernel, (red.n,),
-                P, dS, red.seg, red.lo, red.hi, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets,
-                blocks, P.stride(0), BT=BAND_SUM_TOKENS, RP=rp, num_warps=4,
-            )
+            _launch_band_sum(k, P, dS, meta, rp, plan[3], blocks)
     else:
         _side_by_side(
             dy.device,

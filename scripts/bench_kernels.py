@@ -70,6 +70,7 @@ CHECK_CASES = [
     ([1024] * 32, [32] * 32, 3584, 3584),
     ([1024] * 8, [8, 25, 42, 59, 77, 94, 111, 128], 2048, 11008),
     ([0, 1, 777, 64, 1500, 33], [8, 128, 100, 1, 8, 256], 1000, 1100),
+    ([1024] * 16, [128] * 8 + [64] * 8, 2048, 9000),  # large launches of buckets 64 and 128
 ]
 LAYER_SHAPES = [(3584, 32, "32"), (3584, 32, "mixed")]
 EXTRA_SWEEP_SHAPES = [(11008, 32, "8"), (11008, 32, "32"), (18944, 32, "8"), (2048, 32, "32"), (11008, 8, "8"),
@@ -138,6 +139,12 @@ SWEEP = {
                 (128, 64, 8, 4, 2, {"bt2": 64, "bh2": 128}), (32, 128, 4, 3, 1, {"bt2": 64, "bh2": 128}),
                 (64, 128, 4, 3, 1, {"bt2": 64, "bh2": 128}), (64, 64, 4, 4, 1, {"bt2": 64, "bh2": 64}),
                 (64, 128, 8, 3, 1, {"bt2": 64, "bh2": 256})],
+    "dy_block": [(64, 128, 4, 4, 2, {"bt2": 64, "bh2": 128, "block": 4096}),
+                 (64, 128, 8, 4, 2, {"bt2": 64, "bh2": 256, "block": 4096}),
+                 (64, 128, 8, 3, 2, {"bt2": 64, "bh2": 256, "block": 4096}),
+                 (64, 128, 8, 4, 2, {"bt2": 64, "bh2": 256, "block": 2048}),
+                 (64, 128, 4, 4, 2, {"bt2": 64, "bh2": 128, "block": 2048}),
+                 (64, 128, 8, 4, 2, {"bt2": 64, "bh2": 256, "block": 6144})],
 }
 
 
@@ -165,7 +172,7 @@ def fits(kind: str, rp: int, cfg) -> bool:
         return ok(bt * rp)
     if kind == "expand":
         return ok(bt * bh) and rp * bh <= 32768
-    if kind == "dy_pair":
+    if kind in ("dy_pair", "dy_block"):
         e = _extra(cfg)
         return ok(bt * rp, rp * e["bh2"], e["bt2"] * rp)
     return ok(rp * bh, bt * rp)
@@ -237,7 +244,7 @@ def run_stage(kind: str, p: Problem, out: dict | None = None):
         db = T.wgrad_stage(p.S, p.dy, p.meta, p.B)
         if out is not None:
             out["dB"] = db
-    elif kind in ("dy_fused", "dy_pair", "dy_split", "dy_band"):
+    elif kind in ("dy_fused", "dy_pair", "dy_split", "dy_band", "dy_block"):
         with T.tile_overrides(dy_mode=kind[3:]):
             ds, db = T.dy_stage(p.dy, p.S, p.B, p.meta)
         if out is not None:
@@ -483,7 +490,7 @@ def check_bf16(log) -> list[dict]:
     rows = []
     cases = CHECK_CASES
     for tokens, ranks, d_in, d_out in cases:
-        for mode in ("split", "fused", "pair"):
+        for mode in ("split", "fused", "pair", "block", None):  # None: the committed modes
             g = torch.Generator(device=DEVICE).manual_seed(len(tokens) * 7 + d_in)
             t, r = sum(tokens), sum(ranks)
 
@@ -533,7 +540,7 @@ def sweep_plan() -> tuple[list, dict]:
 
 def cfg_of(t: T.TileConfig) -> list:
     """A TileConfig as a sweep entry (bt, bh, warps, stages, waves[, other fields])."""
-    extra = {f: getattr(t, f) for f in ("max_chunk", "bt2", "bh2", "ystages", "hfirst", "tacc")
+    extra = {f: getattr(t, f) for f in ("max_chunk", "bt2", "bh2", "ystages", "hfirst", "tacc", "block")
              if getattr(t, f) != getattr(T.TileConfig(), f)}
     return [t.bt, t.bh, t.warps, t.stages, t.waves] + ([extra] if extra else [])
 
@@ -569,7 +576,8 @@ def sweep(jobs: int, log, out: Path) -> dict:
                         torch.cuda.synchronize()
                     row["err"] = max(rel_err(got[n], want[n]) for n in want)
                     row["ms"] = t_graph(lambda: run_stage(kind, p), rep=10)
-                    row["floor_passes"] = {"shrink": 1, "expand": 2, "wgrad": 1, "dy_fused": 1, "dy_pair": 1, "dy_band": 1}[kind]
+                    row["floor_passes"] = {"shrink": 1, "expand": 2, "wgrad": 1, "dy_fused": 1, "dy_pair": 1, "dy_band": 1,
+                                          "dy_block": 1}[kind]
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
@@ -638,6 +646,7 @@ def pick_tiles(rows: list[dict], log) -> dict:
         def worst_modes(shapes: list) -> dict:
             t = {"fused": [tbest("dy_fused", s) for s in shapes],
                  "pair": [tbest("dy_pair", s) for s in shapes],
+                 "block": [tbest("dy_block", s) for s in shapes],
                  "split": [tbest("shrink", s) + tbest("wgrad", s) for s in shapes]}
             if rp <= T.BAND_MAX_RANK:  # past it a "band" bucket runs "pair"
                 t["band"] = [tbest("dy_band", s) for s in shapes]

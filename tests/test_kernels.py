@@ -28,6 +28,7 @@ SMALL_TILES = {
     "dy_fused": {"bt": 16, "bh": 16, "max_chunk": 16},
     "dy_pair": {"bt": 16, "bh": 32, "bt2": 16, "bh2": 16, "max_chunk": 16},
     "dy_band": {"bt": 16, "bh": 16, "max_chunk": 16, "waves": 0},
+    "dy_block": {"bt": 16, "bh": 16, "bt2": 16, "bh2": 16, "block": 48, "max_chunk": 16},
 }
 # The same, with the expand's token loop software-pipelined (its Y loads in flight ahead)
 # and the weight gradient's grid ordered by item (hidden tiles first).
@@ -149,6 +150,9 @@ SEPARATE, MERGED = 0, None
         (F32, {**SMALL_TILES, "dy_band": {"bt": 16, "bh": 32, "waves": 0, "tacc": True}}, "band", SEPARATE),
         (F32, SMALL_TILES, "pair", MERGED),
         (F16, SMALL_TILES, "split", MERGED),
+        (F32, SMALL_TILES, "block", SEPARATE),
+        (F16, SMALL_TILES, "block", MERGED),
+        (F32, {"dy_block": {"bt": 16, "bh": 32, "bt2": 32, "bh2": 32, "block": 64}}, "block", SEPARATE),
     ],
 )
 def test_triton_matches_oracle(triton_cpu, dtype, tiles, dy_mode, merge):
@@ -323,12 +327,17 @@ def test_small_rank_buckets_merge_upwards():
     "dy_mode,streams,merge",
     [("split", True, SEPARATE), ("fused", True, SEPARATE), ("pair", True, SEPARATE), ("pair", False, SEPARATE),
      ("band", True, SEPARATE), (None, True, SEPARATE), ("split", True, MERGED), (None, True, MERGED),
-     ("split", False, MERGED)],
+     ("split", False, MERGED), ("block", True, SEPARATE), ("large", True, SEPARATE)],
 )
 def test_gpu_bf16(dy_mode, streams, merge, monkeypatch):
     """Compiled kernels in bf16; rank buckets, and a bucket's independent backward
     launches, on their own streams (the default) or on one; buckets one per rank class
-    or merged as small packs are."""
+    or merged as small packs are. "large": every launch takes the tiles and dy modes of
+    large launches (`TILES_LARGE`, `DY_MODE_LARGE`)."""
+    if dy_mode == "large":
+        monkeypatch.setattr(triton_ops, "LARGE_ELEMS", 0)
+        monkeypatch.setattr(triton_ops, "SMALL_ELEMS", -1)
+        dy_mode = None
     monkeypatch.setattr(triton_ops, "BUCKET_STREAMS", streams)
     monkeypatch.setattr(triton_ops, "STAGE_STREAMS", streams)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -374,6 +383,23 @@ def test_forks_never_share_a_stream():
     side = [got[k] for k in ("chain0", "chain1", "chain2", "b0", "b1", "b2")]
     assert len(set(side)) == 6 and outer.cuda_stream not in side
     assert not triton_ops._BUSY
+
+
+def test_dy_block_plan_splits_columns_into_blocks_of_whole_tiles():
+    """"block" cuts the columns into blocks of whole tiles of both kinds of program, one
+    float32 plane of dS parts per block; a block that does not hold whole tiles is refused."""
+    meta = build_lora_meta([100, 0, 40], [128, 8, 100], [1.0] * 3, "cpu", merge_tokens=SEPARATE)
+    with triton_ops.tile_overrides({"dy_block": {"bt": 16, "bh": 32, "bt2": 16, "bh2": 64, "block": 128}}):
+        cfg, sched, (cols, planes), _ = triton_ops._plan(meta, "dy_block", 128, 300, 4)
+        assert (cols, planes) == (128, 3)
+        kind, aux = sched.kind.tolist(), sched.aux.tolist()
+        assert sorted({a for k, a in zip(kind, aux) if k == 0}) == [0, 1, 2]  # column blocks
+        assert sorted({a for k, a in zip(kind, aux) if k == 1}) == [0, 1, 2, 3, 4]  # column tiles
+        # one block whose tiles cover everything: "pair", dS stored directly
+        assert triton_ops._plan(meta, "dy_block", 128, 100, 4)[2] == (100, 1)
+    with triton_ops.tile_overrides({"dy_block": {"bh": 32, "bh2": 64, "block": 96}}):
+        with pytest.raises(ValueError, match="dy block of 96 columns"):
+            triton_ops._plan(meta, "dy_block", 128, 300, 4)
 
 
 def test_dy_mode_depends_on_launch_size(monkeypatch):
