@@ -632,6 +632,11 @@ def _dy_plans(meta: LoRAMeta, d_out: int, sms: int):
     return modes, plans, shrink, atomic_ds, any(p[1].split for p in plans.values())
 
 
+def _ds_planes(meta: LoRAMeta, planes: int, device) -> torch.Tensor:
+    """One float32 plane of dS parts per band or column block ("band", "block")."""
+    return torch.empty((planes, max(meta.s_numel, 1)), dtype=torch.float32, device=device)
+
+
 def _launch_band_sum(k, P, dS, meta, rp, red, planes):
     _launch(
         k.band_sum_kernel, (red.n,),
@@ -640,12 +645,21 @@ def _launch_band_sum(k, P, dS, meta, rp, red, planes):
     )
 
 
-def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
-    cfg, sched, blocks, _ = plan
+def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee, then=None):
+    """The dy side of one bucket; ``then()`` once dS is complete: in "split" mode beside
+    dB (a launch of its own that needs only S' and dy), else after the dy side."""
+    cfg, sched, blocks, red = plan
     d_out = dy.shape[1]
+    if mode == "split":
+        _side_by_side(
+            dy.device,
+            lambda: (_launch_shrink(k, dy, B, dS, meta, rp, shrink_plan, ieee), then and then()),
+            lambda: _launch_wgrad(k, S, dy, dB, meta, rp, plan, ieee),
+        )
+        return
     if mode in ("pair", "block"):  # "block" of one block is "pair"
         cols, planes = blocks
-        P = torch.empty((planes, max(meta.s_numel, 1)), dtype=torch.float32, device=dy.device) if planes > 1 else dS
+        P = _ds_planes(meta, planes, dy.device) if planes > 1 else dS
         _launch(
             k.dy_pair_kernel, (sched.n,),
             dy, B, S, P, dB, sched.kind, sched.seg, sched.lo, sched.hi, sched.aux,
@@ -656,10 +670,10 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
             num_warps=cfg.warps, num_stages=cfg.stages,
         )
         if planes > 1:
-            _launch_band_sum(k, P, dS, meta, rp, plan[3], planes)
-    elif mode in ("band", "fused"):  # "fused": the band kernel adding its dS parts into dS
+            _launch_band_sum(k, P, dS, meta, rp, red, planes)
+    else:  # "band", or "fused": the band kernel adding its dS parts into dS
         band = mode == "band"
-        P = torch.empty((blocks, max(meta.s_numel, 1)), dtype=torch.float32, device=dy.device) if band else dS
+        P = _ds_planes(meta, blocks, dy.device) if band else dS
         _launch(
             k.dy_band_kernel, (sched.n, blocks),
             dy, S, B, P, dB, sched.seg, sched.lo, sched.hi,
@@ -669,13 +683,9 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee):
             DS_ATOMIC=not band, num_warps=cfg.warps, num_stages=cfg.stages,
         )
         if band:
-            _launch_band_sum(k, P, dS, meta, rp, plan[3], blocks)
-    else:
-        _side_by_side(
-            dy.device,
-            lambda: _launch_shrink(k, dy, B, dS, meta, rp, shrink_plan, ieee),
-            lambda: _launch_wgrad(k, S, dy, dB, meta, rp, plan, ieee),
-        )
+            _launch_band_sum(k, P, dS, meta, rp, red, blocks)
+    if then:
+        then()
 
 
 def dy_stage(dy: torch.Tensor, S: torch.Tensor, B: torch.Tensor, meta: LoRAMeta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -745,19 +755,15 @@ def lora_backward(
                 fns.reverse()
         _side_by_side(x.device, *fns)
 
-    def dy_side(rp: int) -> None:
-        _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee)
+    def dy_side(rp: int, then=None) -> None:
+        _launch_dy(k, dy, S, B, dS, gB.buf, meta, rp, modes[rp], plans[rp], shrink.get(rp), ieee, then)
 
     def chain(rp: int) -> None:
         """One bucket's backward when no cast comes between dS and its readers. Where dB
-        is a launch of its own ("split") it needs only S' and dy, so it runs beside the
-        whole dS -> (dA, dx) chain, not just beside dS."""
-        if modes[rp] == "split" and DB_BESIDE_CHAIN:
-            _side_by_side(
-                x.device,
-                lambda: (_launch_shrink(k, dy, B, dS, meta, rp, shrink[rp], ieee), x_side(rp, dS)),
-                lambda: _launch_wgrad(k, S, dy, gB.buf, meta, rp, plans[rp], ieee),
-            )
+        is a launch of its own ("split") it runs beside the whole dS -> (dA, dx) chain, not
+        just beside dS (`DB_BESIDE_CHAIN`)."""
+        if DB_BESIDE_CHAIN:
+            dy_side(rp, then=lambda: x_side(rp, dS))
         else:
             dy_side(rp)
             x_side(rp, dS)
