@@ -9,6 +9,9 @@ Installed as ``plora.kernels``. The public surface:
 - `packed_lora_delta`: the LoRA term alone;
 - `build_segments`, `segment_sq_norms`, `segmented_adamw_`: per-adapter norms and AdamW
   over one flat buffer that holds every adapter, one launch for the whole pack.
+- `fused_linear.linear_lora`: the base product with the LoRA expand fused into its GEMM
+  (measured against cuBLAS plus the expand by `scripts/bench_fused_linear.py`; the packed
+  layer does not use it, see NOTES.md).
 
 `reference` holds the torch loop that is the CPU path and the test oracle; `triton_ops`
 the kernel launchers; both expose ``lora_forward``/``lora_backward`` style ops that work
