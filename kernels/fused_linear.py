@@ -30,7 +30,6 @@ class GemmTiles:
     stages: int = 3
     group_m: int = 8
     tma: bool = False  # read X and W by TMA (host tensor descriptors), where their rows are 16-byte aligned
-    ws: bool = False  # with tma: warp-specialized reduction loop
 
 
 TILES = GemmTiles()
@@ -83,7 +82,7 @@ def linear_lora(
     seg0, buckets = _tables(meta, M, cfg.bm)
     br = min(max(meta.bucket_of_host, default=16), cfg.bk, 64)
     stride_wk, stride_wn = (weight.stride(1), weight.stride(0)) if weight_is_out_in else (weight.stride(0), 1)
-    k = triton_ops.kernels_module("_triton_linear_kernels.py")
+    k = triton_ops.kernels_module()
     grid = (-(-M // cfg.bm) * -(-N // cfg.bn),)
     tables = (seg0, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, buckets)
     common = dict(BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BR=br, HAS_BIAS=bias is not None,
@@ -96,7 +95,7 @@ def linear_lora(
         wd = TensorDescriptor.from_tensor(weight, [cfg.bn, cfg.bk] if weight_is_out_in else [cfg.bk, cfg.bn])
         kernel = k.linear_lora_tma_kernel
         args = (xd, wd, bias_p, p_p, L, out, *tables, M, N, KD, meta.num_adapters, L.stride(0), out.stride(0))
-        kw = dict(common, W_NK=weight_is_out_in, STAGES=cfg.stages, WS=cfg.ws)
+        kw = dict(common, W_NK=weight_is_out_in, STAGES=cfg.stages)
     else:
         kernel = k.linear_lora_kernel
         args = (x, weight, bias_p, p_p, L, out, *tables, M, N, KD, meta.num_adapters,

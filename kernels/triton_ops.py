@@ -495,10 +495,15 @@ def _fork(device: torch.device, fns, first_here: bool) -> None:
             _BUSY.clear()
 
 
+def _streams_on(device: torch.device) -> bool:
+    """Whether launches go on side streams at all: compiled kernels on a CUDA device."""
+    return not WARMUP_ONLY and device.type == "cuda"
+
+
 def _each_bucket(meta: LoRAMeta, device: torch.device, chain) -> None:
     """``chain(rp)`` for every bucket: in order, or each on a stream of its own and joined."""
     rps = list(meta.buckets)
-    if len(rps) <= 1 or not BUCKET_STREAMS or WARMUP_ONLY or device.type != "cuda":
+    if len(rps) <= 1 or not BUCKET_STREAMS or not _streams_on(device):
         for rp in rps:
             chain(rp)
         return
@@ -508,7 +513,7 @@ def _each_bucket(meta: LoRAMeta, device: torch.device, chain) -> None:
 def _side_by_side(device: torch.device, *fns) -> None:
     """``fns`` of one bucket's chain: the first on the current stream, the others on side
     streams (`STAGE_STREAMS`), or all in order."""
-    if len(fns) <= 1 or not STAGE_STREAMS or WARMUP_ONLY or device.type != "cuda":
+    if len(fns) <= 1 or not STAGE_STREAMS or not _streams_on(device):
         for fn in fns:
             fn()
         return
