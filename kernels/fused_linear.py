@@ -38,16 +38,13 @@ TILES = GemmTiles()
 def _tables(meta: LoRAMeta, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row tile, its first segment ending past the tile's first row (K: none); per
     adapter, its bucket (the row stride of its low-rank rows). Once per step and shape."""
-    key = ("linear_lora", rows, bm)
-    hit = meta._schedules.get(key)
-    if hit is None:
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
         ends = meta.token_starts_host[1:]
         seg0 = [bisect.bisect_right(ends, m0) for m0 in range(0, rows, bm)]
         buckets = list(meta.bucket_of_host) or [0]
-        packed = torch.tensor(seg0 or [0], dtype=torch.int32).to(meta.device, non_blocking=True)
-        hit = (packed, torch.tensor(buckets, dtype=torch.int32).to(meta.device, non_blocking=True))
-        meta._schedules[key] = hit
-    return hit
+        return tuple(torch.tensor(v, dtype=torch.int32).to(meta.device, non_blocking=True) for v in (seg0 or [0], buckets))
+
+    return triton_ops._cached(meta, ("linear_lora", rows, bm), build)
 
 
 def linear_lora(

@@ -21,6 +21,15 @@ import torch
 from .meta import LoRAMeta
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """‖got − want‖ / ‖want‖ in float64 on ``got``'s device (inf when ``got`` is not finite):
+    how the kernels are judged against this reference, in tests and benchmarks alike."""
+    got, want = got.double(), want.to(got.device, torch.float64)
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 

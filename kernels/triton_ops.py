@@ -310,11 +310,10 @@ SPLIT_MIN_HIDDEN = 4096
 def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
     """Tiles, schedule and grid of one launch; cached in the meta (once per step and shape)."""
     cfg = tiles_for(kind, rp, _launch_elems(meta, rp, d))
-    key = ("plan", kind, rp, d, cfg)
-    if not _OVERRIDES:
-        hit = meta._schedules.get(key)
-        if hit is not None:
-            return hit
+    return _cached(meta, ("plan", kind, rp, d, cfg), lambda: _build_plan(meta, kind, rp, d, sms, cfg))
+
+
+def _build_plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int, cfg: TileConfig):
     blocks = _cdiv(d, cfg.bh)
     if kind in ("shrink", "dy_shrink"):  # one BT-token tile per program; split the hidden dim to fill the GPU
         sched = meta.schedule(rp, cfg.bt)
@@ -344,8 +343,6 @@ def _plan(meta: LoRAMeta, kind: str, rp: int, d: int, sms: int):
         fill = FILL if kind == "wgrad" else 1.0
         sched = meta.schedule(rp, _chunk_tokens(meta.bucket_tokens(rp), blocks, cfg, sms, fill))
         plan = (cfg, sched, blocks, 0)
-    if not _OVERRIDES:
-        meta._schedules[key] = plan
     return plan
 
 

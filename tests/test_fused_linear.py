@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from plora.kernels import build_lora_meta
+from plora.kernels.reference import rel_err
 
 pytest.importorskip("triton")
 FL = pytest.importorskip("plora.kernels.fused_linear")
@@ -56,19 +57,15 @@ def _case(dtype, device, aligned: bool):
     return meta, [t.to(**to) for t in (x, W, b, A, B, P, dy)], want_y, dy @ W + lora_dx, dy @ W
 
 
-def _rel(a, b) -> float:
-    return float((a.double().cpu() - b).norm() / b.norm())
-
-
 def _check(dtype, device, tiles):
     meta, (x, W, b, A, B, P, dy), want_y, want_dx, want_base = _case(dtype, device, aligned=tiles.tma)
     y = FL.linear_lora(x, W, b, P, B, meta, tiles=tiles)
     dx = FL.linear_lora(dy, W, None, P, A, meta, weight_is_out_in=False, tiles=tiles)
     base = FL.linear_lora(dy, W, None, None, A, meta, weight_is_out_in=False, tiles=tiles)
     what = f"{tiles} {meta.tokens_host} {meta.ranks_host} {tuple(x.shape)}->{W.shape[0]}"
-    assert _rel(y, want_y) < TOL[dtype], what
-    assert _rel(dx, want_dx) < TOL[dtype], what
-    assert _rel(base, want_base) < TOL[dtype], what
+    assert rel_err(y, want_y) < TOL[dtype], what
+    assert rel_err(dx, want_dx) < TOL[dtype], what
+    assert rel_err(base, want_base) < TOL[dtype], what
 
 
 SMALL = FL.GemmTiles(bm=16, bn=32, bk=16, warps=4, stages=1, group_m=2)
