@@ -80,7 +80,7 @@ def linear_lora(
     br = min(max(meta.bucket_of_host, default=16), cfg.bk, 64)
     stride_wk, stride_wn = (weight.stride(1), weight.stride(0)) if weight_is_out_in else (weight.stride(0), 1)
     k = triton_ops.kernels_module()
-    grid = (-(-M // cfg.bm) * -(-N // cfg.bn),)
+    grid = (triton_ops._cdiv(M, cfg.bm) * triton_ops._cdiv(N, cfg.bn),)
     tables = (seg0, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, buckets)
     common = dict(BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BR=br, HAS_BIAS=bias is not None,
                   LORA=lora, IEEE=x.dtype == torch.float32, num_warps=cfg.warps)
@@ -98,8 +98,5 @@ def linear_lora(
         args = (x, weight, bias_p, p_p, L, out, *tables, M, N, KD, meta.num_adapters,
                 x.stride(0), stride_wk, stride_wn, L.stride(0), out.stride(0))
         kw = dict(common, EVEN_K=KD % cfg.bk == 0, num_stages=cfg.stages)
-    if triton_ops.WARMUP_ONLY:
-        kernel.warmup(*args, grid=grid, **kw)
-    else:
-        kernel[grid](*args, **kw)
+    triton_ops._launch(kernel, grid, *args, **kw)
     return out
