@@ -7,6 +7,13 @@ and reads+writes dx: 7 passes over K·T·hidden elements (K adapters × T tokens
 the bandwidth of device copies issued back to back (a copy replayed from a CUDA graph runs
 on the copy engines and is slower; both are logged).
 
+The floor leaves out the adapters' own tensors. The op cannot avoid moving them either: A and
+B are read twice each (forward and backward), dA and dB written once, S' and dS written once
+and read twice each. "min" adds those bytes to the 7 passes; at rank r and T tokens per
+adapter they add 6·r/T of a pass per adapter (0.75 of a pass at rank 128, T = 1024), so
+"loop/min" is the most any kernel at the copy bandwidth can gain over the loop measured in
+the same row.
+
     python scripts/bench_kernels.py --out DIR            # bf16 check + the table
     python scripts/bench_kernels.py --sweep --out DIR    # tile sweep first, table on its best
     python scripts/bench_kernels.py --smoke --out DIR    # tiny, CPU, Triton interpreter
@@ -226,6 +233,10 @@ class Problem:
 
     def floor_bytes(self) -> int:
         return 7 * self.t * self.hidden * self.x.element_size()
+
+    def min_bytes(self) -> int:
+        """The floor plus the adapters' own traffic (A, B, dA, dB and S', dS; module docstring)."""
+        return self.floor_bytes() + 6 * sum(self.ranks) * (self.hidden + TOKENS) * self.x.element_size()
 
 
 # ---------------------------------------------------------------- stage runners (sweep)
@@ -694,7 +705,8 @@ def table(log, out: Path, start: int) -> None:
         if os.environ.get("PLORA_BENCH_FAIL_ROW") == str(i):  # exercises the recovery path
             os._exit(3)
         p = Problem(h, k, rs)
-        row = {"i": i, "hidden": h, "K": k, "ranks": rs, "copy_GBps": bw / 1e9, "floor_ms": p.floor_bytes() / bw * 1e3}
+        row = {"i": i, "hidden": h, "K": k, "ranks": rs, "copy_GBps": bw / 1e9, "floor_ms": p.floor_bytes() / bw * 1e3,
+               "min_ms": p.min_bytes() / bw * 1e3}
         f, b, fb = plora_fns(p)
         row.update(plora_fwd=t_graph(f), plora_bwd=t_graph(b), plora_both=t_graph(fb), plora_both_eager=t_eager(fb))
         if len(p.meta.buckets) > 1:  # rank buckets on their own streams, and on one
@@ -767,12 +779,12 @@ def trace_rows(log, out: Path) -> None:
         busy = sum(us for _, us in per.values()) / 5
         parts = sorted(((us / 5, n / 5, name) for name, (n, us) in per.items()), reverse=True)
         row = {"hidden": h, "K": k, "ranks": rs, "graph_us": total * 1e3, "kernels_us": busy,
-               "floor_us": p.floor_bytes() / bw * 1e6,
+               "floor_us": p.floor_bytes() / bw * 1e6, "min_us": p.min_bytes() / bw * 1e6,
                "kernels": [{"name": nm, "per_call": c, "us": u} for u, c, nm in parts],
                "s_atomic": any(pl[2] > 1 for pl in [T._plan(p.meta, "shrink", rp, h, T._num_sms(p.x.device))
                                                     for rp in p.meta.buckets])}
         rows.append(row)
-        log(f"trace {h} {k} {rs}: graph {total * 1e3:.0f} us, floor {row['floor_us']:.0f} us, kernels {busy:.0f} us: "
+        log(f"trace {h} {k} {rs}: graph {total * 1e3:.0f} us, floor {row['floor_us']:.0f} us, min {row['min_us']:.0f} us, kernels {busy:.0f} us: "
             + ", ".join(f"{nm} {u:.0f}us x{c:g}" for u, c, nm in parts))
         del p, f, b, fb
         if cuda:
@@ -895,7 +907,7 @@ def smoke() -> None:
 
 
 SHORT_HEADER = ("| hidden | K | ranks | plora both | bucket streams | eager | loop both | bmm both | floor "
-                "| both/floor | loop/plora |\n" + "|---" * 11 + "|")
+                "| both/floor | min | both/min | loop/plora | loop/min |\n" + "|---" * 14 + "|")
 
 
 def fmt_short(r: dict) -> str:
@@ -907,7 +919,9 @@ def fmt_short(r: dict) -> str:
     return (f"| {r['hidden']} | {r['K']} | {r['ranks']} | {g('plora_both')} | {g('plora_both_streams')} | "
             f"{g('plora_both_eager')} | "
             f"{g('loop_both')} | {g('bmm_both')} | {g('floor_ms')} | {pb / r['floor_ms']:.2f} | "
-            f"{r.get('loop_both', math.nan) / pb:.1f} |" + (" ERR" if "error" in r else ""))
+            f"{g('min_ms')} | {pb / r.get('min_ms', math.nan):.2f} | "
+            f"{r.get('loop_both', math.nan) / pb:.1f} | {r.get('loop_both', math.nan) / r.get('min_ms', math.nan):.1f} |"
+            + (" ERR" if "error" in r else ""))
 
 
 def main() -> None:
@@ -1018,7 +1032,8 @@ def main() -> None:
     if rows:
         print(f"{dev}; times in ms (plora: CUDA-graph replays; 'eager': calls issued back to back; "
               f"loop/bmm: eager autograd); floor = 7 passes at the copy bandwidth measured in the same run "
-              f"({rows[0].get('copy_GBps', math.nan):.0f} GB/s)")
+              f"({rows[0].get('copy_GBps', math.nan):.0f} GB/s); min = the floor plus the adapters' A, B, dA, dB, "
+              f"S', dS traffic")
         print(SHORT_HEADER)
         for r in rows:
             print(fmt_short(r))
