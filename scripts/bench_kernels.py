@@ -915,12 +915,11 @@ def fmt_short(r: dict) -> str:
         v = r.get(key)
         return f"{v:.3f}" if isinstance(v, float) else "-"
 
-    pb = r.get("plora_both", math.nan)
+    pb, loop, least = (r.get(key, math.nan) for key in ("plora_both", "loop_both", "min_ms"))
     return (f"| {r['hidden']} | {r['K']} | {r['ranks']} | {g('plora_both')} | {g('plora_both_streams')} | "
             f"{g('plora_both_eager')} | "
             f"{g('loop_both')} | {g('bmm_both')} | {g('floor_ms')} | {pb / r['floor_ms']:.2f} | "
-            f"{g('min_ms')} | {pb / r.get('min_ms', math.nan):.2f} | "
-            f"{r.get('loop_both', math.nan) / pb:.1f} | {r.get('loop_both', math.nan) / r.get('min_ms', math.nan):.1f} |"
+            f"{g('min_ms')} | {pb / least:.2f} | {loop / pb:.1f} | {loop / least:.1f} |"
             + (" ERR" if "error" in r else ""))
 
 
