@@ -9,8 +9,9 @@ on the copy engines and is slower; both are logged).
 
 The floor leaves out the adapters' own tensors. The op cannot avoid moving them either: A and
 B are read twice each (forward and backward), dA and dB written once, S' and dS written once
-and read twice each. "min" adds those bytes to the 7 passes; at rank r and T tokens per
-adapter they add 6·r/T of a pass per adapter (0.75 of a pass at rank 128, T = 1024), so
+and read twice each. "min" adds those bytes to the 7 passes; at rank r, T tokens per adapter
+and hidden size h they add 6·r/T (A, B, dA, dB) + 6·r/h (S', dS) of a pass per adapter
+(0.75 + 0.04 of a pass at rank 128, T = 1024, h = 18944), so
 "loop/min" is the most any kernel at the copy bandwidth can gain over the loop measured in
 the same row.
 
