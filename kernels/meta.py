@@ -11,10 +11,13 @@ cached here for the rest of the step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 #: Largest rank the Triton kernels take (a rank-256 adapter's tile still fits in registers).
 MAX_RANK = 256
@@ -117,6 +120,14 @@ class LoRAMeta:
         """Σ n_k · bucket(r_k): size of the packed low-rank activation buffer."""
         return self.s_offsets_host[-1]
 
+    def cached(self, key: tuple, build: Callable[[], _T]) -> _T:
+        """``build()``'s result under ``key`` for the rest of the step: whatever the kernels
+        derive from the segments (tile schedules, launch plans) is made once and reused by
+        every layer of the same shape."""
+        hit = self._schedules.get(key)
+        if hit is None:
+            hit = self._schedules[key] = build()
+        return hit
 
     def schedule(self, bucket: int | None, chunk_tokens: int) -> Schedule:
         """Token ranges of at most ``chunk_tokens`` rows over the segments of one rank bucket.
@@ -124,10 +135,9 @@ class LoRAMeta:
         ``bucket=None`` walks every segment. Cached, so the host work and the copy to the
         device happen once per step and tile size.
         """
-        key = (bucket, chunk_tokens)
-        hit = self._schedules.get(key)
-        if hit is not None:
-            return hit
+        return self.cached((bucket, chunk_tokens), lambda: self._build_schedule(bucket, chunk_tokens))
+
+    def _build_schedule(self, bucket: int | None, chunk_tokens: int) -> Schedule:
         adapters = range(self.num_adapters) if bucket is None else self.buckets.get(bucket, ())
         seg, lo, hi = [], [], []
         split = False
@@ -141,9 +151,7 @@ class LoRAMeta:
                 lo.append(t)
                 hi.append(min(t + chunk_tokens, b))
         packed = torch.tensor([seg, lo, hi], dtype=torch.int32).to(self.device, non_blocking=True)
-        sched = Schedule(packed[0], packed[1], packed[2], len(seg), split)
-        self._schedules[key] = sched
-        return sched
+        return Schedule(packed[0], packed[1], packed[2], len(seg), split)
 
     def pair_schedule(
         self, bucket: int, tile_tokens: int, chunk_tokens: int, hidden_tiles: int, block_tiles: int = 0
@@ -154,10 +162,14 @@ class LoRAMeta:
         × one of the block's column tiles, kind 1, tile index in ``aux``). Interleaving per
         unit makes both kinds read the same dy at about the same time."""
         block_tiles = block_tiles or max(hidden_tiles, 1)
-        key = ("pair", bucket, tile_tokens, chunk_tokens, hidden_tiles, block_tiles)
-        hit = self._schedules.get(key)
-        if hit is not None:
-            return hit
+        return self.cached(
+            ("pair", bucket, tile_tokens, chunk_tokens, hidden_tiles, block_tiles),
+            lambda: self._build_pair_schedule(bucket, tile_tokens, chunk_tokens, hidden_tiles, block_tiles),
+        )
+
+    def _build_pair_schedule(
+        self, bucket: int, tile_tokens: int, chunk_tokens: int, hidden_tiles: int, block_tiles: int
+    ) -> PairSchedule:
         rows: list[tuple[int, int, int, int, int]] = []
         split = False
         for k in self.buckets.get(bucket, ()):
@@ -177,9 +189,7 @@ class LoRAMeta:
                         rows.extend(items[lo_i:hi_i])
         cols = list(zip(*rows)) if rows else [[]] * 5
         packed = torch.tensor([list(c) for c in cols], dtype=torch.int32).to(self.device, non_blocking=True)
-        sched = PairSchedule(packed[0], packed[1], packed[2], packed[3], packed[4], len(rows), split)
-        self._schedules[key] = sched
-        return sched
+        return PairSchedule(packed[0], packed[1], packed[2], packed[3], packed[4], len(rows), split)
 
     def bucket_tokens(self, bucket: int) -> list[int]:
         """Segment lengths of the adapters in one bucket (for choosing chunk sizes)."""
