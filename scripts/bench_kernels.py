@@ -15,6 +15,17 @@ and hidden size h they add 6·r/T (A, B, dA, dB) + 6·r/h (S', dS) of a pass per
 "loop/min" is the most any kernel at the copy bandwidth can gain over the loop measured in
 the same row.
 
+"roof" loosens "min" to what no implementation of the op can beat on this GPU: its passes that
+only read (x twice, dy once) at the read-only bandwidth (a float32 sum over 1 GiB), the rest at
+the copy bandwidth, or its six products (12·T·h·r FLOP per adapter) at the bf16 rate of a
+cuBLAS 8192³ product, whichever takes longer; all three rates are measured in the same run.
+"loop/roof" is then the most that packing can gain over the loop in that row.
+
+The loop's time is mostly not its products: every ``x[t0:t1]`` slice's backward fills a
+full-size zero gradient and adds it into ``x.grad``, about four passes over all K·T rows per
+adapter, so at K = 32 the loop moves about 20× the floor whatever the rank. ``--trace``
+prints the loop's kernels beside plora's.
+
     python scripts/bench_kernels.py --out DIR            # bf16 check + the table
     python scripts/bench_kernels.py --sweep --out DIR    # tile sweep first, table on its best
     python scripts/bench_kernels.py --smoke --out DIR    # tiny, CPU, Triton interpreter
@@ -239,6 +250,15 @@ class Problem:
         """The floor plus the adapters' own traffic (A, B, dA, dB and S', dS; module docstring)."""
         return self.floor_bytes() + 6 * sum(self.ranks) * (self.hidden + TOKENS) * self.x.element_size()
 
+    def roof_ms(self, rates: dict) -> float:
+        """The least time any implementation of the op can take here (module docstring)."""
+        one_pass = self.t * self.hidden * self.x.element_size()
+        own = self.min_bytes() - self.floor_bytes()
+        read = max(rates["read"], rates["copy"])  # a read-only pass is never slower than a copy's
+        memory = 3 * one_pass / read + (4 * one_pass + own) / rates["copy"]
+        flops = 12 * TOKENS * self.hidden * sum(self.ranks)
+        return max(memory, flops / rates["matmul"]) * 1e3
+
 
 # ---------------------------------------------------------------- stage runners (sweep)
 
@@ -412,6 +432,21 @@ def copy_bandwidth() -> tuple[float, float]:
     graph = t_graph(lambda: dst.copy_(src))
     del src, dst
     return 2 * n * 2 / (eager * 1e-3), 2 * n * 2 / (graph * 1e-3)
+
+
+def stream_rates() -> dict:
+    """The ceilings every row is judged against, measured once per run: copy bandwidth (eager
+    and from a CUDA graph), read-only bandwidth, and the bf16 tensor-core rate of cuBLAS."""
+    copy, copy_graph = copy_bandwidth()
+    n = 1 << 29 if DEVICE == "cuda" else 1 << 20
+    src = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    read = n * 2 / (t_eager(lambda: src.sum(dtype=torch.float32), budget_ms=50.0) * 1e-3)
+    del src
+    m = 8192 if DEVICE == "cuda" else 256
+    a, b = (torch.randn(m, m, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    matmul = 2 * m**3 / (t_eager(lambda: a @ b, budget_ms=50.0) * 1e-3)
+    del a, b
+    return {"copy": copy, "copy_graph": copy_graph, "read": read, "matmul": matmul}
 
 
 def plora_fns(p: Problem):
@@ -698,8 +733,10 @@ def apply_tiles(choice: dict) -> None:
 
 def table(log, out: Path, start: int) -> None:
     """Rows ``start:`` of the table, each appended to rows.jsonl as soon as it is measured."""
-    bw, bw_graph = copy_bandwidth()
-    log(f"copy bandwidth {bw / 1e9:.0f} GB/s (from a CUDA graph: {bw_graph / 1e9:.0f} GB/s)")
+    rates = stream_rates()
+    bw = rates["copy"]
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s (from a CUDA graph: {rates['copy_graph'] / 1e9:.0f} GB/s), "
+        f"read-only {rates['read'] / 1e9:.0f} GB/s, bf16 matmul {rates['matmul'] / 1e12:.0f} TFLOP/s")
     for i, (h, k, rs) in enumerate(table_shapes()):
         if i < start:
             continue
@@ -707,7 +744,8 @@ def table(log, out: Path, start: int) -> None:
             os._exit(3)
         p = Problem(h, k, rs)
         row = {"i": i, "hidden": h, "K": k, "ranks": rs, "copy_GBps": bw / 1e9, "floor_ms": p.floor_bytes() / bw * 1e3,
-               "min_ms": p.min_bytes() / bw * 1e3}
+               "min_ms": p.min_bytes() / bw * 1e3, "roof_ms": p.roof_ms(rates), "read_GBps": rates["read"] / 1e9,
+               "matmul_TFLOPs": rates["matmul"] / 1e12}
         f, b, fb = plora_fns(p)
         row.update(plora_fwd=t_graph(f), plora_bwd=t_graph(b), plora_both=t_graph(fb), plora_both_eager=t_eager(fb))
         if len(p.meta.buckets) > 1:  # rank buckets on their own streams, and on one
@@ -755,40 +793,52 @@ def diagnose(log, i: int) -> None:
             return
 
 
+def _kernel_times(fn, calls: int = 5) -> list[tuple[float, float, str]]:
+    """(µs per call, launches per call, name) of every kernel fn runs, longest first."""
+    cuda = DEVICE == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    per: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA or not cuda:
+            name = e.name.split("(")[0][:40]
+            n, us = per.get(name, (0, 0.0))
+            per[name] = (n + 1, us + (e.device_time if cuda else e.cpu_time))
+    return sorted(((us / calls, n / calls, name) for name, (n, us) in per.items()), reverse=True)
+
+
 def trace_rows(log, out: Path) -> None:
     """Per table row: GPU time of each kernel of one fwd + bwd (torch.profiler, 5 calls),
-    against the op's CUDA-graph time: what each launch costs where the op is slow."""
+    against the op's CUDA-graph time: what each launch costs where the op is slow; and the
+    loop's kernels, to show where its time goes."""
     rows = []
     bw = copy_bandwidth()[0]
     for h, k, rs in table_shapes():
         p = Problem(h, k, rs)
         f, b, fb = plora_fns(p)
         total = t_graph(fb)
-        cuda = DEVICE == "cuda"
-        acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(5):
-                fb()
-            if cuda:
-                torch.cuda.synchronize()
-        per: dict = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA or not cuda:
-                name = e.name.split("(")[0][:40]
-                n, us = per.get(name, (0, 0.0))
-                per[name] = (n + 1, us + (e.device_time if cuda else e.cpu_time))
-        busy = sum(us for _, us in per.values()) / 5
-        parts = sorted(((us / 5, n / 5, name) for name, (n, us) in per.items()), reverse=True)
+        parts = _kernel_times(fb)
+        busy = sum(u for u, _, _ in parts)
+        loop_parts = _kernel_times(loop_fns(p)[2], calls=3)
+        loop_busy = sum(u for u, _, _ in loop_parts)
         row = {"hidden": h, "K": k, "ranks": rs, "graph_us": total * 1e3, "kernels_us": busy,
                "floor_us": p.floor_bytes() / bw * 1e6, "min_us": p.min_bytes() / bw * 1e6,
                "kernels": [{"name": nm, "per_call": c, "us": u} for u, c, nm in parts],
+               "loop_kernels_us": loop_busy,
+               "loop_kernels": [{"name": nm, "per_call": c, "us": u} for u, c, nm in loop_parts],
                "s_atomic": any(pl[2] > 1 for pl in [T._plan(p.meta, "shrink", rp, h, T._num_sms(p.x.device))
                                                     for rp in p.meta.buckets])}
         rows.append(row)
         log(f"trace {h} {k} {rs}: graph {total * 1e3:.0f} us, floor {row['floor_us']:.0f} us, min {row['min_us']:.0f} us, kernels {busy:.0f} us: "
             + ", ".join(f"{nm} {u:.0f}us x{c:g}" for u, c, nm in parts))
+        log(f"trace {h} {k} {rs}: loop kernels {loop_busy:.0f} us: "
+            + ", ".join(f"{nm} {u:.0f}us x{c:g}" for u, c, nm in loop_parts[:8]))
         del p, f, b, fb
-        if cuda:
+        if DEVICE == "cuda":
             torch.cuda.empty_cache()
     (out / "trace.json").write_text(json.dumps(rows, indent=1))
 
@@ -908,7 +958,8 @@ def smoke() -> None:
 
 
 SHORT_HEADER = ("| hidden | K | ranks | plora both | bucket streams | eager | loop both | bmm both | floor "
-                "| both/floor | min | both/min | loop/plora | loop/min |\n" + "|---" * 14 + "|")
+                "| both/floor | min | both/min | roof | both/roof | loop/plora | loop/min | loop/roof |\n"
+                + "|---" * 17 + "|")
 
 
 def fmt_short(r: dict) -> str:
@@ -916,11 +967,12 @@ def fmt_short(r: dict) -> str:
         v = r.get(key)
         return f"{v:.3f}" if isinstance(v, float) else "-"
 
-    pb, loop, least = (r.get(key, math.nan) for key in ("plora_both", "loop_both", "min_ms"))
+    pb, loop, least, roof = (r.get(key, math.nan) for key in ("plora_both", "loop_both", "min_ms", "roof_ms"))
     return (f"| {r['hidden']} | {r['K']} | {r['ranks']} | {g('plora_both')} | {g('plora_both_streams')} | "
             f"{g('plora_both_eager')} | "
             f"{g('loop_both')} | {g('bmm_both')} | {g('floor_ms')} | {pb / r['floor_ms']:.2f} | "
-            f"{g('min_ms')} | {pb / least:.2f} | {loop / pb:.1f} | {loop / least:.1f} |"
+            f"{g('min_ms')} | {pb / least:.2f} | {g('roof_ms')} | {pb / roof:.2f} | {loop / pb:.1f} | "
+            f"{loop / least:.1f} | {loop / roof:.1f} |"
             + (" ERR" if "error" in r else ""))
 
 
@@ -1033,7 +1085,8 @@ def main() -> None:
         print(f"{dev}; times in ms (plora: CUDA-graph replays; 'eager': calls issued back to back; "
               f"loop/bmm: eager autograd); floor = 7 passes at the copy bandwidth measured in the same run "
               f"({rows[0].get('copy_GBps', math.nan):.0f} GB/s); min = the floor plus the adapters' A, B, dA, dB, "
-              f"S', dS traffic")
+              f"S', dS traffic; roof = min with its read-only passes at {rows[0].get('read_GBps', math.nan):.0f} GB/s, "
+              f"or the products at {rows[0].get('matmul_TFLOPs', math.nan):.0f} TFLOP/s, whichever is longer")
         print(SHORT_HEADER)
         for r in rows:
             print(fmt_short(r))
