@@ -577,8 +577,8 @@ class _PruneWatcher:
 
 
 def request_prune(job_dir: Path, adapter_ids: Iterable[str]) -> None:
-    """Ask a running job to drop adapters: they leave the pack at its next control check
-    (about once a second) with status ``pruned``."""
+    """Ask a running job to drop adapters: they leave the pack at its next step, with status
+    ``pruned`` (the job reads control.json whenever it changes)."""
     path = Path(job_dir) / "control.json"
     try:
         control = json.loads(path.read_text())

@@ -203,7 +203,9 @@ class PruneOne(optuna.pruners.BasePruner):
 def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_model):
     from plora.recipes.packed_lora import PackedLoRARecipe
 
-    budget, every = 120, 8  # a few seconds of training: the job checks control.json once a second
+    # The pruner's verdict reaches the job through the engine's poll (every 0.25 s); the
+    # budget leaves it seconds to land, however fast this machine trains.
+    budget, every = 480, 40
     configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
                {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
                {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]

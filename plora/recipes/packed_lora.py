@@ -41,8 +41,6 @@ from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, padd
 EXIT_OOM = 3
 #: learning rates are capped here; see train_step
 MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
-#: control.json may ask the job to stop adapters early (pruning); checked this often.
-CONTROL_EVERY_S = 1.0
 
 
 def lr_factor(step: int, total: int, warmup: int, scheduler: str) -> float:
@@ -166,7 +164,7 @@ class PackedLoRARecipe:
         self.scheduler = str(t.get("scheduler", "constant"))
         self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
         self._last_progress = 0.0
-        self._last_control = 0.0
+        self._control_seen: tuple[int, int, int] | None = None  # control.json's (inode, mtime, size) last read
         self.start_time = time.time()
 
     # ------------------------------------------------------------------ training
@@ -483,17 +481,22 @@ class PackedLoRARecipe:
                 self._write_adapter_metrics(r, {}, checkpoint=None)
 
     def _read_control(self) -> set[str]:
-        now = time.time()
-        if now - self._last_control < CONTROL_EVERY_S:
-            return set()
-        self._last_control = now
+        """The prune list, read only when control.json has changed: one stat per step, so a
+        prune request takes effect at the next step however fast the steps are."""
         path = self.job_dir / "control.json"
-        if not path.is_file():
+        try:
+            st = path.stat()
+        except OSError:
+            return set()
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen == self._control_seen:
             return set()
         try:
-            return set(json.loads(path.read_text()).get("prune", []))
-        except (OSError, ValueError):
+            prune = set(json.loads(path.read_text()).get("prune", []))
+        except (OSError, ValueError):  # half-written by a writer without an atomic rename: next step
             return set()
+        self._control_seen = seen
+        return prune
 
 
 def _pick_device(name: str) -> torch.device:
