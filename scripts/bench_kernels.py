@@ -243,8 +243,12 @@ class Problem:
             buf[s0:s1].view(n, -1)[:, r:] = 0
         return buf
 
+    def pass_bytes(self) -> int:
+        """One pass over every adapter's rows: K·T·hidden elements."""
+        return self.t * self.hidden * self.x.element_size()
+
     def floor_bytes(self) -> int:
-        return 7 * self.t * self.hidden * self.x.element_size()
+        return 7 * self.pass_bytes()
 
     def min_bytes(self) -> int:
         """The floor plus the adapters' own traffic (A, B, dA, dB and S', dS; module docstring)."""
@@ -252,10 +256,9 @@ class Problem:
 
     def roof_ms(self, rates: dict) -> float:
         """The least time any implementation of the op can take here (module docstring)."""
-        one_pass = self.t * self.hidden * self.x.element_size()
         own = self.min_bytes() - self.floor_bytes()
         read = max(rates["read"], rates["copy"])  # a read-only pass is never slower than a copy's
-        memory = 3 * one_pass / read + (4 * one_pass + own) / rates["copy"]
+        memory = 3 * self.pass_bytes() / read + (4 * self.pass_bytes() + own) / rates["copy"]
         flops = 12 * TOKENS * self.hidden * sum(self.ranks)
         return max(memory, flops / rates["matmul"]) * 1e3
 
@@ -888,7 +891,7 @@ def library_rows(log, out: Path) -> None:
         if not rs.isdigit() or k < 8:
             continue
         p = Problem(h, k, rs)
-        row = {"hidden": h, "K": k, "ranks": rs, "pass_us": p.t * h * p.x.element_size() / bw * 1e6,
+        row = {"hidden": h, "K": k, "ranks": rs, "pass_us": p.pass_bytes() / bw * 1e6,
                **library_stages(p)}
         rows.append(row)
         log(f"library {h} {k} {rs}: one pass {row['pass_us']:.1f} us; "
