@@ -1,6 +1,6 @@
 """Packed LoRA kernels: many adapters of their own ranks over one batch of token segments.
 
-Installed as ``plora.kernels``. The public surface:
+Imported as ``plora.kernels`` (``plora/kernels`` links here). The public surface:
 
 - `build_lora_meta` / `LoRAMeta`: segment and rank metadata, built once per step and
   shared by every layer;
@@ -9,9 +9,10 @@ Installed as ``plora.kernels``. The public surface:
 - `packed_lora_delta`: the LoRA term alone;
 - `build_segments`, `segment_sq_norms`, `segmented_adamw_`: per-adapter norms and AdamW
   over one flat buffer that holds every adapter, one launch for the whole pack.
-- `fused_linear.linear_lora`: the base product with the LoRA expand fused into its GEMM
-  (measured against cuBLAS plus the expand by `scripts/bench_fused_linear.py`; the packed
-  layer does not use it, see NOTES.md).
+
+Tuned tiles are data, one file per GPU model in ``tiles/`` (`tile_tables`). Experiments that
+the packed layer does not use (the expand fused into the base GEMM) live with the benchmarks
+in ``scripts/experiments/``.
 
 `reference` holds the torch loop that is the CPU path and the test oracle; `triton_ops`
 the kernel launchers; both expose ``lora_forward``/``lora_backward`` style ops that work

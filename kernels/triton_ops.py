@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .tile_tables import load_tables, tables_path
 from .meta import MAX_RANK, LoRAMeta
 
 _MODULES: dict[tuple[str, bool], object] = {}
@@ -45,8 +46,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def kernels_module(file: str = "_triton_kernels.py"):
-    """A module of jitted kernels, loaded for the current mode (compiled or interpreted).
+def kernels_module(file: str | Path = "_triton_kernels.py"):
+    """A module of jitted kernels, loaded for the current mode (compiled or interpreted):
+    a file of this package by name, or any kernel file by path (benchmark experiments).
 
     Triton decides at decoration time whether a kernel is compiled or interpreted, so the
     module is loaded lazily, once per mode: a process can import this package before
@@ -56,7 +58,8 @@ def kernels_module(file: str = "_triton_kernels.py"):
     mod = _MODULES.get((file, mode))
     if mod is None:
         name = f"{__package__}.{Path(file).stem}_{'interp' if mode else 'jit'}"
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
+        path = Path(file) if Path(file).is_absolute() else Path(__file__).with_name(str(file))
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
@@ -103,78 +106,42 @@ def _default_tiles(kind: str, rp: int) -> TileConfig:
     raise KeyError(kind)
 
 
-def _t(bt, bh, warps, stages, waves, **kw) -> TileConfig:
-    return TileConfig(bt=bt, bh=bh, warps=warps, stages=stages, waves=waves, **kw)
+#: Tiles per (kind, rank bucket), the tiles of launches past `LARGE_ELEMS` (where they differ)
+#: and the dy side's mode per rank bucket — "band" (one pass over dy, float32 partial dS per
+#: band), "pair" (one launch, the second read of dy partly from L2), "block" ("pair" in column
+#: blocks whose dy stays in L2), "split" (two launches, two passes) or "fused" (one pass,
+#: atomics) — for all launches, those past `LARGE_ELEMS` and those within `SMALL_ELEMS`.
+#: They are measurements, kept as data per GPU model in ``tiles/`` (`tile_tables`); the
+#: sweeps behind them are in NOTES.md. Buckets not listed take `_default_tiles` and "pair".
+#: The dicts are filled in place, so a benchmark that swaps them sees every later launch.
+TILES: dict[tuple[str, int], TileConfig] = {}
+TILES_LARGE: dict[tuple[str, int], TileConfig] = {}
+DY_MODE: dict[int, str] = {}
+DY_MODE_LARGE: dict[int, str] = {}
+DY_MODE_SMALL: dict[int, str] = {}
+_LOADED: list[Path] = []  # the table file now in the dicts
 
 
-#: Tiles per (kind, rank bucket): of sweeps on an H200 (bf16; hidden 2048 to 18944, K = 8 and
-#: 32; `scripts/bench_kernels.py --sweep`, NOTES.md), per bucket the variant whose worst time
-#: over the swept shapes, relative to each shape's fastest, is least (or within 1% of it);
-#: `TILES_LARGE` likewise over the shapes past `LARGE_ELEMS`, where it wins there by 2%.
-#: One wave of programs (``waves`` 1) is enough for small launches: whole segments per
-#: program then, so their weight gradients need no float32 atomics, zero-fills or casts.
-#: Buckets not listed (256) take `_default_tiles`.
-TILES: dict[tuple[str, int], TileConfig] = {
-    ("shrink", 16): _t(64, 128, 8, 4, 1),
-    ("shrink", 32): _t(64, 128, 8, 4, 1),
-    ("shrink", 64): _t(64, 128, 4, 3, 1),
-    ("shrink", 128): _t(64, 128, 8, 4, 1),
-    ("dy_shrink", 128): _t(64, 128, 8, 3, 1),  # beside dB ("split"): one stage less than the forward's
-    ("expand", 16): _t(64, 128, 4, 3, 1, hfirst=True, ystages=3),
-    ("expand", 32): _t(64, 64, 4, 3, 1, hfirst=True, ystages=3),
-    ("expand", 64): _t(64, 128, 4, 3, 1, hfirst=True, ystages=3),
-    ("expand", 128): _t(64, 64, 4, 3, 1, hfirst=True, ystages=3),
-    ("wgrad", 16): _t(64, 64, 4, 4, 1, hfirst=True),
-    ("wgrad", 32): _t(64, 128, 4, 3, 1, hfirst=True),
-    ("wgrad", 64): _t(64, 128, 4, 3, 1, hfirst=True),
-    ("wgrad", 128): _t(32, 64, 4, 4, 1, hfirst=True),
-    ("dy_fused", 16): _t(64, 256, 8, 3, 2),
-    ("dy_fused", 32): _t(64, 512, 8, 3, 2),
-    ("dy_fused", 64): _t(64, 256, 8, 3, 2),
-    ("dy_fused", 128): _t(32, 128, 4, 3, 2),
-    ("dy_pair", 16): _t(64, 128, 4, 3, 1, bh2=128, bt2=64),
-    ("dy_pair", 32): _t(64, 128, 4, 3, 1, bh2=128, bt2=64),
-    ("dy_pair", 64): _t(64, 128, 4, 3, 1, bh2=128, bt2=64),
-    ("dy_pair", 128): _t(64, 128, 8, 3, 1, bh2=256, bt2=64),
-    # waves: "band" needs that many waves of programs, or the bucket goes to "pair"
-    ("dy_band", 16): _t(64, 256, 4, 3, 1),
-    ("dy_band", 32): _t(64, 512, 4, 3, 1, tacc=True),
-}
-TILES_LARGE: dict[tuple[str, int], TileConfig] = {
-    ("shrink", 16): _t(32, 128, 4, 3, 2),
-    ("shrink", 32): _t(64, 64, 4, 4, 2),
-    ("shrink", 128): _t(64, 64, 4, 4, 1),
-    ("dy_shrink", 128): _t(64, 64, 4, 4, 1),
-    ("expand", 16): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
-    ("expand", 32): _t(64, 128, 4, 3, 16, hfirst=True, ystages=3),
-    ("expand", 64): _t(32, 128, 4, 3, 16, hfirst=True, ystages=3),
-    ("expand", 128): _t(64, 256, 8, 3, 4, hfirst=True, ystages=3),
-    ("wgrad", 128): _t(64, 256, 8, 4, 2, hfirst=True),
-    ("dy_fused", 16): _t(64, 512, 8, 3, 2),
-    ("dy_pair", 128): _t(64, 128, 8, 3, 2, bh2=256, bt2=64),
-    ("dy_band", 16): _t(64, 512, 4, 3, 1, tacc=True),
-    ("dy_band", 32): _t(64, 512, 8, 2, 4, tacc=True),
-    # "block" (v9, H100 whole-op variants): 4096-column blocks, one stage more than "pair"
-    ("dy_block", 32): _t(64, 128, 4, 4, 2, bt2=64, bh2=128, block=4096),
-    ("dy_block", 64): _t(64, 128, 8, 4, 2, bt2=64, bh2=256, block=4096),
-    ("dy_block", 128): _t(64, 128, 8, 4, 2, bt2=64, bh2=256, block=4096),
-}
-#: dy side of the backward per rank bucket: "band" (one pass over dy, float32 partial dS
-#: per band), "pair" (one launch, the second read of dy partly from L2), "block" ("pair" in
-#: column blocks whose dy stays in L2), "split" (two launches, two passes) or "fused" (one
-#: pass, atomics). Buckets not listed take "pair". Picked per size class: "band" wins only
-#: on large launches (its programs are whole segments, too few on small ones), and so does
-#: "block" (v9: on large launches of buckets 32 to 128, where v8 had "band", "pair" and
-#: "split"; H100, K = 32, h = 18944: rank 128 3,756 -> 3,618 us, mixed 3,585 -> 3,353,
-#: rank 32 3,244 -> 3,188).
-DY_MODE: dict[int, str] = {16: "pair", 32: "pair", 64: "pair", 128: "pair"}
-#: The dy mode of launches past `LARGE_ELEMS` elements, per bucket where it differs.
-DY_MODE_LARGE: dict[int, str] = {16: "band", 32: "block", 64: "block", 128: "block"}
-#: The dy mode of launches of at most `SMALL_ELEMS` elements, per bucket where it differs:
-#: "split" runs dB beside dS (`STAGE_STREAMS`), which at rank 128 beats "pair" there (H100,
-#: whole op, K = 8: h = 2048 128.0 -> 122.0 us, h = 3584 214.4 -> 210.4), not above (K = 32,
-#: h = 2048, 2^26 elements: 445 -> 467).
-DY_MODE_SMALL: dict[int, str] = {128: "split"}
+def use_tables(device_name: str | None = None) -> Path:
+    """Load the tile tables of ``device_name`` (the default tables when it has none)."""
+    t = load_tables(TileConfig, device_name)
+    for table, value in ((TILES, t.tiles), (TILES_LARGE, t.large), (DY_MODE, t.dy_mode),
+                         (DY_MODE_LARGE, t.dy_mode_large), (DY_MODE_SMALL, t.dy_mode_small)):
+        table.clear()
+        table.update(value)
+    _LOADED[:] = [t.source]
+    return t.source
+
+
+def _tables_for(device: torch.device) -> None:
+    """Take the tables of the GPU a launch runs on, where it has a file of its own."""
+    if tables_path(torch.cuda.get_device_name(device)) != _LOADED[0]:
+        use_tables(torch.cuda.get_device_name(device))
+
+
+use_tables()
+
+#: Launches of at most this many elements (bucket tokens × hidden) take `DY_MODE_SMALL`.
 SMALL_ELEMS = 1 << 25
 _DEFAULT_DY_MODE = "pair"
 
@@ -232,15 +199,8 @@ def dy_mode_for(rp: int, elems: int = 0) -> str:
     return DY_MODE.get(rp, _DEFAULT_DY_MODE)
 
 
-#: Compile only, launch nothing (benchmarks compile their variants in parallel processes).
-WARMUP_ONLY = False
-
-
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    if WARMUP_ONLY:
-        kernel.warmup(*args, grid=grid, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
+    kernel[grid](*args, **kwargs)
 
 
 _SMS: dict[str, int] = {}
@@ -250,6 +210,8 @@ def _num_sms(device: torch.device) -> int:
     key = str(device)
     if key not in _SMS:
         _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        if device.type == "cuda":  # every launch asks this first: once per device and process
+            _tables_for(device)
     return _SMS[key]
 
 
@@ -494,7 +456,7 @@ def _fork(device: torch.device, fns, first_here: bool) -> None:
 
 def _streams_on(device: torch.device) -> bool:
     """Whether launches go on side streams at all: compiled kernels on a CUDA device."""
-    return not WARMUP_ONLY and device.type == "cuda"
+    return device.type == "cuda"
 
 
 def _each_bucket(meta: LoRAMeta, device: torch.device, chain) -> None:

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as BK  # noqa: E402  (timers, kernels import)
 
 K, T = BK.K, BK.T
-from plora.kernels import fused_linear as FL  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent / "experiments"))
+import fused_linear as FL  # noqa: E402  (an experiment beside the benchmarks, not the runtime)
 
 #: (BM, BN, BK, warps, stages, group_m, TMA loads). A warp-specialized loop was tried too: at 4
 #: warps it never finished compiling (Triton 3.6, H100), at 8 it was no faster.

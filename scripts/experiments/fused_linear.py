@@ -1,4 +1,6 @@
-"""The base linear layer and the LoRA expand as one kernel (the "fused" path).
+"""The base linear layer and the LoRA expand as one kernel (the "fused" path): an experiment
+measured by `scripts/bench_fused_linear.py`, kept out of the runtime package because the packed
+layer does not use it (kernels/NOTES.md says why).
 
 Unfused, a packed layer's forward is ``y = x Wᵀ + b`` (cuBLAS), then ``y += S' B`` per
 segment (`triton_ops.expand_stage`), which reads and writes all of y once more; its dx is
@@ -15,8 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .meta import LoRAMeta
-from . import triton_ops
+from pathlib import Path
+
+from plora.kernels import triton_ops
+from plora.kernels.meta import LoRAMeta
+
+_KERNELS = Path(__file__).with_name("_fused_linear_kernels.py")
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ def linear_lora(
     seg0, buckets = _tables(meta, M, cfg.bm)
     br = min(max(meta.bucket_of_host, default=16), cfg.bk, 64)
     stride_wk, stride_wn = (weight.stride(1), weight.stride(0)) if weight_is_out_in else (weight.stride(0), 1)
-    k = triton_ops.kernels_module()
+    k = triton_ops.kernels_module(_KERNELS)
     grid = (triton_ops._cdiv(M, cfg.bm) * triton_ops._cdiv(N, cfg.bn),)
     tables = (seg0, meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, buckets)
     common = dict(BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BR=br, HAS_BIAS=bias is not None,
