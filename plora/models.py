@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from plora.families import ModelError, check_seq_len, get_family
-from plora.families.base import rope_settings
+from plora.families.base import ModelError, check_seq_len, rope_settings
+from plora.families.table import get_family
 
 ASSETS = Path(__file__).parent / "assets"
 
