@@ -131,23 +131,24 @@ def map_keys(
     state: dict[str, "torch.Tensor"],
     top: Mapping[str, str | None],
     layer: Mapping[str, str | None],
-    where: str,
+    info: "ModelInfo",
 ) -> dict[str, "torch.Tensor"]:
     """Rename Hugging Face weights: `top` maps whole names, `layer` maps what follows
     ``model.layers.<i>.``; a None target drops the tensor. Unknown names are refused."""
     out: dict[str, "torch.Tensor"] = {}
+    where = f"{info.path}: unexpected weight {{!r}} for the {info.family} family"
     for key, value in state.items():
         if key in top:
             new = top[key]
         elif key.startswith("model.layers."):
             _, _, idx, rest = key.split(".", 3)
             if rest not in layer:
-                raise ModelError(f"{where}: unexpected weight {key!r} for this family")
+                raise ModelError(where.format(key))
             new = layer[rest] and f"layers.{idx}.{layer[rest]}"
         elif key.endswith("rotary_emb.inv_freq"):
             new = None
         else:
-            raise ModelError(f"{where}: unexpected weight {key!r} for this family")
+            raise ModelError(where.format(key))
         if new is not None:
             out[new] = value
     return out

@@ -71,4 +71,4 @@ def build_phi3(info: "ModelInfo", max_seq_len: int) -> nn.Module:
 
 
 def hf_to_tune_phi3(state: dict[str, torch.Tensor], info: "ModelInfo") -> dict[str, torch.Tensor]:
-    return map_keys(state, top_keys(info.tie_word_embeddings), _LAYER_KEYS, str(info.path))
+    return map_keys(state, top_keys(info.tie_word_embeddings), _LAYER_KEYS, info)
