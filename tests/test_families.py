@@ -36,7 +36,7 @@ MERGED_ATOL = 1e-4
 PACKED_ATOL = 2e-6  # as tests/test_packed.py argues
 
 FAMILY = {"llama": "llama", "llama-tied-llama3": "llama", "mistral": "mistral", "qwen2": "qwen2",
-          "qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3"}
+          "qwen3": "qwen3", "gemma2": "gemma2", "phi3": "phi3", "phi3-longrope-partial": "phi3"}
 
 
 def _ids(seed: int = 0, shape=(2, 20)) -> torch.Tensor:
@@ -222,8 +222,10 @@ def _edit(folder, tmp_path, **changes):
         ("llama", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}}, ["'linear'"]),
         ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, ["low_freq_factor"]),
         ("qwen2", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}}, ["'dynamic'", "qwen2"]),
-        ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, ["partial_rotary_factor 0.5"]),
-        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, ["'longrope'", "phi3"]),
+        ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, ["partial_rotary_factor 0.5"]),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, ["longrope short_factor"]),
+        ("phi3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, ["'dynamic'", "phi3", "longrope"]),
+        ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}}, ["partial_rotary_factor 0.1", "odd rotary dimension"]),
         ("llama", {"attention_bias": True}, ["attention_bias"]),
         ("llama", {"mlp_bias": True}, ["mlp_bias"]),
         ("llama", {"hidden_act": "gelu"}, ["hidden_act", "'gelu'"]),
@@ -254,6 +256,14 @@ def test_sliding_window_refused_only_where_it_changes_results(name, changes, fol
     load_base_model(folder, max_seq_len=32)  # rows within the window: the same model
     with pytest.raises(ModelError, match=r"sliding_window 32.*max_seq_len 64"):
         load_base_model(folder, max_seq_len=64)
+
+
+def test_longrope_long_factors_refused(folders):
+    """Beyond original_max_position_embeddings transformers switches to the long factors
+    per batch; plora builds the short ones only, so longer rows are refused."""
+    load_base_model(folders["phi3-longrope-partial"], max_seq_len=64)
+    with pytest.raises(ModelError, match=r"longrope's long factors .*original_max_position_embeddings 64.*max_seq_len 65"):
+        load_base_model(folders["phi3-longrope-partial"], max_seq_len=65)
 
 
 def test_config_that_is_not_json_names_the_file(folders, tmp_path):

@@ -118,6 +118,12 @@ def check_seq_len(info: "ModelInfo", max_seq_len: int) -> None:
             f"{info.path}: sliding-window attention (sliding_window {window}) is not supported: "
             f"max_seq_len {max_seq_len} exceeds the window; use max_seq_len <= {window}"
         )
+    short = info.options.get("short_rope_max_len")
+    if short is not None and max_seq_len > short:
+        raise ModelError(
+            f"{info.path}: longrope's long factors (used beyond original_max_position_embeddings {short}) "
+            f"are not supported: max_seq_len {max_seq_len} exceeds it; use max_seq_len <= {short}"
+        )
 
 
 def head_dim_of(cfg: Mapping[str, Any]) -> int:
