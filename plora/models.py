@@ -8,7 +8,6 @@ and how adapter weights map back to Hugging Face names (see `plora.packed.peft_f
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

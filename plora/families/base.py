@@ -24,7 +24,7 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class Family:
-    """One row of the family table (`plora.families.FAMILY_TABLE`).
+    """One row of the family table (`plora.families.table.FAMILY_TABLE`).
 
     `read` checks the raw config and returns the family's options (kept in
     `ModelInfo.options`); `build` makes the empty decoder; `hf_to_tune` maps Hugging Face
