@@ -315,3 +315,8 @@ def test_tensor_parallel_refused_where_not_supported(name, folders):
     tp.size, tp.rank, tp.group, tp.copies, tp._replicated, tp._kv_copies, tp._splits = 2, 0, None, {}, [], [], {}
     with pytest.raises(NotImplementedError, match=r"supports the llama, mistral, qwen2 families.*tp 1"):
         tp.shard(pm)
+
+
+def test_unknown_family_named(folders):
+    with pytest.raises(ModelError, match=r"unknown model family 'falcon'; supported: llama, mistral, qwen2, qwen3, gemma2, phi3"):
+        read_model_info(folders["llama"], family="falcon")
