@@ -42,10 +42,13 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
 
 
 def _load(space: Path):
+    from plora.model_check import check_spec_model
     from plora.spec import SpecError, load_spec
 
     try:
-        return load_spec(space)
+        spec = load_spec(space)
+        check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
+        return spec
     except SpecError as e:
         fail(str(e))
 
