@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from plora.families import ModelError, check_seq_len, get_family
+from plora.families.base import rope_settings
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -23,6 +26,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LLAMA3"),
     "mistral": ("mistral", "MISTRAL"),
     "qwen2": ("qwen2", "QWEN2"),
+    "qwen3": ("qwen3", "QWEN3"),
+    "gemma2": ("gemma2", "GEMMA2"),
+    "phi3": ("phi3", "PHI3_MINI"),
 }
 
 DTYPES: dict[str, torch.dtype] = {
@@ -32,13 +38,13 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class ModelError(ValueError):
-    """A model folder that plora cannot build; the message names what is missing."""
-
-
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the rest of plora needs to know about a base model, read from config.json."""
+    """What the rest of plora needs to know about a base model, read from config.json.
+
+    `options` holds the family's own settings (RoPE scaling, soft-capping, the sliding
+    window...), as its reader in `plora.families` returned them.
+    """
 
     path: Path
     family: str
@@ -56,6 +62,7 @@ class ModelInfo:
     bos_token_id: int | None
     eos_token_id: int | None
     pad_token_id: int | None
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def checkpointer_type(self) -> str:
@@ -86,72 +93,85 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def read_model_info(path: str | Path, family: str = "auto") -> ModelInfo:
+    """Read config.json (transformers 4.x or 5.x spelling); refuse what plora cannot build."""
     folder = resolve_model_path(path)
-    cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    cfg_file = folder / "config.json"
+    try:
+        cfg: dict[str, Any] = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{cfg_file}: not a readable JSON file ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    where = str(cfg_file)
     model_type = cfg.get("model_type", "")
     if family == "auto":
         if model_type not in FAMILIES:
             raise ModelError(
-                f"{folder}: model_type {model_type!r} is not supported "
+                f"{where}: model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(sorted(FAMILIES))}); set model.family explicitly"
             )
         family = FAMILIES[model_type][0]
-    if family not in FAMILIES:
-        raise ModelError(f"unknown model family {family!r}")
-    if cfg.get("rope_scaling"):
-        raise ModelError(f"{folder}: rope_scaling is not supported yet")
-    heads = int(cfg["num_attention_heads"])
-    dim = int(cfg["hidden_size"])
-    eos = cfg.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0]
-    return ModelInfo(
-        path=folder,
-        family=family,
-        vocab_size=int(cfg["vocab_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        embed_dim=dim,
-        head_dim=int(cfg.get("head_dim") or dim // heads),
-        intermediate_dim=int(cfg["intermediate_size"]),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        rope_base=float(cfg.get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos,
-        pad_token_id=cfg.get("pad_token_id"),
-    )
+    fam = get_family(family)
+    try:
+        options = fam.read(cfg, where)
+        heads = int(cfg["num_attention_heads"])
+        dim = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return ModelInfo(
+            path=folder,
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            embed_dim=dim,
+            head_dim=int(cfg.get("head_dim") or dim // heads),
+            intermediate_dim=int(cfg["intermediate_size"]),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_base=rope_settings(cfg, where)["theta"],
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_default)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=cfg.get("pad_token_id"),
+            options=options,
+        )
+    except KeyError as e:
+        raise ModelError(f"{where}: missing {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ModelError):
+            raise
+        raise ModelError(f"{where}: {e}") from None
 
 
 def build_model(info: ModelInfo, max_seq_len: int) -> nn.Module:
-    """An empty torchtune TransformerDecoder of the folder's architecture."""
-    common = dict(
-        vocab_size=info.vocab_size,
-        num_layers=info.num_layers,
-        num_heads=info.num_heads,
-        num_kv_heads=info.num_kv_heads,
-        embed_dim=info.embed_dim,
-        intermediate_dim=info.intermediate_dim,
-        max_seq_len=max(max_seq_len, 8),
-        norm_eps=info.norm_eps,
-    )
-    if info.family == "llama":
-        if info.tie_word_embeddings:
-            raise ModelError(f"{info.path}: tied embeddings are not supported for llama yet")
-        from torchtune.models.llama3._component_builders import llama3
+    """An empty torchtune TransformerDecoder of the folder's architecture (its family's builder)."""
+    check_seq_len(info, max_seq_len)
+    return get_family(info.family).build(info, max(max_seq_len, 8))
 
-        return llama3(rope_base=int(info.rope_base), **common)
-    if info.family == "qwen2":
-        from torchtune.models.qwen2._component_builders import qwen2
 
-        return qwen2(rope_base=info.rope_base, tie_word_embeddings=info.tie_word_embeddings, **common)
-    if info.family == "mistral":
-        from torchtune.models.mistral._component_builders import mistral
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors (the shards its index names, if it has one)."""
+    from safetensors.torch import load_file
 
-        return mistral(rope_base=int(info.rope_base), **common)
-    raise ModelError(f"unknown model family {info.family!r}")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ModelError(f"{index}: not a safetensors index ({e})") from None
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise ModelError(f"{folder / name}: named by the index but missing")
+        state.update(load_file(str(folder / name)))
+    return state
 
 
 def load_base_model(
@@ -168,24 +188,17 @@ def load_base_model(
     `random_init` skips the weights (a folder with only config.json and tokenizer.json
     will do): profiling and throughput benchmarks need the shapes, not the values.
     """
-    from torchtune.training.checkpointing import FullModelHFCheckpointer
-
     info = read_model_info(path, family)
     if random_init:
         return _random_model(info, max_seq_len, dtype, device), info
-    files = sorted(p.name for p in info.path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{info.path}: no *.safetensors weights")
-    with tempfile.TemporaryDirectory() as scratch:
-        checkpointer = FullModelHFCheckpointer(
-            checkpoint_dir=str(info.path),
-            checkpoint_files=files,
-            model_type=info.checkpointer_type,
-            output_dir=scratch,
-        )
-        state = checkpointer.load_checkpoint()["model"]
     with torch.device("meta"):
         model = build_model(info, max_seq_len)
+    state = get_family(info.family).hf_to_tune(read_hf_weights(info.path), info)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise ModelError(f"{info.path}: weights do not match the {info.family} architecture ({what})")
     model.load_state_dict(state, assign=True)
     _rebuild_rope_caches(model, device)
     model.to(device=device, dtype=DTYPES[dtype])

@@ -21,6 +21,9 @@ HF_TO_TUNE: dict[str, tuple[str, str]] = {
     "gate_proj": ("mlp", "w1"),
     "down_proj": ("mlp", "w2"),
     "up_proj": ("mlp", "w3"),
+    # Phi-3's fused projections
+    "qkv_proj": ("attn", "qkv_proj"),
+    "gate_up_proj": ("mlp", "gate_up_proj"),
 }
 ALL_LINEAR = list(HF_TO_TUNE)
 
@@ -62,7 +65,9 @@ def inject_packed_lora(
         for target in targets:
             sub_name, attr = HF_TO_TUNE[target]
             parent = getattr(block, sub_name)
-            base = getattr(parent, attr)
+            base = getattr(parent, attr, None)
+            if base is None:
+                raise ValueError(f"LoRA target {target!r}: this model has no such layer (layers.{i}.{sub_name}.{attr})")
             if not isinstance(base, nn.Linear):
                 raise TypeError(f"layers.{i}.{sub_name}.{attr} is {type(base).__name__}, not nn.Linear")
             name = f"layers.{i}.{sub_name}.{attr}"

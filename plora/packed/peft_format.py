@@ -2,8 +2,9 @@
 
 torchtune permutes the rows of q/k projections of Llama-family checkpoints on load (its
 RoPE pairs dimensions differently from Hugging Face's); LoRA B of q/k must be permuted back
-on save, or the adapter would be silently wrong in `transformers`. Qwen2 keeps Hugging
-Face's layout, so nothing is permuted there.
+on save, or the adapter would be silently wrong in `transformers`. The other families keep
+Hugging Face's layout (`Family.rope_permuted`), so nothing is permuted there. Phi-3's fused
+`qkv_proj` / `gate_up_proj` are adapted whole, so their A and B are PEFT's as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from plora.families import get_family
 from plora.models import ModelInfo
 
 #: torchtune module path pieces -> Hugging Face ones
@@ -26,8 +28,9 @@ _TUNE_TO_HF = {
     "mlp.w1": "mlp.gate_proj",
     "mlp.w2": "mlp.down_proj",
     "mlp.w3": "mlp.up_proj",
+    "attn.qkv_proj": "self_attn.qkv_proj",
+    "mlp.gate_up_proj": "mlp.gate_up_proj",
 }
-_PERMUTED_FAMILIES = {"llama", "mistral"}
 
 
 def _rope_rows_to_hf(t: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
@@ -44,10 +47,11 @@ def hf_module_name(tune_name: str) -> str:
 def to_peft_state_dict(tune_state: Mapping[str, torch.Tensor], info: ModelInfo) -> dict[str, torch.Tensor]:
     """torchtune LoRA names (`<module>.lora_a.weight`) -> PEFT's keys, with q/k rows fixed."""
     out: dict[str, torch.Tensor] = {}
+    permuted = get_family(info.family).rope_permuted
     for key, value in tune_state.items():
         module, which, _ = key.rsplit(".", 2)
         value = value.detach().to("cpu").contiguous()
-        if which == "lora_b" and info.family in _PERMUTED_FAMILIES:
+        if which == "lora_b" and permuted:
             if module.endswith("attn.q_proj"):
                 value = _rope_rows_to_hf(value, info.num_heads, info.head_dim)
             elif module.endswith("attn.k_proj"):
