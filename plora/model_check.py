@@ -15,7 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from plora.models import ModelError, ModelInfo, build_model, read_model_info, resolve_model_path
+from plora.families import ModelError
+from plora.models import ModelInfo, build_model, read_model_info, resolve_model_path
 
 __all__ = ["check_model", "check_spec_model", "expected_weights"]
 
@@ -41,14 +42,7 @@ def _stamp(folder: Path) -> tuple:
 @lru_cache(maxsize=32)
 def _check_folder(folder: Path, family: str, random_init: bool, _stamp: tuple) -> ModelInfo:
     _read_json(folder / "config.json", "config.json")
-    try:
-        info = read_model_info(folder, family)
-    except KeyError as e:
-        raise ModelError(f"{folder / 'config.json'}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ModelError):
-            raise
-        raise ModelError(f"{folder / 'config.json'}: {e}") from None
+    info = read_model_info(folder, family)  # names the missing or unsupported setting
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise ModelError(f"{folder}: no tokenizer.json (plora needs the model's fast tokenizer)")
@@ -74,42 +68,13 @@ def _read_json(path: Path, what: str) -> Any:
     return data
 
 
-def _hf_mapping(checkpointer_type: str) -> dict[str, str] | None:
-    """torchtune's Hugging Face -> torchtune name map of a checkpointer model type."""
-    if checkpointer_type in ("LLAMA3", "LLAMA2", "MISTRAL"):
-        from torchtune.models.convert_weights import _FROM_HF
-    elif checkpointer_type == "QWEN2":
-        from torchtune.models.qwen2._convert_weights import _FROM_HF
-    else:
-        return None
-    return _FROM_HF
-
-
-def expected_weights(info: ModelInfo) -> dict[str, tuple[int, ...]] | None:
-    """Hugging Face weight name -> shape, as the family's builder will load them.
-
-    None when the family's checkpointer has no name map known here (then only the
-    presence of weights is checked).
-    """
+def expected_weights(info: ModelInfo) -> dict[str, tuple[int, ...]]:
+    """torchtune weight name -> shape of the empty model the family's builder makes (on meta)."""
     import torch
-    from torchtune.models.convert_weights import get_mapped_key
 
     with torch.device("meta"):
         model = build_model(info, 8)
-    mapping = _hf_mapping(info.checkpointer_type)
-    if mapping is None:
-        return None
-    inverse = {v: k for k, v in mapping.items() if v is not None}
-    out: dict[str, tuple[int, ...]] = {}
-    for name, tensor in model.state_dict().items():
-        if "rope" in name or name.endswith("cache"):  # buffers, not weights
-            continue
-        try:
-            hf_name = get_mapped_key(name, inverse)
-        except Exception:  # noqa: BLE001 - a module torchtune's map does not know: names unchecked
-            return None
-        out[hf_name] = tuple(tensor.shape)
-    return out
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def _weight_headers(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -144,19 +109,28 @@ def _weight_headers(folder: Path) -> dict[str, tuple[int, ...]]:
     return found
 
 
-def _compare(folder: Path, info: ModelInfo, expected: dict[str, tuple[int, ...]] | None,
+def _compare(folder: Path, info: ModelInfo, expected: dict[str, tuple[int, ...]],
              found: dict[str, tuple[int, ...]]) -> None:
-    if expected is None:
-        return
-    missing = [n for n in expected if n not in found]
+    """The family's own Hugging Face -> torchtune conversion, run on meta tensors of the
+    header shapes: the same renames, permutes and splits the load will do, without data."""
+    import torch
+
+    from plora.families import get_family
+
+    meta = {name: torch.empty(shape, device="meta") for name, shape in found.items()}
+    converted = get_family(info.family).hf_to_tune(meta, info)  # unknown names: ModelError
+    missing = [n for n in expected if n not in converted]
     if missing:
         more = f" (and {len(missing) - _SHOWN} more)" if len(missing) > _SHOWN else ""
         raise ModelError(f"{folder}: the weights lack {len(missing)} tensor(s) the {info.family} model needs: "
                          f"{', '.join(missing[:_SHOWN])}{more}")
+    unexpected = sorted(set(converted) - set(expected))
+    if unexpected:
+        raise ModelError(f"{folder}: weights the {info.family} model does not have: {', '.join(unexpected[:_SHOWN])}")
     for name, shape in expected.items():
-        if found[name] != shape:
-            raise ModelError(f"{folder}: weight {name} has shape {list(found[name])}, "
-                             f"config.json implies {list(shape)}")
+        got = tuple(converted[name].shape)
+        if got != shape:
+            raise ModelError(f"{folder}: weight {name} has shape {list(got)}, config.json implies {list(shape)}")
 
 
 def check_spec_model(spec: Any) -> ModelInfo:

@@ -72,14 +72,21 @@ def _missing_field(f: Path) -> str:
     cfg = json.loads((f / "config.json").read_text())
     del cfg["hidden_size"]
     (f / "config.json").write_text(json.dumps(cfg))
-    return "missing field 'hidden_size'"
+    return "config.json: missing 'hidden_size'"
 
 
 def _renamed_weight(f: Path) -> str:
     state = load_file(str(f / "model.safetensors"))
     state["model.layers.0.mlp.upproj.weight"] = state.pop("model.layers.0.mlp.up_proj.weight")
     save_file(state, str(f / "model.safetensors"))
-    return "model.layers.0.mlp.up_proj.weight"
+    return "unexpected weight 'model.layers.0.mlp.upproj.weight'"
+
+
+def _dropped_weight(f: Path) -> str:
+    state = load_file(str(f / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, str(f / "model.safetensors"))
+    return "lack 1 tensor(s) the llama model needs: layers.1.attn.k_proj.weight"
 
 
 def _wrong_shape(f: Path) -> str:
@@ -102,7 +109,8 @@ def _truncated_weights(f: Path) -> str:
     return "not a readable safetensors file"
 
 
-BREAKAGES = [_not_json, _no_tokenizer, _no_weights, _unsupported, _missing_field, _renamed_weight, _wrong_shape,
+BREAKAGES = [_not_json, _no_tokenizer, _no_weights, _unsupported, _missing_field, _renamed_weight, _dropped_weight,
+             _wrong_shape,
              _index_names_missing_shard, _truncated_weights]
 
 
