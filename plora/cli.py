@@ -37,7 +37,10 @@ def _root(
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr and an exit code; never a traceback for a user's mistake."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escaped: a message may hold brackets (pip install "plora[smollm2]") that rich would eat
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -150,8 +150,8 @@ def _convert(file: Path, out: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise GGUFError(f"{file}: reading GGUF models needs transformers and gguf: pip install \"plora[smollm2]\" ({e})")
-    dtype = storage_dtype(file)
     try:
+        dtype = storage_dtype(file)
         model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file

@@ -107,3 +107,14 @@ def test_a_short_packed_sweep_finishes(folder, tmp_path):
     for adapter in frame.adapter_id:
         out = tmp_path / "runs" / "smol" / "adapters" / adapter
         assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+
+
+def test_the_shipped_space_file_validates(folder):
+    from plora.model_check import check_spec_model
+    from plora.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "sweeps" / "smollm2.yaml")
+    assert check_spec_model(spec).path == folder
+    configs = spec.expand()
+    assert len(configs) >= 16
+    assert any(c.rank == 16 and c.alpha == 16 and c.learning_rate == 2e-4 for c in configs)
