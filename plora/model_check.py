@@ -25,13 +25,15 @@ INDEX_FILE = "model.safetensors.index.json"
 _SHOWN = 3
 
 
-def check_model(path: str | Path, family: str = "auto", *, random_init: bool = False) -> ModelInfo:
+def check_model(path: str | Path, family: str = "auto", *, random_init: bool = False,
+                max_seq_len: int = 8) -> ModelInfo:
     """Check a model folder (or `.gguf` file / built-in name) and return its ModelInfo.
 
-    `random_init` models (``shape:`` presets, profiling) need no weights on disk.
+    `random_init` models (``shape:`` presets, profiling) need no weights on disk;
+    `max_seq_len` is checked against what the family allows (e.g. a sliding window).
     """
     folder = resolve_model_path(path)
-    return _check_folder(folder, family, random_init, _stamp(folder))
+    return _check_folder(folder, family, random_init, max_seq_len, _stamp(folder))
 
 
 def _stamp(folder: Path) -> tuple:
@@ -40,14 +42,14 @@ def _stamp(folder: Path) -> tuple:
 
 
 @lru_cache(maxsize=32)
-def _check_folder(folder: Path, family: str, random_init: bool, _stamp: tuple) -> ModelInfo:
+def _check_folder(folder: Path, family: str, random_init: bool, max_seq_len: int, _stamp: tuple) -> ModelInfo:
     _read_json(folder / "config.json", "config.json")
     info = read_model_info(folder, family)  # names the missing or unsupported setting
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise ModelError(f"{folder}: no tokenizer.json (plora needs the model's fast tokenizer)")
     _read_json(tokenizer, "tokenizer.json")
-    expected = expected_weights(info)  # builds the model on meta: an unbuildable one fails here
+    expected = expected_weights(info, max_seq_len)  # builds the model on meta: an unbuildable one fails here
     if not random_init:
         found = _weight_headers(folder)
         _compare(folder, info, expected, found)
@@ -68,12 +70,12 @@ def _read_json(path: Path, what: str) -> Any:
     return data
 
 
-def expected_weights(info: ModelInfo) -> dict[str, tuple[int, ...]]:
+def expected_weights(info: ModelInfo, max_seq_len: int = 8) -> dict[str, tuple[int, ...]]:
     """torchtune weight name -> shape of the empty model the family's builder makes (on meta)."""
     import torch
 
     with torch.device("meta"):
-        model = build_model(info, 8)
+        model = build_model(info, max_seq_len)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
@@ -143,6 +145,7 @@ def check_spec_model(spec: Any) -> ModelInfo:
     from plora.spec import SpecError
 
     try:
-        return check_model(spec.model.resolved_path(), spec.model.family, random_init=spec.model.random_init)
+        return check_model(spec.model.resolved_path(), spec.model.family, random_init=spec.model.random_init,
+                           max_seq_len=spec.model.max_seq_len)
     except ModelError as e:
         raise SpecError("model.path", str(e)) from None

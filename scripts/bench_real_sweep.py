@@ -205,8 +205,9 @@ def run_task(args: argparse.Namespace, task: str) -> dict:
 def fmt_cell(s: dict | None) -> str:
     if s is None or s.get("exact_match") is None:
         return "-"
-    cfg = f" (r{s['rank']}, lr {s['learning_rate']:g}, bs {s['batch_size']})" if "rank" in s else ""
-    return f"{100 * s['exact_match']:.1f}%{cfg}"
+    loss = f", loss {s['eval_loss']:.2f}" if s.get("eval_loss") is not None else ""
+    cfg = f"; r{s['rank']}, lr {s['learning_rate']:g}, bs {s['batch_size']}" if "rank" in s else ""
+    return f"{100 * s['exact_match']:.1f}% ({loss.removeprefix(', ')}{cfg})"
 
 
 def _secs(v: float | None) -> str:
@@ -225,7 +226,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {t['task']} | {t['error']} | | | | | | |")
             continue
         r = t["table5"]
-        base = "-" if r["base"]["exact_match"] is None else f"{100 * r['base']['exact_match']:.1f}%"
+        base = fmt_cell(r["base"])
         packed = t["packed"]["makespan_s"]
         one = t.get("one_per_job", {}).get("makespan_estimate_s")
         speedup = f"{t['speedup']:.2f}x" if "speedup" in t else "-"
