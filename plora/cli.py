@@ -37,15 +37,21 @@ def _root(
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr and an exit code; never a traceback for a user's mistake."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escaped: a message may hold brackets (pip install "plora[smollm2]") that rich would eat
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
 def _load(space: Path):
+    from plora.model_check import check_spec_model
     from plora.spec import SpecError, load_spec
 
     try:
-        return load_spec(space)
+        spec = load_spec(space)
+        check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
+        return spec
     except SpecError as e:
         fail(str(e))
 

@@ -74,6 +74,14 @@ class ModelInfo:
 def resolve_model_path(path: str | Path) -> Path:
     """`builtin:<name>` names a model shipped in plora/assets; anything else is a folder."""
     text = str(path)
+    from plora.gguf import GGUFError, gguf_folder  # a .gguf file or built-in GGUF: its converted folder
+
+    try:
+        converted = gguf_folder(text)
+    except GGUFError as e:
+        raise ModelError(str(e)) from None
+    if converted is not None:
+        return converted
     if text.startswith("builtin:"):
         folder = ASSETS / text.split(":", 1)[1]
         if not (folder / "config.json").is_file():

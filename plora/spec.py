@@ -191,6 +191,12 @@ def _resolve(path: Path | str, info: ValidationInfo) -> Path:
     return Path(p).resolve()
 
 
+def _gguf_builtins() -> tuple[str, ...]:
+    from plora.gguf import BUILTIN_GGUF
+
+    return tuple(BUILTIN_GGUF)
+
+
 def available_models() -> list[str]:
     """Names usable as ``model.path: builtin:<name>``."""
     if not ASSETS_DIR.is_dir():
@@ -252,6 +258,8 @@ class ModelConfig(_Model):
     def _check_path(cls, v: str, info: ValidationInfo) -> str:
         if v.startswith("builtin:"):
             name = v.removeprefix("builtin:")
+            if name in _gguf_builtins():
+                return v
             if name not in available_models():
                 avail = ", ".join(available_models()) or "none installed"
                 raise _Issue(f"unknown built-in model {name!r}; available: {avail}")
@@ -264,6 +272,10 @@ class ModelConfig(_Model):
                 raise _Issue(f"unknown model shape {name!r}; known: {', '.join(ModelShape.presets())}")
             return v
         p = _resolve(v, info)
+        if p.suffix.lower() == ".gguf":
+            if not p.is_file():
+                raise _Issue(f"GGUF file not found: {p}")
+            return str(p)
         if not p.is_dir():
             raise _Issue(f"directory not found: {p}")
         if not (p / "config.json").is_file():
@@ -273,6 +285,10 @@ class ModelConfig(_Model):
     def resolved_path(self) -> Path:
         """The model folder on disk (``builtin:<name>`` mapped into plora/assets;
         ``shape:<preset>`` to a config-only folder in plora's cache, see `random_init`)."""
+        if self.path.endswith(".gguf") or self.path.removeprefix("builtin:") in _gguf_builtins():
+            from plora.models import resolve_model_path
+
+            return resolve_model_path(self.path)  # converted once into plora's cache
         if self.path.startswith("builtin:"):
             return ASSETS_DIR / self.path.removeprefix("builtin:")
         if self.path.startswith("shape:"):

@@ -270,6 +270,9 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     Writes nothing to the run directory; `probe` lets it profile the model first (a few
     real training steps, cached per machine) when no profile exists yet.
     """
+    from plora.model_check import check_spec_model
+
+    check_spec_model(spec)  # a broken model folder is refused before any planning
     configs = spec.expand()
     n_train = dataset_size(spec)
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}

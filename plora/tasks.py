@@ -96,6 +96,25 @@ BUILTIN_TASKS: dict[str, TaskInfo] = {
     "range": TaskInfo("range", "spell the alphabet between two letters: 'dh>' -> 'defgh'", 60, 12, op=">"),
 }
 
+#: Tasks for a real instruct model (SmolLM2-135M-Instruct starts weak on them): short natural
+#: language prompts ending in a newline, short exact answers. See `_WORD_TASKS` below.
+BUILTIN_TASKS.update({
+    "arithmetic": TaskInfo(
+        "arithmetic",
+        "multi-step arithmetic word problems: 'Tom has 12 apples. He buys 7 more and then gives away 5. "
+        "How many apples does Tom have now?' -> '14'",
+        2000,
+        200,
+    ),
+    "sentiment": TaskInfo(
+        "sentiment",
+        "label a short generated review with one word: positive, negative or mixed "
+        "('The soup was delicious but the waiter was rude.' -> 'mixed')",
+        2000,
+        200,
+    ),
+})
+
 #: The operators the shipped base model is pretrained on (``shift`` is deliberately absent).
 PRETRAIN_TASKS: tuple[str, ...] = ("copy", "reverse", "sort", "count", "range")
 
@@ -142,7 +161,6 @@ def load_builtin_task(name: str, split: str, n: int | None = None, seed: int = 0
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = _rng("plora.tasks", name, split, seed)
-    answer = _ANSWER[name]
     seen: set[str] = set()
     out: list[dict] = []
     attempts, max_attempts = 0, 50 * n + 1000
@@ -150,12 +168,21 @@ def load_builtin_task(name: str, split: str, n: int | None = None, seed: int = 0
         attempts += 1
         if attempts > max_attempts:
             raise ValueError(f"task {name!r} has fewer than {n} distinct {split} examples")
-        payload = _payload(info, rng)
+        payload, example = _example(info, rng)
         if payload in seen or split_of(payload) != split:
             continue
         seen.add(payload)
-        out.append({"input": payload + info.op, "output": answer(payload)})
+        out.append(example)
     return out
+
+
+def _example(info: TaskInfo, rng: random.Random) -> tuple[str, dict]:
+    """One example and the payload that decides its split (the whole prompt for word tasks)."""
+    if info.name in _WORD_TASKS:
+        example = _WORD_TASKS[info.name](rng)
+        return example["input"], example
+    payload = _payload(info, rng)
+    return payload, {"input": payload + info.op, "output": _ANSWER[info.name](payload)}
 
 
 def iter_examples(name: str, split: str, seed: int = 0) -> Iterator[dict]:
@@ -166,8 +193,72 @@ def iter_examples(name: str, split: str, seed: int = 0) -> Iterator[dict]:
     """
     info = _check(name, split)
     rng = _rng("plora.tasks.stream", name, split, seed)
-    answer = _ANSWER[name]
     while True:
-        payload = _payload(info, rng)
+        payload, example = _example(info, rng)
         if split_of(payload) == split:
-            yield {"input": payload + info.op, "output": answer(payload)}
+            yield example
+
+
+# --------------------------------------------------------------------------- word tasks
+# Each prompt ends with an instruction and a newline; the answer is one short line, so
+# exact match is meaningful and a model that rambles (or never stops) scores 0.
+
+_NAMES = ("Tom", "Anna", "Ravi", "Mia", "Lucas", "Sofia", "Omar", "Emma", "Kenji", "Lena", "Ben", "Zoe",
+          "Ali", "Nora", "Pablo", "Ivy", "Sam", "Chloe", "Yuki", "Leo")
+_ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "cards", "shells", "stamps",
+          "balloons", "candies")
+#: how an amount changes the count; {n} is the amount
+_GAINS = ("buys {n} more", "finds {n} more", "gets {n} more from a friend", "wins {n} more", "is given {n} more")
+_LOSSES = ("gives away {n}", "loses {n}", "uses {n}", "sells {n}", "gives {n} to a friend")
+
+
+def _arithmetic(rng: random.Random) -> dict:
+    """2 or 3 additions/subtractions on a count that never goes below zero."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    count = rng.randint(5, 40)
+    start = count
+    steps = []
+    for _ in range(rng.choice((2, 2, 3))):
+        if count > 3 and rng.random() < 0.5:
+            n = rng.randint(1, min(count - 1, 20))
+            steps.append(rng.choice(_LOSSES).format(n=n))
+            count -= n
+        else:
+            n = rng.randint(1, 20)
+            steps.append(rng.choice(_GAINS).format(n=n))
+            count += n
+    done = ", then ".join(steps[:-1]) + f" and then {steps[-1]}" if len(steps) > 1 else steps[0]
+    text = (f"{name} has {start} {item}, {done}. How many {item} does {name} have now? "
+            "Answer with the number only.\n")
+    return {"input": text, "output": str(count)}
+
+
+_ASPECTS = ("food", "service", "music", "room", "price", "staff", "view", "coffee", "seats", "screen", "battery",
+            "delivery", "plot", "acting", "soup", "bed")
+_GOOD = ("excellent", "delicious", "friendly", "wonderful", "great", "perfect", "lovely", "superb", "fantastic",
+         "comfortable")
+_BAD = ("terrible", "awful", "rude", "cold", "disappointing", "noisy", "overpriced", "broken", "dirty", "boring")
+_PLACES = ("restaurant", "hotel", "cafe", "cinema", "shop", "phone", "movie", "train", "museum", "bakery")
+SENTIMENT_LABELS = ("positive", "negative", "mixed")
+
+
+def _sentiment(rng: random.Random) -> dict:
+    """One or two clauses about aspects of a place: all good, all bad, or one of each."""
+    label = rng.choice(SENTIMENT_LABELS)
+    a, b = rng.sample(_ASPECTS, 2)
+    place = rng.choice(_PLACES)
+    if label == "mixed":
+        first, second = (rng.choice(_GOOD), rng.choice(_BAD)) if rng.random() < 0.5 else (rng.choice(_BAD), rng.choice(_GOOD))
+        review = f"At the {place} the {a} was {first} but the {b} was {second}."
+    else:
+        words = _GOOD if label == "positive" else _BAD
+        if rng.random() < 0.5:
+            review = f"At the {place} the {a} was {rng.choice(words)}."
+        else:
+            review = f"At the {place} the {a} was {rng.choice(words)} and the {b} was {rng.choice(words)}."
+    text = ("Label the review as positive, negative or mixed. Answer with one word.\n"
+            f"Review: {review}\n")
+    return {"input": text, "output": label}
+
+
+_WORD_TASKS: dict[str, Callable[[random.Random], dict]] = {"arithmetic": _arithmetic, "sentiment": _sentiment}

