@@ -66,23 +66,27 @@ class LabelParts:
 
 
 def label_parts(
-    flat_targets: Sequence[int], segments: Sequence[tuple[int, int]], sizes: Sequence[int] | None = None
+    flat_targets: Sequence[int] | torch.Tensor, segments: Sequence[tuple[int, int]], sizes: Sequence[int] | None = None
 ) -> LabelParts:
     """The labelled positions of each adapter's segment ``[start, end)`` of a flat target list;
     padded to ``sizes`` (ignored entries pointing at position 0) when given."""
-    index: list[int] = []
-    targets: list[int] = []
+    flat = torch.as_tensor(flat_targets, dtype=torch.long)
+    labelled = flat != IGNORE_INDEX
+    index: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
     out_sizes, counts = [], []
     for k, (start, end) in enumerate(segments):
-        pos = [p for p in range(start, end) if flat_targets[p] != IGNORE_INDEX]
-        counts.append(len(pos))
-        size = len(pos) if sizes is None else int(sizes[k])
-        if size < len(pos):
-            raise ValueError(f"label part {k}: size {size} is smaller than its {len(pos)} labels")
-        index.extend(pos + [0] * (size - len(pos)))
-        targets.extend([flat_targets[p] for p in pos] + [IGNORE_INDEX] * (size - len(pos)))
+        pos = torch.nonzero(labelled[start:end]).flatten() + start
+        n = int(pos.numel())
+        size = n if sizes is None else int(sizes[k])
+        if size < n:
+            raise ValueError(f"label part {k}: size {size} is smaller than its {n} labels")
+        index += [pos, torch.zeros(size - n, dtype=torch.long)]
+        targets += [flat[pos], torch.full((size - n,), IGNORE_INDEX, dtype=torch.long)]
+        counts.append(n)
         out_sizes.append(size)
-    return LabelParts(torch.tensor(index, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
+    empty = torch.zeros(0, dtype=torch.long)
+    return LabelParts(torch.cat(index) if index else empty, torch.cat(targets) if targets else empty,
                       out_sizes, counts)
 
 
@@ -184,7 +188,7 @@ def padded_label_parts(labels: torch.Tensor, rows_per_adapter: Sequence[int],
     ``[B·W]``: the same head-and-loss path as flattened rows."""
     width = labels.shape[1]
     shifted = torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), IGNORE_INDEX, dtype=labels.dtype)], 1)
-    flat = shifted.reshape(-1).tolist()
+    flat = shifted.reshape(-1)
     segments, row = [], 0
     for n in rows_per_adapter:
         segments.append((row * width, (row + n) * width))
