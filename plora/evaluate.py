@@ -266,9 +266,11 @@ def _exact_match(pm, adapters, examples, tok: TextTokenizer, max_new_tokens, max
 def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters: Sequence[int | None],
                     rows_per_adapter: int, tok: TextTokenizer, max_new_tokens: int, max_seq_len: int,
                     device: torch.device) -> list[str]:
-    """Decode all rows together (adapter k owns rows ``k·n:(k+1)·n``); each row grows by its
+    """Decode all rows together (adapter k owns rows ``k·n:(k+1)·n``; ``adapters`` = [None] or
+    []: the base model owns them all); each row grows by its
     own next token until eos. Finished rows leave the batch; the LM head runs at each live
     row's last token only, per adapter (so its shapes are the adapter's own)."""
+    adapters = list(adapters) or [None]  # no adapter: the base model
     active = [a for a in adapters if a is not None]
     owners = [k for k in range(len(adapters)) for _ in range(rows_per_adapter)]
     seqs = [list(p) for p in prompts]

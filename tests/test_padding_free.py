@@ -163,6 +163,30 @@ def test_chunked_loss_equals_the_full_loss_in_value_and_gradient(tiny_model, mix
     assert torch.isfinite(s)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_final_hidden_feeds_the_models_own_head(tied):
+    """A tied head (torchtune's `TiedLinear`, not a module) and a plain one: the head is
+    called as the model would call it, and put back."""
+    from torchtune.models.qwen2 import qwen2
+
+    torch.manual_seed(0)
+    model = qwen2(vocab_size=50, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16, intermediate_dim=32,
+                  max_seq_len=32, tie_word_embeddings=tied)
+    head = model.output
+    rows = install_row_attention(model)
+    tokens = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        want = model(tokens)
+        h = final_hidden(model, tokens)
+        assert model.output is head
+        torch.testing.assert_close(head(h).float(), want)
+        flat = flatten_rows([Sample(t, t) for t in tokens.tolist()], [1, 1], 0, min_tokens=40)  # > max_seq_len
+        with rows.rows(flat.row_lengths):
+            hf = final_hidden(model, flat.tokens, flat.positions)[0]
+        assert model.max_seq_len == 32
+        torch.testing.assert_close(head(hf[7:14]).float(), want[1], rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------ training
 def test_packed_equals_alone_bit_for_bit_with_mixed_lengths(mixed_run, tiny_model, mixed_data, tmp_path):
     for a in (MIXED[0], MIXED[2]):  # the unstable one, and one of batch size 1
@@ -286,3 +310,46 @@ def test_generation_flattened_equals_padded(tiny_model, mixed_data, tmp_path):
         finally:
             recipe.pm.model._plora_row_attention = rows
     assert flat == padded and any(flat)
+
+
+# ------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_varlen_kernel_equals_per_row_attention_on_gpu():
+    from plora.packed.varlen_attention import RowAttention, _per_row, _RowAttentionCall
+
+    if not RowAttention.graph_safe(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("this torch has no varlen attention kernel")
+    lengths = [5, 17, 3, 40, 1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, sum(lengths), 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for _ in range(3))
+    state = RowAttention()
+    call = _RowAttentionCall(state, original=None)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    with state.rows(lengths, cu, max(lengths)):
+        got = call(q, k, v).float()
+    want = _per_row(q.float(), k.float(), v.float(), lengths, 0.0)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replayed_flattened_steps_equal_eager_ones_in_bf16(tiny_model, mixed_data, tmp_path):
+    """Rows of varied length in bf16: flattened, through the varlen kernel, replayed from
+    CUDA graphs whose segment sizes only grow; the losses follow the eager run's."""
+    adapters = [dict(a, learning_rate=1e-3) for a in MIXED[1:4]]
+    losses = {}
+    for mode in ("off", "on"):
+        cfg = job_config(tiny_model, mixed_data, tmp_path / mode, adapters, device="cuda")
+        cfg["model"] = dict(cfg["model"], dtype="bfloat16")
+        cfg["training"] = dict(cfg["training"], cuda_graphs=mode)
+        recipe = PackedLoRARecipe(cfg)
+        assert set(recipe.run()["adapters"].values()) == {"done"}
+        rows = [json.loads(line) for line in (recipe.job_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[mode] = {(r["adapter"], r["adapter_step"]): r["loss"] for r in rows if "loss" in r}
+        if mode == "on":
+            assert recipe.graphs is not None and recipe.graphs.replays > 0
+    assert losses["on"].keys() == losses["off"].keys()
+    for key, value in losses["off"].items():
+        assert losses["on"][key] == pytest.approx(value, rel=5e-2, abs=5e-2), key

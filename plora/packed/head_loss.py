@@ -36,24 +36,40 @@ def chunk_rows(vocab_size: int, budget_bytes: int = HEAD_CHUNK_BYTES) -> int:
     return max(1, min(MAX_CHUNK, budget_bytes // (8 * max(1, vocab_size))))
 
 
-class _Capture(nn.Module):
+class _Capture:
     """Stands in for ``model.output`` during `final_hidden`: keeps its input, returns an
     empty tensor (torchtune casts the output to float32, which then costs nothing)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.hidden: torch.Tensor | None = None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
         self.hidden = h
         return h.new_empty(0)
+
+
+class _CaptureModule(nn.Module):
+    """`_Capture` where ``model.output`` is a registered module (a tied head, torchtune's
+    `TiedLinear`, is a plain attribute, and each kind can only be swapped for its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.capture = _Capture()
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        return self.capture.hidden
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.capture(h)
 
 
 def final_hidden(model: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's final-norm output ``[b, s, d]`` (what ``model.output`` would read): the
     forward with ``model.output`` swapped out while it runs. ``input_pos``: each token's
     position in its own row (flattened rows)."""
-    output, capture = model.output, _Capture()
+    output = model.output
+    capture = _CaptureModule() if isinstance(output, nn.Module) else _Capture()
     max_seq_len = getattr(model, "max_seq_len", None)
     model.output = capture
     try:

@@ -4,7 +4,9 @@ Run as ``tune run plora/recipes/packed_lora.py --config job.yaml`` (what `plora 
 does for each job), or in-process with ``PackedLoRARecipe(cfg).run()``.
 
 One step: every active adapter draws its own micro-batch from its own seeded data order;
-the rows are concatenated adapter by adapter; the base model runs once; the loss is the sum
+the rows are concatenated adapter by adapter, flattened without padding (each row with its
+own positions and attention, `plora.packed.step_batch`); the base model runs once; the LM
+head and the loss run only where labels are (`plora.packed.head_loss`); the loss is the sum
 of per-adapter mean losses, so each adapter's gradient is exactly its own. Clipping,
 learning rate, warm-up and schedule are per adapter (`PackedAdamW` over one flat buffer of
 every adapter's weights: one launch per step for the whole pack). An adapter
