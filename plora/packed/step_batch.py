@@ -96,8 +96,10 @@ def build_step_batch(
                 i += n
             seg_sizes = held_sizes(real, held[1] if held else None, extra=1)
         rows = flatten_rows(samples, rows_per_adapter, pad_id, segment_sizes=seg_sizes, label_sizes=labels_sizes)
-        # A graph replays with other rows: its kernel needs a bound that holds for any of them.
-        max_len = rows.num_tokens if fixed else rows.max_row
+        max_len = rows.max_row
+        if fixed:  # a graph replays with other rows: a bound that holds for any of them
+            # (a real row fits the context; a padding row, its segment)
+            max_len = max(max_len, int(max_width or 0), max(seg_sizes or [0]))
         return StepBatch(True, rows.tokens, rows.labels, rows.segment_tokens, rows.real_tokens, rows.positions,
                          rows.row_lengths, max_len,
                          ("flat", tuple(seg_sizes or ()), tuple(labels_sizes or ())) if fixed else ())

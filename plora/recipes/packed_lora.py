@@ -252,7 +252,6 @@ class PackedLoRARecipe:
 
         def make() -> StepBuffers:
             buffers = StepBuffers.allocate(key, inputs, planned, ids, len(self.runs), self.device)
-            buffers.batch = batch
             self.pm.state.set_batch(ids, batch.segment_tokens, self.device)
             buffers.meta = self.pm.state.meta
             return buffers
@@ -260,14 +259,14 @@ class PackedLoRARecipe:
         if graphed:
             def body(b: StepBuffers) -> None:
                 self.pm.state.use(ids, b.meta)  # an eval since the last step may have cleared it
-                self._device_step(b, rows)
+                self._device_step(b, batch)
 
             buffers = self.graphs.run(key, make, (inputs, planned), body)
             self.pm.state.clear()
         else:
             buffers = make()
             try:
-                self._device_step(buffers, rows)
+                self._device_step(buffers, batch)
             finally:
                 self.pm.state.clear()
         self.real_tokens += batch.real_tokens
@@ -281,7 +280,7 @@ class PackedLoRARecipe:
         return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,
                                 max_width=int(self.cfg.model.max_seq_len))
 
-    def _device_step(self, b: StepBuffers, rows: list[int]) -> None:
+    def _device_step(self, b: StepBuffers, spec: StepBatch) -> None:
         """Forward, per-adapter losses, backward, norms, clipping and AdamW, all on the
         device; results go to ``b.out``. An adapter whose loss is non-finite (or over
         ``divergence_loss``) or whose gradient norm is non-finite does not step: its rows
@@ -290,9 +289,9 @@ class PackedLoRARecipe:
 
         The LM head and the loss run only where labels are, in chunks (`adapter_mean_losses`);
         flattened rows attend only within themselves while the step runs (forward and the
-        recomputations of backward)."""
+        recomputations of backward). ``spec``: this step's batch on the host (a replayed
+        graph keeps the sizes of the one it was captured with, which ``spec`` shares)."""
         self.bank.zero_grad()
-        spec = b.batch
         try:
             if spec.flat:
                 self.row_attn.set(spec.row_lengths, b.inputs.get("cu_seqlens"), spec.max_len)

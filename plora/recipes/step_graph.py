@@ -89,8 +89,7 @@ class StepBuffers:
     each adapter's loss, gradient norm, weight norm after the update, whether its loss was
     kept (finite, under ``divergence_loss``) and whether it stepped (NaN loss and 0, 0 for
     an adapter not in the batch). ``meta``: the segment metadata the captured kernels read,
-    kept alive with the graph; ``batch``: the host description of the batch the body was
-    first run with (sizes that a replay keeps).
+    kept alive with the graph.
     """
 
     key: tuple
@@ -99,7 +98,6 @@ class StepBuffers:
     active: torch.Tensor
     out: torch.Tensor
     meta: Any = None
-    batch: Any = None
 
     @property
     def tokens(self) -> torch.Tensor:
