@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from plora.data import IGNORE_INDEX, Sample, TextTokenizer
-from plora.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to
+from plora.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to, last_position_logits
 from plora.packed.inject import PackedModel
 from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.varlen_attention import row_attention
@@ -289,8 +289,7 @@ def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters:
         start = 0
         for k in keep:  # the head per adapter: its rows' shapes do not depend on the others
             n = per_adapter[k]
-            idx = torch.tensor(last[start : start + n], dtype=torch.long, device=hidden.device)
-            nxt.extend(pm.model.output(hidden.index_select(0, idx)).float().argmax(-1).tolist())
+            nxt.extend(last_position_logits(pm.model.output, hidden, last[start : start + n]).argmax(-1).tolist())
             start += n
         still = []
         for i, t in zip(live, nxt):

@@ -48,6 +48,14 @@ def held_sizes(needed: Sequence[int], held: Sequence[int] | None, *, extra: int 
     return grown
 
 
+def cu_seqlens(row_lengths: Sequence[int]) -> torch.Tensor:
+    """Row boundaries, int32 [rows + 1] (the varlen-attention layout)."""
+    cu = [0]
+    for n in row_lengths:
+        cu.append(cu[-1] + int(n))
+    return torch.tensor(cu, dtype=torch.int32)
+
+
 def next_token_targets(samples: Sequence[Sample]) -> list[list[int]]:
     """Each row's next-token label at each of its positions (ignored at the last one)."""
     return [list(s.labels[1:]) + [IGNORE_INDEX] for s in samples]
@@ -110,11 +118,7 @@ class FlatRows:
         return max(self.row_lengths)
 
     def cu_seqlens(self) -> torch.Tensor:
-        """Row boundaries, int32 [rows + 1] (the varlen-attention layout)."""
-        cu = [0]
-        for n in self.row_lengths:
-            cu.append(cu[-1] + n)
-        return torch.tensor(cu, dtype=torch.int32)
+        return cu_seqlens(self.row_lengths)
 
 
 def flatten_rows(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plora.data import IGNORE_INDEX, Sample, collate
-from plora.packed.rows import LabelParts, flatten_rows, held_sizes, padded_label_parts
+from plora.packed.rows import LabelParts, cu_seqlens, flatten_rows, held_sizes, padded_label_parts
 
 
 @dataclass
@@ -39,10 +39,7 @@ class StepBatch:
         return int(self.tokens.numel())
 
     def cu_seqlens(self) -> torch.Tensor:
-        cu = [0]
-        for n in self.row_lengths or []:
-            cu.append(cu[-1] + n)
-        return torch.tensor(cu, dtype=torch.int32)
+        return cu_seqlens(self.row_lengths or [])
 
     def last_positions(self) -> list[int]:
         """The flat position of each real row's last token (rows in order)."""
