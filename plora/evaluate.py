@@ -2,24 +2,51 @@
 
 Eval packs too: the adapters being evaluated each get the whole eval set as their rows, and
 the base model runs once over all of them.
+
+Batches are sized from a memory budget (`eval_token_budget`), never from the number of
+adapters alone: the eval set is cut into *pieces* of at most a budget's tokens, the same
+pieces whatever adapters are evaluated, and a forward runs a group of adapters over one
+piece, as many adapters as the budget holds. Each adapter's numbers are sums over the same
+pieces, in the same order, so they do not depend on which adapters share its eval. A
+forward that runs out of memory is retried in smaller pieces: half the adapters, then half
+the rows, down to one row of one adapter.
+
+Rows are flattened without padding where the model's attention can be confined to rows
+(`plora.packed.varlen_attention`), padded otherwise; the LM head runs only where labels are
+(loss) or at each row's last token (greedy decoding), in chunks (`plora.packed.head_loss`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from plora.data import IGNORE_INDEX, Sample, TextTokenizer, collate
+from plora.data import IGNORE_INDEX, Sample, TextTokenizer
+from plora.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to, last_position_logits
 from plora.packed.inject import PackedModel
+from plora.packed.step_batch import StepBatch, build_step_batch
+from plora.packed.varlen_attention import row_attention
+
+#: tokens per eval forward on a CPU (or when the device's free memory is unknown)
+CPU_EVAL_TOKENS = 32768
+#: the share of the device's free memory an eval forward may take
+CUDA_MEMORY_SHARE = 0.5
+#: at least this many tokens per eval forward, whatever the budget says
+MIN_EVAL_TOKENS = 64
+
+_T = TypeVar("_T")
 
 
+# ------------------------------------------------------------------ reference
 def segment_loss_sums(
     logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Summed next-token loss and answer-token count of each adapter's rows (rows are
-    adapter-contiguous). Training takes their ratio; eval adds them up over chunks."""
+    adapter-contiguous), from full logits ``[B, W, V]``: the plain computation that the
+    chunked head (`plora.packed.head_loss`) is checked against."""
     shift_logits = logits[:, :-1].float()
     shift_labels = labels[:, 1:]
     token_loss = F.cross_entropy(
@@ -38,20 +65,100 @@ def segment_loss_sums(
 
 
 def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
-    """Mean next-token loss over each adapter's own answer tokens (rows are adapter-contiguous)."""
+    """Mean next-token loss over each adapter's own answer tokens, from full logits."""
     sums, counts = segment_loss_sums(logits, labels, rows)
     return [s / c.clamp(min=1) for s, c in zip(sums, counts)]
 
 
-def _forward(pm: PackedModel, tokens: torch.Tensor, active: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
-    seq = tokens.shape[1]
-    pm.state.set_batch(active, [r * seq for r in rows], tokens.device)
+# ------------------------------------------------------------------ budgets
+def eval_token_budget(pm: PackedModel, device: torch.device, budget: int | None = None) -> int:
+    """Tokens one eval forward may hold: ``budget`` when given; on CUDA, a share of the free
+    memory over the bytes a token's activations take (the widest layer's few live tensors;
+    the head's chunk is bounded on its own); `CPU_EVAL_TOKENS` elsewhere."""
+    if budget is not None:
+        return max(1, int(budget))
+    if device.type != "cuda":
+        return CPU_EVAL_TOKENS
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    model = pm.model
+    hidden = int(model.tok_embeddings.weight.shape[1])
+    widest = max([hidden] + [int(layer.out_features) for layer in pm.layers.values()])
+    elem = model.tok_embeddings.weight.element_size()
+    per_token = elem * (6 * hidden + 3 * widest) + 64  # + positions, ids, row metadata
+    return max(MIN_EVAL_TOKENS, int(free * CUDA_MEMORY_SHARE) // per_token)
+
+
+def split_pieces(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` ranges of rows, each at most ``max_tokens`` tokens (a
+    longer row is a piece of its own) and ``max_rows`` rows."""
+    pieces, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (tokens + n > max_tokens or i - start >= max_rows):
+            pieces.append((start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        pieces.append((start, len(lengths)))
+    return pieces
+
+
+def retry_smaller(run: Callable[[list[_T], tuple[int, int]], None], group: list[_T], piece: tuple[int, int]) -> None:
+    """``run(group, piece)``; on out-of-memory, the same work in halves: the group's adapters
+    first (each adapter's numbers stay the same), then the piece's rows, down to one row of
+    one adapter (which re-raises)."""
     try:
-        return pm.model(tokens)
+        run(group, piece)
+        return
+    except torch.OutOfMemoryError:
+        if len(group) == 1 and piece[1] - piece[0] == 1:
+            raise
+    _free_cached()
+    if len(group) > 1:
+        half = len(group) // 2
+        retry_smaller(run, group[:half], piece)
+        retry_smaller(run, group[half:], piece)
+    else:
+        mid = (piece[0] + piece[1]) // 2
+        retry_smaller(run, group, (piece[0], mid))
+        retry_smaller(run, group, (mid, piece[1]))
+
+
+def _free_cached() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ forward
+def _hidden(pm: PackedModel, batch: StepBatch, active: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The final-norm hidden states ``[T, d]`` of a batch whose rows belong, adapter by
+    adapter, to ``active`` (empty: the base model)."""
+    tokens = batch.tokens.to(device)
+    positions = batch.positions.to(device) if batch.positions is not None else None
+    rows = row_attention(pm.model)
+    if active:
+        pm.state.set_batch(active, batch.segment_tokens, device)
+    try:
+        if batch.flat:
+            cu = batch.cu_seqlens().to(device) if device.type == "cuda" else None
+            rows.set(batch.row_lengths, cu, batch.max_len)
+        h = final_hidden(pm.model, tokens, positions)
     finally:
         pm.state.clear()
+        if rows is not None:
+            rows.clear()
+    return h.reshape(-1, h.shape[-1])
 
 
+def _batch(pm: PackedModel, samples: Sequence[Sample], rows_per_adapter: Sequence[int], pad_id: int) -> StepBatch:
+    return build_step_batch(samples, rows_per_adapter, pad_id, flat=row_attention(pm.model) is not None)
+
+
+def _vocab(pm: PackedModel) -> int:
+    return int(pm.model.tok_embeddings.weight.shape[0])
+
+
+# ------------------------------------------------------------------ metrics
 @torch.no_grad()
 def evaluate_adapters(
     pm: PackedModel,
@@ -65,83 +172,139 @@ def evaluate_adapters(
     max_seq_len: int,
     device: torch.device,
     batch_rows: int = 256,
+    token_budget: int | None = None,
 ) -> list[dict[str, float]]:
-    """Eval loss and exact match for each adapter index (None = the base model alone)."""
+    """Eval loss and exact match for each adapter index (None = the base model alone).
+
+    ``batch_rows`` caps the rows of one forward; ``token_budget`` its tokens (default: from
+    the device's free memory, `eval_token_budget`)."""
+    if any(a is None for a in adapters) and len(adapters) != 1:
+        raise ValueError("evaluate the base model on its own, not packed with adapters")
     was_training = pm.model.training
     pm.model.eval()
-    results: list[dict[str, float]] = [{} for _ in adapters]
-    per_chunk = max(1, batch_rows // max(1, len(samples)))
-    for c0 in range(0, len(adapters), per_chunk):
-        group = list(range(c0, min(len(adapters), c0 + per_chunk)))
-        if "loss" in metrics:
-            for i, loss in zip(group, _eval_loss(pm, [adapters[i] for i in group], samples, device, batch_rows)):
+    try:
+        results: list[dict[str, float]] = [{} for _ in adapters]
+        budget = eval_token_budget(pm, device, token_budget)
+        if "loss" in metrics and samples:
+            for i, loss in enumerate(_eval_loss(pm, list(adapters), samples, device, budget, batch_rows, tok.pad_id)):
                 results[i]["eval_loss"] = loss
-        if "exact_match" in metrics:
-            ems = _exact_match(pm, [adapters[i] for i in group], examples, tok, max_new_tokens, max_seq_len, device, batch_rows)
-            for i, em in zip(group, ems):
+        if "exact_match" in metrics and examples:
+            ems = _exact_match(pm, list(adapters), examples, tok, max_new_tokens, max_seq_len, device, budget,
+                               batch_rows)
+            for i, em in enumerate(ems):
                 results[i]["eval_exact_match"] = em
-    pm.model.train(was_training)
+    finally:
+        pm.model.train(was_training)
     return results
 
 
-def _eval_loss(pm, adapters, samples, device, batch_rows) -> list[float]:
+def _groups(n_adapters: int, piece_tokens: int, piece_rows: int, budget: int, batch_rows: int) -> int:
+    """How many adapters one forward over a piece holds."""
+    by_tokens = budget // max(1, piece_tokens)
+    by_rows = batch_rows // max(1, piece_rows)
+    return max(1, min(n_adapters, by_tokens, by_rows))
+
+
+def _eval_loss(pm, adapters, samples, device, budget, batch_rows, pad_id) -> list[float]:
     """Token-weighted mean loss over the eval set, per adapter."""
-    step = max(1, batch_rows // len(adapters))
     sums = [0.0] * len(adapters)
     counts = [0] * len(adapters)
-    for s0 in range(0, len(samples), step):
-        chunk = samples[s0 : s0 + step]
-        tokens, labels = collate(list(chunk) * len(adapters), pad_id=0)
-        tokens, labels = tokens.to(device), labels.to(device)
-        active = [a for a in adapters if a is not None]
-        if active and len(active) != len(adapters):
-            raise ValueError("evaluate the base model on its own, not packed with adapters")
-        logits = _forward(pm, tokens, active, [len(chunk)] * len(active))
-        chunk_sums, chunk_counts = segment_loss_sums(logits, labels, [len(chunk)] * len(adapters))
-        for j, (s, c) in enumerate(zip(torch.stack(chunk_sums).tolist(), torch.stack(chunk_counts).tolist())):
+    chunk = chunk_rows(_vocab(pm))
+    slots = list(range(len(adapters)))
+
+    def run(group: list[int], piece: tuple[int, int]) -> None:
+        loss_sums, loss_counts = eval_loss_piece(pm, [adapters[j] for j in group], samples[piece[0] : piece[1]],
+                                                 device, chunk, pad_id)
+        for j, s, c in zip(group, loss_sums, loss_counts):
             sums[j] += s
-            counts[j] += int(c)
+            counts[j] += c
+
+    lengths = [len(s.tokens) for s in samples]
+    for piece in split_pieces(lengths, budget, batch_rows):
+        per = _groups(len(adapters), sum(lengths[piece[0] : piece[1]]), piece[1] - piece[0], budget, batch_rows)
+        for g0 in range(0, len(slots), per):
+            retry_smaller(run, slots[g0 : g0 + per], piece)
     return [s / max(1, c) for s, c in zip(sums, counts)]
 
 
-def _exact_match(pm, adapters, examples, tok: TextTokenizer, max_new_tokens, max_seq_len, device, batch_rows) -> list[float]:
-    """Greedy decoding from each prompt until eos; exact match of the decoded answer."""
-    step = max(1, batch_rows // len(adapters))
-    hits = [0] * len(adapters)
+def eval_loss_piece(pm: PackedModel, adapters: Sequence[int | None], samples: Sequence[Sample],
+                    device: torch.device, chunk: int, pad_id: int) -> tuple[list[float], list[int]]:
+    """One eval forward: every adapter of the group over the same rows; each adapter's
+    summed loss and label count."""
     active = [a for a in adapters if a is not None]
-    for s0 in range(0, len(examples), step):
-        chunk = examples[s0 : s0 + step]
-        prompts = [tok.prompt_ids(ex["input"])[: max_seq_len - 1] for ex in chunk] * len(adapters)
-        answers = greedy_generate(pm, prompts, active, len(chunk), tok, max_new_tokens, max_seq_len, device)
+    rows = [len(samples)] * len(adapters)
+    batch = _batch(pm, list(samples) * len(adapters), rows, pad_id)
+    hidden = _hidden(pm, batch, active, device)
+    sums, counts = adapter_loss_sums(pm.model.output, hidden, labels_to(batch.labels, device), chunk)
+    return [float(s) for s in torch.stack(sums).tolist()], [int(c) for c in torch.stack(counts).tolist()]
+
+
+def _exact_match(pm, adapters, examples, tok: TextTokenizer, max_new_tokens, max_seq_len, device, budget,
+                 batch_rows) -> list[float]:
+    """Greedy decoding from each prompt until eos; exact match of the decoded answer."""
+    hits = [0] * len(adapters)
+    prompts = [tok.prompt_ids(ex["input"])[: max_seq_len - 1] for ex in examples]
+    slots = list(range(len(adapters)))
+
+    def run(group: list[int], piece: tuple[int, int]) -> None:
+        chunk = prompts[piece[0] : piece[1]]
         n = len(chunk)
-        for j in range(len(adapters)):
-            for ex, ans in zip(chunk, answers[j * n : (j + 1) * n]):
+        answers = greedy_generate(pm, chunk * len(group), [adapters[j] for j in group], n, tok, max_new_tokens,
+                                  max_seq_len, device)
+        for gi, j in enumerate(group):
+            for ex, ans in zip(examples[piece[0] : piece[1]], answers[gi * n : (gi + 1) * n]):
                 hits[j] += int(ans == ex["output"])
+
+    lengths = [min(max_seq_len, len(p) + max_new_tokens) for p in prompts]
+    for piece in split_pieces(lengths, budget, batch_rows):
+        per = _groups(len(adapters), sum(lengths[piece[0] : piece[1]]), piece[1] - piece[0], budget, batch_rows)
+        for g0 in range(0, len(slots), per):
+            retry_smaller(run, slots[g0 : g0 + per], piece)
     return [h / max(1, len(examples)) for h in hits]
 
 
-def greedy_generate(pm, prompts, active, rows_per_adapter, tok: TextTokenizer, max_new_tokens, max_seq_len, device) -> list[str]:
-    """Decode all rows together; each row writes its next token after its own last one."""
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    width = min(max_seq_len, int(lengths.max()) + max_new_tokens)
-    tokens = torch.full((len(prompts), width), tok.pad_id, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p, device=device)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters: Sequence[int | None],
+                    rows_per_adapter: int, tok: TextTokenizer, max_new_tokens: int, max_seq_len: int,
+                    device: torch.device) -> list[str]:
+    """Decode all rows together (adapter k owns rows ``k·n:(k+1)·n``; ``adapters`` = [None] or
+    []: the base model owns them all); each row grows by its
+    own next token until eos. Finished rows leave the batch; the LM head runs at each live
+    row's last token only, per adapter (so its shapes are the adapter's own)."""
+    adapters = list(adapters) or [None]  # no adapter: the base model
+    active = [a for a in adapters if a is not None]
+    owners = [k for k in range(len(adapters)) for _ in range(rows_per_adapter)]
+    seqs = [list(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
-    rows = [rows_per_adapter] * len(active) if active else []
+    live = [i for i, p in enumerate(seqs) if len(p) < max_seq_len]
     for _ in range(max_new_tokens):
-        if bool(done.all()) or int(lengths.max()) >= width:
+        if not live:
             break
-        cur = int(lengths.max())
-        logits = _forward(pm, tokens[:, :cur], active, rows)
-        nxt = logits[torch.arange(len(prompts), device=device), lengths - 1].argmax(-1)
-        for i in torch.nonzero(~done).flatten().tolist():
-            t = int(nxt[i])
-            if t == tok.eos_id or int(lengths[i]) >= width:
-                done[i] = True
+        per_adapter = [sum(1 for i in live if owners[i] == k) for k in range(len(adapters))]
+        keep = [k for k, n in enumerate(per_adapter) if n]
+        samples = [Sample(seqs[i], [IGNORE_INDEX] * len(seqs[i])) for i in live]
+        batch = _batch(pm, samples, [per_adapter[k] for k in keep], tok.pad_id)
+        hidden = _hidden(pm, batch, [active[k] for k in keep] if active else [], device)
+        last = _last_positions(batch, [len(s.tokens) for s in samples])
+        nxt: list[int] = []
+        start = 0
+        for k in keep:  # the head per adapter: its rows' shapes do not depend on the others
+            n = per_adapter[k]
+            nxt.extend(last_position_logits(pm.model.output, hidden, last[start : start + n]).argmax(-1).tolist())
+            start += n
+        still = []
+        for i, t in zip(live, nxt):
+            if t == tok.eos_id:
                 continue
             out[i].append(t)
-            tokens[i, lengths[i]] = t
-            lengths[i] += 1
+            seqs[i].append(t)
+            if len(seqs[i]) < max_seq_len:
+                still.append(i)
+        live = still
     return [tok.decode(ids) for ids in out]
+
+
+def _last_positions(batch: StepBatch, lengths: Sequence[int]) -> list[int]:
+    if batch.flat:
+        return batch.last_positions()[: len(lengths)]
+    width = int(batch.tokens.shape[1])
+    return [r * width + n - 1 for r, n in enumerate(lengths)]

@@ -8,6 +8,11 @@ kernels and on the torch reference path, replayed from a CUDA graph and eagerly
 
     python scripts/bench_packed_step.py --shape qwen2.5-0.5b --seq 256 --adapters 16 --out DIR
 
+``--varied``: rows of varied length (uniform between seq/8 and seq tokens, the loss on
+their last ``--answer`` tokens) instead of fixed-length rows with the loss everywhere; the
+table then also reports real (non-padding) tokens/s, and ``--layouts flat,padded`` compares
+rows flattened without padding against rows padded to the pack's longest.
+
 Writes DIR/packed_step.json and prints a table.
 """
 
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 from plora.costmodel import ModelShape
+from plora.data import IGNORE_INDEX, Sample
 from plora.heap import frozen_heap
 from plora.models import write_shape_folder
 from plora.recipes.packed_lora import PackedLoRARecipe
@@ -54,6 +60,18 @@ def make_recipe(model_dir: Path, out: Path, ranks: Sequence[int], batch_size: in
     return PackedLoRARecipe(cfg)
 
 
+def varied_samples(count: int, seq: int, vocab: int, answer: int, seed: int = 0) -> list[Sample]:
+    """Random rows of varied length (seq/8 .. seq tokens), the loss on the last ``answer``."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(2, seq // 8), seq + 1, (count,), generator=gen).tolist()
+    out = []
+    for n in lengths:
+        row = torch.randint(4, vocab, (n,), generator=gen).tolist()
+        cut = max(1, n - answer)
+        out.append(Sample(row, [IGNORE_INDEX] * cut + row[cut:]))
+    return out
+
+
 def time_steps(recipe: PackedLoRARecipe, warmup: int, steps: int) -> list[float]:
     active = [r for r in recipe.runs]
     times = []
@@ -81,6 +99,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", default="triton+graph,triton,torch",
                     help="kernel backend, +graph to replay steps from CUDA graphs")
+    ap.add_argument("--varied", action="store_true", help="rows of varied length, loss on their answers only")
+    ap.add_argument("--answer", type=int, default=48, help="--varied: label tokens at the end of each row")
+    ap.add_argument("--layouts", default="flat", help="flat (no padding), padded, or both: flat,padded")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -89,7 +110,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_folder(shape, Path(tmp) / "model")
         variants = [("packed", args.adapters, 1), ("one adapter", 1, args.adapters)]
-        for mode in args.modes.split(","):
+        for mode, layout in [(m, lay) for m in args.modes.split(",") for lay in args.layouts.split(",")]:
             backend, _, graph = mode.partition("+")
             os.environ["PLORA_KERNELS"] = backend
             os.environ[GRAPHS_ENV] = "on" if graph else "off"
@@ -98,13 +119,20 @@ def main() -> None:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 recipe = make_recipe(model_dir, Path(tmp) / "out", [args.rank] * k, bs, args.seq, args.dtype)
+                if args.varied:
+                    recipe.train_samples = varied_samples(256, args.seq, shape.vocab, args.answer)
+                if layout == "padded":
+                    recipe.row_attn = None  # rows padded to the pack's longest, as before
+                real0 = recipe.real_tokens
                 times = time_steps(recipe, args.warmup, args.steps)
+                real_per_step = (recipe.real_tokens - real0) / (args.warmup + args.steps)
                 med = statistics.median(times)
-                tokens = k * bs * args.seq
+                tokens = real_per_step if args.varied else k * bs * args.seq
                 rows.append({
-                    "backend": mode, "variant": name, "adapters": k, "batch_size": bs,
-                    "rank": args.rank, "seq": args.seq, "step_ms": med * 1e3,
-                    "tokens_per_s": tokens / med,
+                    "backend": f"{mode} {layout}" if args.layouts != "flat" else mode, "variant": name,
+                    "adapters": k, "batch_size": bs, "rank": args.rank, "seq": args.seq, "step_ms": med * 1e3,
+                    "tokens_per_s": tokens / med, "real_tokens_per_s": real_per_step / med,
+                    "varied": args.varied,
                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                 })
                 print(json.dumps(rows[-1]), flush=True)
@@ -119,11 +147,13 @@ def main() -> None:
     }
     (args.out / "packed_step.json").write_text(json.dumps(meta, indent=2))
     print(f"\n{args.shape} seq {args.seq} rank {args.rank} on {meta['device']}")
-    print(f"{'path':13} {'variant':12} {'K':>3} {'bs':>3} {'step ms':>9} {'tokens/s':>10} {'vs 1×bs' + str(args.adapters):>10} {'mem GiB':>8}")
+    print(f"{'path':20} {'variant':12} {'K':>3} {'bs':>3} {'step ms':>9} {'tokens/s':>10} {'real tok/s':>10} "
+          f"{'vs 1×bs' + str(args.adapters):>10} {'mem GiB':>8}")
     for r in rows:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{r['backend']:13} {r['variant']:12} {r['adapters']:>3} {r['batch_size']:>3} {r['step_ms']:>9.2f} "
-              f"{r['tokens_per_s']:>10.0f} {r['vs_one_adapter_same_backend']:>10.2f} {mem:>8}")
+        print(f"{r['backend']:20} {r['variant']:12} {r['adapters']:>3} {r['batch_size']:>3} {r['step_ms']:>9.2f} "
+              f"{r['tokens_per_s']:>10.0f} {r['real_tokens_per_s']:>10.0f} {r['vs_one_adapter_same_backend']:>10.2f} "
+              f"{mem:>8}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Run as ``tune run plora/recipes/packed_lora.py --config job.yaml`` (what `plora 
 does for each job), or in-process with ``PackedLoRARecipe(cfg).run()``.
 
 One step: every active adapter draws its own micro-batch from its own seeded data order;
-the rows are concatenated adapter by adapter; the base model runs once; the loss is the sum
+the rows are concatenated adapter by adapter, flattened without padding (each row with its
+own positions and attention, `plora.packed.step_batch`); the base model runs once; the LM
+head and the loss run only where labels are (`plora.packed.head_loss`); the loss is the sum
 of per-adapter mean losses, so each adapter's gradient is exactly its own. Clipping,
 learning rate, warm-up and schedule are per adapter (`PackedAdamW` over one flat buffer of
 every adapter's weights: one launch per step for the whole pack). An adapter
@@ -28,16 +30,20 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torchtune.config._errors import ConfigError
 
-from plora.data import AdapterStream, DataError, TextTokenizer, collate, load_split, synthetic_samples, tokenize_examples
-from plora.evaluate import evaluate_adapters, per_adapter_loss
+from plora.data import AdapterStream, DataError, TextTokenizer, load_split, synthetic_samples, tokenize_examples
+from plora.evaluate import evaluate_adapters
 from plora.heap import frozen_heap
 from plora.models import ModelError, load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.peft_format import save_peft_adapter
+from plora.packed.head_loss import adapter_mean_losses, chunk_rows, final_hidden
+from plora.packed.rows import LabelParts
+from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
-from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, padded_width
+from plora.packed.varlen_attention import install_row_attention
+from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, step_inputs
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
 EXIT_OOM = 3
@@ -121,6 +127,8 @@ class PackedLoRARecipe:
         self.dropout = float(c.lora.get("dropout", 0.0))
         specs = [AdapterSpec(a["id"], int(a["rank"]), float(a["alpha"]), int(a["seed"])) for a in adapters]
         self.pm = inject_packed_lora(model, specs, self.targets, self.dropout)
+        # rows flattened without padding, attention confined to each (None: padded rows)
+        self.row_attn = install_row_attention(self.pm.model)
         if self.tp is not None:  # before the optimizer: it must see the local shards
             self.tp.shard(self.pm)
         if c.training.get("activation_checkpointing"):
@@ -131,6 +139,9 @@ class PackedLoRARecipe:
 
             set_activation_checkpointing(self.pm.model, auto_wrap_policy={TransformerSelfAttentionLayer})
         self.pm.model.train()
+        self.dtype = self.pm.model.tok_embeddings.weight.dtype
+        self.head_chunk = chunk_rows(int(self.info.vocab_size))
+        self.real_tokens = 0  # non-padding tokens trained on (throughput)
 
         self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
         data_cfg = OmegaConf.to_container(c.data, resolve=True)
@@ -236,59 +247,77 @@ class PackedLoRARecipe:
             rows.append(len(idx))
         ids = [r.index for r in active]
         graphed = self.graphs is not None and self.graphs.enabled
-        width = None
-        if graphed:
-            longest = max(len(s.tokens) for s in samples)
-            width = padded_width(longest, max(longest, int(self.cfg.model.max_seq_len)),
-                                 held=self.graphs.held_width(ids, rows))
-        tokens, labels = collate(samples, self.tok.pad_id, width=width)
+        batch = self._step_batch(samples, rows, ids, graphed)
         for r in active:
             lr = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
             # lr / (1 - beta1) goes to the device as float32: a larger value would turn one
             # absurd adapter's step into inf before its weights could show it.
             self.optimizer.lrs[r.index] = min(lr, MAX_LR)
         planned = self.optimizer.planned_hyperparams(ids)
-        seq = tokens.shape[1]
+        key = (tuple(ids), tuple(rows), batch.shape)
+        inputs = step_inputs(batch)
 
         def make() -> StepBuffers:
-            buffers = StepBuffers.allocate((tuple(ids), tuple(rows), seq), tokens, labels, planned, ids,
-                                           len(self.runs), self.device)
-            self.pm.state.set_batch(ids, [n * seq for n in rows], self.device)
+            buffers = StepBuffers.allocate(key, inputs, planned, ids, len(self.runs), self.device)
+            self.pm.state.set_batch(ids, batch.segment_tokens, self.device)
             buffers.meta = self.pm.state.meta
             return buffers
 
         if graphed:
             def body(b: StepBuffers) -> None:
                 self.pm.state.use(ids, b.meta)  # an eval since the last step may have cleared it
-                self._device_step(b, rows)
+                self._device_step(b, batch)
 
-            buffers = self.graphs.run((tuple(ids), tuple(rows), seq), make, (tokens, labels, planned), body)
+            buffers = self.graphs.run(key, make, (inputs, planned), body)
             self.pm.state.clear()
         else:
             buffers = make()
             try:
-                self._device_step(buffers, rows)
+                self._device_step(buffers, batch)
             finally:
                 self.pm.state.clear()
+        self.real_tokens += batch.real_tokens
         self._account(active, step, buffers.out.tolist())
 
-    def _device_step(self, b: StepBuffers, rows: list[int]) -> None:
+    def _step_batch(self, samples: list, rows: list[int], ids: list[int], graphed: bool) -> StepBatch:
+        """Flattened rows when attention can be confined to rows (and, for a CUDA graph,
+        read its row boundaries from the device); padded rows otherwise."""
+        flat = self.row_attn is not None and (not graphed or self.row_attn.graph_safe(self.device, self.dtype))
+        held = self.graphs.held_shape(ids, rows) if graphed else None
+        return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,
+                                max_width=int(self.cfg.model.max_seq_len))
+
+    def _device_step(self, b: StepBuffers, spec: StepBatch) -> None:
         """Forward, per-adapter losses, backward, norms, clipping and AdamW, all on the
         device; results go to ``b.out``. An adapter whose loss is non-finite (or over
         ``divergence_loss``) or whose gradient norm is non-finite does not step: its rows
         of the batch are its own (attention, norms and the loss are per row; its LoRA
-        gradients are its own segment), so whatever it computes cannot reach another."""
+        gradients are its own segment), so whatever it computes cannot reach another.
+
+        The LM head and the loss run only where labels are, in chunks (`adapter_mean_losses`);
+        flattened rows attend only within themselves while the step runs (forward and the
+        recomputations of backward). ``spec``: this step's batch on the host (a replayed
+        graph keeps the sizes of the one it was captured with, which ``spec`` shares)."""
         self.bank.zero_grad()
-        logits = self.pm.model(b.tokens)
-        losses = torch.stack(per_adapter_loss(logits, b.labels, rows))
-        del logits
-        values = losses.detach().float()
-        if self.tp is not None:  # rank 0's losses: one divergence decision on every rank
-            self.tp.broadcast_(values)
-        ok = torch.isfinite(values)
-        if self.divergence_loss is not None:
-            ok &= values <= float(self.divergence_loss)
-        torch.where(ok, losses, torch.zeros_like(losses)).sum().backward()
+        try:
+            if spec.flat:
+                self.row_attn.set(spec.row_lengths, b.inputs.get("cu_seqlens"), spec.max_len)
+            hidden = final_hidden(self.pm.model, b.tokens, b.inputs.get("positions"))
+            labels = LabelParts(b.inputs["label_index"], b.inputs["label_targets"], spec.labels.sizes,
+                                spec.labels.counts)
+            losses = torch.stack(adapter_mean_losses(self.pm.model.output, hidden.reshape(-1, hidden.shape[-1]),
+                                                     labels, self.head_chunk))
+            del hidden
+            values = losses.detach().float()
+            if self.tp is not None:  # rank 0's losses: one divergence decision on every rank
+                self.tp.broadcast_(values)
+            ok = torch.isfinite(values)
+            if self.divergence_loss is not None:
+                ok &= values <= float(self.divergence_loss)
+            torch.where(ok, losses, torch.zeros_like(losses)).sum().backward()
+        finally:
+            if self.row_attn is not None:
+                self.row_attn.clear()
         if self.tp is not None:  # partial gradients of replicated LoRA tensors
             self.tp.reduce_grads()
         k = len(self.runs)
@@ -352,26 +381,17 @@ class PackedLoRARecipe:
         self._write_adapter_metrics(r, {}, checkpoint=None)
 
     def _finish(self, runs: list[AdapterRun], status: str) -> None:
-        """Evaluate and save adapters leaving the pack (packed eval), then drop their state."""
+        """Save adapters leaving the pack in the PEFT format, then evaluate them (packed),
+        then drop their state. The weights are on disk before the eval runs, so an eval that
+        fails cannot cost their training; one that runs out of memory retries in smaller
+        pieces (`evaluate_adapters`)."""
         c = self.cfg
         self._drop_graph()  # its memory, for the eval's activations
-        metrics = evaluate_adapters(
-            self.pm,
-            [r.index for r in runs],
-            self.eval_samples,
-            self.eval_examples,
-            self.tok,
-            metrics=list(c.eval.get("metrics", ["loss", "exact_match"])) if self.eval_examples else [],
-            max_new_tokens=int(c.eval.get("max_new_tokens", 16)),
-            max_seq_len=int(c.model.max_seq_len),
-            device=self.device,
-            batch_rows=int(c.eval.get("batch_rows", 256)),
-        )
-        for r, m in zip(runs, metrics):
-            r.status, r.finished_at = status, time.time()
+        checkpoints = []
+        for r in runs:
             # under TP: gathered to full tensors (a collective, on every rank), saved by rank 0
             state = self.tp.adapter_state_dict(r.index) if self.tp else self.pm.adapter_state_dict(r.index)
-            ckpt = save_peft_adapter(
+            checkpoints.append(save_peft_adapter(
                 self.output_dir / "adapters" / r.id,
                 state,
                 self.info,
@@ -379,8 +399,25 @@ class PackedLoRARecipe:
                 alpha=float(r.cfg["alpha"]),
                 targets=self.targets,
                 dropout=self.dropout,
-            ) if self.is_main else None
+            ) if self.is_main else None)
+        metrics = self._evaluate(
+            [r.index for r in runs],
+            metrics=list(c.eval.get("metrics", ["loss", "exact_match"])) if self.eval_examples else [],
+            max_new_tokens=int(c.eval.get("max_new_tokens", 16)),
+        )
+        for r, m, ckpt in zip(runs, metrics, checkpoints):
+            r.status, r.finished_at = status, time.time()
             self._write_adapter_metrics(r, m, checkpoint=ckpt)
+
+    def _evaluate(self, adapters: list[int | None], *, metrics: list[str], max_new_tokens: int) -> list[dict[str, float]]:
+        """Packed eval of these adapters (None: the base model), batches sized from the
+        device's memory."""
+        return evaluate_adapters(
+            self.pm, adapters, self.eval_samples, self.eval_examples, self.tok,
+            metrics=metrics, max_new_tokens=max_new_tokens, max_seq_len=int(self.cfg.model.max_seq_len),
+            device=self.device, batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
+            token_budget=self.cfg.eval.get("token_budget"),
+        )
 
     def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
         """Every `eval.every_steps` of its own steps, an adapter's eval loss goes to
@@ -393,11 +430,7 @@ class PackedLoRARecipe:
         if not due:
             return
         self._drop_graph()  # its memory, for the eval's activations
-        metrics = evaluate_adapters(
-            self.pm, [r.index for r in due], self.eval_samples, self.eval_examples, self.tok,
-            metrics=["loss"], max_new_tokens=1, max_seq_len=int(self.cfg.model.max_seq_len),
-            device=self.device, batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
-        )
+        metrics = self._evaluate([r.index for r in due], metrics=["loss"], max_new_tokens=1)
         if not self.is_main:
             return
         with open(self.job_dir / "evals.jsonl", "a") as f:
@@ -407,18 +440,8 @@ class PackedLoRARecipe:
 
     def _eval_base(self) -> None:
         self._drop_graph()  # its memory, for the eval's activations
-        metrics = evaluate_adapters(
-            self.pm,
-            [None],
-            self.eval_samples,
-            self.eval_examples,
-            self.tok,
-            metrics=list(self.cfg.eval.get("metrics", ["loss", "exact_match"])),
-            max_new_tokens=int(self.cfg.eval.get("max_new_tokens", 16)),
-            max_seq_len=int(self.cfg.model.max_seq_len),
-            device=self.device,
-            batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
-        )[0]
+        metrics = self._evaluate([None], metrics=list(self.cfg.eval.get("metrics", ["loss", "exact_match"])),
+                                 max_new_tokens=int(self.cfg.eval.get("max_new_tokens", 16)))[0]
         if self.is_main:
             (self.output_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
 

@@ -13,7 +13,8 @@ decided on the device inside the step (`PackedLoRARecipe._device_step`); the hos
 one small tensor back after the replay and keeps the books.
 
 A graph is made for one *composition*: the active adapters, their row counts and the
-padded width of the batch. The first step of a composition runs eagerly (on the stream
+batch's shape (`plora.packed.step_batch`: each adapter's segment and label part padded to a
+held size when rows are flattened, or the padded width; sizes only grow). The first step of a composition runs eagerly (on the stream
 the graph is captured on: it also builds the kernels' schedules, which the graph then
 reads), the second captures the graph and replays it, the following ones replay it. A new
 composition (an adapter left, a batch wider than the graph's) drops the graph first and gives
@@ -67,43 +68,56 @@ def padded_width(width: int, max_width: int, held: int | None = None) -> int:
     return held if held is not None and held >= padded else padded
 
 
+def step_inputs(batch) -> dict[str, torch.Tensor]:
+    """The host tensors of a `plora.packed.step_batch.StepBatch` that a step reads: tokens,
+    the label parts, and for flattened rows their positions and boundaries."""
+    out = {"tokens": batch.tokens, "label_index": batch.labels.index, "label_targets": batch.labels.targets}
+    if batch.flat:
+        out["positions"] = batch.positions
+        out["cu_seqlens"] = batch.cu_seqlens()
+    return out
+
+
 @dataclass
 class StepBuffers:
     """The device tensors one composition's step reads and writes, allocated once.
 
-    ``tokens``/``labels``: the batch; ``planned``: the optimizer table as if every active
-    adapter stepped (`PackedAdamW.planned_hyperparams`); ``active``: the active adapters'
-    indices (int64, ascending); ``out``: what the step reports, (5, K) float32 — each
-    adapter's loss, gradient norm, weight norm after the update, whether its loss was kept
-    (finite, under ``divergence_loss``) and whether it stepped (NaN loss and 0, 0 for an
-    adapter not in the batch). ``meta``: the segment metadata the captured kernels read,
+    ``inputs``: the batch (`step_inputs`: tokens, label positions and targets, and for
+    flattened rows their positions and boundaries); ``planned``: the optimizer table as if
+    every active adapter stepped (`PackedAdamW.planned_hyperparams`); ``active``: the active
+    adapters' indices (int64, ascending); ``out``: what the step reports, (5, K) float32 —
+    each adapter's loss, gradient norm, weight norm after the update, whether its loss was
+    kept (finite, under ``divergence_loss``) and whether it stepped (NaN loss and 0, 0 for
+    an adapter not in the batch). ``meta``: the segment metadata the captured kernels read,
     kept alive with the graph.
     """
 
     key: tuple
-    tokens: torch.Tensor
-    labels: torch.Tensor
+    inputs: dict[str, torch.Tensor]
     planned: torch.Tensor
     active: torch.Tensor
     out: torch.Tensor
     meta: Any = None
 
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.inputs["tokens"]
+
     @classmethod
-    def allocate(cls, key: tuple, tokens: torch.Tensor, labels: torch.Tensor, planned: torch.Tensor,
+    def allocate(cls, key: tuple, inputs: dict[str, torch.Tensor], planned: torch.Tensor,
                  active: Sequence[int], num_adapters: int, device: torch.device) -> "StepBuffers":
         return cls(
             key=key,
-            tokens=tokens.to(device),
-            labels=labels.to(device),
+            inputs={name: t.to(device) for name, t in inputs.items()},
             planned=planned.to(device),
             active=torch.tensor(list(active), dtype=torch.int64).to(device),
             out=torch.zeros(5, num_adapters, dtype=torch.float32, device=device),
         )
 
-    def fill(self, tokens: torch.Tensor, labels: torch.Tensor, planned: torch.Tensor) -> None:
+    def fill(self, inputs: dict[str, torch.Tensor], planned: torch.Tensor) -> None:
         """This step's batch and optimizer table, into the same memory (the graph reads it)."""
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.labels.copy_(labels, non_blocking=True)
+        for name, t in inputs.items():
+            self.inputs[name].copy_(t, non_blocking=True)
         self.planned.copy_(planned, non_blocking=True)
 
 
@@ -124,12 +138,13 @@ class StepGraph:
         self.captures = 0
         self.replays = 0
 
-    def held_width(self, adapters: Sequence[int], rows: Sequence[int]) -> int | None:
-        """The batch width of the graph held for these adapters and rows, if any."""
+    def held_shape(self, adapters: Sequence[int], rows: Sequence[int]) -> tuple | None:
+        """The batch shape (`StepBatch.shape`) of the graph held for these adapters and
+        rows, if any: a new batch that fits it reuses the graph."""
         b = self._buffers
         if b is None or b.key[:2] != (tuple(adapters), tuple(rows)):
             return None
-        return int(b.key[2])
+        return b.key[2]
 
     def drop(self) -> None:
         """Forget the current composition and give its graph's memory back."""
@@ -144,11 +159,11 @@ class StepGraph:
         self,
         key: tuple,
         make: Callable[[], StepBuffers],
-        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        inputs: tuple[dict[str, torch.Tensor], torch.Tensor],
         body: Callable[[StepBuffers], None],
     ) -> StepBuffers:
         """One step of composition ``key``. ``make()`` allocates its buffers (and sets the
-        pack state the body reads) the first time; ``inputs`` = (tokens, labels, planned)."""
+        pack state the body reads) the first time; ``inputs`` = (`step_inputs`, planned)."""
         if self._buffers is None or self._buffers.key != key:
             self.drop()
             buffers = make()

@@ -1,0 +1,115 @@
+"""The tensors of one packed step (or eval forward), flattened or padded, and their shapes.
+
+`build_step_batch` turns adapter-contiguous rows into what the model and the loss read:
+flattened rows (`plora.packed.rows.flatten_rows`, when the model's attention can be
+confined to rows) or right-padded rows (`plora.data.collate`), each with the label parts
+the chunked head reads (`plora.packed.head_loss`). With ``fixed`` shapes (a CUDA graph)
+sizes come from the held ones and only grow (`plora.packed.rows.held_sizes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from plora.data import IGNORE_INDEX, Sample, collate
+from plora.packed.rows import LabelParts, cu_seqlens, flatten_rows, held_sizes, padded_label_parts
+
+
+@dataclass
+class StepBatch:
+    """One batch on the host. ``shape``: what a CUDA graph of it is keyed on (equal shapes,
+    equal tensor sizes and LoRA segments); ``segment_tokens``: each active adapter's LoRA
+    segment (tokens); ``row_lengths``: rows of the flattened sequence (None when padded)."""
+
+    flat: bool
+    tokens: torch.Tensor  # [1, T] flattened, or [B, W] padded
+    labels: LabelParts
+    segment_tokens: list[int]
+    real_tokens: int
+    positions: torch.Tensor | None = None  # [1, T], flattened only
+    row_lengths: list[int] | None = None
+    max_len: int = 0
+    shape: tuple = field(default_factory=tuple)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def cu_seqlens(self) -> torch.Tensor:
+        return cu_seqlens(self.row_lengths or [])
+
+    def last_positions(self) -> list[int]:
+        """The flat position of each real row's last token (rows in order)."""
+        if self.flat:
+            out, end = [], 0
+            for n in self.row_lengths or []:
+                end += n
+                out.append(end - 1)
+            return out
+        raise ValueError("padded batches: use the row lengths")
+
+
+def label_counts(samples: Sequence[Sample], rows_per_adapter: Sequence[int]) -> list[int]:
+    """Each adapter's number of next-token labels in its rows."""
+    out, i = [], 0
+    for n in rows_per_adapter:
+        out.append(sum(sum(1 for t in s.labels[1:] if t != IGNORE_INDEX) for s in samples[i : i + n]))
+        i += n
+    return out
+
+
+def build_step_batch(
+    samples: Sequence[Sample],
+    rows_per_adapter: Sequence[int],
+    pad_id: int,
+    *,
+    flat: bool,
+    fixed: bool = False,
+    held: tuple | None = None,
+    max_width: int | None = None,
+) -> StepBatch:
+    """Rows of each adapter (adapter-contiguous) as a flattened or padded batch.
+
+    ``fixed``: shapes for a CUDA graph, grown from ``held`` (the shape of the graph held for
+    the same adapters and rows) only when the rows do not fit it; ``max_width``: the padded
+    layout's width cap (the model's context).
+    """
+    layout = "flat" if flat else "padded"
+    if held is not None and held[0] != layout:
+        held = None
+    labels_sizes = None
+    if fixed:
+        labels_sizes = held_sizes(label_counts(samples, rows_per_adapter), held[2] if held else None)
+    if flat:
+        seg_sizes = None
+        if fixed:
+            real: list[int] = []
+            i = 0
+            for n in rows_per_adapter:
+                real.append(sum(len(s.tokens) for s in samples[i : i + n]))
+                i += n
+            seg_sizes = held_sizes(real, held[1] if held else None, extra=1)
+        rows = flatten_rows(samples, rows_per_adapter, pad_id, segment_sizes=seg_sizes, label_sizes=labels_sizes)
+        max_len = rows.max_row
+        if fixed:  # a graph replays with other rows: a bound that holds for any of them
+            # (a real row fits the context; a padding row, its segment)
+            max_len = max(max_len, int(max_width or 0), max(seg_sizes or [0]))
+        return StepBatch(True, rows.tokens, rows.labels, rows.segment_tokens, rows.real_tokens, rows.positions,
+                         rows.row_lengths, max_len,
+                         ("flat", tuple(seg_sizes or ()), tuple(labels_sizes or ())) if fixed else ())
+    from plora.recipes.step_graph import padded_width  # the graph's width rule lives with the graph
+
+    width = None
+    if fixed:
+        longest = max(len(s.tokens) for s in samples)
+        width = padded_width(longest, max(longest, int(max_width or longest)),
+                             held=int(held[1]) if held else None)
+    tokens, labels = collate(samples, pad_id, width=width)
+    seq = tokens.shape[1]
+    parts = padded_label_parts(labels, rows_per_adapter, labels_sizes)
+    return StepBatch(False, tokens, parts, [n * seq for n in rows_per_adapter],
+                     sum(len(s.tokens) for s in samples), max_len=seq,
+                     shape=("padded", seq, tuple(labels_sizes or ())) if fixed else ())
