@@ -63,9 +63,12 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False):
         if probe and hw.gpu:
             console.print("[dim]planning needs a cost model: profiling the model if this machine has no profile "
                           "of it yet (a few real training steps; cached)…[/]")
-        return prepare(spec, output, probe=probe and hw.gpu, hardware=hw)
+        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw)
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    for note in prep.data.notes if prep.data else []:
+        console.print(f"[yellow]data:[/] {note}", highlight=False, soft_wrap=True)
+    return prep
 
 
 def _configs_table(prep) -> Table:

@@ -159,6 +159,7 @@ class SplitReport:
     rows: int = 0
     truncated: int = 0
     dropped: list[str] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # indices of the examples that became samples
 
     def notes(self, max_seq_len: int) -> list[str]:
         out = []
@@ -255,7 +256,7 @@ def tokenize_split(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: in
     report = SplitReport(label)
     out: list[Sample] = []
     bad: list[tuple[str, int]] = []
-    for ex in examples:
+    for index, ex in enumerate(examples):
         where = ex.get("where", label)
         tokens, labels, prompt_len = _full_row(ex, tok)
         kept = labels[:max_seq_len]
@@ -263,6 +264,7 @@ def tokenize_split(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: in
             bad.append((where, prompt_len))
             continue
         report.rows += 1
+        report.kept.append(index)
         if len(tokens) > max_seq_len:
             report.truncated += 1
         extra = _eval_parts(ex, tok, choices, where) if eval else {}
@@ -291,6 +293,7 @@ class PreparedData:
     train: list[Sample]
     eval: list[Sample]
     reports: list[SplitReport]
+    eval_examples: list[dict] = field(default_factory=list)  # the eval rows behind `eval`
 
     def notes(self, max_seq_len: int) -> list[str]:
         return [n for r in self.reports for n in r.notes(max_seq_len)]
@@ -310,12 +313,15 @@ def prepare_data(data_cfg: dict, eval_cfg: dict, tok: TextTokenizer, max_seq_len
     dropped = []
     eval_ex = load_split(data_cfg, "eval", choices_column=eval_cfg.get("choices_column"), dropped=dropped)
     samples: list[Sample] = []
+    kept: list[dict] = []
     if eval_ex:
         samples, rep = tokenize_split(eval_ex, tok, max_seq_len, label=_split_label(data_cfg, "eval"), eval=True,
                                       choices=choices, on_bad_rows=on_bad)
         rep.dropped[:0] = dropped
         reports.append(rep)
-    return PreparedData(train, samples[: int(eval_cfg.get("max_eval_samples") or len(samples) or 1)], reports)
+        kept = [eval_ex[i] for i in rep.kept]
+    limit = int(eval_cfg.get("max_eval_samples") or 256)
+    return PreparedData(train, samples[:limit], reports, kept[:limit])
 
 
 def _split_label(data_cfg: dict, split: str) -> str:

@@ -6,12 +6,14 @@ the base model runs once over all of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from plora.data import IGNORE_INDEX, Sample, TextTokenizer, collate
+from plora.metrics import choice_accuracy
 from plora.packed.inject import PackedModel
 
 
@@ -66,20 +68,28 @@ def evaluate_adapters(
     device: torch.device,
     batch_rows: int = 256,
 ) -> list[dict[str, float]]:
-    """Eval loss and exact match for each adapter index (None = the base model alone)."""
+    """Eval metrics (`plora.metrics`) for each adapter index (None = the base model alone)."""
+    from plora.metrics import generated_metrics, score_predictions
+
     was_training = pm.model.training
     pm.model.eval()
     results: list[dict[str, float]] = [{} for _ in adapters]
     per_chunk = max(1, batch_rows // max(1, len(samples)))
+    generated = generated_metrics(metrics)
     for c0 in range(0, len(adapters), per_chunk):
         group = list(range(c0, min(len(adapters), c0 + per_chunk)))
         if "loss" in metrics:
             for i, loss in zip(group, _eval_loss(pm, [adapters[i] for i in group], samples, device, batch_rows)):
                 results[i]["eval_loss"] = loss
-        if "exact_match" in metrics:
-            ems = _exact_match(pm, [adapters[i] for i in group], examples, tok, max_new_tokens, max_seq_len, device, batch_rows)
-            for i, em in zip(group, ems):
-                results[i]["eval_exact_match"] = em
+        if generated:
+            prompts, references = _prompts(samples, examples, tok, max_seq_len)
+            answers = _answers(pm, [adapters[i] for i in group], prompts, tok, max_new_tokens, max_seq_len, device,
+                               batch_rows)
+            for i, predictions in zip(group, answers):
+                results[i].update(score_predictions(generated, predictions, references))
+        if "choice_accuracy" in metrics:
+            for i, acc in zip(group, _choice_accuracy(pm, [adapters[i] for i in group], samples, device, batch_rows)):
+                results[i]["eval_choice_accuracy"] = acc
     pm.model.train(was_training)
     return results
 
@@ -104,20 +114,57 @@ def _eval_loss(pm, adapters, samples, device, batch_rows) -> list[float]:
     return [s / max(1, c) for s, c in zip(sums, counts)]
 
 
-def _exact_match(pm, adapters, examples, tok: TextTokenizer, max_new_tokens, max_seq_len, device, batch_rows) -> list[float]:
-    """Greedy decoding from each prompt until eos; exact match of the decoded answer."""
+def _prompts(samples, examples, tok: TextTokenizer, max_seq_len: int) -> tuple[list[list[int]], list[str]]:
+    """Each eval row's prompt ids and reference answer (from the samples; rows tokenized
+    without them fall back to the plain examples)."""
+    if samples and all(s.prompt is not None for s in samples):
+        return [list(s.prompt) for s in samples], [s.reference or "" for s in samples]
+    return [tok.prompt_ids(ex["input"])[: max_seq_len - 1] for ex in examples], [ex["output"] for ex in examples]
+
+
+def _answers(pm, adapters, prompts, tok: TextTokenizer, max_new_tokens, max_seq_len, device, batch_rows) -> list[list[str]]:
+    """Greedy answers of every eval prompt, per adapter (decoded until eos)."""
     step = max(1, batch_rows // len(adapters))
-    hits = [0] * len(adapters)
+    out: list[list[str]] = [[] for _ in adapters]
     active = [a for a in adapters if a is not None]
-    for s0 in range(0, len(examples), step):
-        chunk = examples[s0 : s0 + step]
-        prompts = [tok.prompt_ids(ex["input"])[: max_seq_len - 1] for ex in chunk] * len(adapters)
-        answers = greedy_generate(pm, prompts, active, len(chunk), tok, max_new_tokens, max_seq_len, device)
+    for s0 in range(0, len(prompts), step):
+        chunk = prompts[s0 : s0 + step]
+        answers = greedy_generate(pm, chunk * len(adapters), active, len(chunk), tok, max_new_tokens, max_seq_len, device)
         n = len(chunk)
         for j in range(len(adapters)):
-            for ex, ans in zip(chunk, answers[j * n : (j + 1) * n]):
-                hits[j] += int(ans == ex["output"])
-    return [h / max(1, len(examples)) for h in hits]
+            out[j].extend(answers[j * n : (j + 1) * n])
+    return out
+
+
+def _choice_accuracy(pm, adapters, samples: Sequence[Sample], device, batch_rows) -> list[float]:
+    """Accuracy of the highest log-likelihood choice per row, per adapter: every choice of
+    every row is one scored row (labels on the choice's tokens), packed for all adapters."""
+    rows = [c for s in samples for c in (s.choices or ())]
+    owner = [i for i, s in enumerate(samples) for _ in (s.choices or ())]
+    if not rows:
+        return [math.nan] * len(adapters)
+    active = [a for a in adapters if a is not None]
+    if active and len(active) != len(adapters):
+        raise ValueError("evaluate the base model on its own, not packed with adapters")
+    step = max(1, batch_rows // len(adapters))
+    logliks: list[list[float]] = [[] for _ in adapters]
+    for r0 in range(0, len(rows), step):
+        chunk = rows[r0 : r0 + step]
+        tokens, labels = collate(list(chunk) * len(adapters), pad_id=0)
+        tokens, labels = tokens.to(device), labels.to(device)
+        logits = _forward(pm, tokens, active, [len(chunk)] * len(active))
+        sums, _ = segment_loss_sums(logits, labels, [1] * tokens.shape[0])
+        values = (-torch.stack(sums)).tolist()
+        for j in range(len(adapters)):
+            logliks[j].extend(values[j * len(chunk) : (j + 1) * len(chunk)])
+    gold = [s.gold for s in samples if s.choices]
+    out = []
+    for values in logliks:
+        scores: list[list[float]] = [[] for _ in samples]
+        for i, v in zip(owner, values):
+            scores[i].append(v)
+        out.append(choice_accuracy([sc for sc in scores if sc], gold))
+    return out
 
 
 def greedy_generate(pm, prompts, active, rows_per_adapter, tok: TextTokenizer, max_new_tokens, max_seq_len, device) -> list[str]:
