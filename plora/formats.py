@@ -98,12 +98,13 @@ class RowFormat:
         if fmt == "chat":
             needed = [self.messages_column]
         else:
-            needed = [self.output_column] + ([self.instruction_column] if fmt == "instruction" else [])
+            needed = [self.instruction_column] if fmt == "instruction" else []
             if self.prompt_template:
                 needed += [self._column_of(f) for f in template_fields(self.prompt_template)
                            if not (f == "input" and fmt == "instruction")]
             elif fmt == "plain":
                 needed.append(self.input_column)
+            needed.append(self.output_column)
         if self.choices_column:
             needed.append(self.choices_column)
         for column in dict.fromkeys(needed):
