@@ -133,7 +133,9 @@ def _results_table(frame, spec, base: dict, top: int = 10) -> Table:
     objective = spec.eval.objective
     best = ranked(frame, objective, spec.eval.minimize).head(top)
     t = Table(title=f"best configurations by {objective}", title_justify="left")
-    for col in ("adapter", "rank", "alpha", "lr", "batch", "eval loss", "exact match", "train loss", "time (s)"):
+    other = objective not in ("loss", "exact_match")  # another metric ranks: show it too
+    for col in ("adapter", "rank", "alpha", "lr", "batch", "eval loss", "exact match",
+                *([objective.replace("_", " ")] if other else []), "train loss", "time (s)"):
         t.add_column(col, justify="left" if col == "adapter" else "right")
 
     def num(v, fmt):
@@ -141,11 +143,13 @@ def _results_table(frame, spec, base: dict, top: int = 10) -> Table:
 
     for _, r in best.iterrows():
         t.add_row(r.adapter_id, str(r["rank"]), f"{r.alpha:g}", f"{r.learning_rate:.3g}", str(r.batch_size),
-                  num(r.eval_loss, ".4f"), num(r.eval_exact_match, ".3f"), num(r.train_loss, ".4f"),
+                  num(r.eval_loss, ".4f"), num(r.eval_exact_match, ".3f"),
+                  *([num(r.get(f"eval_{objective}"), ".4g")] if other else []), num(r.train_loss, ".4f"),
                   num(r.wall_time_s, ".1f"))
     if base:
         t.add_row("[dim]base model[/]", "", "", "", "", num(base.get("eval_loss"), ".4f"),
-                  num(base.get("eval_exact_match"), ".3f"), "", "")
+                  num(base.get("eval_exact_match"), ".3f"),
+                  *([num(base.get(f"eval_{objective}"), ".4g")] if other else []), "", "")
     return t
 
 
