@@ -17,6 +17,7 @@ Every example also carries ``where`` (file and line) for later messages.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import string
@@ -170,7 +171,9 @@ def read_rows(path: str | Path, label: str = "data") -> tuple[list[Row], list[st
 
 def _jsonl_rows(text: str, where: str) -> list[Row]:
     rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    # "\n" only: str.splitlines would also split at U+2028 and others, which JSON strings may hold
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -201,7 +204,7 @@ def _json_rows(text: str, where: str) -> list[Row]:
 
 
 def _csv_rows(text: str, where: str) -> list[Row]:
-    reader = csv.reader(text.splitlines(keepends=True))
+    reader = csv.reader(io.StringIO(text, newline=""))
     try:
         header = next(reader)
     except (StopIteration, csv.Error) as e:

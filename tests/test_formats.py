@@ -255,3 +255,17 @@ def test_smollm2_generation_blocks_match_the_assistant_mask(smollm2_tokenizer, t
     out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert s.tokens == list(out["input_ids"])
     assert [int(l != IGNORE_INDEX) for l in s.labels] == list(out["assistant_masks"])
+
+
+def test_jsonl_line_separators_inside_strings_and_crlf(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(('{"input": "a\u2028b", "output": "c"}\r\n\r\n{"input": "d", "output": "e"}\r\n').encode())
+    a, b = load_split({"train": str(path)}, "train")
+    assert a["input"] == "a\u2028b" and b["where"].endswith("line 3")
+
+
+def test_csv_lines_are_counted_across_quoted_newlines(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('input,output\n"two\nlines",x\nb,\n')
+    with pytest.raises(DataError, match=r"d.csv line 4, column 'output': is empty"):
+        load_split({"train": str(path)}, "train")
