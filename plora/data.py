@@ -201,14 +201,15 @@ def _last_turn(ex: dict) -> int:
     return max(i for i, m in enumerate(ex["messages"]) if m["role"] == "assistant")
 
 
-def _full_row(ex: dict, tok: TextTokenizer) -> tuple[list[int], list[int], int]:
-    """Untruncated tokens and labels of one example, and the length of its eval prompt."""
+def _full_row(ex: dict, tok: TextTokenizer) -> tuple[list[int], list[int], int, int]:
+    """Untruncated tokens and labels of one example, the length of its eval prompt, and
+    where its first label is (len(tokens) when it has none)."""
     if "messages" in ex:
         tokens, labels, turns = _chat_tokens(ex, tok)
-        return tokens, labels, turns[-1][0] if turns else len(tokens)
+        return tokens, labels, turns[-1][0] if turns else len(tokens), turns[0][0] if turns else len(tokens)
     prompt = tok.prompt_ids(ex["input"])
     answer = tok.encode(ex["output"]) + [tok.eos_id]
-    return prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt)
+    return prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt), len(prompt)
 
 
 def _eval_parts(ex: dict, tok: TextTokenizer, choices: Sequence[str] | None, where: str) -> dict:
@@ -258,9 +259,9 @@ def tokenize_split(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: in
     bad: list[tuple[str, int]] = []
     for index, ex in enumerate(examples):
         where = ex.get("where", label)
-        tokens, labels, prompt_len = _full_row(ex, tok)
+        tokens, labels, prompt_len, first_label = _full_row(ex, tok)
         kept = labels[:max_seq_len]
-        if all(t == IGNORE_INDEX for t in kept) or (eval and prompt_len >= max_seq_len):
+        if first_label >= max_seq_len or (eval and prompt_len >= max_seq_len):
             bad.append((where, prompt_len))
             continue
         report.rows += 1

@@ -182,3 +182,12 @@ def test_bad_data_and_eval_fields(tmp_path, data, eval, field):
     train.write_text(jsonl(GOOD))
     space = space_for(tmp_path, train, data=data, eval=eval)
     refused(tmp_path, space, f"error: {field}")
+
+
+def test_tune_refuses_bad_data_before_its_study_exists(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text(jsonl([GOOD[0], {"input": "ab", "output": None}]))
+    result = runner.invoke(app, ["tune", str(space_for(tmp_path, train)), "--trials", "1"], terminal_width=400)
+    assert result.exit_code == 2, result.output
+    assert f"error: data.train: {train} line 2, column 'output': is null" in result.output
+    assert not (tmp_path / "runs").exists()
