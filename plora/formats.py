@@ -261,8 +261,6 @@ def _text(row: Row, column: str, where: str, *, answer: bool = False, optional: 
         raise DataError(f"{at}: expected text, got {_kind(value)}")
     if isinstance(value, bool):
         value = str(value).lower()
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
     text = str(value)
     if answer and not text.strip():
         raise BadRow(f"{at}: is empty: the row has no answer")

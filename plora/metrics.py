@@ -56,6 +56,7 @@ def _resolve(name: str) -> Callable:
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise MetricError(f"{name!r}: a user metric is written module:function")
+    importlib.invalidate_caches()  # a module written after this process looked at its folder
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:

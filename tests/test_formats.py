@@ -269,3 +269,9 @@ def test_csv_lines_are_counted_across_quoted_newlines(tmp_path):
     path.write_text('input,output\n"two\nlines",x\nb,\n')
     with pytest.raises(DataError, match=r"d.csv line 4, column 'output': is empty"):
         load_split({"train": str(path)}, "train")
+
+
+def test_numbers_are_text(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"input": 3, "output": 42}, {"input": 0.5, "output": True}])
+    a, b = load_split({"train": str(path)}, "train")
+    assert (a["input"], a["output"], b["input"], b["output"]) == ("3", "42", "0.5", "true")
