@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from plora.data import IGNORE_INDEX, Sample, TextTokenizer, collate
-from plora.metrics import choice_accuracy
+from plora.metrics import choice_accuracy, generated_metrics, score_predictions
 from plora.packed.inject import PackedModel
 
 
@@ -69,8 +69,6 @@ def evaluate_adapters(
     batch_rows: int = 256,
 ) -> list[dict[str, float]]:
     """Eval metrics (`plora.metrics`) for each adapter index (None = the base model alone)."""
-    from plora.metrics import generated_metrics, score_predictions
-
     was_training = pm.model.training
     pm.model.eval()
     results: list[dict[str, float]] = [{} for _ in adapters]
