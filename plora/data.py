@@ -3,11 +3,14 @@
 Each adapter draws its micro-batches from its own seeded order of the training set, which
 depends on nothing but its seed: that is what makes a packed adapter see exactly the data it
 would see trained alone.
+
+Rows are read and shaped by `plora.formats` (plain, instruction, chat); `tokenize_split` is
+the one place they become tokens, and `prepare_data` the one path from a job config's data
+and eval sections to samples, taken both by a job and by the check before a sweep runs.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
