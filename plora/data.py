@@ -23,7 +23,8 @@ from plora.formats import SUPPORTED_SUFFIXES, DataError, RowFormat, read_rows, r
 
 IGNORE_INDEX = -100
 
-__all__ = ["DataError", "SUPPORTED_SUFFIXES"]  # re-exported: data errors are raised in plora.formats
+# DataError and SUPPORTED_SUFFIXES live in plora.formats (which reads the files) and are
+# imported from here by the rest of plora.
 
 
 def read_examples(path: str | Path, input_column: str = "input", output_column: str = "output") -> list[dict]:
