@@ -69,9 +69,12 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False):
         if probe and hw.gpu:
             console.print("[dim]planning needs a cost model: profiling the model if this machine has no profile "
                           "of it yet (a few real training steps; cached)…[/]")
-        return prepare(spec, output, probe=probe and hw.gpu, hardware=hw)
+        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw)
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    for note in prep.data.notes if prep.data else []:
+        console.print(f"[yellow]data:[/] {note}", highlight=False, soft_wrap=True)
+    return prep
 
 
 def _configs_table(prep) -> Table:
@@ -136,7 +139,9 @@ def _results_table(frame, spec, base: dict, top: int = 10) -> Table:
     objective = spec.eval.objective
     best = ranked(frame, objective, spec.eval.minimize).head(top)
     t = Table(title=f"best configurations by {objective}", title_justify="left")
-    for col in ("adapter", "rank", "alpha", "lr", "batch", "eval loss", "exact match", "train loss", "time (s)"):
+    other = objective not in ("loss", "exact_match")  # another metric ranks: show it too
+    for col in ("adapter", "rank", "alpha", "lr", "batch", "eval loss", "exact match",
+                *([objective.replace("_", " ")] if other else []), "train loss", "time (s)"):
         t.add_column(col, justify="left" if col == "adapter" else "right")
 
     def num(v, fmt):
@@ -144,11 +149,13 @@ def _results_table(frame, spec, base: dict, top: int = 10) -> Table:
 
     for _, r in best.iterrows():
         t.add_row(r.adapter_id, str(r["rank"]), f"{r.alpha:g}", f"{r.learning_rate:.3g}", str(r.batch_size),
-                  num(r.eval_loss, ".4f"), num(r.eval_exact_match, ".3f"), num(r.train_loss, ".4f"),
+                  num(r.eval_loss, ".4f"), num(r.eval_exact_match, ".3f"),
+                  *([num(r.get(f"eval_{objective}"), ".4g")] if other else []), num(r.train_loss, ".4f"),
                   num(r.wall_time_s, ".1f"))
     if base:
         t.add_row("[dim]base model[/]", "", "", "", "", num(base.get("eval_loss"), ".4f"),
-                  num(base.get("eval_exact_match"), ".3f"), "", "")
+                  num(base.get("eval_exact_match"), ".3f"),
+                  *([num(base.get(f"eval_{objective}"), ".4g")] if other else []), "", "")
     return t
 
 

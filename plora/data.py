@@ -3,52 +3,36 @@
 Each adapter draws its micro-batches from its own seeded order of the training set, which
 depends on nothing but its seed: that is what makes a packed adapter see exactly the data it
 would see trained alone.
+
+Rows are read and shaped by `plora.formats` (plain, instruction, chat); `tokenize_split` is
+the one place they become tokens, and `prepare_data` the one path from a job config's data
+and eval sections to samples, taken both by a job and by the check before a sweep runs.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from plora.formats import SUPPORTED_SUFFIXES, DataError, RowFormat, read_rows, rows_to_examples
+
 IGNORE_INDEX = -100
-SUPPORTED_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 
-
-class DataError(ValueError):
-    """A data file or column that cannot be used; the message names it."""
+# DataError and SUPPORTED_SUFFIXES live in plora.formats (which reads the files) and are
+# imported from here by the rest of plora.
 
 
 def read_examples(path: str | Path, input_column: str = "input", output_column: str = "output") -> list[dict]:
-    """Rows of a JSON/JSONL/CSV/parquet file as `{"input", "output"}` dicts."""
-    import pandas as pd
-
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        frame = pd.read_json(path, lines=True)
-    elif suffix == ".json":
-        raw = json.loads(path.read_text())
-        frame = pd.DataFrame(raw["data"] if isinstance(raw, dict) and "data" in raw else raw)
-    elif suffix == ".csv":
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    elif suffix == ".parquet":
-        frame = pd.read_parquet(path)
-    else:
-        raise DataError(f"{path}: unsupported file type {suffix!r} (use {', '.join(SUPPORTED_SUFFIXES)})")
-    for column in (input_column, output_column):
-        if column not in frame.columns:
-            raise DataError(f"{path}: no column {column!r} (columns: {', '.join(map(str, frame.columns))})")
-    if len(frame) == 0:
-        raise DataError(f"{path}: no rows")
-    return [
-        {"input": str(i), "output": str(o)}
-        for i, o in zip(frame[input_column].tolist(), frame[output_column].tolist())
-    ]
+    """Plain rows of a JSON/JSONL/CSV/parquet file as `{"input", "output"}` dicts."""
+    fmt = RowFormat(format="plain", input_column=input_column, output_column=output_column)
+    rows, columns = read_rows(path)
+    examples, _ = rows_to_examples(rows, columns, fmt, f"data: {path}")
+    return [{"input": ex["input"], "output": ex["output"]} for ex in examples]
 
 
 def synthetic_samples(count: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[Sample]:
@@ -59,20 +43,36 @@ def synthetic_samples(count: int, seq_len: int, vocab_size: int, seed: int = 0) 
     return [Sample(r, r) for r in rows]
 
 
-def load_split(data_cfg: dict, split: str) -> list[dict]:
-    """The train or eval examples a data config names (a built-in task or files)."""
+def load_split(data_cfg: dict, split: str, *, choices_column: str | None = None,
+               dropped: list[str] | None = None) -> list[dict]:
+    """The train or eval examples a data config names (a built-in task or files), each row
+    checked and shaped by its format (`plora.formats`). Rows without an answer raise, or
+    land in ``dropped`` with ``data.on_bad_rows: drop``."""
+    from plora.formats import Row
+
     task = data_cfg.get("task")
+    fmt = RowFormat.from_config(data_cfg, choices_column if split == "eval" else None)
+    on_bad = str(data_cfg.get("on_bad_rows") or "error")
     if task:
         from plora.tasks import load_builtin_task
 
+        name = str(task).removeprefix("builtin:")
         n = data_cfg.get("num_train" if split == "train" else "num_eval")
-        return load_builtin_task(str(task).removeprefix("builtin:"), split, n, seed=0)
-    path = data_cfg.get(split)
-    if not path:
-        if split == "eval":
-            return []
-        raise DataError(f"data.{split}: no file given")
-    return read_examples(path, data_cfg.get("input_column", "input"), data_cfg.get("output_column", "output"))
+        raw = load_builtin_task(name, split, n, seed=0)
+        rows = [Row(f"example {i}", ex) for i, ex in enumerate(raw, start=1)]
+        fmt = RowFormat(format="plain", prompt_template=fmt.prompt_template, choices_column=fmt.choices_column)
+        examples, bad = rows_to_examples(rows, ["input", "output"], fmt, f"data.task {task} ({split})", on_bad)
+    else:
+        path = data_cfg.get(split)
+        if not path:
+            if split == "eval":
+                return []
+            raise DataError(f"data.{split}: no file given")
+        rows, columns = read_rows(path, f"data.{split}")
+        examples, bad = rows_to_examples(rows, columns, fmt, f"data.{split}: {path}", on_bad)
+    if dropped is not None:
+        dropped.extend(bad)
+    return examples
 
 
 def char_tokenizer(chars: str):
@@ -90,12 +90,14 @@ def char_tokenizer(chars: str):
 
 
 class TextTokenizer:
-    """A `tokenizer.json` tokenizer with the model's bos/eos/pad ids (from config.json)."""
+    """A `tokenizer.json` tokenizer with the model's bos/eos/pad ids (from config.json) and
+    its chat template, when the folder has one."""
 
     def __init__(self, model_dir: str | Path, bos_id: int | None, eos_id: int | None, pad_id: int | None):
         from tokenizers import Tokenizer
 
-        path = Path(model_dir) / "tokenizer.json"
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / "tokenizer.json"
         if not path.is_file():
             raise DataError(f"{model_dir}: no tokenizer.json")
         self._tok = Tokenizer.from_file(str(path))
@@ -104,9 +106,30 @@ class TextTokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.pad_id = pad_id if pad_id is not None else eos_id
+        self._chat_template: Any = False  # not looked up yet
+
+    @property
+    def chat_template(self):
+        """The model's `plora.chat_template.ChatTemplate`, or None when it has none."""
+        if self._chat_template is False:
+            from plora.chat_template import ChatTemplateError, load_chat_template
+
+            try:
+                self._chat_template = load_chat_template(self.model_dir)
+            except ChatTemplateError as e:
+                raise DataError(f"model {self.model_dir}: {e}") from None
+        return self._chat_template
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and each token's character span in ``text``."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -117,20 +140,199 @@ class TextTokenizer:
 
 @dataclass(frozen=True)
 class Sample:
+    """One row as a job trains on it: tokens, and labels (IGNORE_INDEX off the answer).
+
+    Eval rows also carry what the generated and scored metrics need: the prompt a generated
+    answer follows, the reference answer, and, for choice accuracy, each choice as a row of
+    its own (labels on the choice's tokens) with the index of the right one.
+    """
+
     tokens: list[int]
     labels: list[int]
+    prompt: list[int] | None = None
+    reference: str | None = None
+    choices: tuple["Sample", ...] | None = None
+    gold: int | None = None
 
 
-def tokenize_examples(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: int) -> list[Sample]:
-    """Prompt + answer + eos; the loss is on the answer and eos only."""
-    out = []
-    for ex in examples:
+@dataclass
+class SplitReport:
+    """What tokenization did to one split: rows kept, cut by max_seq_len, dropped."""
+
+    label: str
+    rows: int = 0
+    truncated: int = 0
+    dropped: list[str] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # indices of the examples that became samples
+
+    def notes(self, max_seq_len: int) -> list[str]:
+        out = []
+        if self.truncated:
+            out.append(f"{self.label}: {self.truncated} of {self.rows} rows are longer than model.max_seq_len "
+                       f"{max_seq_len} and are cut (their answers partly trained)")
+        if self.dropped:
+            out.append(f"{self.label}: {len(self.dropped)} rows dropped (data.on_bad_rows: drop); "
+                       f"first: {self.dropped[0]}")
+        return out
+
+
+def _chat_tokens(ex: dict, tok: TextTokenizer) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A chat example through the model's template: tokens, labels on every assistant turn,
+    and each assistant turn's token range."""
+    template = tok.chat_template
+    if template is None:
+        raise DataError(f"{ex.get('where', 'data')}: chat rows need a chat template, and model "
+                        f"{tok.model_dir} has none (no chat_template in tokenizer_config.json, no chat_template.jinja)")
+    from plora.chat_template import ChatTemplateError
+
+    try:
+        rendered = template.render_with_spans(ex["messages"])
+    except ChatTemplateError as e:
+        raise DataError(f"{ex.get('where', 'data')}: {e}") from None
+    ids, offsets = tok.encode_with_offsets(rendered.text)
+    labels = [IGNORE_INDEX] * len(ids)
+    turns = []
+    for start, end in rendered.spans:
+        inside = [j for j, (a, _) in enumerate(offsets) if start <= a < end]
+        for j in inside:
+            labels[j] = ids[j]
+        if inside:
+            turns.append((inside[0], inside[-1] + 1))
+    return ids, labels, turns
+
+
+def _last_turn(ex: dict) -> int:
+    return max(i for i, m in enumerate(ex["messages"]) if m["role"] == "assistant")
+
+
+def _full_row(ex: dict, tok: TextTokenizer) -> tuple[list[int], list[int], int, int]:
+    """Untruncated tokens and labels of one example, the length of its eval prompt, and
+    where its first label is (len(tokens) when it has none)."""
+    if "messages" in ex:
+        tokens, labels, turns = _chat_tokens(ex, tok)
+        return tokens, labels, turns[-1][0] if turns else len(tokens), turns[0][0] if turns else len(tokens)
+    prompt = tok.prompt_ids(ex["input"])
+    answer = tok.encode(ex["output"]) + [tok.eos_id]
+    return prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt), len(prompt)
+
+
+def _eval_parts(ex: dict, tok: TextTokenizer, choices: Sequence[str] | None, where: str) -> dict:
+    """The eval prompt (rendered with the generation prompt for chat), the reference answer,
+    and each choice as a scored row."""
+    if "messages" in ex:
+        last = _last_turn(ex)
+        head = ex["messages"][:last]
+        reference = ex["messages"][last]["content"]
+        prompt = tok.encode(tok.chat_template.render(head, add_generation_prompt=True))
+
+        def choice_row(text: str) -> Sample:
+            tokens, labels, turns = _chat_tokens({**ex, "messages": head + [{"role": "assistant", "content": text}]}, tok)
+            a, b = turns[-1]
+            return Sample(tokens, [IGNORE_INDEX] * a + labels[a:b] + [IGNORE_INDEX] * (len(tokens) - b))
+    else:
+        reference = ex["output"]
         prompt = tok.prompt_ids(ex["input"])
-        answer = tok.encode(ex["output"]) + [tok.eos_id]
-        tokens = (prompt + answer)[:max_seq_len]
-        labels = ([IGNORE_INDEX] * len(prompt) + answer)[:max_seq_len]
-        out.append(Sample(tokens, labels))
-    return out
+
+        def choice_row(text: str) -> Sample:
+            answer = tok.encode(text) + [tok.eos_id]
+            return Sample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer)
+
+    parts: dict = {"prompt": prompt, "reference": reference}
+    row_choices = ex.get("choices") or choices
+    if row_choices:
+        if reference not in row_choices:
+            shown = ", ".join(map(repr, row_choices))
+            raise DataError(f"{where}: the answer {reference!r} is not one of the choices ({shown})")
+        parts["choices"] = tuple(choice_row(c) for c in row_choices)
+        parts["gold"] = list(row_choices).index(reference)
+    return parts
+
+
+def tokenize_split(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: int, *, label: str = "data",
+                   eval: bool = False, choices: Sequence[str] | None = None,
+                   on_bad_rows: str = "error") -> tuple[list[Sample], SplitReport]:
+    """The one place rows become tokens: prompt + answer + eos (plain), or the chat template's
+    rendering (chat); the loss is on the answers only.
+
+    Rows longer than ``max_seq_len`` are cut and counted. A row whose answer is cut away
+    entirely (or, for eval, whose prompt leaves no room to answer) would train as zero loss:
+    it raises `DataError` naming it, or is dropped and counted with ``on_bad_rows="drop"``.
+    """
+    report = SplitReport(label)
+    out: list[Sample] = []
+    bad: list[tuple[str, int]] = []
+    for index, ex in enumerate(examples):
+        where = ex.get("where", label)
+        tokens, labels, prompt_len, first_label = _full_row(ex, tok)
+        kept = labels[:max_seq_len]
+        if first_label >= max_seq_len or (eval and prompt_len >= max_seq_len):
+            bad.append((where, prompt_len))
+            continue
+        report.rows += 1
+        report.kept.append(index)
+        if len(tokens) > max_seq_len:
+            report.truncated += 1
+        extra = _eval_parts(ex, tok, choices, where) if eval else {}
+        out.append(Sample(tokens[:max_seq_len], kept, **extra))
+    if bad:
+        where, prompt_len = bad[0]
+        message = (f"{where}: the answer is cut away entirely by model.max_seq_len {max_seq_len} (the prompt alone "
+                   f"is {prompt_len} tokens); {len(bad)} of {len(examples)} rows are like this")
+        if not out:
+            raise DataError(f"{message}: every row is; raise model.max_seq_len or shorten the prompts")
+        if on_bad_rows != "drop":
+            raise DataError(f"{message}: raise model.max_seq_len, or set data.on_bad_rows: drop to skip them")
+        report.dropped += [f"{w}: the answer is cut away by max_seq_len" for w, _ in bad]
+    return out, report
+
+
+def tokenize_examples(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: int, **kw: Any) -> list[Sample]:
+    """`tokenize_split` without the report."""
+    return tokenize_split(examples, tok, max_seq_len, **kw)[0]
+
+
+@dataclass
+class PreparedData:
+    """A job's rows as samples, and what reading and tokenizing them found."""
+
+    train: list[Sample]
+    eval: list[Sample]
+    reports: list[SplitReport]
+    eval_examples: list[dict] = field(default_factory=list)  # the eval rows behind `eval`
+
+    def notes(self, max_seq_len: int) -> list[str]:
+        return [n for r in self.reports for n in r.notes(max_seq_len)]
+
+
+def prepare_data(data_cfg: dict, eval_cfg: dict, tok: TextTokenizer, max_seq_len: int) -> PreparedData:
+    """Train and eval samples of a job config's ``data`` and ``eval`` sections: what a job
+    trains on, and what validation checks before anything runs (the same code for both)."""
+    on_bad = str(data_cfg.get("on_bad_rows") or "error")
+    choices = eval_cfg.get("choices")
+    reports = []
+    dropped: list[str] = []
+    train_ex = load_split(data_cfg, "train", dropped=dropped)
+    train, rep = tokenize_split(train_ex, tok, max_seq_len, label=_split_label(data_cfg, "train"), on_bad_rows=on_bad)
+    rep.dropped[:0] = dropped
+    reports.append(rep)
+    dropped = []
+    eval_ex = load_split(data_cfg, "eval", choices_column=eval_cfg.get("choices_column"), dropped=dropped)
+    samples: list[Sample] = []
+    kept: list[dict] = []
+    if eval_ex:
+        samples, rep = tokenize_split(eval_ex, tok, max_seq_len, label=_split_label(data_cfg, "eval"), eval=True,
+                                      choices=choices, on_bad_rows=on_bad)
+        rep.dropped[:0] = dropped
+        reports.append(rep)
+        kept = [eval_ex[i] for i in rep.kept]
+    limit = int(eval_cfg.get("max_eval_samples") or 256)
+    return PreparedData(train, samples[:limit], reports, kept[:limit])
+
+
+def _split_label(data_cfg: dict, split: str) -> str:
+    if data_cfg.get("task"):
+        return f"data.task ({split})"
+    return f"data.{split}: {data_cfg.get(split)}"
 
 
 class AdapterStream:

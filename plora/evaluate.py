@@ -18,6 +18,7 @@ Rows are flattened without padding where the model's attention can be confined t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from plora.data import IGNORE_INDEX, Sample, TextTokenizer
+from plora.metrics import choice_accuracy, generated_metrics, score_predictions
 from plora.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to, last_position_logits
 from plora.packed.inject import PackedModel
 from plora.packed.step_batch import StepBatch, build_step_batch
@@ -174,7 +176,7 @@ def evaluate_adapters(
     batch_rows: int = 256,
     token_budget: int | None = None,
 ) -> list[dict[str, float]]:
-    """Eval loss and exact match for each adapter index (None = the base model alone).
+    """Eval metrics (`plora.metrics`) for each adapter index (None = the base model alone).
 
     ``batch_rows`` caps the rows of one forward; ``token_budget`` its tokens (default: from
     the device's free memory, `eval_token_budget`)."""
@@ -188,11 +190,17 @@ def evaluate_adapters(
         if "loss" in metrics and samples:
             for i, loss in enumerate(_eval_loss(pm, list(adapters), samples, device, budget, batch_rows, tok.pad_id)):
                 results[i]["eval_loss"] = loss
-        if "exact_match" in metrics and examples:
-            ems = _exact_match(pm, list(adapters), examples, tok, max_new_tokens, max_seq_len, device, budget,
+        generated = generated_metrics(metrics)
+        if generated and (samples or examples):
+            prompts, references = _prompts(samples, examples, tok, max_seq_len)
+            answers = _answers(pm, list(adapters), prompts, tok, max_new_tokens, max_seq_len, device, budget,
                                batch_rows)
-            for i, em in enumerate(ems):
-                results[i]["eval_exact_match"] = em
+            for i, predictions in enumerate(answers):
+                results[i].update(score_predictions(generated, predictions, references))
+        if "choice_accuracy" in metrics:
+            for i, acc in enumerate(_choice_accuracy(pm, list(adapters), samples, device, budget, batch_rows,
+                                                     tok.pad_id)):
+                results[i]["eval_choice_accuracy"] = acc
     finally:
         pm.model.train(was_training)
     return results
@@ -210,7 +218,6 @@ def _eval_loss(pm, adapters, samples, device, budget, batch_rows, pad_id) -> lis
     sums = [0.0] * len(adapters)
     counts = [0] * len(adapters)
     chunk = chunk_rows(_vocab(pm))
-    slots = list(range(len(adapters)))
 
     def run(group: list[int], piece: tuple[int, int]) -> None:
         loss_sums, loss_counts = eval_loss_piece(pm, [adapters[j] for j in group], samples[piece[0] : piece[1]],
@@ -219,11 +226,7 @@ def _eval_loss(pm, adapters, samples, device, budget, batch_rows, pad_id) -> lis
             sums[j] += s
             counts[j] += c
 
-    lengths = [len(s.tokens) for s in samples]
-    for piece in split_pieces(lengths, budget, batch_rows):
-        per = _groups(len(adapters), sum(lengths[piece[0] : piece[1]]), piece[1] - piece[0], budget, batch_rows)
-        for g0 in range(0, len(slots), per):
-            retry_smaller(run, slots[g0 : g0 + per], piece)
+    _each_piece(len(adapters), [len(s.tokens) for s in samples], budget, batch_rows, run)
     return [s / max(1, c) for s, c in zip(sums, counts)]
 
 
@@ -239,12 +242,30 @@ def eval_loss_piece(pm: PackedModel, adapters: Sequence[int | None], samples: Se
     return [float(s) for s in torch.stack(sums).tolist()], [int(c) for c in torch.stack(counts).tolist()]
 
 
-def _exact_match(pm, adapters, examples, tok: TextTokenizer, max_new_tokens, max_seq_len, device, budget,
-                 batch_rows) -> list[float]:
-    """Greedy decoding from each prompt until eos; exact match of the decoded answer."""
-    hits = [0] * len(adapters)
-    prompts = [tok.prompt_ids(ex["input"])[: max_seq_len - 1] for ex in examples]
-    slots = list(range(len(adapters)))
+def _each_piece(n_adapters: int, lengths: Sequence[int], budget: int, batch_rows: int,
+                run: Callable[[list[int], tuple[int, int]], None]) -> None:
+    """``run(group, piece)`` over the eval rows cut into budget-sized pieces (the same pieces
+    whatever adapters are evaluated) and the adapters in groups that fit, retried smaller on
+    out-of-memory."""
+    slots = list(range(n_adapters))
+    for piece in split_pieces(lengths, budget, batch_rows):
+        per = _groups(n_adapters, sum(lengths[piece[0] : piece[1]]), piece[1] - piece[0], budget, batch_rows)
+        for g0 in range(0, len(slots), per):
+            retry_smaller(run, slots[g0 : g0 + per], piece)
+
+
+def _prompts(samples, examples, tok: TextTokenizer, max_seq_len: int) -> tuple[list[list[int]], list[str]]:
+    """Each eval row's prompt ids and reference answer (from the samples; rows tokenized
+    without them fall back to the plain examples)."""
+    if samples and all(s.prompt is not None for s in samples):
+        return [list(s.prompt) for s in samples], [s.reference or "" for s in samples]
+    return [tok.prompt_ids(ex["input"])[: max_seq_len - 1] for ex in examples], [ex["output"] for ex in examples]
+
+
+def _answers(pm, adapters, prompts, tok: TextTokenizer, max_new_tokens, max_seq_len, device, budget,
+             batch_rows) -> list[list[str]]:
+    """Greedy answers of every eval prompt, per adapter (decoded until eos)."""
+    out: list[list[str | None]] = [[None] * len(prompts) for _ in adapters]
 
     def run(group: list[int], piece: tuple[int, int]) -> None:
         chunk = prompts[piece[0] : piece[1]]
@@ -252,15 +273,42 @@ def _exact_match(pm, adapters, examples, tok: TextTokenizer, max_new_tokens, max
         answers = greedy_generate(pm, chunk * len(group), [adapters[j] for j in group], n, tok, max_new_tokens,
                                   max_seq_len, device)
         for gi, j in enumerate(group):
-            for ex, ans in zip(examples[piece[0] : piece[1]], answers[gi * n : (gi + 1) * n]):
-                hits[j] += int(ans == ex["output"])
+            out[j][piece[0] : piece[1]] = answers[gi * n : (gi + 1) * n]
 
-    lengths = [min(max_seq_len, len(p) + max_new_tokens) for p in prompts]
-    for piece in split_pieces(lengths, budget, batch_rows):
-        per = _groups(len(adapters), sum(lengths[piece[0] : piece[1]]), piece[1] - piece[0], budget, batch_rows)
-        for g0 in range(0, len(slots), per):
-            retry_smaller(run, slots[g0 : g0 + per], piece)
-    return [h / max(1, len(examples)) for h in hits]
+    _each_piece(len(adapters), [min(max_seq_len, len(p) + max_new_tokens) for p in prompts], budget, batch_rows, run)
+    return [[a or "" for a in answers] for answers in out]
+
+
+def _choice_accuracy(pm, adapters, samples: Sequence[Sample], device, budget, batch_rows, pad_id) -> list[float]:
+    """Accuracy of the highest log-likelihood choice per row, per adapter: every choice of
+    every row is one scored row (labels on the choice's tokens), packed for all adapters."""
+    rows = [c for s in samples for c in (s.choices or ())]
+    owner = [i for i, s in enumerate(samples) for _ in (s.choices or ())]
+    if not rows:
+        return [math.nan] * len(adapters)
+    logliks: list[list[float]] = [[0.0] * len(rows) for _ in adapters]
+    chunk = chunk_rows(_vocab(pm))
+
+    def run(group: list[int], piece: tuple[int, int]) -> None:
+        part = rows[piece[0] : piece[1]]
+        active = [adapters[j] for j in group if adapters[j] is not None]
+        batch = _batch(pm, list(part) * len(group), [len(part)] * len(group), pad_id)
+        per_row = _batch(pm, list(part) * len(group), [1] * (len(part) * len(group)), pad_id)  # same layout
+        hidden = _hidden(pm, batch, active, device)
+        sums, _ = adapter_loss_sums(pm.model.output, hidden, labels_to(per_row.labels, device), chunk)
+        values = (-torch.stack(sums)).tolist()
+        for gi, j in enumerate(group):
+            logliks[j][piece[0] : piece[1]] = values[gi * len(part) : (gi + 1) * len(part)]
+
+    _each_piece(len(adapters), [len(r.tokens) for r in rows], budget, batch_rows, run)
+    gold = [s.gold for s in samples if s.choices]
+    out = []
+    for values in logliks:
+        scores: list[list[float]] = [[] for _ in samples]
+        for i, v in zip(owner, values):
+            scores[i].append(v)
+        out.append(choice_accuracy([sc for sc in scores if sc], gold))
+    return out
 
 
 def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters: Sequence[int | None],

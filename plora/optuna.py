@@ -655,6 +655,7 @@ def run_tune(
     prn = make_pruner(pruner)
     if not isinstance(prn, optuna.pruners.NopPruner) and not spec.eval.every_steps:
         raise TuneError("pruning needs intermediate eval losses: set eval.every_steps in the space file")
+    n_train = dataset_size(spec)  # bad data is refused before the study or the run directory exists
     study = open_study(spec, run_dir, sampler=smp, pruner=prn)
     if spec.space.strategy == "list":
         enqueue_configs(study, spec, [c.model_dump() for c in spec.space.configs or []])
@@ -665,7 +666,6 @@ def run_tune(
     state = _RunState.load(spec, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
-    n_train = dataset_size(spec)
     sign = intermediate_sign(spec)
 
     asked = 0

@@ -52,7 +52,7 @@ ASSETS_DIR: Path = Path(__file__).parent / "assets"
 KNOWN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".csv", ".parquet")
-METRICS: tuple[str, ...] = ("loss", "exact_match")
+METRICS: tuple[str, ...] = ("loss", "exact_match", "choice_accuracy")  # and user metrics "module:function"
 HYPERPARAMETERS: tuple[str, ...] = ("rank", "alpha", "learning_rate", "batch_size")
 #: A sweep larger than this is almost certainly a typo (a grid with one axis too many).
 MAX_ADAPTERS = 100_000
@@ -309,8 +309,13 @@ class DataConfig(_Model):
     task: Optional[str] = None  # defaults to builtin:shift when no train file is given
     train: Optional[Path] = None
     eval: Optional[Path] = None
+    format: Literal["auto", "plain", "instruction", "chat"] = "auto"  # auto: from the columns
     input_column: str = Field("input", min_length=1)
     output_column: str = Field("output", min_length=1)
+    instruction_column: str = Field("instruction", min_length=1)
+    messages_column: str = Field("messages", min_length=1)
+    prompt_template: Optional[str] = None  # e.g. "Question: {input}\nAnswer:" (plain and instruction rows)
+    on_bad_rows: Literal["error", "drop"] = "error"  # rows without an answer (or cut away by max_seq_len)
     num_train: Optional[int] = Field(None, ge=1)
     num_eval: Optional[int] = Field(None, ge=1)
     max_eval_samples: int = Field(256, ge=1)
@@ -344,8 +349,25 @@ class DataConfig(_Model):
             raise _Issue(f"file not found: {p}")
         return p
 
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        from plora.formats import template_fields
+
+        try:
+            template_fields(v)
+        except ValueError as e:
+            raise _Issue(str(e)) from None
+        return v
+
     @model_validator(mode="after")
     def _check_source(self) -> "DataConfig":
+        if self.format == "chat" and self.prompt_template is not None:
+            raise _Issue("not used with format chat (the model's chat template renders chat rows)", "prompt_template")
+        if self.task is not None and self.format not in ("auto", "plain"):
+            raise _Issue(f"a built-in task has plain rows, not {self.format}", "format")
         if self.task is not None and self.train is not None:
             raise _Issue("give either task or train (+ eval) files, not both")
         if self.train is None:
@@ -673,26 +695,76 @@ class TrainingConfig(_Model):
 
 
 class EvalConfig(_Model):
-    metrics: list[Literal["loss", "exact_match"]] = Field(default_factory=lambda: ["loss", "exact_match"])
+    # loss, exact_match, choice_accuracy, or a user metric "module:function"
+    metrics: list[str] = Field(default_factory=lambda: ["loss", "exact_match"])
     max_new_tokens: int = Field(16, ge=1)
-    objective: Optional[Literal["loss", "exact_match"]] = None  # exact_match if measured, else the first metric
+    objective: Optional[str] = None  # exact_match if measured, else the first metric
+    greater_is_better: Optional[bool] = None  # default: false for loss, true for every other metric
     every_steps: Optional[int] = Field(None, ge=1)  # intermediate eval loss every N adapter steps (pruning, curves)
+    choices: Optional[list[str]] = None  # choice_accuracy: the label choices of every row
+    choices_column: Optional[str] = Field(None, min_length=1)  # or: a column with each row's own choices
+
+    @field_validator("metrics")
+    @classmethod
+    def _check_metrics(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        from plora.metrics import MetricError, check_metric
+
+        for i, name in enumerate(v):
+            try:
+                check_metric(name, _base_dir(info))
+            except MetricError as e:
+                raise _Issue(str(e), i) from None
+        return v
+
+    @field_validator("choices")
+    @classmethod
+    def _check_choices(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v is None:
+            return v
+        if len(v) < 2:
+            raise _Issue(f"needs at least two choices, got {_fmt(v)}")
+        if any(not c.strip() for c in v):
+            raise _Issue("a choice is empty")
+        if len(set(v)) != len(v):
+            raise _Issue(f"duplicate choice in {_fmt(v)}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
+        from plora.metrics import metric_name
+
         if not self.metrics:
             raise _Issue("must name at least one metric", "metrics")
-        if len(set(self.metrics)) != len(self.metrics):
+        names = [metric_name(m) for m in self.metrics]
+        if len(set(names)) != len(names):
             raise _Issue(f"duplicate metric in {_fmt(self.metrics)}", "metrics")
+        if "choice_accuracy" in names:
+            if (self.choices is None) == (self.choices_column is None):
+                raise _Issue("choice_accuracy needs exactly one of eval.choices or eval.choices_column", "metrics")
+        else:
+            for name in ("choices", "choices_column"):
+                if getattr(self, name) is not None:
+                    raise _Issue("only used with the choice_accuracy metric", name)
         if self.objective is None:
-            self.objective = "exact_match" if "exact_match" in self.metrics else self.metrics[0]
-        elif self.objective not in self.metrics:
+            self.objective = "exact_match" if "exact_match" in names else names[0]
+        elif self.objective in self.metrics:
+            self.objective = metric_name(self.objective)
+        elif self.objective not in names:
             raise _Issue(f"{self.objective!r} is not in eval.metrics {_fmt(self.metrics)}", "objective")
         return self
 
     @property
+    def metric_names(self) -> list[str]:
+        """What each metric is called in results (``eval_<name>``)."""
+        from plora.metrics import metric_name
+
+        return [metric_name(m) for m in self.metrics]
+
+    @property
     def minimize(self) -> bool:
-        """Whether a lower objective is better (loss) or a higher one (exact match)."""
+        """Whether a lower objective is better (loss, or ``greater_is_better: false``)."""
+        if self.greater_is_better is not None:
+            return not self.greater_is_better
         return self.objective == "loss"
 
 

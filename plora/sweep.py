@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from plora.data import load_split
+from plora.data_check import DataReport, check_data, data_config, eval_config
 from plora.spec import AdapterConfig, SweepSpec
 
 
@@ -55,16 +55,8 @@ class SweepPlan:
 
 
 def dataset_size(spec: SweepSpec) -> int:
-    """Training examples the adapters' epoch budgets are counted in."""
-    return len(load_split(data_config(spec), "train"))
-
-
-def data_config(spec: SweepSpec) -> dict[str, Any]:
-    data = spec.data.model_dump(mode="json")
-    for key in ("train", "eval"):
-        if data.get(key) is not None:
-            data[key] = str(data[key])
-    return data
+    """Training examples the adapters' epoch budgets are counted in (rows checked first)."""
+    return check_data(spec).num_train
 
 
 def plan_jobs(
@@ -242,12 +234,7 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "activation_checkpointing": spec.training.activation_checkpointing,
             "cuda_graphs": spec.training.cuda_graphs,
         },
-        "eval": {
-            "metrics": list(spec.eval.metrics),
-            "max_new_tokens": spec.eval.max_new_tokens,
-            "max_eval_samples": spec.data.max_eval_samples,
-            "every_steps": spec.eval.every_steps,
-        },
+        "eval": eval_config(spec),
         "eval_base": eval_base,
     }
 
@@ -261,6 +248,7 @@ class PreparedSweep:
     plan: SweepPlan
     cost_model: Any = None
     hardware: Hardware | None = None
+    data: DataReport | None = None  # rows checked, cut or dropped (notes for the user)
 
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
@@ -274,7 +262,8 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
 
     check_spec_model(spec)  # a broken model folder is refused before any planning
     configs = spec.expand()
-    n_train = dataset_size(spec)
+    data = check_data(spec)  # bad data is refused here, before anything is written
+    n_train = data.num_train
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
@@ -282,7 +271,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
         cost_model, source = cost_model_for(spec, run, probe=probe, hardware=hw)
         cost_model.meta["plan_source"] = source
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
-    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw)
+    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data)
 
 
 def write_plan(prep: PreparedSweep) -> Path:
@@ -413,6 +402,13 @@ RESULT_COLUMNS = [
 ]
 
 
+def result_columns(spec: SweepSpec) -> list[str]:
+    """RESULT_COLUMNS with the sweep's other metrics (`eval_<name>`) after exact match."""
+    extra = [f"eval_{n}" for n in spec.eval.metric_names if f"eval_{n}" not in RESULT_COLUMNS]
+    at = RESULT_COLUMNS.index("eval_exact_match") + 1
+    return RESULT_COLUMNS[:at] + extra + RESULT_COLUMNS[at:]
+
+
 def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per adapter from adapters/<id>/metrics.json; adapters with none are `failed`."""
     crashed_jobs = crashed_jobs or {}
@@ -425,18 +421,19 @@ def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = N
             m = json.loads(path.read_text())
             if m.get("status") == "failed" and crashed_jobs.get(m.get("job_id", "")):
                 m["reason"] = f"job crashed; see {crashed_jobs[m['job_id']]}"
-            row.update({k: m.get(k) for k in RESULT_COLUMNS if k in m and k not in row})
+            row.update({k: m.get(k) for k in result_columns(prep.spec) if k in m and k not in row})
             row["reason"] = m.get("reason") or ""
         else:
             row.update({"job_id": job_of.get(c.id), "status": "failed", "steps": 0})
             log = crashed_jobs.get(job_of.get(c.id, ""))
             row["reason"] = f"job crashed; see {log}" if log else "no result"
         rows.append(row)
+    columns = result_columns(prep.spec)
     frame = pd.DataFrame(rows)
-    for col in RESULT_COLUMNS + ["reason"]:
+    for col in columns + ["reason"]:
         if col not in frame.columns:
             frame[col] = None
-    frame = frame[RESULT_COLUMNS + ["reason"]]
+    frame = frame[columns + ["reason"]]
     frame.to_parquet(prep.run_dir / "results.parquet", index=False)
     frame.to_csv(prep.run_dir / "results.csv", index=False)
     return frame

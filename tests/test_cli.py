@@ -122,9 +122,19 @@ def test_sweep_end_to_end(tmp_path):
 def test_crashed_job_marks_adapters_failed_and_exits_1(tmp_path, tiny_model):
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model, broken)
-    (broken / "tokenizer.json").unlink()  # the job dies at start-up
+    (broken / "model.safetensors").unlink()  # the job dies at start-up (validation reads no weights)
     space = small_space(tmp_path, model={"path": str(broken), "max_seq_len": 48})
     result = runner.invoke(app, ["sweep", str(space)], terminal_width=200)
     assert result.exit_code == 1
     frame = pd.read_parquet(tmp_path / "runs" / "t" / "results.parquet")
     assert set(frame.status) == {"failed"} and frame.reason.str.contains("log.txt").all()
+
+
+def test_model_without_tokenizer_is_refused_before_anything_runs(tmp_path, tiny_model):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "tokenizer.json").unlink()
+    space = small_space(tmp_path, model={"path": str(broken), "max_seq_len": 48})
+    result = runner.invoke(app, ["sweep", str(space)], terminal_width=200)
+    assert result.exit_code == 2 and "no tokenizer.json" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()

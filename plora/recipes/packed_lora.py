@@ -30,9 +30,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torchtune.config._errors import ConfigError
 
-from plora.data import AdapterStream, DataError, TextTokenizer, load_split, synthetic_samples, tokenize_examples
+from plora.data import AdapterStream, DataError, TextTokenizer, prepare_data, synthetic_samples
 from plora.evaluate import evaluate_adapters
 from plora.heap import frozen_heap
+from plora.metrics import use_metric_paths
 from plora.models import ModelError, load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
@@ -151,12 +152,11 @@ class PackedLoRARecipe:
             self.train_samples = synthetic_samples(
                 int(synthetic.get("num_samples", 1024)), int(synthetic["seq_len"]), self.info.vocab_size
             )
-            eval_examples = []
+            self.eval_samples, self.eval_examples = [], []
         else:
-            self.train_samples = tokenize_examples(load_split(data_cfg, "train"), self.tok, max_len)
-            eval_examples = load_split(data_cfg, "eval")[: int(c.eval.get("max_eval_samples", 256))]
-        self.eval_examples = eval_examples
-        self.eval_samples = tokenize_examples(eval_examples, self.tok, max_len)
+            use_metric_paths(c.eval.get("python_path") or [])
+            data = prepare_data(data_cfg, OmegaConf.to_container(c.eval, resolve=True), self.tok, max_len)
+            self.train_samples, self.eval_samples, self.eval_examples = data.train, data.eval, data.eval_examples
 
         t = c.training
         self.runs: list[AdapterRun] = []
