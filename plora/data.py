@@ -29,6 +29,8 @@ def read_examples(path: str | Path, input_column: str = "input", output_column: 
 
     path = Path(path)
     suffix = path.suffix.lower()
+    if suffix != ".parquet" and not path.read_bytes().strip():  # pandas reads nothing as "no columns"
+        raise DataError(f"{path}: no rows (the file is empty)")
     if suffix == ".jsonl":
         frame = pd.read_json(path, lines=True)
     elif suffix == ".json":
@@ -40,11 +42,11 @@ def read_examples(path: str | Path, input_column: str = "input", output_column: 
         frame = pd.read_parquet(path)
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r} (use {', '.join(SUPPORTED_SUFFIXES)})")
+    if len(frame) == 0:
+        raise DataError(f"{path}: no rows")
     for column in (input_column, output_column):
         if column not in frame.columns:
             raise DataError(f"{path}: no column {column!r} (columns: {', '.join(map(str, frame.columns))})")
-    if len(frame) == 0:
-        raise DataError(f"{path}: no rows")
     return [
         {"input": str(i), "output": str(o)}
         for i, o in zip(frame[input_column].tolist(), frame[output_column].tolist())
