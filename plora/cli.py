@@ -47,11 +47,11 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
-def _load(space: Path):
+def _load(space: Path, *, sampled: bool = False):
     from plora.spec import SpecError, load_spec
 
     try:
-        return load_spec(space)
+        return load_spec(space, sampled=sampled)
     except SpecError as e:
         fail(str(e))
 
@@ -238,7 +238,7 @@ def tune(
     from plora.models import ModelError
     from plora.optuna import run_tune, storage_url, study_name
 
-    spec = _load(space)
+    spec = _load(space, sampled=True)
     run_dir = spec.run_dir(output)
     _check_output(run_dir)
     from plora.sweep import hardware_for
@@ -312,7 +312,7 @@ def report(
     from plora.report import ReportError, render_report
 
     if run.is_file() and run.suffix in (".yaml", ".yml"):
-        run = _load(run).run_dir()
+        run = _load(run, sampled=True).run_dir()
     with console.status("executing the report notebook"):
         try:
             path = render_report(run, output)

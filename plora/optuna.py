@@ -158,6 +158,9 @@ def open_study(
             f"study {study.study_name!r} in {url} is set to {study.direction.name.lower()} but eval.objective "
             f"{spec.eval.objective!r} needs {_direction(spec)}; set optuna.study_name to start a new study"
         )
+    if study.metric_names is None:  # the dashboard's axis label instead of "Objective 0"
+        with _quiet_optuna():
+            study.set_metric_names([f"eval_{spec.eval.objective}"])
     if "objective" not in study.user_attrs:
         study.set_user_attr("objective", f"eval_{spec.eval.objective}")
         study.set_user_attr("intermediate_value", "eval_loss" if spec.eval.minimize else "-eval_loss")
@@ -644,6 +647,11 @@ def run_tune(
 
     run_dir = spec.run_dir(run_dir)
     slots = list(slots or default_slots(spec.hardware.device))
+    unspaced = [n for n in ("rank", "alpha", "learning_rate", "batch_size")
+                if isinstance(getattr(spec.space, n), Range) and getattr(spec.space, n).num is None]
+    if trials is None and spec.space.strategy == "grid" and unspaced:
+        raise TuneError(f"--trials is required: space.{unspaced[0]} is a range without num, so the space has "
+                        "no number of configurations")
     n_configs = len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in spec.expand()})
     n_trials = int(trials) if trials is not None else n_configs
     if n_trials < 1:
