@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from plora.live import PlainWidthConsole
@@ -43,7 +44,7 @@ def _root(
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr and an exit code; never a traceback for a user's mistake."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -78,7 +79,7 @@ def _note_hardware(spec, hw) -> None:
 
     note = hardware_note(spec, hw)
     if note:
-        err.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
 
 
 def _prepare(space: Path, output: Optional[Path], *, probe: bool = False):
@@ -219,7 +220,7 @@ def sweep(
     failed = frame[frame["status"] == "failed"]
     if len(failed):
         for _, r in failed.iterrows():
-            err.print(f"[red]failed[/] {r.adapter_id}: {r.reason}")
+            err.print(f"[red]failed[/] {r.adapter_id}: {escape(str(r.reason))}", highlight=False)
         raise typer.Exit(1)
 
 
@@ -236,11 +237,15 @@ def tune(
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
     from plora.data import DataError
     from plora.models import ModelError
-    from plora.optuna import run_tune, storage_url, study_name
+    from plora.optuna import check_tune_request, run_tune, storage_url, study_name
 
     spec = _load(space, sampled=True)
     run_dir = spec.run_dir(output)
     _check_output(run_dir)
+    try:
+        check_tune_request(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner)
+    except ValueError as e:
+        fail(str(e))
     from plora.sweep import hardware_for
 
     try:
@@ -299,7 +304,7 @@ def tune(
     console.print(f"[dim]dashboard: optuna-dashboard {url} · report: plora report {run_dir}[/]")
     if failed:
         for line in failed:
-            err.print(f"[red]failed[/] {line}")
+            err.print(f"[red]failed[/] {escape(line)}", highlight=False)
         raise typer.Exit(1)
 
 
