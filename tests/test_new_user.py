@@ -291,6 +291,21 @@ def test_curves_keep_the_latest_attempt():
     assert list(c.adapter_step) == list(range(6)) and set(c.job_id) == {"job-002.0"}
 
 
+def test_job_rows_carry_their_attempt(tiny_model, reverse_data, tmp_path, monkeypatch):
+    """The engine numbers a job's attempts (PLORA_ATTEMPT); the job marks every row it logs."""
+    from conftest import job_config
+    from plora.recipes.packed_lora import PackedLoRARecipe
+
+    monkeypatch.setenv("PLORA_ATTEMPT", "3")
+    adapter = dict(id="r2", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=1, steps=4)
+    cfg = job_config(tiny_model, reverse_data, tmp_path, [adapter])
+    cfg["eval"] = {**cfg["eval"], "every_steps": 2}
+    PackedLoRARecipe(cfg).run()
+    for name in ("metrics.jsonl", "evals.jsonl"):
+        rows = [json.loads(ln) for ln in (tmp_path / "jobs" / "job-test" / name).read_text().splitlines()]
+        assert rows and all(r["attempt"] == 3 for r in rows), name
+
+
 @pytest.mark.slow
 def test_interrupt_and_resume_in_a_log(tmp_path):
     """A real sweep, its output to a file, stopped with SIGINT mid-job and run again: the
@@ -299,7 +314,7 @@ def test_interrupt_and_resume_in_a_log(tmp_path):
     from plora.report import load_run
 
     space = write_space(tmp_path, space={"strategy": "list", "configs": [
-        {"rank": 2, "alpha": 4, "learning_rate": 1e-3, "batch_size": 4}]}, training={"steps": 3000},
+        {"rank": 2, "alpha": 4, "learning_rate": 1e-3, "batch_size": 4}]}, training={"steps": 600},
         data={"task": "builtin:shift", "num_train": 64, "num_eval": 4}, eval={"metrics": ["loss"]})
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("COLUMNS", None)
@@ -325,7 +340,7 @@ def test_interrupt_and_resume_in_a_log(tmp_path):
     rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert {r["attempt"] for r in rows} == {1, 2}
     curves = load_run(tmp_path / "runs" / "t").train_curves
-    assert set(curves.attempt) == {2} and list(curves.adapter_step) == list(range(3000))
+    assert set(curves.attempt) == {2} and list(curves.adapter_step) == list(range(600))
 
 
 # --------------------------------------------------------------------------- 10: tune under grid
