@@ -466,7 +466,7 @@ def summary(run: RunData) -> str:
     if s in run.base:
         lines.append(f"- over the base model ({s} = {run.base[s]:.4g}): {_gain(best[s], run.base[s], run.minimize)}")
     else:
-        lines.append(f"- base model: no {s} in this run (base_metrics.json is missing, or null without eval data)")
+        lines.append(f"- base model: no {s} in this run (no base_metrics.json, or no eval data)")
     if isinstance(best.get("checkpoint_path"), str):
         lines.append(f"- adapter (PEFT format): `{best['checkpoint_path']}`")
     return "\n".join(lines)
