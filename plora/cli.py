@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from plora.live import PlainWidthConsole
 
 app = typer.Typer(
     add_completion=False,
@@ -17,43 +19,70 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Packed LoRA hyperparameter sweeps: many adapters per job on one shared base model.",
 )
-console = Console()
-err = Console(stderr=True)
+console = PlainWidthConsole()
+err = PlainWidthConsole(stderr=True)
 
 EXIT_USAGE = 2
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-) -> None:
-    """plora: packed LoRA hyperparameter sweeps."""
-    if version:
+def _print_version(value: bool) -> None:
+    """Runs while the options are parsed, so `plora --version` needs no command."""
+    if value:
         from plora import __version__
 
-        console.print(f"plora {__version__}")
+        console.print(f"plora {__version__}", highlight=False)
         raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=_print_version, expose_value=False),
+) -> None:
+    """plora: packed LoRA hyperparameter sweeps."""
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
     """One line on stderr and an exit code; never a traceback for a user's mistake."""
-    from rich.markup import escape
-
-    # escaped: a message may hold brackets (pip install "plora[smollm2]") that rich would eat
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
-def _load(space: Path):
+def _load(space: Path, *, sampled: bool = False):
     from plora.model_check import check_spec_model
     from plora.spec import SpecError, load_spec
 
     try:
-        spec = load_spec(space)
+        spec = load_spec(space, sampled=sampled)
         check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
         return spec
     except SpecError as e:
         fail(str(e))
+
+
+def _interrupted(what: str) -> None:
+    """Ctrl-C: say what was kept, on a line of its own after everything printed so far."""
+    console.file.flush()
+    err.print(f"[yellow]interrupted: {what}[/]", highlight=False, soft_wrap=True)
+    raise typer.Exit(130)
+
+
+def _check_output(run_dir: Path) -> None:
+    """The run directory must be writable before anything runs."""
+    from plora.preflight import OutputDirError, check_output_dir
+
+    try:
+        check_output_dir(run_dir)
+    except OutputDirError as e:
+        fail(str(e))
+
+
+def _note_hardware(spec, hw) -> None:
+    from plora.preflight import hardware_note
+
+    note = hardware_note(spec, hw)
+    if note:
+        err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
 
 
 def _prepare(space: Path, output: Optional[Path], *, probe: bool = False):
@@ -64,8 +93,10 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False):
     from plora.sweep import hardware_for, prepare
 
     spec = _load(space)
+    _check_output(spec.run_dir(output))
     try:
         hw = hardware_for(spec)
+        _note_hardware(spec, hw)
         if probe and hw.gpu:
             console.print("[dim]planning needs a cost model: profiling the model if this machine has no profile "
                           "of it yet (a few real training steps; cached)…[/]")
@@ -183,19 +214,14 @@ def sweep(
     console.print(f"[bold]plora[/] sweep [cyan]{prep.spec.name}[/]: {len(prep.configs)} adapters in "
                   f"{len(prep.plan.jobs)} jobs → {prep.run_dir}")
     console.print(f"[dim]{prep.plan.grouping}[/]")
-    from rich.live import Live
-
-    from plora.live import live_view
+    from plora.live import progress
 
     start = time.time()
-    with Live(console=console, refresh_per_second=4, transient=False) as live:
-        try:
-            frame = run_prepared(prep, on_snapshot=lambda snap: live.update(live_view(snap, len(prep.configs))))
-        except KeyboardInterrupt:
-            live.stop()
-            err.print("[yellow]interrupted: running jobs stopped; finished adapters are kept. "
-                      "Run the same command again to resume.[/]")
-            raise typer.Exit(130)
+    try:
+        with progress(console, lambda snap: len(prep.configs)) as on_snapshot:
+            frame = run_prepared(prep, on_snapshot=on_snapshot)
+    except KeyboardInterrupt:
+        _interrupted("running jobs stopped; finished adapters are kept. Run the same command again to resume.")
     console.print()
     console.print(_results_table(frame, prep.spec, base_metrics(prep.run_dir)))
     counts = frame["status"].value_counts().to_dict()
@@ -204,7 +230,7 @@ def sweep(
     failed = frame[frame["status"] == "failed"]
     if len(failed):
         for _, r in failed.iterrows():
-            err.print(f"[red]failed[/] {r.adapter_id}: {r.reason}")
+            err.print(f"[red]failed[/] {r.adapter_id}: {escape(str(r.reason))}", highlight=False)
         raise typer.Exit(1)
 
 
@@ -221,10 +247,21 @@ def tune(
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
     from plora.data import DataError
     from plora.models import ModelError
-    from plora.optuna import run_tune, storage_url, study_name
+    from plora.optuna import check_tune_request, run_tune, storage_url, study_name
 
-    spec = _load(space)
+    spec = _load(space, sampled=True)
     run_dir = spec.run_dir(output)
+    _check_output(run_dir)
+    try:
+        check_tune_request(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner)
+    except ValueError as e:
+        fail(str(e))
+    from plora.sweep import hardware_for
+
+    try:
+        _note_hardware(spec, hardware_for(spec))
+    except ValueError as e:
+        fail(str(e))
     console.print(f"[bold]plora[/] tune [cyan]{spec.name}[/] with the {sampler} sampler → {run_dir}")
     start = time.time()
     failed: list[str] = []
@@ -243,25 +280,19 @@ def tune(
         failed.extend(f"trial {t.number} ({t.user_attrs.get('adapter_id')}): {t.user_attrs.get('reason') or 'failed'}"
                       for t in rep.trials if t.user_attrs.get("status") == "failed")
 
-    from rich.live import Live
+    from plora.live import progress
 
-    from plora.live import live_view
-
-    with Live(console=console, refresh_per_second=4, transient=True) as live:
-        try:
+    try:
+        with progress(console, lambda snap: sum(snap.adapter_status.values()), transient=True) as on_snapshot:
             import optuna
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             study = run_tune(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner, run_dir=output,
-                             seed=seed, on_batch=on_batch,
-                             on_snapshot=lambda snap: live.update(live_view(snap, sum(snap.adapter_status.values()))))
-        except (DataError, ModelError, ValueError) as e:
-            live.stop()
-            fail(str(e))
-        except KeyboardInterrupt:
-            live.stop()
-            err.print("[yellow]interrupted: running jobs stopped; finished trials are kept in the study[/]")
-            raise typer.Exit(130)
+                             seed=seed, on_batch=on_batch, on_snapshot=on_snapshot)
+    except (DataError, ModelError, ValueError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        _interrupted("running jobs stopped; finished trials are kept in the study.")
 
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
     done.sort(key=lambda t: t.value, reverse=not spec.eval.minimize)
@@ -283,7 +314,7 @@ def tune(
     console.print(f"[dim]dashboard: optuna-dashboard {url} · report: plora report {run_dir}[/]")
     if failed:
         for line in failed:
-            err.print(f"[red]failed[/] {line}")
+            err.print(f"[red]failed[/] {escape(line)}", highlight=False)
         raise typer.Exit(1)
 
 
@@ -296,7 +327,7 @@ def report(
     from plora.report import ReportError, render_report
 
     if run.is_file() and run.suffix in (".yaml", ".yml"):
-        run = _load(run).run_dir()
+        run = _load(run, sampled=True).run_dir()
     with console.status("executing the report notebook"):
         try:
             path = render_report(run, output)
@@ -319,6 +350,7 @@ def plan(
     from plora.sweep import hardware_for, prepare, write_plan
 
     spec = _load(space)
+    _check_output(spec.run_dir(output))
     cm = None
     if profile is not None:
         from plora.costmodel import CostModel
@@ -330,6 +362,7 @@ def plan(
         cm.meta["plan_source"] = f"the profile {profile}"
     try:
         hw = hardware_for(spec, here=here)
+        _note_hardware(spec, hw)
         prep = prepare(spec, output, hardware=hw, cost_model=cm)
     except Exception as e:  # noqa: BLE001 - planner, data and model errors are the user's to fix
         from plora.planner import PlannerError
@@ -368,6 +401,7 @@ def profile(
 
     spec = _load(space)
     run_dir = spec.run_dir(output)
+    _check_output(run_dir)
     with console.status("profiling") as st:
         try:
             profile_sweep(spec, run_dir, force=force, log=lambda line: st.update(line.strip()))

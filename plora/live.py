@@ -5,11 +5,84 @@ Library code that only builds rich renderables; the CLI decides where they go.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from rich.console import Group
+from rich.console import Console, ConsoleDimensions, Group
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+#: Width of output that is not a terminal (a log file, CI): wide enough that no table is
+#: cut, so adapter ids stay whole and can be found on disk.
+LOG_WIDTH = 4096
+
+
+class PlainWidthConsole(Console):
+    """A rich console that, when its output is not a terminal and COLUMNS is not set, does
+    not wrap or cut at 80 columns: a log is read with a pager or grep, not a window."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(LOG_WIDTH, dims.height)
+        return dims
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+def new_events(seen: list[str], events: list[str]) -> list[str]:
+    """The events of `events` not yet in `seen`: the engine keeps a sliding window of its
+    latest notes, so the new ones are what follows the longest overlap of the two."""
+    for k in range(min(len(seen), len(events)), 0, -1):
+        if seen[-k:] == events[:k]:
+            return events[k:]
+    return list(events)
+
+
+class EventLog:
+    """Progress for output that is not a terminal: each engine event (a job started,
+    finished, retried...) as its own line, and a line whenever more adapters finish. A
+    live view there would print only its last frame, without the events before it."""
+
+    def __init__(self, console: Console, total_adapters: Callable[[Any], int]) -> None:
+        self.console = console
+        self.total_adapters = total_adapters
+        self.seen: list[str] = []
+        self.finished = -1
+
+    def __call__(self, snapshot: Any) -> None:
+        for event in new_events(self.seen, list(snapshot.events)):
+            self.console.print(event, highlight=False, markup=False)
+        self.seen = list(snapshot.events)
+        counts = snapshot.adapter_status
+        finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
+        if finished != self.finished and (finished or self.finished >= 0):
+            self.console.print(f"adapters {finished}/{self.total_adapters(snapshot)} finished "
+                               f"(done {counts.get('done', 0)}, diverged {counts.get('diverged', 0)}, "
+                               f"failed {counts.get('failed', 0)})", highlight=False)
+        self.finished = finished
+        self.console.file.flush()
+
+
+@contextlib.contextmanager
+def progress(console: Console, total_adapters: Callable[[Any], int], *,
+             transient: bool = False) -> Iterator[Callable[[Any], None]]:
+    """A snapshot callback for the engine: a live view on a terminal, an event log
+    otherwise. On exit (also on Ctrl-C) the output ends with a full line."""
+    try:
+        if console.is_terminal:
+            with Live(console=console, refresh_per_second=4, transient=transient) as live:
+                yield lambda snap: live.update(live_view(snap, total_adapters(snap)))
+        else:
+            yield EventLog(console, total_adapters)
+    finally:
+        console.file.flush()
 
 
 def _fmt_s(seconds: float | None) -> str:

@@ -64,6 +64,7 @@ __all__ = [
     "PRUNERS",
     "BatchReport",
     "TuneError",
+    "check_tune_request",
     "config_from_params",
     "enqueue_configs",
     "intermediate_sign",
@@ -76,6 +77,7 @@ __all__ = [
     "search_space",
     "storage_url",
     "study_name",
+    "tune_trials",
 ]
 
 #: ``--sampler`` names accepted by :func:`make_sampler`.
@@ -158,6 +160,9 @@ def open_study(
             f"study {study.study_name!r} in {url} is set to {study.direction.name.lower()} but eval.objective "
             f"{spec.eval.objective!r} needs {_direction(spec)}; set optuna.study_name to start a new study"
         )
+    if study.metric_names is None:  # the dashboard's axis label instead of "Objective 0"
+        with _quiet_optuna():
+            study.set_metric_names([f"eval_{spec.eval.objective}"])
     if "objective" not in study.user_attrs:
         study.set_user_attr("objective", f"eval_{spec.eval.objective}")
         study.set_user_attr("intermediate_value", "eval_loss" if spec.eval.minimize else "-eval_loss")
@@ -610,6 +615,33 @@ def _tell(study: optuna.Study, spec: SweepSpec, trial: optuna.Trial, row: Mappin
                 raise
 
 
+def tune_trials(spec: SweepSpec, trials: int | None) -> int:
+    """Trials a tune runs: ``trials``, else the number of configurations the space expands to
+    (which a grid with a range that has no ``num`` does not have: then ``trials`` is needed)."""
+    if trials is None:
+        unspaced = [n for n in ("rank", "alpha", "learning_rate", "batch_size")
+                    if isinstance(getattr(spec.space, n), Range) and getattr(spec.space, n).num is None]
+        if spec.space.strategy == "grid" and unspaced:
+            raise TuneError(f"--trials is required: space.{unspaced[0]} is a range without num, so the space has "
+                            "no number of configurations")
+        return len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in spec.expand()})
+    if int(trials) < 1:
+        raise TuneError(f"trials must be >= 1, got {trials}")
+    return int(trials)
+
+
+def check_tune_request(spec: SweepSpec, *, sampler: str, trials: int | None, batch: int | None,
+                       pruner: str | None) -> None:
+    """What can be wrong with a tune request (trials, batch, sampler, pruner), found before
+    anything runs or is printed; raises :class:`TuneError`."""
+    tune_trials(spec, trials)
+    if batch is not None and batch < 1:
+        raise TuneError(f"batch must be >= 1, got {batch}")
+    make_sampler(sampler, spec)
+    if not isinstance(make_pruner(pruner), optuna.pruners.NopPruner) and not spec.eval.every_steps:
+        raise TuneError("pruning needs intermediate eval losses: set eval.every_steps in the space file")
+
+
 def run_tune(
     spec: SweepSpec,
     *,
@@ -644,10 +676,7 @@ def run_tune(
 
     run_dir = spec.run_dir(run_dir)
     slots = list(slots or default_slots(spec.hardware.device))
-    n_configs = len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in spec.expand()})
-    n_trials = int(trials) if trials is not None else n_configs
-    if n_trials < 1:
-        raise TuneError(f"trials must be >= 1, got {n_trials}")
+    n_trials = tune_trials(spec, trials)
     size = int(batch) if batch is not None else min(n_trials, spec.planner.max_adapters_per_job * len(slots))
     if size < 1:
         raise TuneError(f"batch must be >= 1, got {size}")

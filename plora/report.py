@@ -50,6 +50,7 @@ __all__ = [
     "plot_score_vs_hyperparameters",
     "plot_study",
     "render_report",
+    "require_report_packages",
     "results_table",
     "show",
     "summary",
@@ -84,6 +85,28 @@ def notebook_path() -> Path:
     raise ReportError(f"report notebook not found (looked for {REPO_NOTEBOOK} and {PACKAGE_NOTEBOOK})")
 
 
+#: What executing and exporting the notebook imports: the ``report`` extra of pyproject.toml.
+REPORT_PACKAGES = ("nbformat", "nbclient", "nbconvert", "ipykernel", "matplotlib")
+INSTALL_REPORT = 'pip install "plora[report]" (in a checkout: pip install -e ".[report]")'
+
+
+def require_report_packages() -> None:
+    """A missing extra is the user's set-up, not a bug: one line saying what to install,
+    before anything is executed or written."""
+    import importlib.util
+
+    missing = []
+    for name in REPORT_PACKAGES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        raise ReportError(f"the report needs {', '.join(missing)}, from the report extra: {INSTALL_REPORT}")
+
+
 def render_report(run_dir: Path | str, out: Path | str | None = None, *, timeout: int = 600) -> Path:
     """Execute the report notebook on ``run_dir`` (headless, kernel ``python3``) and write
     it as HTML with embedded images; returns the HTML path (default ``run_dir/report.html``).
@@ -93,6 +116,7 @@ def render_report(run_dir: Path | str, out: Path | str | None = None, *, timeout
         raise ReportError(f"{run_dir}: no such run directory")
     if not (run_dir / "results.parquet").is_file():
         raise ReportError(f"{run_dir}: no results.parquet (not a finished plora run)")
+    require_report_packages()
     out = Path(out).expanduser().resolve() if out is not None else run_dir / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -240,13 +264,15 @@ def load_run(run_dir: Path | str) -> RunData:
         for m in metrics:
             if "adapter" in m and "loss" in m:
                 train.append({"job_id": jd.name, "adapter": m["adapter"], "adapter_step": m.get("adapter_step"),
-                              "loss": m["loss"], "time": m.get("time")})
+                              "loss": m["loss"], "time": m.get("time"), "attempt": int(m.get("attempt") or 1)})
         for e in _read_jsonl(jd / "evals.jsonl"):
             if "adapter" in e:
-                evals.append({"job_id": jd.name, **e})
+                evals.append({"job_id": jd.name, **e, "attempt": int(e.get("attempt") or 1)})
+        # a resumed job appends to its files: its step times are the last attempt's
+        last = max((int(m.get("attempt") or 1) for m in metrics), default=1)
         by_step: dict[int, dict] = {}
         for m in metrics:
-            if "step" in m and "time" in m:
+            if "step" in m and "time" in m and int(m.get("attempt") or 1) == last:
                 s = by_step.setdefault(int(m["step"]), {"job_id": jd.name, "step": int(m["step"]), "time": 0.0, "adapters": 0})
                 s["time"] = max(s["time"], float(m["time"]))
                 s["adapters"] += 1
@@ -263,10 +289,37 @@ def load_run(run_dir: Path | str) -> RunData:
         plan=plan,
         jobs=jobs,
         steps=pd.DataFrame(steps, columns=["job_id", "step", "time", "adapters"]),
-        train_curves=pd.DataFrame(train, columns=["job_id", "adapter", "adapter_step", "loss", "time"]),
-        eval_curves=pd.DataFrame(evals, columns=["job_id", "adapter", "adapter_step", "eval_loss", "time"]),
+        train_curves=latest_attempts(pd.DataFrame(train, columns=["job_id", "adapter", "adapter_step", "loss", "time",
+                                                                  "attempt"])),
+        eval_curves=latest_attempts(pd.DataFrame(evals, columns=["job_id", "adapter", "adapter_step", "eval_loss", "time",
+                                                                 "attempt"])),
         profile=profile,
     )
+
+
+def latest_attempts(curves: pd.DataFrame) -> pd.DataFrame:
+    """Each adapter's curve as its latest attempt trained it.
+
+    A job that was interrupted or crashed runs again and appends to its files, each row
+    marked with its attempt (a split job's adapters train on in its child jobs). A row is kept
+    unless a later attempt of the same adapter started at or before its step: a job that
+    starts over keeps only its last attempt, one that resumed from a checkpoint keeps the
+    steps before the checkpoint from the attempt that made them.
+    """
+    if curves.empty:
+        return curves
+    # the order runs happen in: a job's attempts in turn; a job split after running out of
+    # memory continues as <job>.0 and <job>.1, which sort after it
+    curves = curves.sort_values(["adapter", "job_id", "attempt", "adapter_step"], kind="stable")
+    keep = pd.Series(True, index=curves.index)
+    for _, g in curves.groupby("adapter", sort=False):
+        runs = list(g.groupby(["job_id", "attempt"], sort=False)["adapter_step"].min().items())
+        for i, ((job, attempt), _) in enumerate(runs):
+            later = [first for _, first in runs[i + 1:]]
+            if later:
+                rows = g[(g["job_id"] == job) & (g["attempt"] == attempt)]
+                keep[rows.index[rows["adapter_step"] >= min(later)]] = False
+    return curves[keep].reset_index(drop=True)
 
 
 def _plan_jobs(plan: dict | None) -> dict[str, dict]:
@@ -413,7 +466,7 @@ def summary(run: RunData) -> str:
     if s in run.base:
         lines.append(f"- over the base model ({s} = {run.base[s]:.4g}): {_gain(best[s], run.base[s], run.minimize)}")
     else:
-        lines.append("- base model: no base_metrics.json in this run")
+        lines.append(f"- base model: no {s} in this run (no base_metrics.json, or no eval data)")
     if isinstance(best.get("checkpoint_path"), str):
         lines.append(f"- adapter (PEFT format): `{best['checkpoint_path']}`")
     return "\n".join(lines)

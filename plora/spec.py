@@ -515,6 +515,20 @@ class ConfigEntry(_Model):
         return self
 
 
+def _refuse_duplicate_entries(configs: list[ConfigEntry]) -> None:
+    """`list` trains exactly the configurations given; two equal entries would be one adapter
+    (every entry gets the same seeds), so they are refused rather than silently merged."""
+    first: dict[tuple, int] = {}
+    for i, c in enumerate(configs):
+        key = (int(c.rank), _norm_float(c.alpha), _norm_float(c.learning_rate), int(c.batch_size))
+        if key in first:
+            raise _Issue(
+                f"same configuration as space.configs[{first[key]}] (rank {c.rank}, alpha {_fmt(c.alpha)}, "
+                f"learning_rate {_fmt(c.learning_rate)}, batch_size {c.batch_size}); list each configuration "
+                "once (space.seeds_per_config trains every one with several seeds)", "configs", i)
+        first[key] = i
+
+
 class SpaceConfig(_Model):
     strategy: Literal["grid", "random", "list"] = "grid"
     num_samples: Optional[int] = None
@@ -558,7 +572,7 @@ class SpaceConfig(_Model):
         return v
 
     @model_validator(mode="after")
-    def _check_strategy(self) -> "SpaceConfig":
+    def _check_strategy(self, info: ValidationInfo) -> "SpaceConfig":
         s = self.strategy
         if s == "random":
             if self.num_samples is None:
@@ -575,9 +589,10 @@ class SpaceConfig(_Model):
             for name in HYPERPARAMETERS:
                 if name in self.model_fields_set:
                     raise _Issue("not used with strategy list (each entry of space.configs gives it)", name)
+            _refuse_duplicate_entries(self.configs)
         elif self.configs is not None:
             raise _Issue(f"only used with strategy list (strategy is {s})", "configs")
-        if s == "grid":
+        if s == "grid" and not (info.context or {}).get("sampled"):  # a sampler draws from ranges itself
             for name in HYPERPARAMETERS:
                 v = getattr(self, name)
                 if isinstance(v, Range) and v.num is None:
@@ -937,14 +952,16 @@ def _from_validation_error(err: ValidationError) -> SpecError:
     return SpecError(_dotted(loc) or "spec", msg)
 
 
-def parse_spec(data: dict, base_dir: Path | None = None) -> SweepSpec:
+def parse_spec(data: dict, base_dir: Path | None = None, *, sampled: bool = False) -> SweepSpec:
     """Validate a space given as a dict; relative paths are resolved against ``base_dir``
-    (the current directory when None). Raises :class:`SpecError`."""
+    (the current directory when None). Raises :class:`SpecError`. ``sampled``: the space is
+    searched by an Optuna sampler (``plora tune``), which draws from ranges whatever the
+    strategy, so a grid's ranges need no ``num``."""
     if not isinstance(data, dict):
         raise SpecError("spec", f"top level must be a mapping, got {type(data).__name__}")
     base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
     try:
-        return SweepSpec.model_validate(data, context={"base_dir": base})
+        return SweepSpec.model_validate(data, context={"base_dir": base, "sampled": sampled})
     except ValidationError as err:
         raise _from_validation_error(err) from None
 
@@ -978,9 +995,10 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_spec(path: str | Path) -> SweepSpec:
+def load_spec(path: str | Path, *, sampled: bool = False) -> SweepSpec:
     """Read and validate a space file. Raises :class:`SpecError` (missing file, bad YAML,
-    bad field), with relative paths resolved against the file's folder."""
+    bad field), with relative paths resolved against the file's folder; ``sampled`` as in
+    :func:`parse_spec`."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise SpecError(str(path), "file not found" if not path.exists() else "not a file")
@@ -998,4 +1016,4 @@ def load_spec(path: str | Path) -> SweepSpec:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else type(data).__name__
         raise SpecError(str(path), f"top level must be a mapping, got {got}")
-    return parse_spec(data, base_dir=path.resolve().parent)
+    return parse_spec(data, base_dir=path.resolve().parent, sampled=sampled)

@@ -325,6 +325,8 @@ def run_prepared(
     from plora.engine.runner import Drift, Engine, QueuedJob
 
     by_id = {c.id: c for c in prep.configs}
+    if not has_eval_data(prep.spec) and not (prep.run_dir / "base_metrics.json").is_file():
+        write_unmeasured_base_metrics(prep)  # no job evaluates the base model on nothing
     journal = Journal(prep.run_dir / "journal.sqlite")
     journal.add_adapters(by_id)
     first_job = prep.plan.jobs[0].job_id if prep.plan.jobs else None
@@ -439,7 +441,20 @@ def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = N
     return frame
 
 
-def base_metrics(run_dir: Path) -> dict[str, float]:
+def has_eval_data(spec: SweepSpec) -> bool:
+    """Whether the sweep has eval examples (a built-in task makes its own; files need data.eval)."""
+    return spec.data.task is not None or spec.data.eval is not None
+
+
+def write_unmeasured_base_metrics(prep: PreparedSweep) -> None:
+    """base_metrics.json for a sweep without eval data: every metric null, so that nothing
+    reads an eval loss of 0.0 that was never measured."""
+    prep.run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = {f"eval_{m}": None for m in prep.spec.eval.metrics}
+    (prep.run_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
+
+
+def base_metrics(run_dir: Path) -> dict[str, float | None]:
     path = run_dir / "base_metrics.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 

@@ -384,14 +384,18 @@ def test_random_range_with_num_draws_among_its_points():
     assert {c.learning_rate for c in s.expand()} <= {1e-4, 1e-3, 1e-2}
 
 
-def test_list_strategy_keeps_order_and_drops_duplicates():
+def test_list_strategy_keeps_order_and_refuses_duplicates():
     configs = [
         {"rank": 16, "alpha": 32, "learning_rate": 2e-4, "batch_size": 8},
         {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4},
-        {"rank": 16, "alpha": 32.0, "learning_rate": 0.0002, "batch_size": 8},
     ]
     cfgs = make(space={"strategy": "list", "configs": configs, "seeds_per_config": 2}).expand()
     assert [(c.rank, c.seed) for c in cfgs] == [(16, 0), (16, 1), (8, 0), (8, 1)]
+    # `list` trains exactly the entries given: an entry equal to an earlier one is refused
+    same = {"rank": 16, "alpha": 32.0, "learning_rate": 0.0002, "batch_size": 8}
+    err = error_of({"name": "t", "space": {"strategy": "list", "configs": [*configs, same], "seeds_per_config": 2}})
+    assert_field(err, "space.configs[2]")
+    assert "same configuration as space.configs[0]" in str(err)
 
 
 def test_summary_counts():

@@ -436,7 +436,8 @@ class PackedLoRARecipe:
         with open(self.job_dir / "evals.jsonl", "a") as f:
             for r, m in zip(due, metrics):
                 f.write(json.dumps({"adapter": r.id, "adapter_step": r.step, "eval_loss": m["eval_loss"],
-                                    "time": round(time.time() - self.start_time, 4)}) + "\n")
+                                    "time": round(time.time() - self.start_time, 4),
+                                    "attempt": int(os.environ.get("PLORA_ATTEMPT", "1"))}) + "\n")
 
     def _eval_base(self) -> None:
         self._drop_graph()  # its memory, for the eval's activations
@@ -474,6 +475,7 @@ class PackedLoRARecipe:
         if self._metrics_file is None:
             return
         row["time"] = round(time.time() - self.start_time, 4)
+        row["attempt"] = int(os.environ.get("PLORA_ATTEMPT", "1"))  # a resumed job appends: curves keep the last
         self._metrics_file.write(json.dumps(row) + "\n")
 
     def _write_progress(self, step: int, final: bool = False) -> None:
