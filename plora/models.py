@@ -1,14 +1,14 @@
-"""Base models: a local Hugging Face-format folder, built with torchtune's builders.
+"""Base models: a local Hugging Face-format folder, built as a torchtune decoder.
 
-The weights go through torchtune's Hugging Face checkpointer, so a model trained by plora
-is the same torchtune model a torchtune user would get; the family decides the builder
-and how adapter weights map back to Hugging Face names (see `plora.packed.peft_format`).
+The family (`plora.families`) reads config.json, builds the decoder through torchtune's
+builders where 0.6.1 has them (composed from its modules where not), and maps the Hugging
+Face weights into it; adapter weights map back to Hugging Face names in
+`plora.packed.peft_format`.
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,17 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from plora.families import ModelError, check_seq_len, get_family
-from plora.families.base import rope_settings
+from plora.families.base import ModelError, check_seq_len, rope_settings
+from plora.families.table import get_family
 
 ASSETS = Path(__file__).parent / "assets"
 
-#: config.json ``model_type`` -> (our family name, torchtune checkpointer model type)
+#: config.json ``model_type`` -> (our family name, torchtune's checkpointer model type, or
+#: "" where torchtune 0.6.1 has none). The weights are converted by the family itself
+#: (`plora.families.table`); the second name is for tools that speak torchtune's terms.
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LLAMA3"),
     "mistral": ("mistral", "MISTRAL"),
     "qwen2": ("qwen2", "QWEN2"),
-    "qwen3": ("qwen3", "QWEN3"),
+    "qwen3": ("qwen3", ""),
     "gemma2": ("gemma2", "GEMMA2"),
     "phi3": ("phi3", "PHI3_MINI"),
 }

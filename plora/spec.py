@@ -204,27 +204,42 @@ def available_models() -> list[str]:
     return sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
 
 
-def _check_targets(targets: str | list[str]) -> list[str]:
+def _check_targets(targets: str | list[str], family: str | None = None) -> list[str]:
+    """The layer names `targets` stands for. Without a family, any layer some family has is
+    accepted and ``all-linear`` is the llama-style set; with one, ``all-linear`` is that
+    family's set and a layer it lacks is refused by name."""
+    from plora.families.targets import ALL_TARGET_NAMES, family_targets
+
     if isinstance(targets, str):
         targets = [targets]
     if not targets:
         raise _Issue("must name at least one layer")
+    if family is not None:
+        try:
+            known = family_targets(family)
+        except KeyError as e:
+            raise _Issue(str(e.args[0])) from None
+    else:
+        known = ALL_TARGET_NAMES
     out: list[str] = []
     for t in targets:
         if t == ALL_LINEAR:
-            names = list(KNOWN_TARGETS)
-        elif t in KNOWN_TARGETS:
+            names = list(KNOWN_TARGETS if family is None else known)
+        elif t in known:
             names = [t]
+        elif family is not None and t in ALL_TARGET_NAMES:
+            raise _Issue(f"the {family} family has no {t!r} layer; its linear layers: {', '.join(known)} (or {ALL_LINEAR!r})")
         else:
-            raise _Issue(f"unknown target {t!r}; expected {ALL_LINEAR!r} or some of: {', '.join(KNOWN_TARGETS)}")
+            raise _Issue(f"unknown target {t!r}; expected {ALL_LINEAR!r} or some of: {', '.join(known)}")
         out += [n for n in names if n not in out]
     return out
 
 
-def resolve_targets(targets: str | list[str]) -> list[str]:
-    """Hugging Face layer names to adapt; ``"all-linear"`` expands to every known linear layer."""
+def resolve_targets(targets: str | list[str], family: str | None = None) -> list[str]:
+    """Hugging Face layer names to adapt; ``"all-linear"`` expands to every linear layer of
+    a decoder block of `family` (llama-style when no family is given)."""
     try:
-        return _check_targets(targets)
+        return _check_targets(targets, family)
     except _Issue as e:
         raise SpecError("lora.targets", e.message) from None
 

@@ -202,6 +202,16 @@ def recalibrated(cost_model: Any, drift: Any) -> Any:
     return replace(model, job_overhead_s=overhead, meta={**model.meta, "job_overhead_measured": True})
 
 
+def model_targets(spec: SweepSpec) -> list[str]:
+    """The layers a job adapts: ``lora.targets`` resolved for the model's family (Phi-3's
+    ``all-linear`` is its fused qkv_proj/gate_up_proj, not llama's seven layers)."""
+    from plora.models import read_model_info
+    from plora.spec import resolve_targets
+
+    family = read_model_info(spec.model.resolved_path(), spec.model.family).family
+    return resolve_targets(spec.lora.targets, family)
+
+
 def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bool) -> dict[str, Any]:
     """The recipe config of one job (what `tune run` reads)."""
     return {
@@ -220,7 +230,7 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "random_init": spec.model.random_init,
         },
         "data": data_config(spec),
-        "lora": {"targets": spec.lora.resolved_targets(), "dropout": spec.lora.dropout},
+        "lora": {"targets": model_targets(spec), "dropout": spec.lora.dropout},
         "adapters": [{**a.to_dict(), "steps": job.steps[a.id]} for a in job.adapters],
         "training": {
             "warmup_steps": spec.training.warmup_steps,

@@ -25,6 +25,12 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                           sliding_window=128, attn_logit_softcapping=5.0,
                                                           final_logit_softcapping=3.0)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, eos_token_id=2)),
+    # Phi-4-mini-like: LongRoPE (short factors) on half of each head, tied embeddings
+    "phi3-longrope-partial": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, eos_token_id=2, tie_word_embeddings=True, max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [2.0, 3.0, 5.0, 9.0]})),
 }
 
 

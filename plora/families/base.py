@@ -24,7 +24,7 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class Family:
-    """One row of the family table (`plora.families.FAMILY_TABLE`).
+    """One row of the family table (`plora.families.table.FAMILY_TABLE`).
 
     `read` checks the raw config and returns the family's options (kept in
     `ModelInfo.options`); `build` makes the empty decoder; `hf_to_tune` maps Hugging Face
@@ -118,6 +118,12 @@ def check_seq_len(info: "ModelInfo", max_seq_len: int) -> None:
             f"{info.path}: sliding-window attention (sliding_window {window}) is not supported: "
             f"max_seq_len {max_seq_len} exceeds the window; use max_seq_len <= {window}"
         )
+    short = info.options.get("short_rope_max_len")
+    if short is not None and max_seq_len > short:
+        raise ModelError(
+            f"{info.path}: longrope's long factors (used beyond original_max_position_embeddings {short}) "
+            f"are not supported: max_seq_len {max_seq_len} exceeds it; use max_seq_len <= {short}"
+        )
 
 
 def head_dim_of(cfg: Mapping[str, Any]) -> int:
@@ -131,23 +137,24 @@ def map_keys(
     state: dict[str, "torch.Tensor"],
     top: Mapping[str, str | None],
     layer: Mapping[str, str | None],
-    where: str,
+    info: "ModelInfo",
 ) -> dict[str, "torch.Tensor"]:
     """Rename Hugging Face weights: `top` maps whole names, `layer` maps what follows
     ``model.layers.<i>.``; a None target drops the tensor. Unknown names are refused."""
     out: dict[str, "torch.Tensor"] = {}
+    where = f"{info.path}: unexpected weight {{!r}} for the {info.family} family"
     for key, value in state.items():
         if key in top:
             new = top[key]
         elif key.startswith("model.layers."):
             _, _, idx, rest = key.split(".", 3)
             if rest not in layer:
-                raise ModelError(f"{where}: unexpected weight {key!r} for this family")
+                raise ModelError(where.format(key))
             new = layer[rest] and f"layers.{idx}.{layer[rest]}"
         elif key.endswith("rotary_emb.inv_freq"):
             new = None
         else:
-            raise ModelError(f"{where}: unexpected weight {key!r} for this family")
+            raise ModelError(where.format(key))
         if new is not None:
             out[new] = value
     return out

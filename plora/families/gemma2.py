@@ -108,4 +108,4 @@ def build_gemma2(info: "ModelInfo", max_seq_len: int) -> nn.Module:
 
 def hf_to_tune_gemma2(state: dict[str, torch.Tensor], info: "ModelInfo") -> dict[str, torch.Tensor]:
     head = "output.proj.weight" if info.options.get("final_logit_softcapping") else "output.weight"
-    return map_keys(state, top_keys(info.tie_word_embeddings, output=head), _LAYER_KEYS, str(info.path))
+    return map_keys(state, top_keys(info.tie_word_embeddings, output=head), _LAYER_KEYS, info)

@@ -112,7 +112,7 @@ def _permute(t: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def hf_to_tune_permuted(state: dict[str, torch.Tensor], info: "ModelInfo") -> dict[str, torch.Tensor]:
-    out = map_keys(state, top_keys(info.tie_word_embeddings), LLAMA_LAYER_KEYS, str(info.path))
+    out = map_keys(state, top_keys(info.tie_word_embeddings), LLAMA_LAYER_KEYS, info)
     for key in list(out):
         if ".attn.q_proj." in key:
             out[key] = _permute(out[key], info.num_heads, info.head_dim)

@@ -106,3 +106,47 @@ def tie_output(model: nn.Module) -> None:
     """Make the LM head the token embedding (torchtune's `TiedLinear`, as llama3_2 does)."""
     del model.output
     model.output = TiedLinear(model.tok_embeddings)
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """Hugging Face's rotate-half RoPE on the first `rotary_dim` features of each head.
+
+    Covers what Phi-3.5 and Phi-4-mini add to plain RoPE: a partial rotary factor (the
+    rest of each head passes through), LongRoPE's per-frequency divisors (`ext_factors`,
+    the short factors: plora refuses sequences long enough for the long ones) and its
+    cos/sin scale (`scale`, the attention factor). Tables are built in float32, as in
+    transformers, and cast to the input's dtype.
+    """
+
+    def __init__(self, rotary_dim: int, max_seq_len: int, base: float,
+                 ext_factors: list[float] | None = None, scale: float = 1.0) -> None:
+        super().__init__()
+        if rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+        self.rotary_dim, self.max_seq_len, self.base = rotary_dim, max_seq_len, float(base)
+        self.ext_factors = list(ext_factors) if ext_factors is not None else None
+        self.scale = float(scale)
+        self.rope_init()
+
+    def rope_init(self) -> None:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+        ext = torch.tensor(self.ext_factors, dtype=torch.float32) if self.ext_factors is not None else 1.0
+        inv_freq = 1.0 / (ext * self.base**exponents)
+        freqs = torch.arange(self.max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * self.scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * self.scale, persistent=False)
+
+    def forward(self, x: torch.Tensor, *, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [b, s, n_heads, head_dim]; `input_pos` [b, s] (or None for 0..s-1)."""
+        s, r = x.shape[1], self.rotary_dim
+        cos = self.cos[:s] if input_pos is None else self.cos[input_pos]
+        sin = self.sin[:s] if input_pos is None else self.sin[input_pos]
+        cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+        return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, base={self.base:g}, longrope={self.ext_factors is not None}, scale={self.scale:g}"

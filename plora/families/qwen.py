@@ -108,8 +108,8 @@ _QWEN3_LAYER_KEYS = {
 
 
 def hf_to_tune_qwen2(state: dict[str, torch.Tensor], info: "ModelInfo") -> dict[str, torch.Tensor]:
-    return map_keys(state, top_keys(info.tie_word_embeddings), LLAMA_LAYER_KEYS, str(info.path))
+    return map_keys(state, top_keys(info.tie_word_embeddings), LLAMA_LAYER_KEYS, info)
 
 
 def hf_to_tune_qwen3(state: dict[str, torch.Tensor], info: "ModelInfo") -> dict[str, torch.Tensor]:
-    return map_keys(state, top_keys(info.tie_word_embeddings), _QWEN3_LAYER_KEYS, str(info.path))
+    return map_keys(state, top_keys(info.tie_word_embeddings), _QWEN3_LAYER_KEYS, info)

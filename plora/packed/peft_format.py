@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from plora.families import get_family
+from plora.families.table import get_family
 from plora.models import ModelInfo
 
 #: torchtune module path pieces -> Hugging Face ones

@@ -226,8 +226,13 @@ class TensorParallel:
             if not isinstance(block, TransformerSelfAttentionLayer):
                 raise NotImplementedError(f"layers.{i} is {type(block).__name__}; TP supports self-attention decoders")
             attn = block.attn
-            if not isinstance(attn, MultiHeadAttention):
-                raise NotImplementedError(f"layers.{i}.attn is {type(attn).__name__}")
+            if type(attn) is not MultiHeadAttention:  # fused qkv, q/k norms, soft-capping: not sharded
+                from plora.families.table import tensor_parallel_families
+
+                raise NotImplementedError(
+                    f"tensor parallelism supports the {', '.join(tensor_parallel_families())} families; "
+                    f"this model's attention (layers.{i}.attn) is {type(attn).__name__}: run it with tp 1"
+                )
             check_tp_degree(attn.num_heads, attn.num_kv_heads, size)
             for path in COLWISE + ROWWISE:
                 sub, attr = path.split(".")
