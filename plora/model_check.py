@@ -117,7 +117,7 @@ def _compare(folder: Path, info: ModelInfo, expected: dict[str, tuple[int, ...]]
     header shapes: the same renames, permutes and splits the load will do, without data."""
     import torch
 
-    from plora.families import get_family
+    from plora.families.table import get_family
 
     meta = {name: torch.empty(shape, device="meta") for name, shape in found.items()}
     converted = get_family(info.family).hf_to_tune(meta, info)  # unknown names: ModelError
