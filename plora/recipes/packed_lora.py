@@ -204,7 +204,8 @@ class PackedLoRARecipe:
                 finished = [r for r in active if r.active and r.step >= r.total_steps]
                 if finished:
                     self._finish(finished, "done")
-                self.checkpointer.maybe_save(step)
+                if self.checkpointer.maybe_save(step) and self._metrics_file is not None:
+                    self._metrics_file.flush()  # the log holds at least what the checkpoint does
                 self._write_progress(step)
         self.checkpointer.discard()
         self._write_progress(step, final=True)
