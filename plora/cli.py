@@ -164,6 +164,7 @@ def sweep(
         console.print(f"[dim]dry run: nothing trained, nothing written (run directory would be {prep.run_dir})[/]")
         return
 
+    from plora.engine.backends import BackendError
     from plora.sweep import base_metrics, run_prepared, write_run_files
 
     write_run_files(prep, restart=restart)
@@ -178,6 +179,9 @@ def sweep(
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         try:
             frame = run_prepared(prep, on_snapshot=lambda snap: live.update(live_view(snap, len(prep.configs))))
+        except BackendError as e:  # Ray missing or unreachable, a node that cannot write the run directory
+            live.stop()
+            fail(str(e))
         except KeyboardInterrupt:
             live.stop()
             err.print("[yellow]interrupted: running jobs stopped; finished adapters are kept. "
