@@ -26,7 +26,7 @@ NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
 FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 3}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
     """A head that runs no jobs (it holds the cluster's state) and two one-slot nodes."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 2**20,
@@ -134,7 +134,8 @@ def test_storage_check_fails_in_one_line_when_the_run_directory_is_not_writable(
     with pytest.raises(BackendError, match=r"not writable here") as e:
         RayBackend(blocker / "run", address=cluster.address).check_storage()
     assert "\n" not in str(e.value)
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.mark.slow
