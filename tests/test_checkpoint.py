@@ -114,3 +114,37 @@ def test_a_checkpoint_of_other_training_settings_is_not_resumed(tmp_path):
     other = json.loads(json.dumps(base))
     other["training"]["scheduler"] = "linear"
     assert fingerprint(base) == fingerprint(same) != fingerprint(other)
+
+
+def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
+    """How the engine stops jobs on Ctrl-C: the job saves where it is and exits 143; the
+    next attempt resumes from that step, not from the last periodic checkpoint."""
+    import signal
+    import time
+
+    from plora.engine.local import launch
+    from plora.recipes.checkpoint import EXIT_STOPPED
+    from plora.sweep import job_config
+
+    prep = prepared(tmp_path, every_steps=1000)  # no periodic checkpoint before the signal
+    prep.spec.training.steps = 400
+    job = PlannedJob("job-000", list(prep.configs), {c.id: 400 for c in prep.configs})
+    job_dir = prep.run_dir / "jobs" / "job-000"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "job.yaml").write_text(yaml.safe_dump(job_config(prep.spec, job, prep.run_dir, eval_base=False)))
+    proc = launch("job-000", job_dir, "cpu:0", extra_env={"PLORA_INJECT_FAULT": ""})
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.proc.poll() is None:
+        try:
+            if json.loads((job_dir / "progress.json").read_text())["step"] >= 5:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    proc.signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=60) == EXIT_STOPPED, (job_dir / "log.txt").read_text()[-2000:]
+    proc.log.close()
+    state = torch.load(job_dir / "checkpoint" / "state.rank0.pt", weights_only=True)
+    assert 5 <= state["job_step"] < 400
+    assert {a["step"] for a in state["adapters"].values()} == {state["job_step"]}
+    assert not list((prep.run_dir / "adapters").glob("*/metrics.json"))  # nothing reported finished

@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,11 +50,18 @@ def _adapter_key(run) -> dict[str, Any]:
     return {k: run.cfg[k] for k in ("rank", "alpha", "learning_rate", "batch_size", "seed")} | {"steps": run.total_steps}
 
 
+#: exit code of a job stopped by SIGTERM after saving its checkpoint (128 + SIGTERM)
+EXIT_STOPPED = 143
+
+
 class JobCheckpointer:
     """Saves and restores the training state of a `PackedLoRARecipe`'s adapters.
 
-    The recipe calls `restore()` once before its first step and `maybe_save(step)` after
-    each step (once adapters that finished have left the pack).
+    The recipe calls `restore()` once before its first step, `maybe_save(step)` after each
+    step (once adapters that finished have left the pack) and `discard()` at the end. In
+    between, SIGTERM (how the engine stops jobs on Ctrl-C) is turned into a checkpoint at
+    the end of the current step and an exit with `EXIT_STOPPED`: an interrupted sweep
+    loses no steps.
     """
 
     def __init__(self, recipe, every_steps: int | None, every_minutes: float | None):
@@ -66,6 +75,8 @@ class JobCheckpointer:
         self.last_save = time.monotonic()
         self.saves = 0
         self.job_step = 0  # the job step the latest checkpoint restored from was taken at
+        self.stop_requested = False
+        self._previous_handler = None
 
     @property
     def enabled(self) -> bool:
@@ -79,16 +90,21 @@ class JobCheckpointer:
             return False
         go = bool(self.every_steps and step % self.every_steps == 0)
         go = go or bool(self.every_s is not None and time.monotonic() - self.last_save >= self.every_s)
+        stop = self.stop_requested
         tp = self.recipe.tp
-        if tp is not None and self.every_s is not None:
-            flag = torch.tensor([int(go)], dtype=torch.uint8, device=self.recipe.device)
-            go = bool(tp.broadcast_(flag).item())
-        return go
+        if tp is not None and (self.every_s is not None or self._previous_handler is not None):
+            flags = torch.tensor([int(go), int(stop)], dtype=torch.uint8, device=self.recipe.device)
+            go, stop = (bool(x) for x in tp.broadcast_(flags).tolist())
+            self.stop_requested = stop
+        return go or stop
 
     def maybe_save(self, step: int) -> bool:
+        """Save when due; after a SIGTERM, save and leave (SystemExit with `EXIT_STOPPED`)."""
         if not self.due(step):
             return False
         self.save(step)
+        if self.stop_requested:
+            raise SystemExit(EXIT_STOPPED)
         return True
 
     def save(self, step: int) -> Path | None:
@@ -131,6 +147,9 @@ class JobCheckpointer:
     def discard(self) -> None:
         """Drop this job's checkpoint once none of its adapters trains any more (every one
         has its result): it would only hold states nothing resumes from."""
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
         if not any(run.active for run in self.recipe.runs):
             (self.dir / f"state.rank{self.rank}.pt").unlink(missing_ok=True)
 
@@ -142,6 +161,8 @@ class JobCheckpointer:
         found = self._latest_states({run.id: run for run in r.runs if run.active})
         resumed: dict[str, int] = {}
         opt, bank = r.optimizer, r.bank
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         for run in r.runs:
             saved = found.get(run.id)
             if saved is None or not run.active:
@@ -166,6 +187,9 @@ class JobCheckpointer:
             self.job_step = max(self.job_step, int(saved["job_step"]))
         self.last_save = time.monotonic()
         return resumed
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
 
     def _latest_states(self, wanted: dict[str, Any]) -> dict[str, dict]:
         """For each wanted adapter, its state of the most steps among the run's checkpoints
