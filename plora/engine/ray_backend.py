@@ -57,7 +57,7 @@ def _run_job(job_dir: str, nproc: int, env_updates: dict[str, str], omp_threads:
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", JOB_ALLOCATOR)
     node = ray.get_runtime_context().get_node_id()[:8]
     with open(Path(job_dir) / "log.txt", "a") as log:
-        log.write(f"{header} on ray node {node}{' GPUs ' + ','.join(gpus) if gpus else ''}\n")
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {header} on ray node {node}{' GPUs ' + ','.join(gpus) if gpus else ''}\n")
         log.flush()
         proc = subprocess.Popen(tune_command(Path(job_dir) / "job.yaml", nproc), stdout=log, stderr=subprocess.STDOUT,
                                 env=env, cwd=job_dir, start_new_session=True, preexec_fn=_die_with_parent)
@@ -220,7 +220,7 @@ class RayBackend:
         bundle = self.bundle(nproc)
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{job_id}#{attempt}")
         omp = max(1, int(bundle["CPU"] // nproc)) if self.gpu else 1
-        header = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {job_id} attempt {attempt}"
+        header = f"{job_id} attempt {attempt}"
         ref = _run_job.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), name=f"{job_id}#{attempt}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
