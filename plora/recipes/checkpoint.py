@@ -161,7 +161,9 @@ class JobCheckpointer:
         found = self._latest_states({run.id: run for run in r.runs if run.active})
         resumed: dict[str, int] = {}
         opt, bank = r.optimizer, r.bank
-        if self.enabled and threading.current_thread() is threading.main_thread():
+        # only in a job the engine launched (it sets PLORA_ATTEMPT): a recipe run inside
+        # another program must not change how that program takes SIGTERM
+        if self.enabled and "PLORA_ATTEMPT" in os.environ and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         for run in r.runs:
             saved = found.get(run.id)
@@ -186,6 +188,11 @@ class JobCheckpointer:
             resumed[run.id] = run.step
             self.job_step = max(self.job_step, int(saved["job_step"]))
         self.last_save = time.monotonic()
+        if r.tp is not None:  # every rank must go on from the same steps (each read its own file)
+            steps = torch.tensor([resumed.get(run.id, -1) for run in r.runs], dtype=torch.int64, device=r.device)
+            if not torch.equal(r.tp.broadcast_(steps.clone()), steps):
+                raise RuntimeError(f"checkpoints of job {r.job_id} disagree between tensor-parallel ranks; "
+                                   f"delete {self.dir} to start it over")
         return resumed
 
     def _on_sigterm(self, signum, frame) -> None:
