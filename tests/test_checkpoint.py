@@ -132,7 +132,7 @@ def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
     job_dir = prep.run_dir / "jobs" / "job-000"
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.yaml").write_text(yaml.safe_dump(job_config(prep.spec, job, prep.run_dir, eval_base=False)))
-    proc = launch("job-000", job_dir, "cpu:0", extra_env={"PLORA_INJECT_FAULT": ""})
+    proc = launch("job-000", job_dir, "cpu:0", extra_env={"PLORA_INJECT_FAULT": "", "PLORA_ATTEMPT": "1"})
     deadline = time.time() + 120
     while time.time() < deadline and proc.proc.poll() is None:
         try:
