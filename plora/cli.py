@@ -208,6 +208,7 @@ def sweep(
         console.print(f"[dim]dry run: nothing trained, nothing written (run directory would be {prep.run_dir})[/]")
         return
 
+    from plora.engine.backends import BackendError
     from plora.sweep import base_metrics, run_prepared, write_run_files
 
     write_run_files(prep, restart=restart)
@@ -220,6 +221,8 @@ def sweep(
     try:
         with progress(console, lambda snap: len(prep.configs)) as on_snapshot:
             frame = run_prepared(prep, on_snapshot=on_snapshot)
+    except BackendError as e:  # Ray missing or unreachable, a node that cannot write the run directory
+        fail(str(e))
     except KeyboardInterrupt:
         _interrupted("running jobs stopped; finished adapters are kept. Run the same command again to resume.")
     console.print()

@@ -361,6 +361,14 @@ class AdapterStream:
             self._pos += take
         return taken
 
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream is (a resumed job goes on from here, not from the start)."""
+        return {"epoch": self._epoch, "pos": self._pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._epoch, self._pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._permutation(self._epoch)
+
 
 def collate(samples: Sequence[Sample], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded tokens and labels, ``width`` wide (default: the longest row). Right

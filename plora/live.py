@@ -141,10 +141,22 @@ def status_tables(run_dir: Path) -> list:
         counts[a["status"]] = counts.get(a["status"], 0) + 1
     summary = Text.assemble(("adapters: ", "bold"), ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")
     t = Table(title=f"jobs of {run_dir.name}", title_justify="left")
-    for col in ("job", "status", "adapters", "TP", "GPUs", "attempt", "wall time", "exit"):
+    for col in ("job", "status", "adapters", "TP", "GPUs", "attempt", "resumed at", "wall time", "exit"):
         t.add_column(col)
     for j in jobs:
         wall = (j.ended or 0) - j.started if j.started and j.ended else None
         t.add_row(j.id, j.status, str(len(j.adapters)), str(j.tp), ",".join(map(str, j.gpus)) or "—",
-                  str(j.attempt), _fmt_s(wall), "" if j.returncode is None else str(j.returncode))
+                  str(j.attempt), _resumed_at(run_dir / "jobs" / j.id), _fmt_s(wall),
+                  "" if j.returncode is None else str(j.returncode))
     return [summary, t]
+
+
+def _resumed_at(job_dir: Path) -> str:
+    """The step a job's latest attempt resumed from its checkpoint ("—": from the start)."""
+    import json
+
+    try:
+        step = json.loads((job_dir / "progress.json").read_text()).get("resumed_step")
+    except (OSError, ValueError):
+        return "—"
+    return f"step {step}" if step is not None else "—"

@@ -684,6 +684,10 @@ class TrainingConfig(_Model):
     activation_checkpointing: bool = False  # recompute each decoder layer in backward: far less memory
     # steps replayed from CUDA graphs: "auto" = on one GPU without activation checkpointing
     cuda_graphs: Any = "auto"
+    # mid-job checkpoints (weights, AdamW state, schedule and data position of every adapter
+    # in the pack), whichever comes first; null turns that trigger off
+    checkpoint_every_steps: Optional[int] = Field(500, ge=1)
+    checkpoint_every_minutes: Optional[float] = Field(10.0, gt=0)
 
     @field_validator("cuda_graphs", mode="before")
     @classmethod
@@ -783,10 +787,24 @@ class EvalConfig(_Model):
         return self.objective == "loss"
 
 
+class RayConfig(_Model):
+    address: Optional[str] = None  # a running cluster ("auto", "ray://host:10001", "host:6379"); default: start one here
+    cpus_per_gpu: float = Field(1.0, ge=0)  # CPUs reserved beside each GPU of a job
+
+
 class HardwareConfig(_Model):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpus: int = Field(1, ge=1)
     gpu_memory_gb: float = Field(80, gt=0)
+    backend: Literal["local", "ray"] = "local"  # ray: jobs run as Ray tasks on a cluster (pip install "plora[ray]")
+    nodes: int = Field(1, ge=1)  # ray: the planner plans for nodes x gpus_per_node
+    gpus_per_node: Optional[int] = Field(None, ge=1)  # default: gpus; CPU slots per node on a CPU cluster
+    ray: RayConfig = Field(default_factory=dict)
+
+    @property
+    def per_node(self) -> int:
+        """GPUs (or CPU slots) of one node: the largest TP degree a job may have."""
+        return self.gpus_per_node or self.gpus
 
 
 class PlannerConfig(_Model):

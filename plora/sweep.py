@@ -80,6 +80,7 @@ def plan_jobs(
     else:
         source = cost_model.meta.get("plan_source", cost_model.name or "a given cost model")
     slots = hw.slots
+    cost_model = within_node(cost_model, hw.max_tp)
     by_id = {c.id: c for c in configs}
     loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
     plan = plan_sweep(
@@ -110,6 +111,7 @@ class Hardware:
     slots: int
     gpu_memory_bytes: float | None = None
     local: bool = True  # this machine's (profiles can be measured and looked up here)
+    max_tp: int | None = None  # GPUs of one node on a cluster: no job spans nodes
 
     def describe(self) -> str:
         if self.gpu:
@@ -125,6 +127,8 @@ def hardware_for(spec: SweepSpec, *, here: bool = True) -> Hardware:
     GPU visible, the space file's `hardware` itself (planning a GPU sweep from elsewhere)."""
     import os
 
+    if spec.hardware.backend == "ray":
+        return cluster_hardware(spec)
     cpu = Hardware(False, max(1, os.cpu_count() or 1))
     if spec.hardware.device == "cpu":
         return cpu
@@ -138,6 +142,28 @@ def hardware_for(spec: SweepSpec, *, here: bool = True) -> Hardware:
     if spec.hardware.device == "cuda":
         raise ValueError("hardware.device: cuda, but no CUDA device is visible on this machine")
     return cpu
+
+
+def cluster_hardware(spec: SweepSpec) -> Hardware:
+    """A Ray cluster as the space file describes it: ``nodes × gpus_per_node`` GPUs of
+    ``gpu_memory_gb`` (CPU slots with ``device: cpu``), no job wider than one node. Its GPUs
+    are not this machine's: profiles are not measured here."""
+    hw = spec.hardware
+    slots = hw.nodes * hw.per_node
+    if hw.device == "cpu":
+        return Hardware(False, slots, max_tp=1)
+    return Hardware(True, slots, hw.gpu_memory_gb * 2**30, local=False, max_tp=hw.per_node)
+
+
+def within_node(cost_model: Any, max_tp: int | None) -> Any:
+    """The cost model without the TP degrees wider than a node (the planner then never
+    plans a job across nodes)."""
+    if max_tp is None or max(cost_model.degrees) <= max_tp:
+        return cost_model
+    keep = [d for d in cost_model.degrees if d <= max_tp] or [min(cost_model.degrees)]
+    return replace(cost_model, time={d: cost_model.time[d] for d in keep},
+                   memory_coeffs={d: cost_model.memory_coeffs[d] for d in keep},
+                   host_time={d: c for d, c in cost_model.host_time.items() if d in keep})
 
 
 #: the analytic prior for a CPU: one single-threaded job per core (calibrated on the demo:
@@ -170,7 +196,7 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     targets = list(spec.lora.resolved_targets())
     seq = spec.model.max_seq_len
     if hw.gpu:
-        cm = CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.slots)
+        cm = CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots)
     else:
         cm = CostModel.analytic(shape, seq, 64 * 2**30, targets, **CPU_PRIOR)
         cm.job_overhead_s = CPU_JOB_OVERHEAD_S
@@ -233,6 +259,8 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "divergence_loss": spec.training.divergence_loss,
             "activation_checkpointing": spec.training.activation_checkpointing,
             "cuda_graphs": spec.training.cuda_graphs,
+            "checkpoint_every_steps": spec.training.checkpoint_every_steps,
+            "checkpoint_every_minutes": spec.training.checkpoint_every_minutes,
         },
         "eval": eval_config(spec),
         "eval_base": eval_base,
@@ -320,10 +348,15 @@ def run_prepared(
     re-queued in their planned jobs. `on_tick(running, finished)` gets the job processes
     (e.g. to watch their files); `on_snapshot` gets the engine's state for a live view.
     """
+    from plora.engine.backends import backend_for
     from plora.engine.journal import Journal
     from plora.engine.local import default_slots
     from plora.engine.runner import Drift, Engine, QueuedJob
 
+    if slots is None:
+        slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
+    backend = backend_for(prep.spec, prep.run_dir, slots)  # Ray: checks the run directory from every node
+    slots = backend.slots
     by_id = {c.id: c for c in prep.configs}
     if not has_eval_data(prep.spec) and not (prep.run_dir / "base_metrics.json").is_file():
         write_unmeasured_base_metrics(prep)  # no job evaluates the base model on nothing
@@ -346,15 +379,14 @@ def run_prepared(
         if on_tick is not None:
             on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
 
-    if slots is None:
-        slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
     def replan(adapters: list[str], drift: Drift, now: float, free: int) -> list[QueuedJob]:
         from plora.costmodel import AdapterLoad
         from plora.planner import plan_sweep
 
         loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
         spec = prep.spec
-        plan = plan_sweep(loads, recalibrated(prep.cost_model, drift), len(slots), solver=spec.planner.solver,
+        cost_model = within_node(recalibrated(prep.cost_model, drift), prep.hardware and prep.hardware.max_tp)
+        plan = plan_sweep(loads, cost_model, len(slots), solver=spec.planner.solver,
                           load_factor=spec.planner.memory_load_factor,
                           max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
                           time_limit_s=30)
@@ -366,6 +398,7 @@ def run_prepared(
         prep.run_dir, journal, slots, write_job,
         max_retries=max_retries, predicted_makespan_s=prep.plan.details.get("predicted_makespan_s"), on_tick=tick,
         replan=replan if prep.cost_model is not None and prep.plan.planned is not None else None,
+        launcher=backend.launcher,
     )
     try:
         engine.reconcile()
@@ -377,6 +410,7 @@ def run_prepared(
         engine.run()
     finally:
         journal.close()
+        backend.close()
     if engine.drift.overhead_s is not None and (prep.hardware is None or prep.hardware.local):
         from plora.profiler import ProfileError, remember_job_overhead
 

@@ -232,7 +232,8 @@ def test_exact_messages(data, text):
 
 def test_unknown_key_without_close_match_lists_the_allowed_ones():
     msg = str(error_of({"name": "t", "hardware": {"zzz": 1}}))
-    assert msg == "hardware.zzz: unknown field; expected one of: device, gpus, gpu_memory_gb"
+    assert msg == ("hardware.zzz: unknown field; expected one of: device, gpus, gpu_memory_gb, backend, nodes, "
+                   "gpus_per_node, ray")
 
 
 def test_unknown_key_is_reported_before_the_errors_it_causes():

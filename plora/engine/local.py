@@ -34,6 +34,21 @@ class JobProcess:
     returncode: int | None = None
     ended: float | None = None
 
+    @property
+    def lost(self) -> bool:
+        """Whether the job was lost with its machine (a Ray node that died), not crashed."""
+        return bool(getattr(self.proc, "lost", False))
+
+    def signal(self, sig: int) -> None:
+        """Signal the job: its process group here, or through its backend's handle."""
+        if self.proc.pid is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        else:
+            self.proc.send_signal(sig)
+
     def progress(self) -> dict:
         try:
             return json.loads((self.job_dir / "progress.json").read_text())

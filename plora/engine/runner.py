@@ -6,6 +6,8 @@
   halves and re-queued; a single adapter that runs out of memory alone is failed.
 - A model, data or config error (the recipe's exit code 4, message in error.json): its
   adapters are failed at once with that message; a retry would fail the same way.
+- Lost with its node (a Ray node that died): re-queued, and not counted as a crash of its
+  adapters (at most `MAX_LOST` times in a row).
 - Any other crash: the job is retried with its unfinished adapters, at most `max_retries`
   times; then those adapters are failed and the sweep goes on.
 - Resume: adapters with a result file are final whatever the journal says; jobs the
@@ -30,6 +32,9 @@ from plora.engine.local import JobProcess, launch
 EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
 EXIT_UNFIXABLE = 4  # plora.recipes.packed_lora.EXIT_UNFIXABLE: a model, data or config error
 UNFIXABLE_FILE = "error.json"  # its message, in the job's folder
+#: re-queues of a job lost with its node before it counts as a crash (a cluster that loses
+#: every node it is given is not going to finish it)
+MAX_LOST = 5
 
 
 @dataclass
@@ -42,6 +47,7 @@ class QueuedJob:
     predicted_start: float | None = None
     predicted_end: float | None = None
     gpus: list[int] = field(default_factory=list)  # the planner's choice; advisory
+    lost: int = 0  # attempts lost with their node (not the adapters' crashes)
 
 
 @dataclass
@@ -121,6 +127,7 @@ class Engine:
         poll_s: float = 0.25,
         replan: Replan | None = None,
         drift_threshold: float = DRIFT_THRESHOLD,
+        launcher: Callable[..., JobProcess] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.journal = journal
@@ -141,6 +148,7 @@ class Engine:
         self.drift = Drift()  # finished planned jobs: measured and predicted durations
         self.drift_at_last_plan = 1.0
         self.replans = 0
+        self.launch = launcher or launch  # the backend's: local processes, or Ray tasks
 
     # ------------------------------------------------------------------ resume
     def reconcile(self) -> None:
@@ -206,13 +214,13 @@ class Engine:
 
     def stop(self, why: str) -> None:
         for job_id, rj in list(self.running.items()):
-            _kill_group(rj.proc.proc.pid, sig=signal.SIGTERM)
+            rj.proc.signal(signal.SIGTERM)
         deadline = time.time() + 15
         for job_id, rj in list(self.running.items()):
             try:
                 rj.proc.proc.wait(timeout=max(0.1, deadline - time.time()))
             except Exception:  # noqa: BLE001 - still alive: take it down hard
-                _kill_group(rj.proc.proc.pid)
+                rj.proc.signal(signal.SIGKILL)
             self._collect(rj)
             for a in self.unfinished(rj.job.adapters):
                 self.journal.set_adapter(a, "pending")
@@ -233,8 +241,8 @@ class Engine:
             (job_dir / "oom.json").unlink(missing_ok=True)  # a marker of an earlier attempt
             (job_dir / UNFIXABLE_FILE).unlink(missing_ok=True)
             gpus = [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
-            proc = launch(job.job_id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
-                          extra_env={"PLORA_ATTEMPT": str(job.attempt)})
+            proc = self.launch(job.job_id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
+                               extra_env={"PLORA_ATTEMPT": str(job.attempt)})
             self.queue.remove(job)
             self.running[job.job_id] = RunningJob(job, proc, slots)
             self.journal.update_job(job.job_id, status="running", attempt=job.attempt, pid=proc.proc.pid,
@@ -266,7 +274,7 @@ class Engine:
             self.free.extend(rj.slots)
             self.free.sort(key=self.slots.index)
             self._collect(rj)
-            self._after_exit(rj.job, rc)
+            self._after_exit(rj.job, rc, lost=rj.proc.lost)
             if rc == 0:
                 self._track_drift(rj)
 
@@ -316,12 +324,21 @@ class Engine:
             if result is not None:
                 self._record_result(a, result)
 
-    def _after_exit(self, job: QueuedJob, rc: int) -> None:
+    def _after_exit(self, job: QueuedJob, rc: int, lost: bool = False) -> None:
         left = self.unfinished(job.adapters)
         now = time.time()
-        if rc == 0 and not left:
+        if not left and (rc == 0 or lost):  # lost after its last result: nothing to run again
             self.journal.update_job(job.job_id, status="finished", ended=now, returncode=rc)
             self._note(f"finished {job.job_id}")
+            return
+        if lost and left and job.lost < MAX_LOST:  # its node died: run it elsewhere, from its checkpoint
+            self.journal.update_job(job.job_id, status="lost", ended=now, returncode=None)
+            retry = QueuedJob(job.job_id, left, job.tp, attempt=job.attempt, parent=job.parent, gpus=job.gpus,
+                              lost=job.lost + 1)
+            self.journal.event("lost", job.job_id, {"attempt": job.attempt})
+            self._note(f"{job.job_id} was lost with its node; re-queued")
+            self.submit([retry])
+            self.queue.insert(0, self.queue.pop())  # first in line: it has a checkpoint to go on from
             return
         # torchrun reports any failed worker as exit 1: the recipe's marker file says OOM
         if rc == EXIT_OOM or (rc != 0 and (self.run_dir / "jobs" / job.job_id / "oom.json").is_file()):
@@ -345,13 +362,14 @@ class Engine:
             return
         # crashed (or exited 0 with adapters left, which is a crash too)
         self.journal.update_job(job.job_id, status="crashed", ended=now, returncode=rc)
-        if job.attempt <= self.max_retries:
-            retry = QueuedJob(job.job_id, left, job.tp, attempt=job.attempt, parent=job.parent, gpus=job.gpus)
+        if job.attempt - job.lost <= self.max_retries:
+            retry = QueuedJob(job.job_id, left, job.tp, attempt=job.attempt, parent=job.parent, gpus=job.gpus,
+                              lost=job.lost)
             self.journal.event("retry", job.job_id, {"returncode": rc, "attempt": job.attempt})
-            self._note(f"{job.job_id} crashed (exit {rc}); retry {job.attempt}/{self.max_retries}")
+            self._note(f"{job.job_id} crashed (exit {rc}); retry {job.attempt - job.lost}/{self.max_retries}")
             self.submit([retry])
             return
-        self._fail(job, f"crashed {job.attempt} times (last exit code {rc}); see jobs/{job.job_id}/log.txt", left)
+        self._fail(job, f"crashed {job.attempt - job.lost} times (last exit code {rc}); see jobs/{job.job_id}/log.txt", left)
 
     def _fail(self, job: QueuedJob, why: str, adapters: Sequence[str] | None = None) -> None:
         for a in adapters if adapters is not None else job.adapters:

@@ -44,6 +44,7 @@ from plora.packed.rows import LabelParts
 from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
+from plora.recipes.checkpoint import JobCheckpointer
 from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, step_inputs
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
@@ -183,6 +184,10 @@ class PackedLoRARecipe:
         self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
         self._last_progress = 0.0
         self._control_seen: tuple[int, int, int] | None = None  # control.json's (inode, mtime, size) last read
+        self.attempt = int(os.environ.get("PLORA_ATTEMPT", "1"))
+        self.checkpointer = JobCheckpointer(self, t.get("checkpoint_every_steps", 500),
+                                            t.get("checkpoint_every_minutes", 10.0))
+        self.resumed: dict[str, int] = {}  # adapter id -> the adapter step it resumed from
         self.start_time = time.time()
 
     # ------------------------------------------------------------------ training
@@ -192,7 +197,8 @@ class PackedLoRARecipe:
         c = self.cfg
         if c.get("eval_base"):
             self._eval_base()
-        step = 0
+        self.resumed = self.checkpointer.restore()
+        step = self.checkpointer.job_step
         # Time in optimizer steps after the first (which pays kernel compilation): what the
         # cost model predicts. The rest of the job's wall time is its fixed overhead; the
         # engine re-plans with the two measured apart.
@@ -205,7 +211,7 @@ class PackedLoRARecipe:
                     break
                 t_step = time.perf_counter()
                 self.train_step(active, step)
-                if step == 0:
+                if step == self.checkpointer.job_step:
                     first_step_s = time.perf_counter() - t_step
                 else:
                     steps_s += time.perf_counter() - t_step
@@ -216,13 +222,17 @@ class PackedLoRARecipe:
                 finished = [r for r in active if r.active and r.step >= r.total_steps]
                 if finished:
                     self._finish(finished, "done")
+                if self.checkpointer.maybe_save(step) and self._metrics_file is not None:
+                    self._metrics_file.flush()  # the log holds at least what the checkpoint does
                 self._write_progress(step)
+        self.checkpointer.discard()
         self._write_progress(step, final=True)
         if self._metrics_file is not None:
             self._metrics_file.close()
         summary = {
             "job_id": self.job_id,
             "steps": step,
+            "resumed_from": self.resumed,
             "wall_time_s": time.time() - self.start_time,
             "first_step_s": first_step_s,
             "step_time_s": steps_s,  # steps 2..n
@@ -475,7 +485,7 @@ class PackedLoRARecipe:
         if self._metrics_file is None:
             return
         row["time"] = round(time.time() - self.start_time, 4)
-        row["attempt"] = int(os.environ.get("PLORA_ATTEMPT", "1"))  # a resumed job appends: curves keep the last
+        row["attempt"] = self.attempt
         self._metrics_file.write(json.dumps(row) + "\n")
 
     def _write_progress(self, step: int, final: bool = False) -> None:
@@ -496,6 +506,9 @@ class PackedLoRARecipe:
             "adapters_total": len(self.runs),
             "elapsed_s": now - self.start_time,
             "final": final,
+            "attempt": self.attempt,
+            "resumed_step": self.checkpointer.job_step if self.resumed else None,
+            "resumed": self.resumed,
         }
         tmp = self.job_dir / "progress.json.tmp"
         tmp.write_text(json.dumps(progress))
