@@ -39,16 +39,22 @@ of a job at least as long as every piece (`plora.planner.ilp.job_time_model`), w
 exact once it minimises the time.
 
 A job trains every adapter for its own number of steps and an adapter leaves the
-pack when it is done, so the step gets cheaper as the job goes on (``job_time``).
+pack when it is done, so the step gets cheaper as the job goes on (``job_time``). With
+measured job terms (``overheads``, `plora.jobcost`) a job also pays its start, load and
+first step once, a graph capture whenever the pack changes, and the packed eval and save of
+the adapters leaving at each step count (``eval_load``: the sweep's eval rows); while those
+are evaluated, the job's memory is its weights, the adapters' state and the eval batch.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from plora.jobcost import EvalLoad, JobOverheads
 
 __all__ = [
     "AdapterLoad",
@@ -262,6 +268,10 @@ class CostModel:
     job_overhead_s: float = 0.0  # process start, imports, model load: paid once per job
     #: the host piece per TP degree (empty: the step is the GPU piece alone)
     host_time: dict[int, TimeCoeffs] = field(default_factory=dict)
+    #: measured job terms (start, load, captures, eval, saves); None: ``job_overhead_s`` alone
+    overheads: JobOverheads | None = None
+    #: the sweep's eval per adapter (set per sweep, `for_eval`); None: evals are not priced
+    eval_load: EvalLoad | None = None
 
     def __post_init__(self) -> None:
         if set(self.time) != set(self.memory_coeffs):
@@ -296,8 +306,30 @@ class CostModel:
 
     # ---- the contract -------------------------------------------------------------------
     def memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:
-        """Peak bytes per GPU of a job at TP degree ``d``."""
-        return self.memory_base(d) + sum(self.memory_per_adapter(a, d) for a in adapters)
+        """Peak bytes per GPU of a job at TP degree ``d``: its training peak, or its eval's
+        where that is larger (`eval_memory`)."""
+        train = self.memory_base(d) + sum(self.memory_per_adapter(a, d) for a in adapters)
+        return max(train, self.eval_memory(adapters, d))
+
+    def eval_memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:
+        """Peak bytes per GPU while adapters leaving together are evaluated: the weights, every
+        adapter's parameters and AdamW state, and one eval batch (training activations are
+        gone by then). An eval forward keeps about what a training token keeps per token (the
+        logits dominate); the batch holds at most ``batch_rows`` rows, and no more than the
+        eval memory budget where one is set. 0 when the sweep's eval is not known."""
+        ev = self.eval_load
+        if ev is None or ev.samples <= 0 or not adapters:
+            return 0.0
+        m = self.memory_coeffs[d]
+        state = sum(m.adapter + m.rank * a.rank for a in adapters)
+        groups: dict[int, int] = {}
+        for a in adapters:
+            groups[a.steps] = groups.get(a.steps, 0) + 1
+        rows = min(ev.batch_rows, max(groups.values()) * ev.samples)
+        batch = m.tok * rows * ev.row_tokens
+        if ev.budget_bytes is not None:
+            batch = min(batch, float(ev.budget_bytes))
+        return self.memory_base(d) + state + batch
 
     def step_per_bucket(self, d: int) -> float:
         """Seconds each distinct rank bucket in a pack adds to every step."""
@@ -325,15 +357,41 @@ class CostModel:
 
         With adapters sorted by steps n_(1) <= ... <= n_(K), the job runs
         n_(i) - n_(i-1) steps with adapters i..K still in the pack, after
-        ``job_overhead_s`` (process start, model load) paid once.
+        ``job_overhead_s`` (process start, model load) paid once. With measured job terms
+        (``overheads``), each later pack composition adds a capture, and the adapters that
+        leave at each step count add their packed eval and saves (`exit_time`).
         """
         order = sorted(adapters, key=lambda a: a.steps)
-        total, done = self.job_overhead_s if order else 0.0, 0
+        total, done, phases = self.job_overhead_s if order else 0.0, 0, 0
         for i, a in enumerate(order):
             if a.steps > done:
                 total += (a.steps - done) * self.step_time(order[i:], d)
                 done = a.steps
+                phases += 1
+        if self.overheads is not None and order:
+            total += self.overheads.capture_s * max(0, phases - 1)
+            leaving: dict[int, int] = {}
+            for a in order:
+                leaving[a.steps] = leaving.get(a.steps, 0) + 1
+            total += sum(self.exit_time(n) for n in leaving.values())
         return total
+
+    def exit_time(self, adapters: int) -> float:
+        """Seconds ``adapters`` adapters leaving a pack together add to its job: their packed
+        eval on the sweep's eval rows and their checkpoints (0 without measured job terms)."""
+        return self.overheads.exit_time(adapters, self.eval_load) if self.overheads is not None else 0.0
+
+    def with_overheads(self, overheads: JobOverheads | None) -> "CostModel":
+        """The same model with measured job terms; their fixed part becomes ``job_overhead_s``
+        (what the planner adds once per job)."""
+        if overheads is None:
+            return replace(self, overheads=None)
+        return replace(self, overheads=overheads, job_overhead_s=overheads.fixed_s,
+                       meta={**self.meta, "job_terms": overheads.to_dict()})
+
+    def for_eval(self, load: EvalLoad | None) -> "CostModel":
+        """The same model pricing a sweep's eval (`eval_load`)."""
+        return replace(self, eval_load=load, meta=dict(self.meta))
 
     def fits(self, adapters: Sequence[AdapterLoad], d: int, load_factor: float = 0.9) -> bool:
         """Whether the job runs at degree ``d`` within ``load_factor`` of GPU memory."""
@@ -348,7 +406,9 @@ class CostModel:
         return CostModel(self.gpu_memory_bytes, self.seq_len, {d: scale(c) for d, c in self.time.items()},
                          dict(self.memory_coeffs), name=self.name, meta={**self.meta, "time_scale": factor},
                          job_overhead_s=self.job_overhead_s * factor,
-                         host_time={d: scale(c) for d, c in self.host_time.items()})
+                         host_time={d: scale(c) for d, c in self.host_time.items()},
+                         overheads=self.overheads.scaled(factor) if self.overheads is not None else None,
+                         eval_load=self.eval_load)
 
     # ---- serialization ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -361,6 +421,8 @@ class CostModel:
             "memory": {str(d): asdict(c) for d, c in sorted(self.memory_coeffs.items())},
             "job_overhead_s": self.job_overhead_s,
             **({"host_time": {str(d): asdict(c) for d, c in sorted(self.host_time.items())}} if self.host_time else {}),
+            **({"overheads": self.overheads.to_dict()} if self.overheads is not None else {}),
+            **({"eval_load": self.eval_load.to_dict()} if self.eval_load is not None else {}),
             "meta": self.meta,
         }
 
@@ -375,6 +437,8 @@ class CostModel:
             meta=dict(data.get("meta", {})),
             job_overhead_s=float(data.get("job_overhead_s", 0.0)),
             host_time={int(d): TimeCoeffs(**c) for d, c in data.get("host_time", {}).items()},
+            overheads=JobOverheads.from_dict(data["overheads"]) if data.get("overheads") else None,
+            eval_load=EvalLoad.from_dict(data["eval_load"]) if data.get("eval_load") else None,
         )
 
     def save(self, path: str | Path) -> None:

@@ -195,6 +195,8 @@ def recalibrated(cost_model: Any, drift: Any) -> Any:
     is scaled by the whole jobs' drift.
     """
     overhead = drift.overhead_s
+    if getattr(cost_model, "overheads", None) is not None:  # measured job terms: one factor for all
+        return cost_model.scaled(drift.factor)
     predicted_steps = drift.predicted_s - drift.jobs * cost_model.job_overhead_s
     if overhead is None or not drift.step_s or predicted_steps <= 0:
         return cost_model.scaled(drift.factor)
@@ -268,6 +270,10 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     if cost_model is None:
         cost_model, source = cost_model_for(spec, run, probe=probe, hardware=hw)
         cost_model.meta["plan_source"] = source
+    if getattr(cost_model, "overheads", None) is not None and cost_model.eval_load is None:
+        from plora.jobcost import eval_load_for  # the measured eval terms priced on this sweep's eval
+
+        cost_model = cost_model.for_eval(eval_load_for(spec))
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw)
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from plora.data import AdapterStream, TextTokenizer, collate, load_split, synthetic_samples, tokenize_examples
 from plora.evaluate import evaluate_adapters, per_adapter_loss
 from plora.heap import frozen_heap
+from plora.jobphases import PhaseClock
 from plora.models import load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
@@ -95,12 +96,14 @@ class PackedLoRARecipe:
         if tp_degree(c.get("tp")) > 1:
             self.tp, self.device = init_tp(self.device)
         self.is_main = self.tp is None or self.tp.is_main
+        self.clock = PhaseClock()  # what the job spends outside its steps, for the cost model
         torch.manual_seed(int(c.get("seed", 0)))
         self.job_id = str(c.job_id)
         self.output_dir = Path(c.output_dir)
         self.job_dir = Path(c.get("job_dir") or self.output_dir / "jobs" / self.job_id)
         self.job_dir.mkdir(parents=True, exist_ok=True)
 
+        t_load = time.perf_counter()
         model, self.info = load_base_model(
             c.model.path,
             family=c.model.get("family", "auto"),
@@ -109,6 +112,7 @@ class PackedLoRARecipe:
             device=self.device,
             random_init=bool(c.model.get("random_init", False)),
         )
+        self.clock.loaded(time.perf_counter() - t_load)
         adapters = [dict(a) for a in c.adapters]
         self.targets = list(c.lora.targets)
         self.dropout = float(c.lora.get("dropout", 0.0))
@@ -166,6 +170,7 @@ class PackedLoRARecipe:
         self._last_progress = 0.0
         self._control_seen: tuple[int, int, int] | None = None  # control.json's (inode, mtime, size) last read
         self.start_time = time.time()
+        self.clock.set_up(self.eval_samples)
 
     # ------------------------------------------------------------------ training
     def run(self, on_step: Callable[["PackedLoRARecipe", int], None] | None = None) -> dict[str, Any]:
@@ -173,7 +178,8 @@ class PackedLoRARecipe:
         each optimizer step, before finished adapters leave (tests and callers look in)."""
         c = self.cfg
         if c.get("eval_base"):
-            self._eval_base()
+            with self.clock.timed("eval_base_s"):
+                self._eval_base()
         step = 0
         # Time in optimizer steps after the first (which pays kernel compilation): what the
         # cost model predicts. The rest of the job's wall time is its fixed overhead; the
@@ -187,10 +193,12 @@ class PackedLoRARecipe:
                     break
                 t_step = time.perf_counter()
                 self.train_step(active, step)
+                dt = time.perf_counter() - t_step
+                self.clock.step([r.index for r in active], dt)
                 if step == 0:
-                    first_step_s = time.perf_counter() - t_step
+                    first_step_s = dt
                 else:
-                    steps_s += time.perf_counter() - t_step
+                    steps_s += dt
                 if on_step is not None:
                     on_step(self, step)
                 step += 1
@@ -209,6 +217,7 @@ class PackedLoRARecipe:
             "first_step_s": first_step_s,
             "step_time_s": steps_s,  # steps 2..n
             "adapters": {r.id: r.status for r in self.runs},
+            "phases": self.clock.to_dict(),
         }
         if self.is_main:
             (self.job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -348,6 +357,9 @@ class PackedLoRARecipe:
         """Evaluate and save adapters leaving the pack (packed eval), then drop their state."""
         c = self.cfg
         self._drop_graph()  # its memory, for the eval's activations
+        max_new = int(c.eval.get("max_new_tokens", 16))
+        eval_metrics = list(c.eval.get("metrics", ["loss", "exact_match"])) if self.eval_examples else []
+        eval_clock = self.clock.eval_event(len(runs), max_new if "exact_match" in eval_metrics else 0, self.device)
         metrics = evaluate_adapters(
             self.pm,
             [r.index for r in runs],
@@ -360,6 +372,8 @@ class PackedLoRARecipe:
             device=self.device,
             batch_rows=int(c.eval.get("batch_rows", 256)),
         )
+        eval_clock.done()
+        t_save = time.perf_counter()
         for r, m in zip(runs, metrics):
             r.status, r.finished_at = status, time.time()
             # under TP: gathered to full tensors (a collective, on every rank), saved by rank 0
@@ -374,6 +388,7 @@ class PackedLoRARecipe:
                 dropout=self.dropout,
             ) if self.is_main else None
             self._write_adapter_metrics(r, m, checkpoint=ckpt)
+        self.clock.saved(len(runs), time.perf_counter() - t_save)
 
     def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
         """Every `eval.every_steps` of its own steps, an adapter's eval loss goes to
@@ -386,11 +401,13 @@ class PackedLoRARecipe:
         if not due:
             return
         self._drop_graph()  # its memory, for the eval's activations
+        eval_clock = self.clock.eval_event(len(due), 0, self.device)
         metrics = evaluate_adapters(
             self.pm, [r.index for r in due], self.eval_samples, self.eval_examples, self.tok,
             metrics=["loss"], max_new_tokens=1, max_seq_len=int(self.cfg.model.max_seq_len),
             device=self.device, batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
         )
+        eval_clock.done()
         if not self.is_main:
             return
         with open(self.job_dir / "evals.jsonl", "a") as f:
