@@ -222,3 +222,23 @@ def eval_load_for(spec: Any) -> EvalLoad | None:
     except Exception:  # noqa: BLE001 - pricing only: the job itself reports bad data
         row, prompt = float(seq), float(seq)
     return EvalLoad(samples=len(examples), row_tokens=float(row), prompt_tokens=float(prompt), max_new_tokens=new)
+
+
+def measured_makespan(run_dir: Any) -> float | None:
+    """Seconds from a run's first job start to its last job end, from its journal: the
+    makespan a plan predicts (the sweep's own set-up and result collection are outside it)."""
+    from pathlib import Path
+
+    from plora.engine.journal import Journal
+
+    path = Path(run_dir) / "journal.sqlite"
+    if not path.is_file():
+        return None
+    journal = Journal(path)
+    try:
+        jobs = [j for j in journal.jobs() if j.started is not None and j.ended is not None]
+    finally:
+        journal.close()
+    if not jobs:
+        return None
+    return max(j.ended for j in jobs) - min(j.started for j in jobs)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["PhaseClock", "process_started_at"]
+__all__ = ["PhaseClock", "process_started_at", "read_phases"]
 
 
 def process_started_at() -> float | None:
@@ -129,3 +129,18 @@ class PhaseClock:
             "saves": self.saves,
             "finished_at": time.time(),
         }
+
+
+def read_phases(job_dir: Any, exited_at: float | None = None) -> dict[str, Any] | None:
+    """The ``phases`` a finished job wrote to its summary.json (with ``exited_at`` when given),
+    or None when it wrote none."""
+    import json
+    from pathlib import Path
+
+    try:
+        phases = json.loads((Path(job_dir) / "summary.json").read_text()).get("phases")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(phases, dict):
+        return None
+    return {**phases, **({"exited_at": float(exited_at)} if exited_at is not None else {})}

@@ -383,7 +383,17 @@ def run_prepared(
         from plora.profiler import ProfileError, remember_job_overhead
 
         try:  # the next sweep of this model here plans with it; losing it costs nothing else
-            remember_job_overhead(prep.spec, engine.drift.overhead_s, engine.drift.jobs)
+            if getattr(prep.cost_model, "overheads", None) is None:
+                remember_job_overhead(prep.spec, engine.drift.overhead_s, engine.drift.jobs)
+        except (OSError, ValueError, ProfileError):
+            pass
+    if getattr(prep.cost_model, "overheads", None) is not None and (prep.hardware is None or prep.hardware.local):
+        from plora.jobphases import read_phases
+        from plora.profiler import ProfileError, remember_job_phases
+
+        try:  # the job terms refitted with this sweep's jobs, for the next sweep's first plan
+            remember_job_phases(prep.spec, [read_phases(p.job_dir, p.ended) for p in engine.finished
+                                             if p.returncode == 0])
         except (OSError, ValueError, ProfileError):
             pass
     frame = collect_results(prep)
