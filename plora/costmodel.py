@@ -272,6 +272,10 @@ class CostModel:
     overheads: JobOverheads | None = None
     #: the sweep's eval per adapter (set per sweep, `for_eval`); None: evals are not priced
     eval_load: EvalLoad | None = None
+    #: mean real tokens of the sweep's training rows (set per sweep, `for_rows`): what a step
+    #: without padding costs per row; None: every row costs ``seq_len`` (the probes' rows).
+    #: Memory keeps ``seq_len``: a step may draw the longest rows.
+    row_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if set(self.time) != set(self.memory_coeffs):
@@ -343,7 +347,7 @@ class CostModel:
 
     def piece_per_adapter(self, c: TimeCoeffs, a: AdapterLoad) -> float:
         """Seconds adapter ``a`` adds to every step under the linear form ``c``."""
-        tok = a.batch_size * self.seq_len
+        tok = a.batch_size * (self.row_tokens if self.row_tokens is not None else self.seq_len)
         return c.c_tok * tok + c.c_rtok * a.rank * tok + c.c_ad
 
     def step_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
@@ -389,6 +393,12 @@ class CostModel:
         return replace(self, overheads=overheads, job_overhead_s=overheads.fixed_s,
                        meta={**self.meta, "job_terms": overheads.to_dict()})
 
+    def for_rows(self, row_tokens: float | None) -> "CostModel":
+        """The same model timing steps by a sweep's mean real tokens per row (`row_tokens`)."""
+        if row_tokens is not None:
+            row_tokens = min(float(row_tokens), float(self.seq_len))
+        return replace(self, row_tokens=row_tokens, meta=dict(self.meta))
+
     def for_eval(self, load: EvalLoad | None) -> "CostModel":
         """The same model pricing a sweep's eval (`eval_load`)."""
         return replace(self, eval_load=load, meta=dict(self.meta))
@@ -408,7 +418,7 @@ class CostModel:
                          job_overhead_s=self.job_overhead_s * factor,
                          host_time={d: scale(c) for d, c in self.host_time.items()},
                          overheads=self.overheads.scaled(factor) if self.overheads is not None else None,
-                         eval_load=self.eval_load)
+                         eval_load=self.eval_load, row_tokens=self.row_tokens)
 
     # ---- serialization ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -423,6 +433,7 @@ class CostModel:
             **({"host_time": {str(d): asdict(c) for d, c in sorted(self.host_time.items())}} if self.host_time else {}),
             **({"overheads": self.overheads.to_dict()} if self.overheads is not None else {}),
             **({"eval_load": self.eval_load.to_dict()} if self.eval_load is not None else {}),
+            **({"row_tokens": self.row_tokens} if self.row_tokens is not None else {}),
             "meta": self.meta,
         }
 
@@ -439,6 +450,7 @@ class CostModel:
             host_time={int(d): TimeCoeffs(**c) for d, c in data.get("host_time", {}).items()},
             overheads=JobOverheads.from_dict(data["overheads"]) if data.get("overheads") else None,
             eval_load=EvalLoad.from_dict(data["eval_load"]) if data.get("eval_load") else None,
+            row_tokens=float(data["row_tokens"]) if data.get("row_tokens") is not None else None,
         )
 
     def save(self, path: str | Path) -> None:

@@ -193,6 +193,32 @@ def _fit_eval(X: list[list[float]], y: list[float]) -> list[float]:
 NO_GENERATION = ("loss", "choice_accuracy", "choice")
 
 
+#: training rows tokenized to price a sweep's steps (a sample of larger sets)
+ROWS_SAMPLED = 2000
+
+
+def _tokenizer(spec: Any):
+    from plora.data import TextTokenizer
+    from plora.models import read_model_info
+
+    info = read_model_info(spec.model.resolved_path(), spec.model.family)
+    return TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
+
+
+def train_row_tokens(spec: Any) -> float | None:
+    """Mean real tokens of a sweep's training rows (at most ``max_seq_len`` each; the first
+    `ROWS_SAMPLED` rows), or None where they cannot be tokenized here."""
+    try:
+        from plora.data import load_split, tokenize_examples
+        from plora.sweep import data_config
+
+        examples = load_split(data_config(spec), "train")[:ROWS_SAMPLED]
+        samples = tokenize_examples(examples, _tokenizer(spec), int(spec.model.max_seq_len))
+        return sum(len(s.tokens) for s in samples) / len(samples) if samples else None
+    except Exception:  # noqa: BLE001 - pricing only: validation and the job report bad data
+        return None
+
+
 def eval_load_for(spec: Any) -> EvalLoad | None:
     """The eval one adapter of a sweep gets: its eval rows (at most ``max_eval_samples``), their
     mean tokens and prompt tokens under the model's tokenizer, and the tokens generated per
@@ -211,12 +237,9 @@ def eval_load_for(spec: Any) -> EvalLoad | None:
     generates = any(m not in NO_GENERATION for m in metrics)
     new = int(spec.eval.max_new_tokens) if generates else 0
     try:
-        from plora.data import TextTokenizer, tokenize_examples
-        from plora.models import read_model_info
+        from plora.data import tokenize_examples
 
-        info = read_model_info(spec.model.resolved_path(), spec.model.family)
-        tok = TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
-        samples = tokenize_examples(examples, tok, seq)
+        samples = tokenize_examples(examples, _tokenizer(spec), seq)
         row = sum(len(s.tokens) for s in samples) / len(samples)
         prompt = sum(sum(1 for x in s.labels if x < 0) for s in samples) / len(samples)
     except Exception:  # noqa: BLE001 - pricing only: the job itself reports bad data

@@ -271,9 +271,9 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
         cost_model, source = cost_model_for(spec, run, probe=probe, hardware=hw)
         cost_model.meta["plan_source"] = source
     if getattr(cost_model, "overheads", None) is not None and cost_model.eval_load is None:
-        from plora.jobcost import eval_load_for  # the measured eval terms priced on this sweep's eval
+        from plora.jobcost import eval_load_for, train_row_tokens  # priced on this sweep's own rows
 
-        cost_model = cost_model.for_eval(eval_load_for(spec))
+        cost_model = cost_model.for_eval(eval_load_for(spec)).for_rows(train_row_tokens(spec))
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw)
 

@@ -94,6 +94,17 @@ def test_job_time_prices_start_captures_evals_and_saves():
     assert cm.step_time([a, b], 1) == base.step_time([a, b], 1)  # the planner's step is untouched
 
 
+def test_steps_are_timed_by_the_sweeps_real_tokens_and_memory_by_the_longest_row():
+    cm = model()
+    a = AdapterLoad("a", 8, 4, 10)
+    half = cm.for_rows(128.0)
+    c = cm.time[1]
+    assert half.step_time([a], 1) == pytest.approx(c.c0 + 4 * 128 * (c.c_tok + 8 * c.c_rtok) + c.c_ad)
+    assert half.memory([a], 1) == cm.memory([a], 1)
+    assert cm.for_rows(10_000.0).row_tokens == 256  # never past max_seq_len
+    assert CostModel.from_dict(half.to_dict()).row_tokens == 128.0 and cm.for_rows(None).row_tokens is None
+
+
 def test_eval_memory_is_bounded_by_the_eval_batch_and_its_budget():
     loads = [AdapterLoad(f"x{i}", 16, 2, 128) for i in range(16)]
     train = model().memory(loads, 1)
