@@ -66,6 +66,12 @@ __all__ = [
     "resolve_lora_targets",
 ]
 
+#: float32 bytes per vocabulary entry an eval token holds besides its logits: their float copy
+#: and the cross-entropy's log-probabilities (`plora.evaluate.segment_loss_sums`)
+EVAL_LOGIT_FLOAT_BYTES = 8
+#: hidden-size activations an eval token holds in the live layer (residual, norms, attention, MLP)
+EVAL_HIDDEN_COPIES = 16
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Megatron-style TP: these shard their output features (column parallel) ...
@@ -318,9 +324,9 @@ class CostModel:
     def eval_memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:
         """Peak bytes per GPU while adapters leaving together are evaluated: the weights, every
         adapter's parameters and AdamW state, and one eval batch (training activations are
-        gone by then). An eval forward keeps about what a training token keeps per token (the
-        logits dominate); the batch holds at most ``batch_rows`` rows, and no more than the
-        eval memory budget where one is set. 0 when the sweep's eval is not known."""
+        gone by then) of `eval_bytes_per_token` a token; the batch holds at most
+        ``batch_rows`` rows, and no more than the eval memory budget where one is set. 0 when
+        the sweep's eval is not known."""
         ev = self.eval_load
         if ev is None or ev.samples <= 0 or not adapters:
             return 0.0
@@ -330,7 +336,7 @@ class CostModel:
         for a in adapters:
             groups[a.steps] = groups.get(a.steps, 0) + 1
         rows = min(ev.batch_rows, max(groups.values()) * ev.samples)
-        batch = m.tok * rows * ev.row_tokens
+        batch = self.eval_bytes_per_token(d) * rows * ev.row_tokens
         if ev.budget_bytes is not None:
             batch = min(batch, float(ev.budget_bytes))
         return self.memory_base(d) + state + batch
@@ -379,6 +385,17 @@ class CostModel:
                 leaving[a.steps] = leaving.get(a.steps, 0) + 1
             total += sum(self.exit_time(n) for n in leaving.values())
         return total
+
+    def eval_bytes_per_token(self, d: int) -> float:
+        """Bytes an eval forward holds per token of its batch: the full-vocabulary logits in
+        the model dtype, their float copy and the loss's log-probabilities (vocab-parallel
+        under TP), and a few hidden-size activations of the live layer. Without the model's
+        shape in ``meta``, a training token's activations (an upper bound)."""
+        shape = self.meta.get("shape")
+        if not isinstance(shape, dict) or "vocab" not in shape:
+            return self.memory_coeffs[d].tok
+        dt = float(shape.get("dtype_bytes", 2))
+        return float(shape["vocab"]) * (dt + EVAL_LOGIT_FLOAT_BYTES) / d + EVAL_HIDDEN_COPIES * float(shape["hidden"]) * dt
 
     def exit_time(self, adapters: int) -> float:
         """Seconds ``adapters`` adapters leaving a pack together add to its job: their packed
