@@ -82,7 +82,9 @@ def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: st
     from plora.models import read_model_info
 
     cuda = str(device).startswith("cuda")
-    samples = samples or (32 if cuda else 4)
+    # small evals: the probe measures the eval's cost per token, not its memory limit (an eval of
+    # 4 adapters x 8 rows of half the sequence stays far below a GPU's memory on 152k-vocabulary models)
+    samples = samples or (8 if cuda else 4)
     max_new_tokens = max_new_tokens or (8 if cuda else 4)
     info = read_model_info(model_dir, family)
     tok = TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
@@ -93,7 +95,7 @@ def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: st
         count = lambda text: len(tok.encode(text))  # noqa: E731
         rows = text_rows(16, prompt, answer, count, seed=0)
         (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        evals = text_rows(samples, prompt, answer, count, seed=1)
+        evals = text_rows(samples, max(2, seq_len // 2 - answer), answer, count, seed=1)
         (work / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
         # adapters leave alone, in a pair, alone: three pack compositions, evals of 1 and 2
         # adapters with generation; intermediate (loss) evals of 4, 3 and 1 adapters
