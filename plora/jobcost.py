@@ -229,7 +229,8 @@ def eval_load_for(spec: Any) -> EvalLoad | None:
     from plora.sweep import data_config
 
     data = data_config(spec)
-    examples = load_split(data, "eval")[: int(spec.data.max_eval_samples)]
+    cap = getattr(spec.data, "max_eval_samples", None) or getattr(spec.eval, "max_samples", None) or 256
+    examples = load_split(data, "eval")[: int(cap)]
     if not examples:
         return None
     seq = int(spec.model.max_seq_len)
