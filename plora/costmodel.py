@@ -39,16 +39,22 @@ of a job at least as long as every piece (`plora.planner.ilp.job_time_model`), w
 exact once it minimises the time.
 
 A job trains every adapter for its own number of steps and an adapter leaves the
-pack when it is done, so the step gets cheaper as the job goes on (``job_time``).
+pack when it is done, so the step gets cheaper as the job goes on (``job_time``). With
+measured job terms (``overheads``, `plora.jobcost`) a job also pays its start, load and
+first step once, a graph capture whenever the pack changes, and the packed eval and save of
+the adapters leaving at each step count (``eval_load``: the sweep's eval rows); while those
+are evaluated, the job's memory is its weights, the adapters' state and the eval batch.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from plora.jobcost import EvalLoad, JobOverheads
 
 __all__ = [
     "AdapterLoad",
@@ -59,6 +65,12 @@ __all__ = [
     "TimeCoeffs",
     "resolve_lora_targets",
 ]
+
+#: float32 bytes per vocabulary entry an eval token holds besides its logits: their float copy
+#: and the cross-entropy's log-probabilities (`plora.evaluate.segment_loss_sums`)
+EVAL_LOGIT_FLOAT_BYTES = 8
+#: hidden-size activations an eval token holds in the live layer (residual, norms, attention, MLP)
+EVAL_HIDDEN_COPIES = 16
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -262,6 +274,14 @@ class CostModel:
     job_overhead_s: float = 0.0  # process start, imports, model load: paid once per job
     #: the host piece per TP degree (empty: the step is the GPU piece alone)
     host_time: dict[int, TimeCoeffs] = field(default_factory=dict)
+    #: measured job terms (start, load, captures, eval, saves); None: ``job_overhead_s`` alone
+    overheads: JobOverheads | None = None
+    #: the sweep's eval per adapter (set per sweep, `for_eval`); None: evals are not priced
+    eval_load: EvalLoad | None = None
+    #: mean real tokens of the sweep's training rows (set per sweep, `for_rows`): what a step
+    #: without padding costs per row; None: every row costs ``seq_len`` (the probes' rows).
+    #: Memory keeps ``seq_len``: a step may draw the longest rows.
+    row_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if set(self.time) != set(self.memory_coeffs):
@@ -296,8 +316,30 @@ class CostModel:
 
     # ---- the contract -------------------------------------------------------------------
     def memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:
-        """Peak bytes per GPU of a job at TP degree ``d``."""
-        return self.memory_base(d) + sum(self.memory_per_adapter(a, d) for a in adapters)
+        """Peak bytes per GPU of a job at TP degree ``d``: its training peak, or its eval's
+        where that is larger (`eval_memory`)."""
+        train = self.memory_base(d) + sum(self.memory_per_adapter(a, d) for a in adapters)
+        return max(train, self.eval_memory(adapters, d))
+
+    def eval_memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:
+        """Peak bytes per GPU while adapters leaving together are evaluated: the weights, every
+        adapter's parameters and AdamW state, and one eval batch (training activations are
+        gone by then) of `eval_bytes_per_token` a token; the batch holds at most
+        ``batch_rows`` rows, and no more than the eval memory budget where one is set. 0 when
+        the sweep's eval is not known."""
+        ev = self.eval_load
+        if ev is None or ev.samples <= 0 or not adapters:
+            return 0.0
+        m = self.memory_coeffs[d]
+        state = sum(m.adapter + m.rank * a.rank for a in adapters)
+        groups: dict[int, int] = {}
+        for a in adapters:
+            groups[a.steps] = groups.get(a.steps, 0) + 1
+        rows = min(ev.batch_rows, max(groups.values()) * ev.samples)
+        batch = self.eval_bytes_per_token(d) * rows * ev.row_tokens
+        if ev.budget_bytes is not None:
+            batch = min(batch, float(ev.budget_bytes))
+        return self.memory_base(d) + state + batch
 
     def step_per_bucket(self, d: int) -> float:
         """Seconds each distinct rank bucket in a pack adds to every step."""
@@ -311,7 +353,7 @@ class CostModel:
 
     def piece_per_adapter(self, c: TimeCoeffs, a: AdapterLoad) -> float:
         """Seconds adapter ``a`` adds to every step under the linear form ``c``."""
-        tok = a.batch_size * self.seq_len
+        tok = a.batch_size * (self.row_tokens if self.row_tokens is not None else self.seq_len)
         return c.c_tok * tok + c.c_rtok * a.rank * tok + c.c_ad
 
     def step_time(self, adapters: Sequence[AdapterLoad], d: int) -> float:
@@ -325,15 +367,58 @@ class CostModel:
 
         With adapters sorted by steps n_(1) <= ... <= n_(K), the job runs
         n_(i) - n_(i-1) steps with adapters i..K still in the pack, after
-        ``job_overhead_s`` (process start, model load) paid once.
+        ``job_overhead_s`` (process start, model load) paid once. With measured job terms
+        (``overheads``), each later pack composition adds a capture, and the adapters that
+        leave at each step count add their packed eval and saves (`exit_time`).
         """
         order = sorted(adapters, key=lambda a: a.steps)
-        total, done = self.job_overhead_s if order else 0.0, 0
+        total, done, phases = self.job_overhead_s if order else 0.0, 0, 0
         for i, a in enumerate(order):
             if a.steps > done:
                 total += (a.steps - done) * self.step_time(order[i:], d)
                 done = a.steps
+                phases += 1
+        if self.overheads is not None and order:
+            total += self.overheads.capture_s * max(0, phases - 1)
+            leaving: dict[int, int] = {}
+            for a in order:
+                leaving[a.steps] = leaving.get(a.steps, 0) + 1
+            total += sum(self.exit_time(n) for n in leaving.values())
         return total
+
+    def eval_bytes_per_token(self, d: int) -> float:
+        """Bytes an eval forward holds per token of its batch: the full-vocabulary logits in
+        the model dtype, their float copy and the loss's log-probabilities (vocab-parallel
+        under TP), and a few hidden-size activations of the live layer. Without the model's
+        shape in ``meta``, a training token's activations (an upper bound)."""
+        shape = self.meta.get("shape")
+        if not isinstance(shape, dict) or "vocab" not in shape:
+            return self.memory_coeffs[d].tok
+        dt = float(shape.get("dtype_bytes", 2))
+        return float(shape["vocab"]) * (dt + EVAL_LOGIT_FLOAT_BYTES) / d + EVAL_HIDDEN_COPIES * float(shape["hidden"]) * dt
+
+    def exit_time(self, adapters: int) -> float:
+        """Seconds ``adapters`` adapters leaving a pack together add to its job: their packed
+        eval on the sweep's eval rows and their checkpoints (0 without measured job terms)."""
+        return self.overheads.exit_time(adapters, self.eval_load) if self.overheads is not None else 0.0
+
+    def with_overheads(self, overheads: JobOverheads | None) -> "CostModel":
+        """The same model with measured job terms; their fixed part becomes ``job_overhead_s``
+        (what the planner adds once per job)."""
+        if overheads is None:
+            return replace(self, overheads=None)
+        return replace(self, overheads=overheads, job_overhead_s=overheads.fixed_s,
+                       meta={**self.meta, "job_terms": overheads.to_dict()})
+
+    def for_rows(self, row_tokens: float | None) -> "CostModel":
+        """The same model timing steps by a sweep's mean real tokens per row (`row_tokens`)."""
+        if row_tokens is not None:
+            row_tokens = min(float(row_tokens), float(self.seq_len))
+        return replace(self, row_tokens=row_tokens, meta=dict(self.meta))
+
+    def for_eval(self, load: EvalLoad | None) -> "CostModel":
+        """The same model pricing a sweep's eval (`eval_load`)."""
+        return replace(self, eval_load=load, meta=dict(self.meta))
 
     def fits(self, adapters: Sequence[AdapterLoad], d: int, load_factor: float = 0.9) -> bool:
         """Whether the job runs at degree ``d`` within ``load_factor`` of GPU memory."""
@@ -348,7 +433,9 @@ class CostModel:
         return CostModel(self.gpu_memory_bytes, self.seq_len, {d: scale(c) for d, c in self.time.items()},
                          dict(self.memory_coeffs), name=self.name, meta={**self.meta, "time_scale": factor},
                          job_overhead_s=self.job_overhead_s * factor,
-                         host_time={d: scale(c) for d, c in self.host_time.items()})
+                         host_time={d: scale(c) for d, c in self.host_time.items()},
+                         overheads=self.overheads.scaled(factor) if self.overheads is not None else None,
+                         eval_load=self.eval_load, row_tokens=self.row_tokens)
 
     # ---- serialization ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -361,6 +448,9 @@ class CostModel:
             "memory": {str(d): asdict(c) for d, c in sorted(self.memory_coeffs.items())},
             "job_overhead_s": self.job_overhead_s,
             **({"host_time": {str(d): asdict(c) for d, c in sorted(self.host_time.items())}} if self.host_time else {}),
+            **({"overheads": self.overheads.to_dict()} if self.overheads is not None else {}),
+            **({"eval_load": self.eval_load.to_dict()} if self.eval_load is not None else {}),
+            **({"row_tokens": self.row_tokens} if self.row_tokens is not None else {}),
             "meta": self.meta,
         }
 
@@ -375,6 +465,9 @@ class CostModel:
             meta=dict(data.get("meta", {})),
             job_overhead_s=float(data.get("job_overhead_s", 0.0)),
             host_time={int(d): TimeCoeffs(**c) for d, c in data.get("host_time", {}).items()},
+            overheads=JobOverheads.from_dict(data["overheads"]) if data.get("overheads") else None,
+            eval_load=EvalLoad.from_dict(data["eval_load"]) if data.get("eval_load") else None,
+            row_tokens=float(data["row_tokens"]) if data.get("row_tokens") is not None else None,
         )
 
     def save(self, path: str | Path) -> None:

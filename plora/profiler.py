@@ -47,6 +47,13 @@ Choices, and why:
 * **TP degree.** One GPU measures d = 1 only. Degrees d > 1 are derived from the d = 1 fit
   with `CostModel.analytic`'s TP scaling (sharded compute and memory divided by d, plus
   its communication terms) and marked ``extrapolated`` in the model's ``meta``.
+* **Job terms.** Probes run in-process and cannot see what a job of a sweep pays besides
+  its steps: process start, model load, the first step's one-time costs, a graph capture
+  whenever the pack changes, the packed eval and the saves of adapters leaving. One short
+  real job (`plora.jobprobe`, run as the engine runs jobs, with adapters leaving in groups
+  of different sizes) reports its phases, and `plora.jobcost.fit_overheads` fits them; the
+  raw phases are kept in the profile (``job_runs``) and the phases of a finished sweep's
+  jobs are fitted in with them (`remember_job_phases`).
 * **Cache.** A profile is stored under ``$PLORA_CACHE_DIR`` (default
   ``~/.cache/plora/profiles``), keyed by (model shape, LoRA targets and dropout, sequence
   length, dtype, device name, kernel backend, measured TP degree); a second sweep on the
@@ -75,6 +82,8 @@ import numpy as np
 from plora.costmodel import (AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, num_buckets,
                              resolve_lora_targets)
 from plora.heap import frozen_heap
+from plora.jobcost import fit_overheads
+from plora.jobprobe import run_job_probe
 
 __all__ = [
     "DEFAULT_ITERS",
@@ -97,6 +106,7 @@ __all__ = [
     "profile_model",
     "profile_sweep",
     "remember_job_overhead",
+    "remember_job_phases",
     "run_probe",
     "shape_from_model",
     "summarize_errors",
@@ -839,6 +849,8 @@ class Profile:
     timings: dict[str, float] = field(default_factory=dict)
     reused: bool = False
     cache_path: str | None = None
+    #: raw phases of real job runs (the job probe's, then finished sweeps'): the job terms' data
+    job_runs: list[dict[str, Any]] = field(default_factory=list)
 
     def errors(self) -> list[dict[str, Any]]:
         return prediction_errors(self.cost_model, self.holdout, self.load_factor)
@@ -862,6 +874,7 @@ class Profile:
             "errors": self.errors(),
             "measurements": [m.to_dict() for m in self.measurements],
             "holdout": [m.to_dict() for m in self.holdout],
+            **({"job_runs": self.job_runs} if self.job_runs else {}),
         }
 
     @classmethod
@@ -877,6 +890,7 @@ class Profile:
             timings={k: float(v) for k, v in d.get("timings", {}).items()},
             reused=bool(d.get("reused", False)),
             cache_path=d.get("cache_path"),
+            job_runs=list(d.get("job_runs", [])),
         )
 
     def save(self, path: str | Path) -> Path:
@@ -975,13 +989,16 @@ def profile_model(
     on_measurement: Callable[[Measurement], None] | None = None,
     activation_checkpointing: bool = False,
     cuda_graphs: Any = "auto",
+    job_probe: bool = False,
+    random_init: bool = True,
 ) -> Profile:
     """Probe a model on this machine, fit its cost model, validate it on held-out packs.
 
     ``limit`` adds the near-limit packs of `limit_probes` to the validation, ``fill`` the
     memory-filling packs of `fill_probes` to the fit (both by default on a GPU).
     ``deadline`` (a ``time.time()`` value) skips validation packs that would start after
-    it, once ``min_checks`` of them have run; the fit probes always run.
+    it, once ``min_checks`` of them have run; the fit probes always run. ``job_probe`` also
+    runs one short real job (`plora.jobprobe`) and fits the job terms from its phases.
     """
     say = log or (lambda _msg: None)
     device, device_name, total = _device_info(device)
@@ -1044,6 +1061,21 @@ def profile_model(
         fit_set += [measure(p) for p in fill_probes(cm, load_factor, kmax, max_rows=max_rows)]
         cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees,
                             meta=meta)
+    job_runs: list[dict[str, Any]] = []
+    if job_probe:
+        t_job = time.time()
+        run = run_job_probe(model_dir, seq_len=seq_len, dtype=dtype, device=device, targets=names, family=family,
+                            dropout=dropout, random_init=random_init,
+                            activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
+        if run is None:
+            say("  job probe did not finish: job start, load, eval and save are not in the model")
+        else:
+            job_runs.append(run)
+            cm = cm.with_overheads(fit_overheads(job_runs))
+            o = cm.overheads
+            say(f"  job probe: start {o.start_s:.1f} s, load {o.load_s:.1f} s, set-up {o.setup_s:.1f} s, "
+                f"first step +{o.warm_s:.2f} s, capture {o.capture_s:.2f} s, save {o.save_s:.2f} s/adapter "
+                f"({time.time() - t_job:.0f} s)")
     profiling_s = time.time() - t_start
     cm.meta["profiling_s"] = profiling_s
 
@@ -1059,7 +1091,7 @@ def profile_model(
             continue
         held.append(measure(p))
     prof = Profile(cm, fit_set, held, key, load_factor,
-                   timings={"profiling_s": profiling_s, "validation_s": time.time() - t_val})
+                   timings={"profiling_s": profiling_s, "validation_s": time.time() - t_val}, job_runs=job_runs)
     prof.cost_model.meta["holdout"] = prof.summary()
     return prof
 
@@ -1165,6 +1197,24 @@ def remember_job_overhead(spec, overhead_s: float, jobs: int) -> Path | None:
     return prof.save(path)
 
 
+def remember_job_phases(spec, runs: Sequence[dict[str, Any]]) -> Path | None:
+    """Fit the job terms of the cached profile of a sweep's model on this machine again, with
+    the phases of the sweep's finished jobs added to those it has (``runs``: summary.json
+    ``phases``, with ``exited_at`` where the engine saw the process end). Returns the
+    profile written, or None when there is no cached profile or no phases."""
+    runs = [r for r in runs if r]
+    path = sweep_cache_path(spec)
+    if not runs or not path.is_file():
+        return None
+    try:
+        prof = Profile.load(path)
+    except ProfileError:
+        return None
+    prof.job_runs = (prof.job_runs + list(runs))[-64:]
+    prof.cost_model = prof.cost_model.with_overheads(fit_overheads(prof.job_runs))
+    return prof.save(path)
+
+
 def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log: Log | None = None,
                   cached_only: bool = False, **options) -> CostModel | None:
     """The cost model of a sweep's model on this machine: from the cache when there is one
@@ -1197,10 +1247,12 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
         if set(cm.degrees) != set(degrees) or cm.gpu_memory_bytes != gpu_memory:
             keep = {k: v for k, v in cm.meta.items() if k in ("device", "backend", "dtype", "seq_len", "warmup",
                                                               "iters", "probe_rows", "profiling_s", "holdout")}
-            overhead = cm.job_overhead_s
+            overhead, terms = cm.job_overhead_s, cm.overheads
             prof.cost_model = fit_cost_model(prof.measurements, shape, seq, gpu_memory, targets=targets,
                                              tp_degrees=degrees, meta=keep)
             prof.cost_model.job_overhead_s = overhead  # learned from sweeps (remember_job_overhead)
+            if terms is not None:
+                prof.cost_model = prof.cost_model.with_overheads(terms)
         prof.reused, prof.load_factor = True, load_factor
     elif cached_only:
         return None
@@ -1212,6 +1264,8 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
             torch.set_num_threads(1)  # tiny matmuls on several threads are far slower on a small CPU
             for k, v in CPU_DEFAULTS.items():
                 options.setdefault(k, v)
+        options.setdefault("job_probe", True)
+        options.setdefault("random_init", bool(spec.model.random_init))
         prof = profile_model(model_dir, shape, seq_len=seq, dtype=dtype, device=device, targets=targets,
                              family=spec.model.family, dropout=spec.lora.dropout, gpu_memory_bytes=gpu_memory,
                              tp_degrees=degrees, load_factor=load_factor, num_threads=threads, log=say,

@@ -213,6 +213,8 @@ def recalibrated(cost_model: Any, drift: Any) -> Any:
     is scaled by the whole jobs' drift.
     """
     overhead = drift.overhead_s
+    if getattr(cost_model, "overheads", None) is not None:  # measured job terms: one factor for all
+        return cost_model.scaled(drift.factor)
     predicted_steps = drift.predicted_s - drift.jobs * cost_model.job_overhead_s
     if overhead is None or not drift.step_s or predicted_steps <= 0:
         return cost_model.scaled(drift.factor)
@@ -298,6 +300,10 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     if cost_model is None:
         cost_model, source = cost_model_for(spec, run, probe=probe, hardware=hw)
         cost_model.meta["plan_source"] = source
+    if getattr(cost_model, "overheads", None) is not None and cost_model.eval_load is None:
+        from plora.jobcost import eval_load_for, train_row_tokens  # priced on this sweep's own rows
+
+        cost_model = cost_model.for_eval(eval_load_for(spec)).for_rows(train_row_tokens(spec))
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data)
 
@@ -415,7 +421,17 @@ def run_prepared(
         from plora.profiler import ProfileError, remember_job_overhead
 
         try:  # the next sweep of this model here plans with it; losing it costs nothing else
-            remember_job_overhead(prep.spec, engine.drift.overhead_s, engine.drift.jobs)
+            if getattr(prep.cost_model, "overheads", None) is None:
+                remember_job_overhead(prep.spec, engine.drift.overhead_s, engine.drift.jobs)
+        except (OSError, ValueError, ProfileError):
+            pass
+    if getattr(prep.cost_model, "overheads", None) is not None and (prep.hardware is None or prep.hardware.local):
+        from plora.jobphases import read_phases
+        from plora.profiler import ProfileError, remember_job_phases
+
+        try:  # the job terms refitted with this sweep's jobs, for the next sweep's first plan
+            remember_job_phases(prep.spec, [read_phases(p.job_dir, p.ended) for p in engine.finished
+                                             if p.returncode == 0])
         except (OSError, ValueError, ProfileError):
             pass
     frame = collect_results(prep)

@@ -235,6 +235,7 @@ def fake_probes(monkeypatch, tmp_path):
         return synthetic([probe], truth)[0]
 
     monkeypatch.setattr(profiler, "run_probe", fake)
+    monkeypatch.setattr(profiler, "run_job_probe", lambda *a, **kw: None)  # no real job: test_jobcost has one
     return calls
 
 

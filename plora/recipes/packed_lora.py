@@ -33,7 +33,8 @@ from torchtune.config._errors import ConfigError
 from plora.data import AdapterStream, DataError, TextTokenizer, prepare_data, synthetic_samples
 from plora.evaluate import evaluate_adapters
 from plora.heap import frozen_heap
-from plora.metrics import use_metric_paths
+from plora.jobphases import PhaseClock
+from plora.metrics import generated_metrics, use_metric_paths
 from plora.models import ModelError, load_base_model
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
@@ -110,12 +111,14 @@ class PackedLoRARecipe:
         if tp_degree(c.get("tp")) > 1:
             self.tp, self.device = init_tp(self.device)
         self.is_main = self.tp is None or self.tp.is_main
+        self.clock = PhaseClock()  # what the job spends outside its steps, for the cost model
         torch.manual_seed(int(c.get("seed", 0)))
         self.job_id = str(c.job_id)
         self.output_dir = Path(c.output_dir)
         self.job_dir = Path(c.get("job_dir") or self.output_dir / "jobs" / self.job_id)
         self.job_dir.mkdir(parents=True, exist_ok=True)
 
+        t_load = time.perf_counter()
         model, self.info = load_base_model(
             c.model.path,
             family=c.model.get("family", "auto"),
@@ -124,6 +127,7 @@ class PackedLoRARecipe:
             device=self.device,
             random_init=bool(c.model.get("random_init", False)),
         )
+        self.clock.loaded(time.perf_counter() - t_load)
         adapters = [dict(a) for a in c.adapters]
         self.targets = list(c.lora.targets)
         self.dropout = float(c.lora.get("dropout", 0.0))
@@ -189,6 +193,7 @@ class PackedLoRARecipe:
                                             t.get("checkpoint_every_minutes", 10.0))
         self.resumed: dict[str, int] = {}  # adapter id -> the adapter step it resumed from
         self.start_time = time.time()
+        self.clock.set_up(self.eval_samples)
 
     # ------------------------------------------------------------------ training
     def run(self, on_step: Callable[["PackedLoRARecipe", int], None] | None = None) -> dict[str, Any]:
@@ -196,7 +201,8 @@ class PackedLoRARecipe:
         each optimizer step, before finished adapters leave (tests and callers look in)."""
         c = self.cfg
         if c.get("eval_base"):
-            self._eval_base()
+            with self.clock.timed("eval_base_s"):
+                self._eval_base()
         self.resumed = self.checkpointer.restore()
         step = self.checkpointer.job_step
         # Time in optimizer steps after the first (which pays kernel compilation): what the
@@ -211,10 +217,12 @@ class PackedLoRARecipe:
                     break
                 t_step = time.perf_counter()
                 self.train_step(active, step)
+                dt = time.perf_counter() - t_step
+                self.clock.step([r.index for r in active], dt)
                 if step == self.checkpointer.job_step:
-                    first_step_s = time.perf_counter() - t_step
+                    first_step_s = dt
                 else:
-                    steps_s += time.perf_counter() - t_step
+                    steps_s += dt
                 if on_step is not None:
                     on_step(self, step)
                 step += 1
@@ -237,6 +245,7 @@ class PackedLoRARecipe:
             "first_step_s": first_step_s,
             "step_time_s": steps_s,  # steps 2..n
             "adapters": {r.id: r.status for r in self.runs},
+            "phases": self.clock.to_dict(),
         }
         if self.is_main:
             (self.job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -397,6 +406,7 @@ class PackedLoRARecipe:
         pieces (`evaluate_adapters`)."""
         c = self.cfg
         self._drop_graph()  # its memory, for the eval's activations
+        t_save = time.perf_counter()
         checkpoints = []
         for r in runs:
             # under TP: gathered to full tensors (a collective, on every rank), saved by rank 0
@@ -410,11 +420,12 @@ class PackedLoRARecipe:
                 targets=self.targets,
                 dropout=self.dropout,
             ) if self.is_main else None)
-        metrics = self._evaluate(
-            [r.index for r in runs],
-            metrics=list(c.eval.get("metrics", ["loss", "exact_match"])) if self.eval_examples else [],
-            max_new_tokens=int(c.eval.get("max_new_tokens", 16)),
-        )
+        self.clock.saved(len(runs), time.perf_counter() - t_save)
+        max_new = int(c.eval.get("max_new_tokens", 16))
+        eval_metrics = list(c.eval.get("metrics", ["loss", "exact_match"])) if self.eval_examples else []
+        eval_clock = self.clock.eval_event(len(runs), max_new if generated_metrics(eval_metrics) else 0, self.device)
+        metrics = self._evaluate([r.index for r in runs], metrics=eval_metrics, max_new_tokens=max_new)
+        eval_clock.done()
         for r, m, ckpt in zip(runs, metrics, checkpoints):
             r.status, r.finished_at = status, time.time()
             self._write_adapter_metrics(r, m, checkpoint=ckpt)
@@ -440,7 +451,9 @@ class PackedLoRARecipe:
         if not due:
             return
         self._drop_graph()  # its memory, for the eval's activations
+        eval_clock = self.clock.eval_event(len(due), 0, self.device)
         metrics = self._evaluate([r.index for r in due], metrics=["loss"], max_new_tokens=1)
+        eval_clock.done()
         if not self.is_main:
             return
         with open(self.job_dir / "evals.jsonl", "a") as f:

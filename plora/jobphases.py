@@ -1,0 +1,146 @@
+"""Where a job's wall time goes besides its training steps, as the job itself sees it.
+
+A job's optimizer steps are what the profiler's in-process probes measure; a real job also
+pays its process start, the model load, its set-up, the first step's one-time costs, a graph
+capture whenever the pack changes, and the eval and checkpoint of every adapter that leaves.
+The recipe records each of these (`PhaseClock`) into its summary.json under ``phases``; the
+cost model's job terms are fitted from them (`plora.jobcost.fit_overheads`).
+
+No torch at import: the clock is created before anything heavy runs, and tests read the
+summaries it writes without a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["PhaseClock", "process_started_at", "read_phases"]
+
+
+def process_started_at() -> float | None:
+    """When this process was created (``time.time()`` scale), or None where unknown."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - no psutil, or no /proc: the start term goes unmeasured
+        return None
+
+
+class _EvalEvent:
+    """One packed eval of adapters leaving together (or due an intermediate eval)."""
+
+    def __init__(self, clock: "PhaseClock", adapters: int, max_new_tokens: int, device: Any):
+        self.clock, self.adapters, self.max_new_tokens = clock, adapters, max_new_tokens
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.device = device
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+        self.t0 = time.perf_counter()
+
+    def done(self) -> None:
+        row: dict[str, Any] = {"adapters": self.adapters, "samples": self.clock.eval_rows,
+                               "max_new_tokens": self.max_new_tokens,
+                               "seconds": time.perf_counter() - self.t0}
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            row["seconds"] = time.perf_counter() - self.t0
+            row["peak_reserved"] = float(torch.cuda.max_memory_reserved(self.device))
+        self.clock.evals.append(row)
+
+
+class PhaseClock:
+    """Times a job's phases; `to_dict` is what summary.json keeps under ``phases``."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        created = process_started_at()
+        self.created_at = created
+        self.start_s = max(0.0, self.t0 - created) if created is not None else None
+        self.load_s = 0.0
+        self.setup_s = 0.0
+        self.eval_base_s = 0.0
+        self.eval_rows = 0
+        self.eval_row_tokens = 0.0
+        self.eval_prompt_tokens = 0.0
+        #: one per pack composition, in order: adapters in it, steps, first step's and the others' seconds
+        self.phases: list[dict[str, Any]] = []
+        self._pack: tuple[int, ...] | None = None
+        self.evals: list[dict[str, Any]] = []
+        self.saves: list[dict[str, Any]] = []
+
+    def loaded(self, seconds: float) -> None:
+        self.load_s = float(seconds)
+
+    def set_up(self, eval_samples: Sequence[Any]) -> None:
+        """The job is ready to train; its eval rows are known (their size prices each eval)."""
+        self.setup_s = max(0.0, time.time() - self.t0 - self.load_s)
+        n = len(eval_samples)
+        self.eval_rows = n
+        if n:
+            self.eval_row_tokens = sum(len(s.tokens) for s in eval_samples) / n
+            self.eval_prompt_tokens = sum(sum(1 for x in s.labels if x < 0) for s in eval_samples) / n
+
+    def step(self, pack: Sequence[int], seconds: float) -> None:
+        key = tuple(pack)
+        if key != self._pack:
+            self._pack = key
+            self.phases.append({"adapters": len(key), "steps": 1, "first_s": float(seconds), "rest_s": 0.0})
+        else:
+            self.phases[-1]["steps"] += 1
+            self.phases[-1]["rest_s"] += float(seconds)
+
+    def eval_event(self, adapters: int, max_new_tokens: int, device: Any) -> _EvalEvent:
+        """Start timing one eval of ``adapters`` adapters (``max_new_tokens`` 0: no generation);
+        call ``done()`` on the result when it has finished."""
+        return _EvalEvent(self, adapters, max_new_tokens, device)
+
+    def saved(self, adapters: int, seconds: float) -> None:
+        self.saves.append({"adapters": int(adapters), "seconds": float(seconds)})
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, name, getattr(self, name) + time.perf_counter() - t)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "created_at": self.created_at,
+            "clock_at": self.t0,
+            "start_s": self.start_s,
+            "load_s": self.load_s,
+            "setup_s": self.setup_s,
+            "eval_base_s": self.eval_base_s,
+            "eval_rows": self.eval_rows,
+            "eval_row_tokens": self.eval_row_tokens,
+            "eval_prompt_tokens": self.eval_prompt_tokens,
+            "phases": self.phases,
+            "evals": self.evals,
+            "saves": self.saves,
+            "finished_at": time.time(),
+        }
+
+
+def read_phases(job_dir: Any, exited_at: float | None = None) -> dict[str, Any] | None:
+    """The ``phases`` a finished job wrote to its summary.json (with ``exited_at`` when given),
+    or None when it wrote none."""
+    import json
+    from pathlib import Path
+
+    try:
+        phases = json.loads((Path(job_dir) / "summary.json").read_text()).get("phases")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(phases, dict):
+        return None
+    return {**phases, **({"exited_at": float(exited_at)} if exited_at is not None else {})}

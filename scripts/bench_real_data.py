@@ -1,0 +1,454 @@
+"""A sweep on real-looking rows: plora's measured makespan against its plan, and against
+`transformers` + PEFT training the same configurations one after another.
+
+The sweep: 16 configurations (rank 8/16/32/64 x lr 1e-4/3e-4 x batch 2/4, alpha 2r, all
+seven linears, one epoch, cosine) on a random-init model of a given shape (default the
+Qwen2.5-0.5B shape, 152k vocabulary) in bf16, 512 training rows from a JSONL file written
+here, 32 eval samples per adapter. Two data variants with about the same real tokens:
+
+* ``fixed``: every row about 250 tokens (about 200 in, 48 out);
+* ``varied``: 16-400 characters in, about 48 out.
+
+Each runs through ``plora sweep`` (the real engine, one process per job), after ``plora
+profile`` (cached, timed apart). Measured makespan (first job start to last job end, from
+the run's journal) against the plan's predicted makespan. Then the baseline: the same
+configurations, rows, batch sizes, steps, schedule and eval with `transformers` + PEFT, one
+after another in one process (a separate interpreter: on the GPU image its path leaves
+``/tmp/site``'s torchao out, which the image's peft refuses). ``--baseline-configs N``
+trains the first N (interleaved over batch sizes) and extrapolates the rest by batch size,
+reported as such. Real (non-padding) training tokens per second for both.
+
+    python scripts/bench_real_data.py --out DIR --baseline-configs 4   # one GPU, ~8 minutes
+    python scripts/bench_real_data.py --out DIR                        # all 16 with PEFT: ~10 more
+
+On one GPU (H200/H100, 0.5B shape): the profile ~3 minutes the first time (cached after),
+each plora sweep about a minute, the PEFT baseline about 40 s a configuration (the issue
+measured ~600 s for all 16), on the fixed-length rows only unless ``--baseline-variants``.
+    python scripts/bench_real_data.py --smoke --out DIR             # tiny model, CPU, a minute
+
+Writes DIR/real_data_bench.json and DIR/real_data_bench.md; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_WORDS = ("market river winter council station garden letter morning village engine history report "
+          "question doctor teacher family summer harbor bridge window problem answer number system "
+          "quiet bright early heavy simple careful local public recent strong open final ready").split()
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def sentence_text(rng: random.Random, chars: int) -> str:
+    """Plain sentences of about ``chars`` characters."""
+    out: list[str] = []
+    length = 0
+    while length < chars:
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 11))]
+        s = " ".join(words).capitalize() + rng.choice([".", ".", ".", "?", "!"])
+        out.append(s)
+        length += len(s) + 1
+    return " ".join(out)[:chars].rstrip()
+
+
+def make_rows(n: int, variant: str, *, row_chars: int, answer_chars: int, in_min: int, in_max: int,
+              seed: int) -> list[dict]:
+    """Rows whose text is about one token a character under the shape folder's tokenizer."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        if variant == "fixed":
+            prompt = row_chars - answer_chars
+        else:
+            prompt = rng.randint(in_min, in_max)
+        rows.append({"input": sentence_text(rng, prompt), "output": sentence_text(rng, answer_chars)})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ---------------------------------------------------------------------------- plora
+
+
+def space(args, variant: str, data_dir: Path) -> dict:
+    device = {"device": "cpu"} if args.device == "cpu" else {"device": "cuda", "gpus": 1}
+    return {
+        "name": f"real-{variant}",
+        "model": {"path": args.model, "dtype": args.dtype, "max_seq_len": args.seq},
+        "data": {"train": str(data_dir / f"train-{variant}.jsonl"), "eval": str(data_dir / f"eval-{variant}.jsonl"),
+                 "max_eval_samples": args.eval_samples},
+        "lora": {"targets": TARGETS, "dropout": 0.0},
+        "space": {"strategy": "grid", "rank": args.ranks, "alpha": {"relative": [2]},
+                  "learning_rate": [1e-4, 3e-4], "batch_size": [2, 4]},
+        "training": {"epochs": 1, "scheduler": "cosine", "grad_clip": 1.0},
+        "eval": {"metrics": args.metrics, "max_new_tokens": args.max_new_tokens},
+        "hardware": device,
+        "planner": {"max_adapters_per_job": 16},
+        "output": {"dir": str(args.out / "runs")},
+    }
+
+
+def real_tokens(spec) -> tuple[int, int]:
+    """(real training tokens one epoch of one adapter sees, rows), as plora tokenizes them."""
+    from plora.data import TextTokenizer, load_split, tokenize_examples
+    from plora.models import read_model_info
+    from plora.sweep import data_config
+
+    info = read_model_info(spec.model.resolved_path(), spec.model.family)
+    tok = TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
+    samples = tokenize_examples(load_split(data_config(spec), "train"), tok, int(spec.model.max_seq_len))
+    return sum(len(s.tokens) for s in samples), len(samples)
+
+
+def run_plora(args, variant: str, data_dir: Path) -> dict:
+    import yaml
+
+    from plora.jobcost import measured_makespan
+    from plora.spec import load_spec
+
+    path = args.out / f"{variant}.yaml"
+    path.write_text(yaml.safe_dump(space(args, variant, data_dir), sort_keys=False))
+    plora = [sys.executable, "-m", "plora.cli"]
+    t0 = time.time()
+    subprocess.run(plora + ["profile", str(path)], check=True, stdout=subprocess.DEVNULL)
+    profile_s = time.time() - t0
+    t0 = time.time()
+    proc = subprocess.run(plora + ["sweep", str(path), "--restart"], stdout=subprocess.DEVNULL)
+    wall = time.time() - t0
+    spec = load_spec(path)
+    run_dir = spec.run_dir(None)
+    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").is_file() else {}
+    span = measured_makespan(run_dir)
+    predicted = plan.get("predicted_makespan_s")
+    tokens, rows = real_tokens(spec)
+    configs = 4 * len(args.ranks)
+    status = {}
+    results = run_dir / "results.csv"
+    if results.is_file():
+        import pandas as pd
+
+        status = pd.read_csv(results)["status"].value_counts().to_dict()
+    ooms = sum(1 for p in (run_dir / "jobs").glob("*/oom.json")) if (run_dir / "jobs").is_dir() else 0
+    return {"variant": variant, "exit_code": proc.returncode, "profile_s": profile_s, "wall_s": wall,
+            "makespan_s": span, "predicted_makespan_s": predicted,
+            "measured_over_predicted": span / predicted if span and predicted else None,
+            "jobs": len(plan.get("jobs", [])), "adapters": status, "oom_jobs": ooms,
+            "real_tokens": tokens * configs, "rows": rows,
+            "real_tokens_per_s": tokens * configs / span if span else None}
+
+
+# ----------------------------------------------------------------------------- peft
+
+
+def baseline_env() -> dict:
+    """The baseline's environment: the image's own packages, /tmp/site (and its torchao) left out."""
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not p.startswith("/tmp/site")]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def run_baseline(args, variant: str, data_dir: Path) -> dict:
+    """The PEFT baseline in its own interpreter (``--peft-worker``); its JSON line back."""
+    from plora.spec import load_spec
+
+    spec = load_spec(args.out / f"{variant}.yaml")
+    job = {"model": str(spec.model.resolved_path()), "random_init": spec.model.random_init, "dtype": args.dtype,
+           "device": args.device, "seq": args.seq, "train": str(data_dir / f"train-{variant}.jsonl"),
+           "eval": str(data_dir / f"eval-{variant}.jsonl"), "eval_samples": args.eval_samples,
+           "metrics": args.metrics, "max_new_tokens": args.max_new_tokens, "ranks": args.ranks,
+           "configs": args.baseline_configs}
+    spec_path = args.out / f"baseline-{variant}.json"
+    spec_path.write_text(json.dumps(job))
+    out = args.out / f"baseline-{variant}.result.json"
+    out.unlink(missing_ok=True)
+    env = baseline_env() if not args.keep_site else dict(os.environ)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--peft-worker", str(spec_path),
+                           "--peft-out", str(out)], env=env, cwd=str(REPO))
+    if proc.returncode != 0 or not out.is_file():
+        return {"variant": variant, "error": f"baseline exited {proc.returncode}"}
+    return json.loads(out.read_text())
+
+
+def peft_worker(spec_path: Path, out: Path) -> None:
+    """Train the configurations one after another with transformers + PEFT; write timings."""
+    sys.path[:] = [p for p in sys.path if "torchao" not in p]
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    job = json.loads(spec_path.read_text())
+    device = torch.device("cuda" if job["device"] != "cpu" and torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[job["dtype"]]
+    folder = Path(job["model"])
+    cfg = json.loads((folder / "config.json").read_text())
+    bos, eos, pad = cfg.get("bos_token_id"), cfg.get("eos_token_id"), cfg.get("pad_token_id")
+    pad = eos if pad is None else pad
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    seq = int(job["seq"])
+
+    def encode(rows):  # as plora: bos + prompt, answer + eos, loss on the answer and eos
+        out_rows = []
+        for r in rows:
+            prompt = ([bos] if bos is not None else []) + tok.encode(r["input"], add_special_tokens=False).ids
+            answer = tok.encode(r["output"], add_special_tokens=False).ids + [eos]
+            ids = (prompt + answer)[:seq]
+            labels = ([-100] * len(prompt) + answer)[:seq]
+            out_rows.append((ids, labels, r))
+        return out_rows
+
+    read = lambda p: [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]  # noqa: E731
+    train = encode(read(job["train"]))
+    evals = encode(read(job["eval"])[: int(job["eval_samples"])])
+
+    t_load = time.time()
+    torch.manual_seed(0)
+    if job["random_init"]:
+        config = AutoConfig.from_pretrained(folder)
+        base = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
+    base.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    load_s = time.time() - t_load
+    from peft import LoraConfig, get_peft_model
+
+    def batch(rows):
+        width = max(len(r[0]) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (x, y, _) in enumerate(rows):
+            ids[i, : len(x)] = torch.tensor(x)
+            labels[i, : len(y)] = torch.tensor(y)
+            mask[i, : len(x)] = 1
+        return ids.to(device), labels.to(device), mask.to(device)
+
+    ranks = list(job["ranks"])
+    # the same grid as the sweep, ordered so that any first N of them mix ranks and batch sizes
+    n_all = 4 * len(ranks)
+    configs = [(ranks[k % len(ranks)], (1e-4, 3e-4)[k * 2 // n_all], (2, 4)[(k + k // len(ranks)) % 2])
+               for k in range(n_all)]
+    take = list(range(max(1, min(n_all, int(job["configs"] or n_all)))))
+    results = []
+    for i in take:
+        rank, lr, bs = configs[i]
+        t0 = time.time()
+        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                target_modules=[t for t in
+                                                                ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj")]))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        steps = math.ceil(len(train) / bs)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
+        rng = random.Random(i)
+        perm = list(range(len(train)))
+        rng.shuffle(perm)
+        model.train()
+        real, padded = 0, 0
+        for s in range(steps):
+            rows = [train[perm[(s * bs + j) % len(train)]] for j in range(bs)]
+            ids, labels, mask = batch(rows)
+            real += int(mask.sum())
+            padded += ids.numel()
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        train_s = time.time() - t0
+        model.eval()
+        metrics = {}
+        with torch.no_grad():
+            sums = count = 0.0
+            for e0 in range(0, len(evals), 32):
+                ids, labels, mask = batch(evals[e0: e0 + 32])
+                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+                tgt = labels[:, 1:]
+                ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                                       ignore_index=-100, reduction="sum")
+                sums += float(ce)
+                count += int((tgt != -100).sum())
+            metrics["eval_loss"] = sums / max(1, count)
+            if "exact_match" in job["metrics"]:
+                hits = 0
+                for x, y, r in evals:
+                    prompt = x[: len(x) - sum(1 for v in y if v != -100)]
+                    gen = model.generate(input_ids=torch.tensor([prompt], device=device),
+                                         max_new_tokens=int(job["max_new_tokens"]), do_sample=False,
+                                         eos_token_id=eos, pad_token_id=pad)
+                    hits += int(tok.decode(gen[0, len(prompt):].tolist(), skip_special_tokens=True) == r["output"])
+                metrics["eval_exact_match"] = hits / max(1, len(evals))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total_s = time.time() - t0
+        base = model.unload()  # the base model back, without LoRA layers, for the next configuration
+        if hasattr(base, "peft_config"):
+            del base.peft_config
+        del model, opt, params
+        results.append({"rank": rank, "lr": lr, "batch_size": bs, "steps": steps, "train_s": train_s,
+                        "seconds": total_s, "real_tokens": real, "padded_tokens": padded, **metrics})
+        print(json.dumps(results[-1]), flush=True)
+    # extrapolated by batch size where fewer configurations ran
+    by_bs: dict[int, list[float]] = {}
+    for r in results:
+        by_bs.setdefault(r["batch_size"], []).append(r["seconds"])
+    mean_all = sum(r["seconds"] for r in results) / len(results)
+    est = sum(sum(by_bs[bs]) / len(by_bs[bs]) if bs in by_bs else mean_all for _, _, bs in configs)
+    ran = [configs[i] for i in take]
+    measured = sum(r["seconds"] for r in results)
+    real_all = sum(r["real_tokens"] for r in results) * len(configs) / len(results)
+    makespan = load_s + (measured if len(ran) == len(configs) else est)
+    out.write_text(json.dumps({
+        "configs_run": len(ran), "configs": len(configs), "extrapolated": len(ran) < len(configs),
+        "load_s": load_s, "measured_s": measured, "makespan_s": makespan,
+        "real_tokens": real_all, "real_tokens_per_s": real_all / makespan,
+        "padding_share": 1 - sum(r["real_tokens"] for r in results) / max(1, sum(r["padded_tokens"] for r in results)),
+        "runs": results, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "peft": __import__("peft").__version__,
+        "transformers": __import__("transformers").__version__,
+    }, indent=2))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def smoke_model(out: Path) -> Path:
+    """A tiny Qwen2 with weights, written by transformers, and a one-character tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from plora.data import char_tokenizer
+
+    folder = out / "tiny-qwen2"
+    if (folder / "config.json").is_file():
+        return folder
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(folder)
+    char_tokenizer("".join(chr(b) for b in range(32, 127))).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def table(result: dict) -> list[str]:
+    lines = ["| variant | plora predicted s | plora measured s | measured/predicted | OOM jobs | done | "
+             "PEFT s | plora speed-up | plora real tok/s | PEFT real tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt="{:.1f}"):
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+    for r in result["variants"]:
+        p, b = r["plora"], r.get("baseline", {})
+        speed = b.get("makespan_s") / p["makespan_s"] if b.get("makespan_s") and p.get("makespan_s") else None
+        peft = f(b.get("makespan_s")) + (f" (from {b['configs_run']} of {b['configs']})" if b.get("extrapolated") else "")
+        lines.append(f"| {r['variant']} | {f(p.get('predicted_makespan_s'))} | {f(p.get('makespan_s'))} | "
+                     f"{f(p.get('measured_over_predicted'), '{:.2f}')} | {p.get('oom_jobs')} | "
+                     f"{p['adapters'].get('done', 0)}/{4 * len(result['ranks'])} | {peft} | {f(speed, '{:.1f}x')} | "
+                     f"{f(p.get('real_tokens_per_s'), '{:,.0f}')} | {f(b.get('real_tokens_per_s'), '{:,.0f}')} |")
+    fixed = next((r["plora"].get("makespan_s") for r in result["variants"] if r["variant"] == "fixed"), None)
+    varied = next((r["plora"].get("makespan_s") for r in result["variants"] if r["variant"] == "varied"), None)
+    if fixed and varied:
+        lines.append("")
+        lines.append(f"varied / fixed makespan: {varied / fixed:.2f}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench-real-data"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few rows, CPU")
+    ap.add_argument("--model", default="shape:qwen2.5-0.5b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seq", type=int, default=512, help="max_seq_len: holds the longest varied row")
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--row-chars", type=int, default=250, help="fixed rows: characters (~tokens) per row")
+    ap.add_argument("--answer-chars", type=int, default=48)
+    ap.add_argument("--eval-samples", type=int, default=32)
+    ap.add_argument("--metrics", nargs="+", default=["loss"])
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--variants", nargs="+", default=["fixed", "varied"], choices=["fixed", "varied"])
+    ap.add_argument("--baseline-configs", type=int, default=16,
+                    help="train the first N configurations with PEFT and extrapolate the rest (0: no baseline)")
+    ap.add_argument("--baseline-variants", nargs="+", default=["fixed"], choices=["fixed", "varied"],
+                    help="data variants the PEFT baseline runs on")
+    ap.add_argument("--keep-site", action="store_true", help="the baseline keeps PYTHONPATH as it is")
+    ap.add_argument("--peft-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peft-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peft_worker is not None:
+        peft_worker(args.peft_worker, args.peft_out)
+        return
+    args.ranks = [8, 16, 32, 64]
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        os.environ.setdefault("PLORA_CACHE_DIR", str(args.out / "cache"))
+        args.model = str(smoke_model(args.out))
+        args.device, args.dtype, args.rows, args.seq = "cpu", "float32", min(args.rows, 32), min(args.seq, 160)
+        args.row_chars, args.answer_chars, args.eval_samples = 96, 16, min(args.eval_samples, 4)
+        args.max_new_tokens = min(args.max_new_tokens, 4)
+        args.ranks = [8, 16]
+        args.baseline_configs = min(args.baseline_configs, 2)
+    data_dir = args.out / "data"
+    data_dir.mkdir(exist_ok=True)
+    in_max = 2 * (args.row_chars - args.answer_chars) - 16  # the varied rows' mean matches the fixed ones'
+    for variant in args.variants:
+        kw = dict(row_chars=args.row_chars, answer_chars=args.answer_chars, in_min=16,
+                  in_max=min(in_max, args.seq - args.answer_chars - 4))
+        write_jsonl(data_dir / f"train-{variant}.jsonl", make_rows(args.rows, variant, seed=1, **kw))
+        write_jsonl(data_dir / f"eval-{variant}.jsonl", make_rows(args.eval_samples, variant, seed=2, **kw))
+    device = "cpu"
+    if args.device != "cpu":
+        import torch
+
+        device = torch.cuda.get_device_name()
+    result = {"model": args.model, "device": device, "dtype": args.dtype, "seq": args.seq, "rows": args.rows,
+              "eval_samples": args.eval_samples, "metrics": args.metrics, "max_new_tokens": args.max_new_tokens,
+              "ranks": args.ranks, "smoke": args.smoke, "variants": []}
+    for variant in args.variants:
+        row = {"variant": variant, "plora": run_plora(args, variant, data_dir)}
+        print(json.dumps(row["plora"]), flush=True)
+        result["variants"].append(row)
+        (args.out / "real_data_bench.json").write_text(json.dumps(result, indent=2))
+    if args.baseline_configs > 0:
+        for row in result["variants"]:
+            if row["variant"] not in args.baseline_variants:
+                continue
+            row["baseline"] = run_baseline(args, row["variant"], data_dir)
+            print(json.dumps({k: v for k, v in row["baseline"].items() if k != "runs"}), flush=True)
+            (args.out / "real_data_bench.json").write_text(json.dumps(result, indent=2))
+    lines = table(result)
+    head = (f"{args.model} on {device}, {args.dtype}, {4 * len(args.ranks)} configurations, {args.rows} rows, "
+            f"{args.eval_samples} eval samples per adapter (metrics: {', '.join(args.metrics)})")
+    (args.out / "real_data_bench.md").write_text(head + "\n\n" + "\n".join(lines) + "\n")
+    (args.out / "real_data_bench.json").write_text(json.dumps(result, indent=2))
+    print("\n" + head)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
