@@ -196,9 +196,11 @@ def sweep(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the configurations and jobs; train nothing."),
     restart: bool = typer.Option(False, "--restart", help="Delete the run directory first and start over."),
+    no_profile: bool = typer.Option(False, "--no-profile",
+                                    help="Plan with a cached profile or the analytic model; never profile first."),
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
-    prep = _prepare(space, output, probe=not dry_run)
+    prep = _prepare(space, output, probe=not (dry_run or no_profile))
     if dry_run:
         console.print(_configs_table(prep))
         console.print(_jobs_table(prep))

@@ -96,7 +96,7 @@ def sweep(args: argparse.Namespace, spec: dict) -> dict:
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     run_dir = args.work / "runs" / spec["name"]
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "plora.cli", "sweep", str(path), "--restart"])
+    proc = subprocess.run([sys.executable, "-m", "plora.cli", "sweep", str(path), "--restart", "--no-profile"])
     wall = time.time() - t0
     span, jobs, status = journal_makespan(run_dir)
     frame = pd.read_parquet(run_dir / "results.parquet") if (run_dir / "results.parquet").is_file() else None
@@ -250,6 +250,7 @@ def main() -> None:
                     help="run directories and space files (large: every adapter's checkpoint)")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--smoke", action="store_true", help="CPU, 4 configurations, a few rows: checks the script runs")
+    ap.add_argument("--no-profile", action="store_true", help="plan with the analytic cost model (no profiling run)")
     ap.add_argument("--baseline", choices=["sample", "full", "none"], default="sample")
     ap.add_argument("--baseline-configs", type=int, default=4)
     ap.add_argument("--num-train", type=int, default=None)
@@ -276,7 +277,7 @@ def main() -> None:
     convert_s = time.time() - t0
     print(f"model folder: {folder} ({convert_s:.0f} s)", flush=True)
     profile_s = 0.0
-    if not args.smoke:  # the cost-model profile (cached per machine), so no timed run pays for it
+    if not (args.smoke or args.no_profile):  # the cost-model profile (cached per machine), so no timed run pays for it
         first = args.work / "profile.yaml"
         first.write_text(yaml.safe_dump(space(args, args.tasks[0], "profile"), sort_keys=False))
         t0 = time.time()
