@@ -14,13 +14,14 @@ Two nested searches:
   least GPU-seconds that can cover the adapters left (a dynamic program over subsets,
   exact on the cost model), full-width jobs counted apart since nothing runs beside them,
   and the longest job.
-* **Schedules** of one partition's jobs (:func:`schedule_jobs`): jobs are placed in order
-  of their start times. Any schedule can be shifted left until every job starts at the
-  previous job's start or when a GPU frees up, without reordering the starts, so those
-  are the only start times tried; a job placed at the same time as the previous one
-  comes after it in index order (each set of simultaneous starts once). GPUs free by a
-  start are interchangeable for every later job, so the state is the multiset of GPU
-  free times, and identical jobs are tried once.
+* **Schedules** of one partition's jobs (:func:`schedule_jobs`): jobs are placed in the
+  order of their start times, each as early as that order allows (when its degree's
+  worth of GPUs are free, and not before the previous job's start). Any schedule can be
+  rebuilt that way, job by job in its start order, without starting any job later; and
+  from a start on, all GPUs free by then are interchangeable, so starting a job later
+  than it could leaves every GPU free no earlier -- never better. So a schedule is a
+  permutation of the jobs; jobs starting at the same time are taken in index order and
+  identical jobs once, and the state is the sorted list of GPU free times.
 
 Job times are memoised per (adapter subset, degree). Small sweeps (up to about ten
 adapters on a few GPUs) solve in well under a second; past :data:`EXACT_MAX_ADAPTERS` the
@@ -37,7 +38,7 @@ from plora.costmodel import AdapterLoad
 from plora.planner.plan import Job
 from plora.planner.workload import Workload
 
-__all__ = ["EXACT_MAX_ADAPTERS", "ExactResult", "schedule_jobs", "solve_exact"]
+__all__ = ["EXACT_MAX_ADAPTERS", "ExactResult", "JobSchedule", "OutOfTime", "schedule_jobs", "solve_exact"]
 
 #: the most adapters `solve_exact` takes on (its subset tables hold 2^n entries, its cover
 #: bound takes 3^n steps)
@@ -58,15 +59,22 @@ class ExactResult:
     notes: list[str] = field(default_factory=list)
 
 
-class _OutOfTime(Exception):
+class OutOfTime(Exception):
+    """The search passed its deadline."""
+
+
+class _NodeLimit(Exception):
     pass
 
 
 @dataclass
-class _Schedule:
+class JobSchedule:
+    """Start times of rigid jobs; ``proven`` when no shorter schedule exists."""
+
     makespan: float
     starts: list[float]  # per job (in the input order)
     order: list[int]  # job indices in start order
+    proven: bool = True
 
 
 def schedule_jobs(
@@ -75,12 +83,15 @@ def schedule_jobs(
     *,
     upper_bound: float = float("inf"),
     deadline: float | None = None,
-) -> _Schedule | None:
+    max_nodes: int | None = None,
+) -> JobSchedule | None:
     """The shortest non-preemptive schedule of rigid jobs ``(degree, seconds)`` on ``gpus``
-    identical GPUs; None when none beats ``upper_bound``. Exact (see the module docstring)."""
+    identical GPUs; None when none beats ``upper_bound``. Exact (see the module docstring)
+    unless ``max_nodes`` search nodes do not suffice: then the best found, not ``proven``.
+    ``deadline`` (a `time.perf_counter` value) raises `OutOfTime` when passed."""
     n = len(jobs)
     if n == 0:
-        return _Schedule(0.0, [], [])
+        return JobSchedule(0.0, [], [])
     # Longest first: good schedules come early, which makes the bound bite sooner.
     idx = sorted(range(n), key=lambda j: (-jobs[j][1], -jobs[j][0]))
     d = [jobs[j][0] for j in idx]
@@ -105,8 +116,10 @@ def schedule_jobs(
                 best_seq[0] = list(seq)
             return
         counter[0] += 1
+        if max_nodes is not None and counter[0] > max_nodes:
+            raise _NodeLimit
         if deadline is not None and counter[0] & 1023 == 0 and time.perf_counter() > deadline:
-            raise _OutOfTime
+            raise OutOfTime
         left = full & ~done
         clamped = [f if f > s else s for f in free]
         lb = max(end, (sum(clamped) + area[left]) / gpus)
@@ -117,45 +130,42 @@ def schedule_jobs(
                 continue
             if clamped[d[k] - 1] + p[k] >= best[0] * (1 - _REL):
                 return  # free is sorted: the earliest start of this job already runs too late
-        times = sorted(set(clamped))
         for k in range(n):
             if not (left >> k) & 1:
                 continue
             if same_as_prev[k] and (left >> (k - 1)) & 1:
                 continue  # identical to an unplaced job before it: place that one first
-            dk, pk = d[k], p[k]
-            for t in times:
-                if t == s and k < last:
-                    continue  # simultaneous starts in index order
-                avail = sum(1 for f in clamped if f <= t)
-                if avail < dk:
-                    continue
-                e = t + pk
-                if max(end, e) >= best[0] * (1 - _REL):
-                    break  # later starts only end later
-                # take the dk GPUs free latest among those free by t (all equivalent from t on)
-                usable = [g for g in range(gpus) if clamped[g] <= t]
-                taken = set(usable[-dk:])
-                nxt = sorted(e if g in taken else clamped[g] for g in range(gpus))
-                seq.append((k, t))
-                visit(nxt, t, k, done | (1 << k), max(end, e))
-                seq.pop()
+            dk = d[k]
+            t = clamped[dk - 1]  # the earliest start with dk GPUs free (free is sorted)
+            if t == s and k < last:
+                continue  # simultaneous starts in index order
+            e = t + p[k]
+            if e >= best[0] * (1 - _REL):
+                continue
+            # the dk GPUs free latest among those free by t (all equivalent from t on)
+            usable = [g for g in range(gpus) if clamped[g] <= t]
+            taken = set(usable[-dk:])
+            nxt = sorted(e if g in taken else clamped[g] for g in range(gpus))
+            seq.append((k, t))
+            visit(nxt, t, k, done | (1 << k), max(end, e))
+            seq.pop()
 
+    proven = True
     try:
         visit([0.0] * gpus, 0.0, -1, 0, 0.0)
-    finally:
-        pass
-    if not best_seq[0] and n > 0:
+    except _NodeLimit:
+        proven = False
+    if not best_seq[0]:
         return None
     starts = [0.0] * n
     order = []
     for k, t in best_seq[0]:
         starts[idx[k]] = t
         order.append(idx[k])
-    return _Schedule(best[0], starts, order)
+    return JobSchedule(best[0], starts, order, proven)
 
 
-def _assign_gpus(degrees: Sequence[int], starts: Sequence[float], ends: Sequence[float], order: Sequence[int],
+def assign_gpus(degrees: Sequence[int], starts: Sequence[float], ends: Sequence[float], order: Sequence[int],
                  gpus: int) -> list[list[int]]:
     """GPU ids for a schedule given as start times: in start order, each job takes GPUs free
     by its start, an aligned block of neighbours when one is free (any set is allowed)."""
@@ -264,8 +274,8 @@ def solve_exact(
 
     best = [upper_bound]
     best_jobs: list[list[tuple[int, int, float]]] = [[]]
-    best_sched: list[_Schedule | None] = [None]
-    memo: dict[tuple, _Schedule | None] = {}
+    best_sched: list[JobSchedule | None] = [None]
+    memo: dict[tuple, JobSchedule | None] = {}
     nodes = [0]
     chosen: list[tuple[int, int, float]] = []
 
@@ -283,15 +293,10 @@ def solve_exact(
     def leaf() -> None:
         jobs = [(d, t) for _, d, t in chosen]
         key = tuple(sorted(jobs))
-        if key in memo:
-            sched = memo[key]
-            if sched is not None and sched.makespan < best[0] * (1 - _REL):
-                pass
-            else:
-                return
-        else:
-            sched = schedule_jobs(jobs, G, upper_bound=best[0], deadline=deadline)
-            memo[key] = sched
+        if key in memo:  # scheduled before, against a bound at least as loose: nothing new
+            return
+        sched = schedule_jobs(jobs, G, upper_bound=best[0], deadline=deadline)
+        memo[key] = sched
         if sched is not None and sched.makespan < best[0] * (1 - _REL):
             best[0] = sched.makespan
             best_jobs[0] = list(chosen)
@@ -300,7 +305,7 @@ def solve_exact(
     def visit(r: int, area_part: float, wide: float, longest: float) -> None:
         nodes[0] += 1
         if deadline is not None and nodes[0] & 255 == 0 and time.perf_counter() > deadline:
-            raise _OutOfTime
+            raise OutOfTime
         if r == 0:
             leaf()
             return
@@ -326,16 +331,16 @@ def solve_exact(
     notes: list[str] = []
     try:
         visit(full, 0.0, 0.0, max(alone))
-    except _OutOfTime:
+    except OutOfTime:
         proven = False
-        notes.append(f"exact search stopped at its {time_limit_s:.1f}s limit")
+        notes.append(f"exact search stopped at its time limit ({time_limit_s:g} s)")
     seconds = time.perf_counter() - t0
     if best_sched[0] is None:
         return None if not proven else ExactResult([], upper_bound, True, nodes[0], seconds, notes)
     sched = best_sched[0]
     spec = best_jobs[0]
     ends = [sched.starts[j] + spec[j][2] for j in range(len(spec))]
-    gpu_sets = _assign_gpus([d for _, d, _ in spec], sched.starts, ends, sched.order, G)
+    gpu_sets = assign_gpus([d for _, d, _ in spec], sched.starts, ends, sched.order, G)
     jobs: list[Job] = []
     for k, j in enumerate(sorted(range(len(spec)), key=lambda j: (sched.starts[j], gpu_sets[j]))):
         blk, d, t = spec[j]
