@@ -38,9 +38,12 @@ LP_COLUMNS = "lp_columns"
 SEARCH = "search"
 #: ... of the exact solver's plan (`plora.planner.exact`)
 EXACT = "exact"
-#: seconds of local search without a planning budget, and its share of one
+#: seconds of local search without a planning budget; with one, it has what the steps before
+#: left of it, and at least this share of it
 IMPROVE_LIMIT_S = 10.0
-IMPROVE_SHARE = 0.25
+IMPROVE_SHARE = 0.1
+#: the share of a planning budget after which no further greedy scheduling run starts
+DTM_SHARE = 0.5
 #: seconds the exact solver may take on a small sweep (less when the budget has less left)
 EXACT_LIMIT_S = 10.0
 #: scheduling runs tried on small sweeps (the first ones of RUNS): the search and the exact
@@ -178,6 +181,8 @@ def plan_sweep(
     per_solve = 2.0 if time_limit_s is None else max(0.05, min(2.0, time_limit_s / 20))
     pack_solver = PackSolver(wl, objective=objective, solver=solver, log=log, time_limit_s=per_solve)
     deadline = None if time_limit_s is None else t0 + time_limit_s
+    # the greedy runs get the first part of the budget; the rest is the search's
+    dtm_deadline = None if time_limit_s is None else t0 + DTM_SHARE * time_limit_s
     small = len(loads) <= EXACT_MAX_ADAPTERS
 
     candidates: dict[str, list[Job]] = {}
@@ -187,10 +192,10 @@ def plan_sweep(
     if small:  # the search below starts from every candidate and sees the whole plan
         runs = runs[:SMALL_SWEEP_RUNS]
     for floor, slack in runs:
-        if deadline is not None and time.perf_counter() > deadline and best_dtm is not None:
+        if dtm_deadline is not None and time.perf_counter() > dtm_deadline and best_dtm is not None:
             break
         pack_solver.efficiency_floor = floor
-        jobs = compact(schedule(wl, pack_solver, slack=slack, deadline=deadline))
+        jobs = compact(schedule(wl, pack_solver, slack=slack, deadline=dtm_deadline))
         if best_dtm is None or makespan(jobs) < makespan(best_dtm) * (1 - 1e-9):
             best_dtm, best_run = jobs, (floor, slack)
     assert best_dtm is not None
@@ -203,7 +208,9 @@ def plan_sweep(
 
     configuration = configuration_lp(wl, solver=solver)
     if configuration is not None:
-        coverings = [column_jobs(wl, configuration, also=best_dtm, objective=o) for o in ("gpu_seconds", "makespan")]
+        limit = 10.0 if deadline is None else min(10.0, max(1.0, (deadline - time.perf_counter()) / 4))
+        coverings = [column_jobs(wl, configuration, also=best_dtm, objective=o, time_limit_s=limit)
+                     for o in ("gpu_seconds", "makespan")]
         coverings = [compact(c) for c in coverings if c is not None]
         if coverings:
             candidates[LP_COLUMNS] = min(coverings, key=makespan)
@@ -211,9 +218,9 @@ def plan_sweep(
     if objective == "makespan":
         notes.append(f"packed schedule from efficiency floor {best_run[0]}, slack {best_run[1]}")
     names = sorted(candidates, key=lambda k: (makespan(candidates[k]), k != "dtm", k != LP_COLUMNS))
-    search_s = IMPROVE_LIMIT_S if time_limit_s is None else IMPROVE_SHARE * time_limit_s
-    if deadline is not None:
-        search_s = min(search_s, max(0.0, deadline - time.perf_counter()))
+    search_s = IMPROVE_LIMIT_S
+    if deadline is not None and time_limit_s is not None:
+        search_s = max(deadline - time.perf_counter(), IMPROVE_SHARE * time_limit_s)
     improved = improve(wl, [candidates[k] for k in names], deadline=time.perf_counter() + search_s)
     if improved is not None:
         candidates[SEARCH] = improved.jobs
