@@ -4,7 +4,8 @@
   the plan's order on each of them: it starts once they are free and every job before it
   in the queue that wants one of them has started -- exactly as
   `plora.planner.simulate` replays a plan. Jobs without a plan's GPUs (the halves of a
-  split) take any `tp` free slots that no waiting planned job before them wants.
+  split, re-planned jobs) take any `tp` free slots that no waiting planned job before them
+  wants.
 - Out of memory (the recipe's exit code 3): the adapters not yet finished are split in two
   halves and re-queued; a single adapter that runs out of memory alone is failed.
 - Any other crash: the job is retried with its unfinished adapters, at most `max_retries`
@@ -307,6 +308,8 @@ class Engine:
                                           "old": [j.job_id for j in waiting], "new": [j.job_id for j in new_jobs]})
         self._note(f"measured/predicted {drift:.2f}: re-planned {len(adapters)} waiting adapters "
                    f"into {len(new_jobs)} jobs")
+        for j in new_jobs:  # planned as if every slot were free now, which the running jobs contradict:
+            j.gpus = []  # they take any free slots, in the new plan's order
         self.submit(new_jobs)
 
     def _collect(self, rj: RunningJob) -> None:
@@ -348,6 +351,8 @@ class Engine:
             self.journal.event("retry", job.job_id, {"returncode": rc, "attempt": job.attempt})
             self._note(f"{job.job_id} crashed (exit {rc}); retry {job.attempt}/{self.max_retries}")
             self.submit([retry])
+            if retry in self.queue:  # its turn on its GPUs had come: first in line for them again
+                self.queue.insert(0, self.queue.pop(self.queue.index(retry)))
             return
         self._fail(job, f"crashed {job.attempt} times (last exit code {rc}); see jobs/{job.job_id}/log.txt", left)
 
