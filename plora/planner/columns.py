@@ -13,7 +13,9 @@ covering every adapter exactly once) is solved with HiGHS, then the jobs are
 list-scheduled longest first -- or, when every job runs on one GPU, assigned to GPUs by a
 second small integer program that balances their loads exactly (longest-first leaves a
 late single job sticking out: 7% past the mean load on an H200 profile of the 0.5B
-shape). `plan_sweep` keeps whichever plan predicts the shorter makespan.
+shape). The cheapest covering is not always the shortest (it may keep GPUs idle), so a
+second covering minimises a makespan bound instead. `plan_sweep` keeps whichever plan
+predicts the shorter makespan.
 """
 
 from __future__ import annotations

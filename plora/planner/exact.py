@@ -92,6 +92,8 @@ def schedule_jobs(
     n = len(jobs)
     if n == 0:
         return JobSchedule(0.0, [], [])
+    if all(dj in (1, gpus) for dj, _ in jobs):
+        return _narrow_and_full(jobs, gpus, upper_bound, deadline, max_nodes)
     # Longest first: good schedules come early, which makes the bound bite sooner.
     idx = sorted(range(n), key=lambda j: (-jobs[j][1], -jobs[j][0]))
     d = [jobs[j][0] for j in idx]
@@ -103,10 +105,16 @@ def schedule_jobs(
     best_seq: list[list[tuple[int, float]]] = [[]]
     seq: list[tuple[int, float]] = []
     full = (1 << n) - 1
-    area = [0.0] * (1 << n)  # GPU-seconds of the jobs in a mask
+    # per set of jobs (a bitmask): GPU-seconds, narrowest degree, seconds of full-width jobs
+    area = [0.0] * (1 << n)
+    narrowest = [gpus] * (1 << n)
+    wide = [0.0] * (1 << n)
     for m in range(1, 1 << n):
         low = (m & -m).bit_length() - 1
-        area[m] = area[m & (m - 1)] + d[low] * p[low]
+        prev = m & (m - 1)
+        area[m] = area[prev] + d[low] * p[low]
+        narrowest[m] = min(narrowest[prev], d[low])
+        wide[m] = wide[prev] + (p[low] if d[low] == gpus else 0.0)
     counter = [0]
 
     def visit(free: list[float], s: float, last: int, done: int, end: float) -> None:
@@ -122,7 +130,9 @@ def schedule_jobs(
             raise OutOfTime
         left = full & ~done
         clamped = [f if f > s else s for f in free]
-        lb = max(end, (sum(clamped) + area[left]) / gpus)
+        # nothing left starts before the narrowest job left could; full-width jobs run alone
+        t0 = clamped[narrowest[left] - 1]
+        lb = max(end, (sum(c if c > t0 else t0 for c in clamped) + area[left]) / gpus, clamped[-1] + wide[left])
         if lb >= best[0] * (1 - _REL):
             return
         for k in range(n):
@@ -165,6 +175,75 @@ def schedule_jobs(
     return JobSchedule(best[0], starts, order, proven)
 
 
+def _narrow_and_full(jobs: Sequence[tuple[int, float]], gpus: int, upper_bound: float, deadline: float | None,
+                     max_nodes: int | None) -> JobSchedule | None:
+    """Jobs of one GPU or of all of them: the full-width ones run alone, back to back, and
+    the rest is the classic P||Cmax -- which GPU runs which one-GPU jobs -- searched by
+    branch and bound over assignments (longest job first, GPUs of equal load tried once).
+    A schedule that interleaves them is no shorter: cutting out the full-width jobs' time
+    leaves a schedule of the one-GPU jobs."""
+    full = [j for j, (d, _) in enumerate(jobs) if d == gpus and gpus > 1]
+    narrow = sorted((j for j, (d, _) in enumerate(jobs) if not (d == gpus and gpus > 1)), key=lambda j: -jobs[j][1])
+    full_s = sum(jobs[j][1] for j in full)
+    p = [jobs[j][1] for j in narrow]
+    even = sum(p) / gpus  # no assignment ends before the work spread evenly
+    load = [0.0] * gpus
+    where = [0] * len(p)
+    best = [upper_bound - full_s]
+    best_where: list[list[int] | None] = [None]
+    counter = [0]
+
+    def visit(k: int, top: float) -> None:
+        if k == len(p):
+            if top < best[0] * (1 - _REL):
+                best[0] = top
+                best_where[0] = list(where)
+            return
+        counter[0] += 1
+        if max_nodes is not None and counter[0] > max_nodes:
+            raise _NodeLimit
+        if deadline is not None and counter[0] & 1023 == 0 and time.perf_counter() > deadline:
+            raise OutOfTime
+        if max(top, even) >= best[0] * (1 - _REL):
+            return
+        tried: set[float] = set()
+        for g in sorted(range(gpus), key=lambda g: load[g]):
+            if load[g] in tried:
+                continue  # GPUs of equal load are interchangeable
+            tried.add(load[g])
+            new = load[g] + p[k]
+            if max(top, new) >= best[0] * (1 - _REL):
+                break  # GPUs come least loaded first: the others end later still
+            load[g] = new
+            where[k] = g
+            visit(k + 1, max(top, new))
+            load[g] = new - p[k]
+
+    proven = True
+    if not p:
+        if full_s >= upper_bound * (1 - _REL):
+            return None
+        best[0], best_where[0] = 0.0, []
+    else:
+        try:
+            visit(0, 0.0)
+        except _NodeLimit:
+            proven = False
+    if best_where[0] is None:
+        return None
+    starts = [0.0] * len(jobs)
+    t = 0.0
+    for j in full:
+        starts[j] = t
+        t += jobs[j][1]
+    at = [full_s] * gpus
+    for k, j in enumerate(narrow):
+        starts[j] = at[best_where[0][k]]
+        at[best_where[0][k]] += jobs[j][1]
+    order = sorted(range(len(jobs)), key=lambda j: (starts[j], -jobs[j][0]))
+    return JobSchedule(full_s + best[0], starts, order, proven)
+
+
 def assign_gpus(degrees: Sequence[int], starts: Sequence[float], ends: Sequence[float], order: Sequence[int],
                  gpus: int) -> list[list[int]]:
     """GPU ids for a schedule given as start times: in start order, each job takes GPUs free
@@ -199,9 +278,8 @@ def solve_exact(
     """The optimal plan of ``wl``'s adapters on its GPUs, or the best found within the time.
 
     ``upper_bound``: a makespan already achieved (another plan's); only better plans are
-    searched for. Returns None when nothing better than it was found (if the search
-    finished, that plan is then optimal: check ``proven`` on a result of an unbounded call)
-    or when the sweep is larger than :data:`EXACT_MAX_ADAPTERS`.
+    searched for, and when none is found the result has no jobs (if ``proven``, that other
+    plan is optimal). None when the sweep is larger than :data:`EXACT_MAX_ADAPTERS`.
     """
     t0 = time.perf_counter()
     deadline = None if time_limit_s is None else t0 + time_limit_s
@@ -302,7 +380,7 @@ def solve_exact(
             best_jobs[0] = list(chosen)
             best_sched[0] = sched
 
-    def visit(r: int, area_part: float, wide: float, longest: float) -> None:
+    def visit(r: int, area_part: float, wide: float, longest: float, narrow: float) -> None:
         nodes[0] += 1
         if deadline is not None and nodes[0] & 255 == 0 and time.perf_counter() > deadline:
             raise OutOfTime
@@ -317,26 +395,27 @@ def solve_exact(
                 continue
             rest = r ^ blk
             if d == G:
-                w, ap = wide + t, area_part
+                w, ap, nw = wide + t, area_part, narrow
             else:
-                w, ap = wide, area_part + a
-            lb = max(longest, t, w + (ap + cover[rest]) / G)
+                w, ap, nw = wide, area_part + a, max(narrow, t)
+            # full-width jobs run alone: after them, the longest other job, or the rest's work
+            lb = max(longest, t, w + max(nw, (ap + cover[rest]) / G))
             if lb >= best[0] * (1 - _REL):
                 continue
             chosen.append((blk, d, t))
-            visit(rest, ap, w, max(longest, t))
+            visit(rest, ap, w, max(longest, t), nw)
             chosen.pop()
 
     proven = True
     notes: list[str] = []
     try:
-        visit(full, 0.0, 0.0, max(alone))
+        visit(full, 0.0, 0.0, max(alone), 0.0)
     except OutOfTime:
         proven = False
         notes.append(f"exact search stopped at its time limit ({time_limit_s:g} s)")
     seconds = time.perf_counter() - t0
-    if best_sched[0] is None:
-        return None if not proven else ExactResult([], upper_bound, True, nodes[0], seconds, notes)
+    if best_sched[0] is None:  # nothing beats upper_bound (if proven, the plan it came from is optimal)
+        return ExactResult([], upper_bound, proven, nodes[0], seconds, notes)
     sched = best_sched[0]
     spec = best_jobs[0]
     ends = [sched.starts[j] + spec[j][2] for j in range(len(spec))]
