@@ -10,6 +10,12 @@ seconds and the solver that ran. Needs no GPU and no weights -- only shapes.
     python scripts/bench_planner.py --space sweeps/demo.yaml --models qwen2.5-0.5b --gpus 2
     python scripts/bench_planner.py --profile runs/x/profile.json    # a fitted cost model
     python scripts/bench_planner.py --check                          # exit 1 past 1.10x / 60 s
+    python scripts/bench_planner.py --exact 216                      # small sweeps against the optimum
+
+``--exact N`` instead plans N seeded random small sweeps (6-9 adapters; 2 and 4 GPUs;
+the fitted profiles in scripts/profiles/ and the analytic model; memory binding in most:
+`plora.planner.instances`) without the exact solver, solves each exactly
+(`plora.planner.exact`) and prints plan / optimum per GPU count and cost model.
 
 Adapters come from the space file through `plora.spec` (the same configurations a sweep
 trains; model.path need not exist); steps = ceil(epochs * num_train / batch size), with
@@ -79,6 +85,48 @@ def _loads_fallback(raw: dict, num_train: int) -> list[AdapterLoad]:
     ]
 
 
+def against_the_optimum(count: int, seed: int) -> int:
+    """Plan / optimum on `count` random small sweeps; exit 1 if a plan fails its replay or
+    beats the optimum, or a bound is above it (the exact solver or the planner is wrong)."""
+    from plora.planner import Workload
+    from plora.planner.exact import solve_exact
+    from plora.planner.instances import random_instances
+
+    rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    failed = False
+    for inst in random_instances(count, seed=seed):
+        plan = plan_sweep(inst.loads, inst.cost_model, inst.gpus, load_factor=inst.load_factor, exact=False)
+        wl = Workload(inst.loads, inst.cost_model, inst.gpus, load_factor=inst.load_factor)
+        t = time.perf_counter()
+        best = solve_exact(wl)
+        exact_s = time.perf_counter() - t
+        sim = simulate(plan, inst.cost_model)
+        if (best is None or not best.proven or not sim.ok or abs(sim.makespan - plan.makespan) > 1e-9 * plan.makespan
+                or plan.makespan < best.makespan * (1 - 1e-9) or plan.lower_bound > best.makespan * (1 + 1e-9)):
+            print(f"{inst.name}: check failed")
+            failed = True
+            continue
+        rows.setdefault((inst.source, inst.gpus), []).append((plan.makespan / best.makespan, plan.planning_seconds, exact_s))
+    header = ["", "instances", "mean plan/optimum", "worst", "above 1.02x", "above 1.10x", "optimum found",
+              "planning (s, mean)", "exact (s, mean / max)"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(" --- " for _ in header) + "|")
+    everything = []
+    for (source, gpus), vals in sorted(rows.items()):
+        everything += vals
+        print(_optimum_row(f"{source} model, {gpus} GPUs", vals))
+    print(_optimum_row("all", everything))
+    return 1 if failed else 0
+
+
+def _optimum_row(name: str, vals: list[tuple[float, float, float]]) -> str:
+    r = np.array([v[0] for v in vals])
+    cells = [name, str(len(r)), f"{r.mean():.4f}", f"{r.max():.3f}", f"{int((r > 1.02).sum())}",
+             f"{int((r > 1.10).sum())}", f"{int((r < 1 + 1e-9).sum())}/{len(r)}",
+             f"{np.mean([v[1] for v in vals]):.2f}", f"{np.mean([v[2] for v in vals]):.2f} / {max(v[2] for v in vals):.2f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def fmt_s(x: float) -> str:
     return f"{x:,.0f}"
 
@@ -100,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=PLANNING_BUDGET_S,
                     help="soft planning budget per plan (seconds; default: what plora plan/sweep give it)")
     ap.add_argument("--out", type=Path, help="write each plan as <out>/<model>-<objective>.plan.json and a summary.json")
+    ap.add_argument("--exact", type=int, metavar="N",
+                    help="plan N random small sweeps and compare with the exact optimum (ignores the space)")
+    ap.add_argument("--seed", type=int, default=0, help="first seed of --exact's instances")
     ap.add_argument("--check", action="store_true",
                     help=f"exit 1 if a makespan-objective plan is over {MAX_BOUND_RATIO}x its bound or took over {MAX_PLANNING_S:.0f} s")
     args = ap.parse_args(argv)
+    if args.exact:
+        return against_the_optimum(args.exact, args.seed)
 
     raw = yaml.safe_load(args.space.read_text()) or {}
     hw, planner, model_cfg = raw.get("hardware", {}), raw.get("planner", {}), raw.get("model", {})

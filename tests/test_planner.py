@@ -461,7 +461,7 @@ def test_lp_columns_plan_is_kept_where_greedy_packing_wastes_gpu_time():
         bs = int(rng.choice([1, 2, 4, 8, 16, 32]))
         loads.append(AdapterLoad(f"a{i}", int(rng.choice([8, 16, 32, 64, 128])), bs, math.ceil(10000 / bs)))
     plan = plan_sweep(loads, cm, 8, max_adapters_per_job=8, objective="paper")
-    assert plan.strategy == "lp_columns" and plan.makespan < 0.8 * plan.packed_makespan
+    assert plan.strategy in ("lp_columns", "search") and plan.makespan < 0.8 * plan.packed_makespan
     assert plan.bound_ratio <= 1.15
     assert simulate(plan, cm).ok
 

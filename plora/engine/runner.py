@@ -1,7 +1,11 @@
 """The engine: run a queue of packed jobs on a pool of GPUs (or CPU slots), survive faults.
 
-- A job starts as soon as `tp` slots are free (the planner's order first; a later job that
-  fits in the free slots may start ahead of one that does not — backfilling).
+- A planned job runs on its planned GPUs (slot `g` of the pool for the plan's GPU `g`), in
+  the plan's order on each of them: it starts once they are free and every job before it
+  in the queue that wants one of them has started -- exactly as
+  `plora.planner.simulate` replays a plan. Jobs without a plan's GPUs (the halves of a
+  split, re-planned jobs) take any `tp` free slots that no waiting planned job before them
+  wants.
 - Out of memory (the recipe's exit code 3): the adapters not yet finished are split in two
   halves and re-queued; a single adapter that runs out of memory alone is failed.
 - A model, data or config error (the recipe's exit code 4, message in error.json): its
@@ -229,13 +233,21 @@ class Engine:
         self.running.clear()
 
     def _launch_ready(self) -> None:
+        wanted: set[str] = set()  # slots that planned jobs still waiting, earlier in the queue, want
         for job in list(self.queue):
-            if len(self.free) < job.tp:
+            pinned = self._planned_slots(job)
+            if pinned is not None and (wanted & set(pinned) or not set(pinned) <= set(self.free)):
+                wanted |= set(pinned)
+                continue
+            open_slots = [s for s in self.free if s not in wanted]
+            if pinned is None and len(open_slots) < job.tp:
                 if job.tp > len(self.slots):
                     self._fail(job, f"needs {job.tp} slots, the pool has {len(self.slots)}")
                     self.queue.remove(job)
                 continue
-            slots = self._take_slots(job)
+            slots = pinned if pinned is not None else open_slots[: job.tp]
+            for s in slots:
+                self.free.remove(s)
             job.attempt += 1
             job_dir = self.write_job(job)
             (job_dir / "oom.json").unlink(missing_ok=True)  # a marker of an earlier attempt
@@ -252,17 +264,14 @@ class Engine:
             self.journal.event("launch", job.job_id, {"adapters": job.adapters, "attempt": job.attempt, "slots": slots})
             self._note(f"started {job.job_id} ({len(job.adapters)} adapters, TP {job.tp}) on {','.join(slots)}")
 
-    def _take_slots(self, job: QueuedJob) -> list[str]:
-        wanted = [s for s in (f"cuda:{g}" for g in job.gpus) if s in self.free]
-        chosen = wanted[: job.tp] if len(wanted) >= job.tp else []
-        for s in self.free:
-            if len(chosen) == job.tp:
-                break
-            if s not in chosen:
-                chosen.append(s)
-        for s in chosen:
-            self.free.remove(s)
-        return chosen
+    def _planned_slots(self, job: QueuedJob) -> list[str] | None:
+        """The pool's slots for the job's planned GPUs (a TP job may use any set the plan
+        gives it); None when it has none or they do not fit this pool."""
+        if len(job.gpus) != job.tp or len(set(job.gpus)) != job.tp:
+            return None
+        if any(not 0 <= g < len(self.slots) for g in job.gpus):
+            return None
+        return [self.slots[g] for g in job.gpus]
 
     def _reap(self) -> None:
         for job_id, rj in list(self.running.items()):
@@ -312,6 +321,8 @@ class Engine:
                                           "old": [j.job_id for j in waiting], "new": [j.job_id for j in new_jobs]})
         self._note(f"measured/predicted {drift:.2f}: re-planned {len(adapters)} waiting adapters "
                    f"into {len(new_jobs)} jobs")
+        for j in new_jobs:  # planned as if every slot were free now, which the running jobs contradict:
+            j.gpus = []  # they take any free slots, in the new plan's order
         self.submit(new_jobs)
 
     def _collect(self, rj: RunningJob) -> None:
@@ -368,6 +379,8 @@ class Engine:
             self.journal.event("retry", job.job_id, {"returncode": rc, "attempt": job.attempt})
             self._note(f"{job.job_id} crashed (exit {rc}); retry {job.attempt - job.lost}/{self.max_retries}")
             self.submit([retry])
+            if retry in self.queue:  # its turn on its GPUs had come: first in line for them again
+                self.queue.insert(0, self.queue.pop(self.queue.index(retry)))
             return
         self._fail(job, f"crashed {job.attempt - job.lost} times (last exit code {rc}); see jobs/{job.job_id}/log.txt", left)
 

@@ -13,7 +13,9 @@ covering every adapter exactly once) is solved with HiGHS, then the jobs are
 list-scheduled longest first -- or, when every job runs on one GPU, assigned to GPUs by a
 second small integer program that balances their loads exactly (longest-first leaves a
 late single job sticking out: 7% past the mean load on an H200 profile of the 0.5B
-shape). `plan_sweep` keeps whichever plan predicts the shorter makespan.
+shape). The cheapest covering is not always the shortest (it may keep GPUs idle), so a
+second covering minimises a makespan bound instead. `plan_sweep` keeps whichever plan
+predicts the shorter makespan.
 """
 
 from __future__ import annotations
@@ -34,11 +36,17 @@ BALANCE_LIMIT_S = 3.0
 
 
 def column_jobs(wl: Workload, lp: ConfigurationLP, *, also: Sequence[Job] = (), time_limit_s: float = 10.0,
-                prefix: str = "c") -> list[Job] | None:
-    """The cheapest exact covering of the sweep by ``lp``'s columns and the jobs of ``also``
-    (another plan's: the LP's columns are the ones its fractional optimum needed, not always
-    enough for a good integer one), list-scheduled; None when the integer program finds no
-    covering in time."""
+                prefix: str = "c", objective: str = "gpu_seconds") -> list[Job] | None:
+    """An exact covering of the sweep by ``lp``'s columns and the jobs of ``also`` (another
+    plan's: the LP's columns are the ones its fractional optimum needed, not always enough
+    for a good integer one), list-scheduled; None when the integer program finds no
+    covering in time.
+
+    ``objective``: ``gpu_seconds``, the cheapest covering; or ``makespan``, the covering
+    with the least makespan bound -- the larger of its GPU-seconds over the GPUs and its
+    longest job -- GPU-seconds breaking ties. The cheapest covering can leave GPUs idle:
+    one TP-2 job of every adapter on 4 GPUs costs fewer GPU-seconds than the TP-4 job, and
+    takes 1.5x as long."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     if not lp.counts:
@@ -59,12 +67,15 @@ def column_jobs(wl: Workload, lp: ConfigurationLP, *, also: Sequence[Job] = (), 
     counts = np.asarray(wl.counts, dtype=float)
     costs = np.asarray(costs, dtype=float)
     scale = max(float(costs.max()), 1e-9)  # seconds of very different sizes: keep HiGHS' tolerances meaningful
-    res = milp(costs / scale, constraints=LinearConstraint(A, lb=counts, ub=counts),
-               integrality=np.ones(len(costs)), bounds=Bounds(0, np.inf),
-               options={"time_limit": float(time_limit_s), "disp": False})
-    if res.x is None:
+    if objective == "makespan":
+        res = _least_makespan_bound(wl, A, counts, costs / scale, np.asarray(degrees), time_limit_s)
+    else:
+        res = milp(costs / scale, constraints=LinearConstraint(A, lb=counts, ub=counts),
+                   integrality=np.ones(len(costs)), bounds=Bounds(0, np.inf),
+                   options={"time_limit": float(time_limit_s), "disp": False})
+    if res is None or res.x is None:
         return None
-    x = np.round(res.x).astype(int)
+    x = np.round(res.x[:len(costs)]).astype(int)
     if not np.array_equal(A @ x, counts):
         return None
     pools = [list(ids) for ids in wl.ids]
@@ -82,6 +93,43 @@ def column_jobs(wl: Workload, lp: ConfigurationLP, *, also: Sequence[Job] = (), 
         if balanced is not None and makespan(balanced) < makespan(jobs) - 1e-9:
             return balanced
     return jobs
+
+
+def _least_makespan_bound(wl: Workload, A: np.ndarray, counts: np.ndarray, cost: np.ndarray, degrees: np.ndarray,
+                          time_limit_s: float):
+    """min T + eps * GPU-seconds over exact coverings x (integer), with T >= GPU-seconds / G
+    and T >= the time of every column used (y_c = 1 where x_c > 0); costs in scaled units."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    n = len(cost)
+    times = cost / degrees  # a column's job time, scaled
+    ub = np.maximum(1.0, np.min(np.where(A > 0, counts[:, None] / np.maximum(A, 1), np.inf), axis=0))
+    # variables: x (n, integer), y (n, binary), T
+    nv = 2 * n + 1
+    rows, lo, hi = [], [], []
+    cover = np.zeros((len(counts), nv))
+    cover[:, :n] = A
+    rows.append(cover), lo.append(counts), hi.append(counts)
+    area = np.zeros((1, nv))
+    area[0, :n] = cost / wl.gpus
+    area[0, -1] = -1.0
+    rows.append(area), lo.append([-np.inf]), hi.append([0.0])
+    link = np.zeros((n, nv))  # x_c <= ub_c * y_c
+    link[np.arange(n), np.arange(n)] = 1.0
+    link[np.arange(n), n + np.arange(n)] = -ub
+    rows.append(link), lo.append(np.full(n, -np.inf)), hi.append(np.zeros(n))
+    longest = np.zeros((n, nv))  # times_c * y_c <= T
+    longest[np.arange(n), n + np.arange(n)] = times
+    longest[:, -1] = -1.0
+    rows.append(longest), lo.append(np.full(n, -np.inf)), hi.append(np.zeros(n))
+    objective = np.zeros(nv)
+    objective[-1] = 1.0
+    objective[:n] = 1e-4 * cost / wl.gpus
+    integrality = np.concatenate([np.ones(2 * n), [0]])
+    upper = np.concatenate([ub, np.ones(n), [np.inf]])
+    return milp(objective, constraints=[LinearConstraint(np.vstack(rows), np.concatenate(lo), np.concatenate(hi))],
+                integrality=integrality, bounds=Bounds(np.zeros(nv), upper),
+                options={"time_limit": float(time_limit_s), "disp": False})
 
 
 def balanced_one_gpu_jobs(cm, items, gpus: int, *, prefix: str = "c", time_limit_s: float = 10.0) -> list[Job] | None:

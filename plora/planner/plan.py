@@ -64,7 +64,10 @@ class Plan:
     ``baselines`` the predicted makespans of the simple strategies and
     ``packed_makespan`` that of the packed (DTM) schedule; ``strategy`` says which
     schedule was kept (``dtm``; ``lp_columns``, the jobs of the configuration LP's columns,
-    see :mod:`plora.planner.columns`; or a baseline's name when it predicted better);
+    see :mod:`plora.planner.columns`; ``search``, local search from those,
+    :mod:`plora.planner.improve`; ``exact``, the exact solver's, :mod:`plora.planner.exact`;
+    or a baseline's name when it predicted better); ``optimal`` whether the exact solver
+    proved that no plan on the cost model is shorter;
     ``solver`` which ILP solver(s) ran, with ``solver_calls`` counting the solves.
     """
 
@@ -84,6 +87,7 @@ class Plan:
     max_adapters_per_job: int | None = None
     cost_model: str = ""
     notes: list[str] = field(default_factory=list)
+    optimal: bool = False
 
     @property
     def bound_ratio(self) -> float:
@@ -112,6 +116,7 @@ class Plan:
             "max_adapters_per_job": self.max_adapters_per_job,
             "cost_model": self.cost_model,
             "notes": list(self.notes),
+            "optimal": self.optimal,
             "adapters": [a.to_dict() for a in self.adapters],
             "jobs": [j.to_dict() for j in self.jobs],
         }
@@ -136,6 +141,7 @@ class Plan:
             max_adapters_per_job=None if cap is None else int(cap),
             cost_model=str(d.get("cost_model", "")),
             notes=[str(n) for n in d.get("notes", [])],
+            optimal=bool(d.get("optimal", False)),
         )
 
     def save(self, path: str | Path) -> None:

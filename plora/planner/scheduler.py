@@ -16,8 +16,11 @@ from plora.costmodel import AdapterLoad, CostModel
 from plora.planner.baselines import BASELINES, baseline_jobs, makespan
 from plora.planner.bounds import lower_bound
 from plora.planner.columns import column_jobs
+from plora.planner.compact import compact
 from plora.planner.dtm import SchedulerState, dtm
 from plora.planner.errors import PlannerError
+from plora.planner.exact import EXACT_MAX_ADAPTERS, solve_exact
+from plora.planner.improve import improve
 from plora.planner.ilp import PackSolver, SolverLog
 from plora.planner.lp_bound import configuration_lp
 from plora.planner.plan import Job, Plan
@@ -31,6 +34,21 @@ PLANNING_BUDGET_S = 40.0
 
 #: the strategy name of a plan built from the configuration LP's columns (`plora.planner.columns`)
 LP_COLUMNS = "lp_columns"
+#: ... of the plan local search reached from the others (`plora.planner.improve`)
+SEARCH = "search"
+#: ... of the exact solver's plan (`plora.planner.exact`)
+EXACT = "exact"
+#: seconds of local search without a planning budget; with one, it has what the steps before
+#: left of it, and at least this share of it
+IMPROVE_LIMIT_S = 10.0
+IMPROVE_SHARE = 0.1
+#: the share of a planning budget after which no further greedy scheduling run starts
+DTM_SHARE = 0.5
+#: seconds the exact solver may take on a small sweep (less when the budget has less left)
+EXACT_LIMIT_S = 10.0
+#: scheduling runs tried on small sweeps (the first ones of RUNS): the search and the exact
+#: solver that follow see whole plans, which the greedy runs' variety stood in for
+SMALL_SWEEP_RUNS = 3
 
 #: (efficiency floor, slack) of the scheduling runs plan_sweep tries, best first; it keeps
 #: the plan predicted shortest. The floor is F's least acceptable pack efficiency
@@ -134,6 +152,7 @@ def plan_sweep(
     max_adapters_per_job: int | None = None,
     objective: str = "makespan",
     time_limit_s: float | None = None,
+    exact: bool = True,
 ) -> Plan:
     """Plan a sweep: which adapters train together, at which TP degree, on which GPUs, when.
 
@@ -143,8 +162,16 @@ def plan_sweep(
     :mod:`plora.planner.ilp`). ``time_limit_s``: a soft budget for planning; each ILP
     solve gets a share of it, and once it is spent DTM keeps only the best branch
     at each level and no further scheduling runs start (the first always finishes).
-    The returned plan is never predicted worse than the baselines: if one of them
-    predicts a shorter makespan, it is returned instead (``strategy`` says so).
+
+    Every candidate plan -- DTM's, the configuration LP's columns (cheapest and shortest
+    covering), each baseline -- is compacted (:func:`plora.planner.compact.compact`) and
+    judged by its makespan; local search (:mod:`plora.planner.improve`) then tries to
+    shorten the best ones. ``exact``: on sweeps of at most
+    :data:`~plora.planner.exact.EXACT_MAX_ADAPTERS` adapters, the exact solver
+    (:mod:`plora.planner.exact`) then looks for a shorter plan within what is left of the
+    budget; when its search finishes the plan is optimal (``Plan.optimal``; the lower
+    bound is then the makespan). ``strategy`` says which plan was kept. The returned plan
+    is never predicted worse than the baselines.
     """
     t0 = time.perf_counter()
     if not loads:
@@ -154,39 +181,69 @@ def plan_sweep(
     per_solve = 2.0 if time_limit_s is None else max(0.05, min(2.0, time_limit_s / 20))
     pack_solver = PackSolver(wl, objective=objective, solver=solver, log=log, time_limit_s=per_solve)
     deadline = None if time_limit_s is None else t0 + time_limit_s
+    # the greedy runs get the first part of the budget; the rest is the search's
+    dtm_deadline = None if time_limit_s is None else t0 + DTM_SHARE * time_limit_s
+    small = len(loads) <= EXACT_MAX_ADAPTERS
 
     candidates: dict[str, list[Job]] = {}
     best_dtm: list[Job] | None = None
     best_run = RUNS[0]
     runs = RUNS if objective == "makespan" else RUNS[:1]  # the paper's F has neither knob
+    if small:  # the search below starts from every candidate and sees the whole plan
+        runs = runs[:SMALL_SWEEP_RUNS]
     for floor, slack in runs:
-        if deadline is not None and time.perf_counter() > deadline and best_dtm is not None:
+        if dtm_deadline is not None and time.perf_counter() > dtm_deadline and best_dtm is not None:
             break
         pack_solver.efficiency_floor = floor
-        jobs = schedule(wl, pack_solver, slack=slack, deadline=deadline)
+        jobs = compact(schedule(wl, pack_solver, slack=slack, deadline=dtm_deadline))
         if best_dtm is None or makespan(jobs) < makespan(best_dtm) * (1 - 1e-9):
             best_dtm, best_run = jobs, (floor, slack)
     assert best_dtm is not None
     candidates["dtm"] = best_dtm
     baselines: dict[str, float] = {}
     for name in BASELINES:
-        jobs = baseline_jobs(name, wl.loads, cost_model, gpus, load_factor)
+        jobs = compact(baseline_jobs(name, wl.loads, cost_model, gpus, load_factor))
         candidates[name] = jobs
         baselines[name] = makespan(jobs)
 
     configuration = configuration_lp(wl, solver=solver)
     if configuration is not None:
-        from_columns = column_jobs(wl, configuration, also=best_dtm)
-        if from_columns is not None:
-            candidates[LP_COLUMNS] = from_columns
-    strategy = min(candidates, key=lambda k: (makespan(candidates[k]), k != "dtm", k != LP_COLUMNS))
-    chosen = candidates[strategy]
-    notes = list(dict.fromkeys(log.fallbacks))
+        limit = 10.0 if deadline is None else min(10.0, max(1.0, (deadline - time.perf_counter()) / 4))
+        coverings = [column_jobs(wl, configuration, also=best_dtm),  # the cheapest: 10 s, as ever
+                     column_jobs(wl, configuration, also=best_dtm, objective="makespan", time_limit_s=limit)]
+        coverings = [compact(c) for c in coverings if c is not None]
+        if coverings:
+            candidates[LP_COLUMNS] = min(coverings, key=makespan)
+    notes = []
     if objective == "makespan":
         notes.append(f"packed schedule from efficiency floor {best_run[0]}, slack {best_run[1]}")
+    names = sorted(candidates, key=lambda k: (makespan(candidates[k]), k != "dtm", k != LP_COLUMNS))
+    search_s = IMPROVE_LIMIT_S
+    if deadline is not None and time_limit_s is not None:
+        search_s = max(deadline - time.perf_counter(), IMPROVE_SHARE * time_limit_s)
+    improved = improve(wl, [candidates[k] for k in names], deadline=time.perf_counter() + search_s)
+    if improved is not None:
+        candidates[SEARCH] = improved.jobs
+        notes.append(f"local search: {improved.moves} moves from the {names[improved.start]} plan "
+                     f"({makespan(candidates[names[improved.start]]):.1f}s)")
+    strategy = min(candidates, key=lambda k: (makespan(candidates[k]), k != "dtm", k != LP_COLUMNS, k != SEARCH))
+    chosen = candidates[strategy]
+    optimal = False
+    if exact and small:
+        limit = EXACT_LIMIT_S if deadline is None else min(EXACT_LIMIT_S, max(0.0, deadline - time.perf_counter()))
+        found = solve_exact(wl, upper_bound=makespan(chosen), time_limit_s=limit) if limit > 0 else None
+        if found is not None:
+            optimal = found.proven
+            if found.jobs and makespan(found.jobs) < makespan(chosen) * (1 - 1e-9):
+                chosen, strategy = found.jobs, EXACT
+            notes.append(f"exact search: {'optimal' if found.proven else 'stopped at its time limit'} "
+                         f"({found.nodes} nodes, {found.seconds:.1f}s)")
+    notes = list(dict.fromkeys(log.fallbacks)) + notes
     if strategy != "dtm":
         notes.append(f"the packed schedule predicted {makespan(candidates['dtm']):.1f}s; kept {strategy}")
     lb = lower_bound(wl, lp=False, configuration=configuration)  # the LP is solved above (None: no convergence)
+    if optimal:
+        lb = makespan(chosen)  # proven: no plan on this cost model is shorter
     return Plan(
         jobs=chosen,
         adapters=list(loads),
@@ -204,4 +261,5 @@ def plan_sweep(
         max_adapters_per_job=max_adapters_per_job,
         cost_model=cost_model.name,
         notes=notes,
+        optimal=optimal,
     )

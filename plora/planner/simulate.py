@@ -43,14 +43,16 @@ def simulate(
 ) -> SimulationResult:
     """Replay ``plan`` as the engine runs it and check it.
 
-    Replay: jobs launch in the plan's order (by start time); each starts as soon as
-    the jobs before it on its GPUs have ended, and lasts ``cost_model.job_time``.
-    With the cost model the plan was made with, this reproduces its predicted
-    times (or finishes earlier where the planner chose to wait).
+    Replay: jobs launch in the plan's order (by start time); each starts on its own GPUs
+    as soon as the jobs before it on those GPUs have ended, and lasts
+    ``cost_model.job_time`` -- what the engine does (`plora.engine.runner`). With the cost
+    model the plan was made with, this reproduces its predicted times: `plan_sweep`'s
+    plans are compacted (`plora.planner.compact`), so no job waits on free GPUs.
 
     Checks: every adapter in exactly one job; each job on ``tp`` distinct GPUs that
-    exist, at a degree the model supports, within ``load_factor`` of GPU memory; and,
-    in the plan's own recorded times, no GPU running two jobs at once. ``strict``
+    exist (a TP job may use any such set: on NVSwitch machines every pair of GPUs is
+    linked alike), at a degree the model supports, within ``load_factor`` of GPU memory;
+    and, in the plan's own recorded times, no GPU running two jobs at once. ``strict``
     raises :class:`PlannerError` on the first violation instead of listing them.
     """
     loads = list(loads) if loads is not None else list(plan.adapters)
