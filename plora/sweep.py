@@ -261,6 +261,7 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
             "divergence_loss": spec.training.divergence_loss,
             "activation_checkpointing": spec.training.activation_checkpointing,
             "cuda_graphs": spec.training.cuda_graphs,
+            "row_layout": spec.training.row_layout,
             "checkpoint_every_steps": spec.training.checkpoint_every_steps,
             "checkpoint_every_minutes": spec.training.checkpoint_every_minutes,
         },

@@ -353,3 +353,15 @@ def test_graph_replayed_flattened_steps_equal_eager_ones_in_bf16(tiny_model, mix
     assert losses["on"].keys() == losses["off"].keys()
     for key, value in losses["off"].items():
         assert losses["on"][key] == pytest.approx(value, rel=5e-2, abs=5e-2), key
+
+
+def test_row_layout_setting_chooses_flat_or_padded_rows(tiny_model, mixed_data, tmp_path):
+    """``training.row_layout``: auto is flat outside graph-replayed steps, padded inside them;
+    padded and flat force their layout."""
+    recipe = _recipe(tiny_model, mixed_data, tmp_path)
+    samples, rows, ids = recipe.train_samples[:3], [1, 1, 1], [0, 1, 2]
+    assert recipe._step_batch(samples, rows, ids, graphed=False).flat
+    recipe.cfg.training.row_layout = "padded"
+    assert not recipe._step_batch(samples, rows, ids, graphed=False).flat
+    recipe.cfg.training.row_layout = "flat"
+    assert recipe._step_batch(samples, rows, ids, graphed=False).flat

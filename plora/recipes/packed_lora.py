@@ -300,8 +300,11 @@ class PackedLoRARecipe:
 
     def _step_batch(self, samples: list, rows: list[int], ids: list[int], graphed: bool) -> StepBatch:
         """Flattened rows when attention can be confined to rows (and, for a CUDA graph,
-        read its row boundaries from the device); padded rows otherwise."""
-        flat = self.row_attn is not None and (not graphed or self.row_attn.graph_safe(self.device, self.dtype))
+        read its row boundaries from the device) and ``training.row_layout`` allows it
+        ("auto": not in graph-replayed steps, see the spec); padded rows otherwise."""
+        layout = str(self.cfg.training.get("row_layout") or "auto")
+        flat = (self.row_attn is not None and layout != "padded" and (layout == "flat" or not graphed)
+                and (not graphed or self.row_attn.graph_safe(self.device, self.dtype)))
         held = self.graphs.held_shape(ids, rows) if graphed else None
         return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,
                                 max_width=int(self.cfg.model.max_seq_len))
