@@ -465,9 +465,5 @@ def profile(
     console.print(f"[dim]{run_dir / 'profile.json'} — {source}[/]")
 
 
-def main() -> None:  # pragma: no cover - console entry point alias
-    app()
-
-
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())

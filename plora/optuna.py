@@ -772,10 +772,3 @@ def _best(study: optuna.Study) -> FrozenTrial | None:
         return None
 
 
-def trials_frame(study: optuna.Study) -> pd.DataFrame:
-    """The study as a table: number, state, value, params and plora's user attrs."""
-    rows = []
-    for t in study.get_trials(deepcopy=False):
-        rows.append({"trial": t.number, "state": t.state.name, "value": t.value, **t.params,
-                     **{k: v for k, v in t.user_attrs.items() if k not in t.params}})
-    return pd.DataFrame(rows)

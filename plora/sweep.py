@@ -442,13 +442,6 @@ def run_prepared(
     return frame
 
 
-def _adapter_finished(run_dir: Path, adapter_id: str) -> bool:
-    path = run_dir / "adapters" / adapter_id / "metrics.json"
-    if not path.is_file():
-        return False
-    return json.loads(path.read_text()).get("status") in ("done", "diverged", "pruned")
-
-
 RESULT_COLUMNS = [
     "adapter_id", "rank", "alpha", "learning_rate", "batch_size", "seed", "job_id", "status",
     "steps", "train_loss", "eval_loss", "eval_exact_match", "wall_time_s", "checkpoint_path",
