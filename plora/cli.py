@@ -252,7 +252,8 @@ def tune(
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
     from plora.data import DataError
     from plora.models import ModelError
-    from plora.optuna import check_tune_request, run_tune, storage_url, study_name
+    from plora.tuning.loop import check_tune_request, run_tune
+    from plora.tuning.study import storage_url, study_name
 
     spec = _load(space, sampled=True)
     run_dir = spec.run_dir(output)

@@ -436,7 +436,7 @@ def run_prepared(
         except (OSError, ValueError, ProfileError):
             pass
     frame = collect_results(prep)
-    from plora.optuna import record_sweep  # the sweep as an Optuna study; warns, never raises
+    from plora.tuning.study import record_sweep  # the sweep as an Optuna study; warns, never raises
 
     record_sweep(prep, frame)
     return frame

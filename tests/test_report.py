@@ -146,7 +146,7 @@ def test_sections_degrade_without_their_data(demo_run, tmp_path):
 
 
 def test_sweep_is_an_optuna_study(demo_run):
-    from plora.optuna import record_sweep
+    from plora.tuning.study import record_sweep
     from plora.sweep import collect_results, prepare
 
     spec = parse_spec(yaml.safe_load((demo_run / "spec.yaml").read_text()))
