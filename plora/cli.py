@@ -252,7 +252,8 @@ def tune(
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
     from plora.data import DataError
     from plora.models import ModelError
-    from plora.optuna import check_tune_request, run_tune, storage_url, study_name
+    from plora.tuning.loop import check_tune_request, run_tune
+    from plora.tuning.study import storage_url, study_name
 
     spec = _load(space, sampled=True)
     run_dir = spec.run_dir(output)
@@ -463,10 +464,6 @@ def profile(
     console.print(f"held-out error: step time max {mx(s['time_max_abs_err'])}, peak memory max "
                   f"{mx(s['memory_max_abs_err'])}; predicted fits that ran out of memory: {s['predicted_fit_oom']}")
     console.print(f"[dim]{run_dir / 'profile.json'} — {source}[/]")
-
-
-def main() -> None:  # pragma: no cover - console entry point alias
-    app()
 
 
 if __name__ == "__main__":  # pragma: no cover

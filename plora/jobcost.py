@@ -210,7 +210,7 @@ def train_row_tokens(spec: Any) -> float | None:
     `ROWS_SAMPLED` rows), or None where they cannot be tokenized here."""
     try:
         from plora.data import load_split, tokenize_examples
-        from plora.sweep import data_config
+        from plora.data_check import data_config
 
         examples = load_split(data_config(spec), "train")[:ROWS_SAMPLED]
         samples = tokenize_examples(examples, _tokenizer(spec), int(spec.model.max_seq_len))
@@ -226,7 +226,7 @@ def eval_load_for(spec: Any) -> EvalLoad | None:
 
     Where the rows cannot be tokenized here, each counts as ``max_seq_len`` tokens."""
     from plora.data import load_split
-    from plora.sweep import data_config
+    from plora.data_check import data_config
 
     data = data_config(spec)
     cap = getattr(spec.data, "max_eval_samples", None) or getattr(spec.eval, "max_samples", None) or 256

@@ -59,8 +59,8 @@ __all__ = [
 #: The environment variable through which the notebook's parameter cell gets the run directory.
 RUN_DIR_ENV = "PLORA_RUN_DIR"
 HYPERPARAMETERS = ("rank", "alpha", "learning_rate", "batch_size")
-REPO_NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb"
-PACKAGE_NOTEBOOK = Path(__file__).resolve().parent / "assets" / "report.ipynb"
+#: ``notebooks/report.ipynb``, installed with the package through the ``assets/report.ipynb`` link
+PACKAGE_NOTEBOOK = Path(__file__).parent / "assets" / "report.ipynb"
 
 
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b", "#9d755d"]
@@ -78,11 +78,10 @@ class Missing(Exception):
 
 
 def notebook_path() -> Path:
-    """The report notebook: the checkout's ``notebooks/report.ipynb``, else the packaged copy."""
-    for path in (REPO_NOTEBOOK, PACKAGE_NOTEBOOK):
-        if path.is_file():
-            return path
-    raise ReportError(f"report notebook not found (looked for {REPO_NOTEBOOK} and {PACKAGE_NOTEBOOK})")
+    """The report notebook (``notebooks/report.ipynb``, as installed with the package)."""
+    if PACKAGE_NOTEBOOK.is_file():
+        return PACKAGE_NOTEBOOK
+    raise ReportError(f"report notebook not found at {PACKAGE_NOTEBOOK}")
 
 
 #: What executing and exporting the notebook imports: the ``report`` extra of pyproject.toml.

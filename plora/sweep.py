@@ -436,17 +436,10 @@ def run_prepared(
         except (OSError, ValueError, ProfileError):
             pass
     frame = collect_results(prep)
-    from plora.optuna import record_sweep  # the sweep as an Optuna study; warns, never raises
+    from plora.tuning.study import record_sweep  # the sweep as an Optuna study; warns, never raises
 
     record_sweep(prep, frame)
     return frame
-
-
-def _adapter_finished(run_dir: Path, adapter_id: str) -> bool:
-    path = run_dir / "adapters" / adapter_id / "metrics.json"
-    if not path.is_file():
-        return False
-    return json.loads(path.read_text()).get("status") in ("done", "diverged", "pruned")
 
 
 RESULT_COLUMNS = [

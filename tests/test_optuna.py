@@ -12,14 +12,22 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.distributions import (
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
 from optuna.trial import TrialState
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from plora import optuna as po
 from plora.cli import app
 from plora.spec import ASSETS_DIR, AdapterConfig, parse_spec
+from plora.tuning import base as tbase
+from plora.tuning import loop as tloop
+from plora.tuning import samplers as tsamp
+from plora.tuning import space as tspace
+from plora.tuning import study as tstudy
 
 runner = CliRunner()
 
@@ -76,19 +84,19 @@ def test_search_space_from_the_space_file(tmp_path):
                      "learning_rate": {"low": 1e-4, "high": 3e-2, "log": True, "num": 2},
                      "batch_size": {"low": 4, "high": 16, "log": True, "num": 2}}
     spec = parse_spec(data)
-    s = po.search_space(spec)
+    s = tspace.search_space(spec)
     assert s["rank"] == CategoricalDistribution([2, 4, 8])
     assert s["alpha_factor"] == CategoricalDistribution([1.0, 2.0])
     assert s["learning_rate"] == FloatDistribution(1e-4, 3e-2, log=True)
     assert s["batch_size"] == IntDistribution(4, 16, log=True)
-    cfg = po.config_from_params(spec, {"rank": 4, "alpha_factor": 2.0, "learning_rate": 1e-3, "batch_size": 8})
+    cfg = tspace.config_from_params(spec, {"rank": 4, "alpha_factor": 2.0, "learning_rate": 1e-3, "batch_size": 8})
     assert cfg == AdapterConfig.make(4, 8.0, 1e-3, 8, spec.space.seed)
-    params, dists = po.params_of(spec, cfg)
+    params, dists = tspace.params_of(spec, cfg)
     assert params == {"rank": 4, "alpha_factor": 2.0, "learning_rate": 1e-3, "batch_size": 8}
-    assert po.config_from_params(spec, params) == cfg and set(dists) == set(params)
+    assert tspace.config_from_params(spec, params) == cfg and set(dists) == set(params)
     # the grid sampler walks the grid points of the space
-    assert po.grid_values(spec)["learning_rate"] == [1e-4, 3e-2]
-    assert po.grid_values(spec)["batch_size"] == [4, 16]
+    assert tspace.grid_values(spec)["learning_rate"] == [1e-4, 3e-2]
+    assert tspace.grid_values(spec)["batch_size"] == [4, 16]
 
 
 def test_list_space_is_categorical_and_absolute_alpha(tmp_path, demo_model):
@@ -96,25 +104,25 @@ def test_list_space_is_categorical_and_absolute_alpha(tmp_path, demo_model):
         {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
         {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 8}]})
     spec = parse_spec(data)
-    s = po.search_space(spec)
+    s = tspace.search_space(spec)
     assert s["alpha"] == CategoricalDistribution([4.0, 16.0]) and "alpha_factor" not in s
     study = optuna.create_study(direction="minimize")
-    assert po.enqueue_configs(study, spec, [c.model_dump() for c in spec.space.configs]) == 2
-    assert po.enqueue_configs(study, spec, [spec.space.configs[0].model_dump()]) == 0  # already queued
-    with pytest.raises(po.TuneError, match="outside the search space"):
-        po.enqueue_configs(study, spec, [{"rank": 3, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}])
+    assert tspace.enqueue_configs(study, spec, [c.model_dump() for c in spec.space.configs]) == 2
+    assert tspace.enqueue_configs(study, spec, [spec.space.configs[0].model_dump()]) == 0  # already queued
+    with pytest.raises(tbase.TuneError, match="outside the search space"):
+        tspace.enqueue_configs(study, spec, [{"rank": 3, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}])
 
 
 def test_adapter_status_to_trial_state(tmp_path):
     spec = parse_spec(space(tmp_path, fake_model(tmp_path)))  # objective: loss
     row = {"status": "done", "eval_loss": 1.5, "eval_exact_match": 0.5}
-    assert po._state_and_value(row, spec) == (TrialState.COMPLETE, 1.5)
-    assert po._state_and_value({**row, "status": "diverged"}, spec) == (TrialState.FAIL, None)
-    assert po._state_and_value({**row, "status": "failed"}, spec) == (TrialState.FAIL, None)
-    assert po._state_and_value({**row, "status": "pruned"}, spec) == (TrialState.PRUNED, None)
-    assert po._state_and_value({"status": "done", "eval_loss": float("nan")}, spec)[0] == TrialState.FAIL
-    assert po.intermediate_sign(spec) == 1.0
-    assert po.intermediate_sign(parse_spec({**space(tmp_path, fake_model(tmp_path)),
+    assert tstudy._state_and_value(row, spec) == (TrialState.COMPLETE, 1.5)
+    assert tstudy._state_and_value({**row, "status": "diverged"}, spec) == (TrialState.FAIL, None)
+    assert tstudy._state_and_value({**row, "status": "failed"}, spec) == (TrialState.FAIL, None)
+    assert tstudy._state_and_value({**row, "status": "pruned"}, spec) == (TrialState.PRUNED, None)
+    assert tstudy._state_and_value({"status": "done", "eval_loss": float("nan")}, spec)[0] == TrialState.FAIL
+    assert tstudy.intermediate_sign(spec) == 1.0
+    assert tstudy.intermediate_sign(parse_spec({**space(tmp_path, fake_model(tmp_path)),
                                             "eval": {"objective": "exact_match"}})) == -1.0
 
 
@@ -124,8 +132,8 @@ def test_bad_requests_are_one_line_errors(tmp_path, demo_model):
     assert bad.exit_code == 2 and bad.output.strip().splitlines()[-1].startswith("error: unknown sampler 'nope'")
     no_evals = runner.invoke(app, ["tune", str(path), "--pruner", "median"])
     assert no_evals.exit_code == 2 and "eval.every_steps" in no_evals.output
-    with pytest.raises(po.TuneError, match="unknown pruner"):
-        po.make_pruner("sometimes")
+    with pytest.raises(tbase.TuneError, match="unknown pruner"):
+        tsamp.make_pruner("sometimes")
 
 
 # --------------------------------------------------------------------------- TPE, batches, storage
@@ -134,8 +142,8 @@ def test_bad_requests_are_one_line_errors(tmp_path, demo_model):
 def _replay_batch2(spec, batch1: list, values: list, k: int) -> list[dict]:
     """Ask batch 1 again from a fresh sampler of the same seed, tell it `values`, and return
     the params the sampler proposes next: what `plora tune` would have trained in batch 2."""
-    study = optuna.create_study(direction="minimize", sampler=po.make_sampler("tpe", spec, n_startup_trials=k))
-    dist = po.search_space(spec)
+    study = optuna.create_study(direction="minimize", sampler=tsamp.make_sampler("tpe", spec, n_startup_trials=k))
+    dist = tspace.search_space(spec)
     asked = [study.ask(dist) for _ in range(k)]
     assert [t.params for t in asked] == [t.params for t in batch1]  # the same seeded first batch
     for t, v in zip(asked, values):
@@ -160,7 +168,7 @@ def test_tpe_tune_second_batch_depends_on_first(tmp_path, demo_model):
     frame = pd.read_parquet(run / "results.parquet").set_index("adapter_id")
     for t in trials:
         a = t.user_attrs
-        assert a["adapter_id"] == po.config_from_params(spec, t.params).id
+        assert a["adapter_id"] == tspace.config_from_params(spec, t.params).id
         assert a["job_id"].startswith(f"b0{a['batch']}-job-") and a["tp"] == 1 and a["status"] == "done"
         assert (Path(a["checkpoint_path"]) / "adapter_model.safetensors").is_file()
         assert t.value == pytest.approx(frame.loc[a["adapter_id"], "eval_loss"])
@@ -178,7 +186,7 @@ def test_tpe_tune_second_batch_depends_on_first(tmp_path, demo_model):
     jobs_before = sorted(p.name for p in (run / "jobs").iterdir())
     best = study.best_trial
     study.enqueue_trial(best.params)  # as if the sampler proposed it again
-    again = po.run_tune(spec, trials=1, batch=1)
+    again = tloop.run_tune(spec, trials=1, batch=1)
     assert len(again.trials) == 7
     last = again.trials[-1]
     assert last.params == best.params and last.value == best.value and last.user_attrs["batch"] == 3
@@ -213,7 +221,7 @@ def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_
                  training={"steps": budget}, eval={"metrics": ["loss"], "objective": "loss", "every_steps": every})
     spec = parse_spec(data)
     pruner = PruneOne(3e-3)
-    study = po.run_tune(spec, pruner=pruner, batch=3)
+    study = tloop.run_tune(spec, pruner=pruner, batch=3)
     run = spec.run_dir()
 
     by_lr = {t.params["learning_rate"]: t for t in study.trials}

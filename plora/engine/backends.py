@@ -13,10 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class BackendError(RuntimeError):
-    """The backend cannot run this sweep (Ray missing or unreachable, a node that cannot
-    write the run directory): one line for the user, nothing trained."""
+from plora.engine.errors import BackendError  # noqa: F401 - where callers look for it
 
 
 @dataclass

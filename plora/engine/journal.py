@@ -34,7 +34,6 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS events (
   at REAL NOT NULL, kind TEXT NOT NULL, subject TEXT, detail TEXT
 );
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
 
 
@@ -127,10 +126,3 @@ class Journal:
 
     def events(self) -> list[tuple[float, str, str, str]]:
         return list(self.db.execute("SELECT at, kind, subject, detail FROM events ORDER BY rowid"))
-
-    def set_meta(self, key: str, value) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
-
-    def get_meta(self, key: str, default=None):
-        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return json.loads(row[0]) if row else default

@@ -31,7 +31,7 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from plora.engine.backends import BackendError
+from plora.engine.errors import BackendError
 from plora.engine.local import JOB_ALLOCATOR, JobProcess, tune_command
 
 #: exit code the engine sees for a job whose task was lost with its node

@@ -34,10 +34,6 @@ class Job:
     step_time: float
     peak_memory: float
 
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

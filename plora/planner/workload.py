@@ -247,12 +247,6 @@ class Workload:
         """Per type: the time of a job of one such adapter alone at degree d."""
         return self._alone[d]
 
-    def smallest_degree(self, i: int) -> int:
-        return min(d for d in self.degrees if self.fits[d][i])
-
-    def largest_degree(self, i: int) -> int:
-        return max(d for d in self.degrees if self.fits[d][i])
-
     # ------------------------------------------------------------------------------------
     def job_time(self, counts: np.ndarray, d: int) -> float:
         """Exact job time of a pack given as counts per type.

@@ -1,0 +1,291 @@
+"""``plora tune``: ask a batch of trials from any sampler, train them packed, tell, repeat."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pandas as pd
+from optuna.trial import FrozenTrial, TrialState
+
+from plora.spec import AdapterConfig, Range, SweepSpec
+from plora.sweep import (
+    PlannedJob,
+    PreparedSweep,
+    SweepPlan,
+    collect_results,
+    configs_frame,
+    dataset_size,
+    plan_jobs,
+    run_prepared,
+)
+from plora.tuning.base import TuneError, _quiet_optuna
+from plora.tuning.prune import _finished_status, _PruneWatcher
+from plora.tuning.samplers import make_pruner, make_sampler
+from plora.tuning.space import config_from_params, enqueue_configs, search_space
+from plora.tuning.study import (
+    _state_and_value,
+    _user_attrs,
+    intermediate_sign,
+    open_study,
+)
+
+
+@dataclass
+class BatchReport:
+    """What one batch of :func:`run_tune` did, for progress display (``on_batch``)."""
+
+    index: int
+    trials: list[FrozenTrial]
+    trained: list[str]  # adapter ids trained in this batch
+    reused: list[str]  # adapter ids whose earlier result was told again
+    pruned: list[str]
+    jobs: list[str]
+    wall_time_s: float
+    best: FrozenTrial | None
+
+
+@dataclass
+class _RunState:
+    """The tune's cumulative view of the run directory: every config and job so far, so that
+    results.parquet, configs.parquet and plan.json describe the whole search."""
+
+    spec: SweepSpec
+    run_dir: Path
+    configs: dict[str, AdapterConfig] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    jobs: list[PlannedJob] = field(default_factory=list)
+    batches: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, spec: SweepSpec, run_dir: Path) -> "_RunState":
+        st = cls(spec, run_dir)
+        with contextlib.suppress(Exception):
+            for r in pd.read_parquet(run_dir / "configs.parquet").to_dict("records"):
+                cfg = AdapterConfig.make(r["rank"], r["alpha"], r["learning_rate"], r["batch_size"], r["seed"])
+                st.configs[cfg.id] = cfg
+                st.steps[cfg.id] = int(r.get("steps") or 0)
+        with contextlib.suppress(Exception):
+            plan = json.loads((run_dir / "plan.json").read_text())
+            st.batches = list(plan.get("batches", []))
+            for j in plan.get("jobs", []):
+                jid = str(j.get("job_id") or j.get("id"))
+                members = [st.configs[a] for a in j.get("adapters", []) if a in st.configs]
+                if members:
+                    steps = {a.id: int((j.get("steps") or {}).get(a.id, st.steps.get(a.id, 0))) for a in members}
+                    st.jobs.append(PlannedJob(jid, members, steps, int(j.get("tp", 1)), list(j.get("gpus") or []),
+                                              j.get("predicted_start"), j.get("predicted_end")))
+        return st
+
+    def next_batch(self) -> int:
+        used = [int(m.group(1)) for j in self.jobs if (m := re.match(r"b(\d+)-", j.job_id))]
+        used += [int(b.get("batch", 0)) for b in self.batches]
+        return max(used, default=0) + 1
+
+    def prep(self) -> PreparedSweep:
+        cfgs = list(self.configs.values())
+        return PreparedSweep(self.spec, self.run_dir, cfgs, dict(self.steps),
+                             SweepPlan(list(self.jobs), "optuna batches"))
+
+    def add(self, configs: Sequence[AdapterConfig], steps: Mapping[str, int], jobs: Sequence[PlannedJob]) -> None:
+        for c in configs:
+            self.configs[c.id] = c
+            self.steps[c.id] = int(steps.get(c.id, self.steps.get(c.id, 0)))
+        self.jobs.extend(jobs)
+
+    def write(self) -> None:
+        """configs.parquet and plan.json of everything so far (each batch's jobs keep their id)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        configs_frame(self.prep()).to_parquet(self.run_dir / "configs.parquet", index=False)
+        batch_of = {jid: b["batch"] for b in self.batches for jid in b.get("jobs", [])}
+        plan = {
+            "grouping": f"optuna: {len(self.batches)} batches; " + (self.batches[-1].get("grouping", "") if self.batches else ""),
+            "jobs": [{**j.to_dict(), "batch": batch_of.get(j.job_id)} for j in self.jobs],
+            "batches": self.batches,
+        }
+        (self.run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+
+
+def _tell(study: optuna.Study, spec: SweepSpec, trial: optuna.Trial, row: Mapping[str, Any] | None,
+          cfg: AdapterConfig, tp: int | None, run_dir: Path, batch: int) -> None:
+    row = row or {"status": "failed", "reason": "no result"}
+    for k, v in _user_attrs(row, cfg, tp, run_dir).items():
+        trial.set_user_attr(k, v)
+    trial.set_user_attr("batch", batch)
+    state, value = _state_and_value(row, spec)
+    with _quiet_optuna():
+        try:
+            if state == TrialState.COMPLETE:
+                study.tell(trial, value, skip_if_finished=True)
+            else:
+                study.tell(trial, state=state, skip_if_finished=True)
+        except RuntimeError as e:
+            # The grid sampler calls study.stop() once its grid is done, which only works
+            # inside study.optimize; the trial is told by then.
+            if "Study.stop" not in str(e):
+                raise
+
+
+def tune_trials(spec: SweepSpec, trials: int | None) -> int:
+    """Trials a tune runs: ``trials``, else the number of configurations the space expands to
+    (which a grid with a range that has no ``num`` does not have: then ``trials`` is needed)."""
+    if trials is None:
+        unspaced = [n for n in ("rank", "alpha", "learning_rate", "batch_size")
+                    if isinstance(getattr(spec.space, n), Range) and getattr(spec.space, n).num is None]
+        if spec.space.strategy == "grid" and unspaced:
+            raise TuneError(f"--trials is required: space.{unspaced[0]} is a range without num, so the space has "
+                            "no number of configurations")
+        return len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in spec.expand()})
+    if int(trials) < 1:
+        raise TuneError(f"trials must be >= 1, got {trials}")
+    return int(trials)
+
+
+def check_tune_request(spec: SweepSpec, *, sampler: str, trials: int | None, batch: int | None,
+                       pruner: str | None) -> None:
+    """What can be wrong with a tune request (trials, batch, sampler, pruner), found before
+    anything runs or is printed; raises :class:`TuneError`."""
+    tune_trials(spec, trials)
+    if batch is not None and batch < 1:
+        raise TuneError(f"batch must be >= 1, got {batch}")
+    make_sampler(sampler, spec)
+    if not isinstance(make_pruner(pruner), optuna.pruners.NopPruner) and not spec.eval.every_steps:
+        raise TuneError("pruning needs intermediate eval losses: set eval.every_steps in the space file")
+
+
+def run_tune(
+    spec: SweepSpec,
+    *,
+    sampler: str | optuna.samplers.BaseSampler = "tpe",
+    trials: int | None = None,
+    batch: int | None = None,
+    pruner: str | optuna.pruners.BasePruner | None = None,
+    run_dir: Path | None = None,
+    seed: int | None = None,
+    n_startup_trials: int | None = None,
+    enqueue: Iterable[Mapping[str, Any] | AdapterConfig] | None = None,
+    on_batch: Callable[[BatchReport], None] | None = None,
+    on_tick: Callable[[list, list], None] | None = None,
+    on_snapshot: Callable[[Any], None] | None = None,
+    slots: list[str] | None = None,
+) -> optuna.Study:
+    """Packed optimization driven by an Optuna sampler; returns the study.
+
+    Each batch asks ``batch`` trials, turns them into adapters, plans them into packed jobs
+    (ids ``b01-job-000``, … in one run directory), trains them through the sweep's engine
+    (:func:`plora.sweep.run_prepared`: journal, retries, out-of-memory splits), and tells
+    every trial its result: COMPLETE with the eval objective, FAIL for diverged or crashed adapters, PRUNED
+    for adapters the pruner stopped. A trial that proposes an adapter already trained in the
+    run directory is told that adapter's result again, without training.
+
+    ``trials`` (new trials in this call) defaults to the number of configurations the space
+    file expands to; ``batch`` to ``planner.max_adapters_per_job`` × the machine's slots.
+    A ``list`` space's configs, and ``enqueue``'s, are tried first whatever the sampler.
+    Re-running on the same storage continues the study.
+    """
+    from plora.engine.local import default_slots
+
+    run_dir = spec.run_dir(run_dir)
+    slots = list(slots or default_slots(spec.hardware.device))
+    n_trials = tune_trials(spec, trials)
+    size = int(batch) if batch is not None else min(n_trials, spec.planner.max_adapters_per_job * len(slots))
+    if size < 1:
+        raise TuneError(f"batch must be >= 1, got {size}")
+    smp = make_sampler(sampler, spec, seed=seed, n_startup_trials=size if n_startup_trials is None else n_startup_trials)
+    prn = make_pruner(pruner)
+    if not isinstance(prn, optuna.pruners.NopPruner) and not spec.eval.every_steps:
+        raise TuneError("pruning needs intermediate eval losses: set eval.every_steps in the space file")
+    n_train = dataset_size(spec)  # bad data is refused before the study or the run directory exists
+    study = open_study(spec, run_dir, sampler=smp, pruner=prn)
+    if spec.space.strategy == "list":
+        enqueue_configs(study, spec, [c.model_dump() for c in spec.space.configs or []])
+    if enqueue is not None:
+        enqueue_configs(study, spec, enqueue)
+
+    space = search_space(spec)
+    state = _RunState.load(spec, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.yaml").write_text(spec.to_yaml())
+    sign = intermediate_sign(spec)
+
+    asked = 0
+    while asked < n_trials:
+        t0 = time.time()
+        b = state.next_batch()
+        k = min(size, n_trials - asked)
+        batch_trials: list[optuna.Trial] = []
+        asked += k
+        try:
+            with _quiet_optuna():
+                for _ in range(k):
+                    batch_trials.append(study.ask(space))
+            cfg_of = {t.number: config_from_params(spec, t.params) for t in batch_trials}
+            by_adapter: dict[str, list[optuna.Trial]] = {}
+            for t in batch_trials:
+                t.set_user_attr("adapter_id", cfg_of[t.number].id)  # visible while it trains
+                t.set_user_attr("batch", b)
+                by_adapter.setdefault(cfg_of[t.number].id, []).append(t)
+            unique = {a: cfg_of[ts[0].number] for a, ts in by_adapter.items()}
+            reused = [a for a in unique if _finished_status(run_dir, a) is not None]
+            new = [c for a, c in unique.items() if a not in reused]
+            for a in reused:  # an adapter of an earlier batch, run or sweep: keep it in the tables
+                if a not in state.configs:
+                    state.add([unique[a]], {a: spec.steps_for(unique[a], n_train)}, [])
+            watcher = _PruneWatcher(by_adapter, sign, can_prune=True)
+            jobs: list[PlannedJob] = []
+            if new:
+                steps = {c.id: spec.steps_for(c, n_train) for c in new}
+                plan = plan_jobs(spec, new, steps)
+                jobs = [dataclasses.replace(j, job_id=f"b{b:02d}-{j.job_id}") for j in plan.jobs]
+                state.add(new, steps, jobs)
+                state.batches.append({"batch": b, "trials": [t.number for t in batch_trials],
+                                      "jobs": [j.job_id for j in jobs], "grouping": plan.grouping, **plan.details})
+                state.write()
+
+                def tick(running: list, finished: list) -> None:
+                    watcher(running, finished)
+                    if on_tick is not None:
+                        on_tick(running, finished)
+
+                batch_prep = PreparedSweep(spec, run_dir, new, steps, SweepPlan(jobs, plan.grouping, plan.details))
+                run_prepared(batch_prep, on_tick=tick, on_snapshot=on_snapshot, slots=slots)
+                for job_dir in sorted((run_dir / "jobs").glob(f"b{b:02d}-*")):
+                    watcher.poll(job_dir, prune=False)  # evals written after the last tick: curves only
+            else:
+                state.write()
+            frame = collect_results(state.prep())
+            rows = {r["adapter_id"]: r for r in frame.to_dict("records")}
+            tp_of = {a.id: j.tp for j in state.jobs for a in j.adapters}
+            for t in batch_trials:
+                cfg = cfg_of[t.number]
+                _tell(study, spec, t, rows.get(cfg.id), cfg, tp_of.get(cfg.id), run_dir, b)
+        except BaseException:
+            with _quiet_optuna():
+                for t in batch_trials:  # interrupted or broken: no trial stays RUNNING forever
+                    with contextlib.suppress(Exception):
+                        study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
+            raise
+        if on_batch is not None:
+            numbers = {t.number for t in batch_trials}
+            frozen = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
+            on_batch(BatchReport(
+                index=b, trials=frozen, trained=[c.id for c in new], reused=reused,
+                pruned=[a for a in unique if rows.get(a, {}).get("status") == "pruned"], jobs=[j.job_id for j in jobs],
+                wall_time_s=time.time() - t0, best=_best(study),
+            ))
+    return study
+
+
+def _best(study: optuna.Study) -> FrozenTrial | None:
+    try:
+        return study.best_trial
+    except ValueError:
+        return None

@@ -1,0 +1,78 @@
+"""The prune protocol: a pruner's decision reaches a running job through its control.json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+
+def _finished_status(run_dir: Path, adapter_id: str) -> str | None:
+    path = run_dir / "adapters" / adapter_id / "metrics.json"
+    with contextlib.suppress(OSError, ValueError):
+        status = json.loads(path.read_text()).get("status")
+        return status if status in ("done", "diverged", "pruned") else None
+    return None
+
+
+class _PruneWatcher:
+    """Reads the intermediate evals of running jobs, reports them to their trials and, when a
+    trial's pruner says so, asks the job to drop that adapter (``control.json``)."""
+
+    def __init__(self, trials: Mapping[str, Sequence[optuna.Trial]], sign: float, can_prune: bool) -> None:
+        self.trials = trials
+        self.sign = sign
+        self.can_prune = can_prune
+        self.offsets: dict[Path, int] = {}
+        self.reported: dict[int, set[int]] = {}
+        self.pruned: set[str] = set()
+
+    def __call__(self, running: Sequence[Any], finished: Sequence[Any]) -> None:
+        for jp in running:
+            self.poll(Path(jp.job_dir), prune=self.can_prune)
+
+    def poll(self, job_dir: Path, *, prune: bool) -> None:
+        path = job_dir / "evals.jsonl"
+        if not path.is_file():
+            return
+        with open(path, "rb") as f:
+            f.seek(self.offsets.get(path, 0))
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # only whole lines; the rest is read next time
+        self.offsets[path] = self.offsets.get(path, 0) + end
+        for line in chunk[:end].decode().splitlines():
+            try:
+                rec = json.loads(line)
+                adapter, step, loss = rec["adapter"], int(rec["adapter_step"]), float(rec["eval_loss"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            trials = self.trials.get(adapter, ())
+            if not trials or not math.isfinite(loss) or adapter in self.pruned:
+                continue
+            for t in trials:
+                done = self.reported.setdefault(t.number, set())
+                if step not in done:
+                    t.report(self.sign * loss, step)
+                    done.add(step)
+            if prune and trials[0].should_prune():
+                self.pruned.add(adapter)
+                request_prune(job_dir, [adapter])
+
+
+def request_prune(job_dir: Path, adapter_ids: Iterable[str]) -> None:
+    """Ask a running job to drop adapters: they leave the pack at its next step, with status
+    ``pruned`` (the job reads control.json whenever it changes)."""
+    path = Path(job_dir) / "control.json"
+    try:
+        control = json.loads(path.read_text())
+    except (OSError, ValueError):
+        control = {}
+    prune = list(dict.fromkeys([*control.get("prune", []), *adapter_ids]))
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**control, "prune": prune}))
+    tmp.replace(path)
