@@ -20,7 +20,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from plora.spec import AdapterConfig, SweepSpec
-from plora.tuning.base import TuneError
+from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.space import params_of, search_space
 
 if TYPE_CHECKING:  # the sweep records its study through this module: no import back at run time
@@ -54,19 +54,6 @@ def _direction(spec: SweepSpec) -> str:
 def intermediate_sign(spec: SweepSpec) -> float:
     """Factor applied to eval losses reported as intermediate values (see the module doc)."""
     return 1.0 if spec.eval.minimize else -1.0
-
-
-@contextlib.contextmanager
-def _quiet_optuna():
-    """Optuna logs every study creation and trial at INFO; plora renders its own progress."""
-    level = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            yield
-    finally:
-        optuna.logging.set_verbosity(level)
 
 
 def open_study(
