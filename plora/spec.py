@@ -672,6 +672,15 @@ def cuda_graphs_setting(value: Any) -> Union[str, bool]:
     raise ValueError(f"expected auto, on or off, got {value!r}")
 
 
+def warmup_steps_for(total_steps: int, warmup_steps: Optional[int], warmup_ratio: Optional[float]) -> int:
+    """An adapter's warm-up in its own steps: ``warmup_steps``, or ``warmup_ratio`` of its
+    ``total_steps`` rounded up (as transformers does). The one place it is computed: the
+    space file's validation and the job both call it."""
+    if warmup_ratio:
+        return int(math.ceil(float(warmup_ratio) * int(total_steps)))
+    return int(warmup_steps or 0)
+
+
 class TrainingConfig(_Model):
     epochs: Optional[float] = Field(None, gt=0)  # defaults to 1 when steps is not given
     steps: Optional[int] = Field(None, ge=1)
@@ -713,9 +722,7 @@ class TrainingConfig(_Model):
 
     def warmup_for(self, total_steps: int) -> int:
         """Warm-up steps of an adapter that trains ``total_steps`` steps."""
-        if self.warmup_ratio is not None:
-            return int(math.floor(self.warmup_ratio * total_steps))
-        return int(self.warmup_steps or 0)
+        return warmup_steps_for(total_steps, self.warmup_steps, self.warmup_ratio)
 
 
 class EvalConfig(_Model):

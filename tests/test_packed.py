@@ -170,3 +170,16 @@ def test_pruned_adapter_leaves_and_others_are_unchanged(packed_run, tiny_model, 
     assert m["steps"] == 4
     for a in ADAPTERS[:3]:
         assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
+
+
+def test_job_warmup_is_the_space_files_warmup(tiny_model, reverse_data, tmp_path):
+    """A warm-up ratio gives each adapter the warm-up the validated spec computes for its own
+    step count (one rounding, in one place)."""
+    from plora.spec import TrainingConfig
+
+    adapters = [dict(ADAPTERS[0], id="w55", steps=55), dict(ADAPTERS[1], id="w7", steps=7)]
+    cfg = job_config(tiny_model, reverse_data, tmp_path, adapters)
+    cfg["training"] = {**cfg["training"], "warmup_steps": None, "warmup_ratio": 0.1}
+    recipe = PackedLoRARecipe(cfg)
+    spec_training = TrainingConfig(epochs=1, warmup_ratio=0.1)
+    assert [r.warmup for r in recipe.runs] == [spec_training.warmup_for(55), spec_training.warmup_for(7)] == [6, 1]

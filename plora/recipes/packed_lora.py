@@ -30,23 +30,30 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torchtune.config._errors import ConfigError
 
-from plora.data import AdapterStream, DataError, TextTokenizer, prepare_data, synthetic_samples
+from plora.data import (
+    AdapterStream,
+    DataError,
+    TextTokenizer,
+    prepare_data,
+    synthetic_samples,
+)
 from plora.evaluate import evaluate_adapters
 from plora.heap import frozen_heap
 from plora.jobphases import PhaseClock
 from plora.metrics import generated_metrics, use_metric_paths
 from plora.models import ModelError, load_base_model
+from plora.packed.bank import LoRABank, PackedAdamW
+from plora.packed.head_loss import adapter_mean_losses, chunk_rows, final_hidden
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
-from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.peft_format import save_peft_adapter
-from plora.packed.head_loss import adapter_mean_losses, chunk_rows, final_hidden
 from plora.packed.rows import LabelParts
 from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
 from plora.recipes.checkpoint import JobCheckpointer
 from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, step_inputs
+from plora.spec import warmup_steps_for
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
 EXIT_OOM = 3
@@ -167,9 +174,7 @@ class PackedLoRARecipe:
         self.runs: list[AdapterRun] = []
         for i, a in enumerate(adapters):
             total = int(a["steps"])
-            warmup = int(t.get("warmup_steps") or 0)
-            if t.get("warmup_ratio"):
-                warmup = int(math.ceil(float(t.warmup_ratio) * total))
+            warmup = warmup_steps_for(total, t.get("warmup_steps"), t.get("warmup_ratio"))
             self.runs.append(AdapterRun(i, a, total, warmup, AdapterStream(len(self.train_samples), int(a["seed"]))))
         # after TP sharding: the bank lays out the local shards
         self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
