@@ -130,6 +130,15 @@ def head_dim_of(cfg: Mapping[str, Any]) -> int:
     return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 
+def check_builder_head_dim(cfg: Mapping[str, Any], where: str, family: str) -> None:
+    """torchtune's builders derive the head size from hidden size and heads: a config with
+    another ``head_dim`` (e.g. Mistral-Nemo) cannot be built through them."""
+    dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    refuse_if(head_dim_of(cfg) * heads != dim, where, f"head_dim {head_dim_of(cfg)}",
+              f"is not supported for {family}: torchtune's builder needs head_dim = hidden_size / "
+              f"num_attention_heads ({dim // heads})")
+
+
 # ---------------------------------------------------------------- weight names
 
 

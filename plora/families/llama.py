@@ -18,8 +18,8 @@ from plora.families.base import (
     LLAMA_LAYER_KEYS,
     ModelError,
     check_activation,
+    check_builder_head_dim,
     check_plain_rope,
-    head_dim_of,
     map_keys,
     refuse_if,
     rope_settings,
@@ -38,9 +38,7 @@ def _read_common(cfg: Mapping[str, Any], where: str, family: str, rope_types: tu
     check_activation(cfg, where, "hidden_act", ("silu",))
     refuse_if(bool(cfg.get("attention_bias")), where, "attention_bias", f"is not supported for {family} (no bias in torchtune's builder)")
     refuse_if(bool(cfg.get("mlp_bias")), where, "mlp_bias", f"is not supported for {family}")
-    dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    refuse_if(head_dim_of(cfg) * heads != dim, where, f"head_dim {head_dim_of(cfg)}",
-              f"is not supported for {family}: torchtune's builder needs head_dim = hidden_size / num_attention_heads ({dim // heads})")
+    check_builder_head_dim(cfg, where, family)
     rope = rope_settings(cfg, where)
     check_plain_rope(rope, where, family, rope_types)
     scaling = None

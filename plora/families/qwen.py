@@ -15,10 +15,9 @@ from torch import nn
 from plora.families.base import (
     LLAMA_LAYER_KEYS,
     check_activation,
+    check_builder_head_dim,
     check_plain_rope,
-    head_dim_of,
     map_keys,
-    refuse_if,
     rope_settings,
     sliding_window,
     top_keys,
@@ -31,9 +30,7 @@ if TYPE_CHECKING:
 
 def read_qwen2(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
     check_activation(cfg, where, "hidden_act", ("silu",))
-    dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    refuse_if(head_dim_of(cfg) * heads != dim, where, f"head_dim {head_dim_of(cfg)}",
-              f"is not supported for qwen2: torchtune's builder needs hidden_size / num_attention_heads ({dim // heads})")
+    check_builder_head_dim(cfg, where, "qwen2")
     check_plain_rope(rope_settings(cfg, where), where, "qwen2")
     return {"sliding_window": sliding_window(cfg)}
 
