@@ -67,6 +67,21 @@ class _NodeLimit(Exception):
     pass
 
 
+class _SearchBudget:
+    """Search nodes counted against a node limit (`_NodeLimit`) and a deadline (`OutOfTime`,
+    read every 1,024 nodes: the clock costs more than a node)."""
+
+    def __init__(self, deadline: float | None, max_nodes: int | None) -> None:
+        self.deadline, self.max_nodes, self.nodes = deadline, max_nodes, 0
+
+    def tick(self) -> None:
+        self.nodes += 1
+        if self.max_nodes is not None and self.nodes > self.max_nodes:
+            raise _NodeLimit
+        if self.deadline is not None and self.nodes & 1023 == 0 and time.perf_counter() > self.deadline:
+            raise OutOfTime
+
+
 @dataclass
 class JobSchedule:
     """Start times of rigid jobs; ``proven`` when no shorter schedule exists."""
@@ -115,7 +130,7 @@ def schedule_jobs(
         area[m] = area[prev] + d[low] * p[low]
         narrowest[m] = min(narrowest[prev], d[low])
         wide[m] = wide[prev] + (p[low] if d[low] == gpus else 0.0)
-    counter = [0]
+    budget = _SearchBudget(deadline, max_nodes)
 
     def visit(free: list[float], s: float, last: int, done: int, end: float) -> None:
         if done == full:
@@ -123,11 +138,7 @@ def schedule_jobs(
                 best[0] = end
                 best_seq[0] = list(seq)
             return
-        counter[0] += 1
-        if max_nodes is not None and counter[0] > max_nodes:
-            raise _NodeLimit
-        if deadline is not None and counter[0] & 1023 == 0 and time.perf_counter() > deadline:
-            raise OutOfTime
+        budget.tick()
         left = full & ~done
         clamped = [f if f > s else s for f in free]
         # nothing left starts before the narrowest job left could; full-width jobs run alone
@@ -191,7 +202,7 @@ def _narrow_and_full(jobs: Sequence[tuple[int, float]], gpus: int, upper_bound: 
     where = [0] * len(p)
     best = [upper_bound - full_s]
     best_where: list[list[int] | None] = [None]
-    counter = [0]
+    budget = _SearchBudget(deadline, max_nodes)
 
     def visit(k: int, top: float) -> None:
         if k == len(p):
@@ -199,11 +210,7 @@ def _narrow_and_full(jobs: Sequence[tuple[int, float]], gpus: int, upper_bound: 
                 best[0] = top
                 best_where[0] = list(where)
             return
-        counter[0] += 1
-        if max_nodes is not None and counter[0] > max_nodes:
-            raise _NodeLimit
-        if deadline is not None and counter[0] & 1023 == 0 and time.perf_counter() > deadline:
-            raise OutOfTime
+        budget.tick()
         if max(top, even) >= best[0] * (1 - _REL):
             return
         tried: set[float] = set()
