@@ -29,7 +29,8 @@ from plora.data import IGNORE_INDEX, Sample, TextTokenizer
 from plora.metrics import choice_accuracy, generated_metrics, score_predictions
 from plora.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to, last_position_logits
 from plora.packed.inject import PackedModel
-from plora.packed.step_batch import StepBatch, build_step_batch
+from plora.packed.rows import LabelParts
+from plora.packed.step_batch import StepBatch, build_step_batch, label_counts
 from plora.packed.varlen_attention import row_attention
 
 #: tokens per eval forward on a CPU (or when the device's free memory is unknown)
@@ -292,10 +293,13 @@ def _choice_accuracy(pm, adapters, samples: Sequence[Sample], device, budget, ba
     def run(group: list[int], piece: tuple[int, int]) -> None:
         part = rows[piece[0] : piece[1]]
         active = [adapters[j] for j in group if adapters[j] is not None]
-        batch = _batch(pm, list(part) * len(group), [len(part)] * len(group), pad_id)
-        per_row = _batch(pm, list(part) * len(group), [1] * (len(part) * len(group)), pad_id)  # same layout
+        scored = list(part) * len(group)
+        batch = _batch(pm, scored, [len(part)] * len(group), pad_id)
         hidden = _hidden(pm, batch, active, device)
-        sums, _ = adapter_loss_sums(pm.model.output, hidden, labels_to(per_row.labels, device), chunk)
+        # the batch's labels are in row order: split per row instead of per adapter
+        per_row = label_counts(scored, [1] * len(scored))
+        labels = LabelParts(batch.labels.index, batch.labels.targets, per_row, per_row)
+        sums, _ = adapter_loss_sums(pm.model.output, hidden, labels_to(labels, device), chunk)
         values = (-torch.stack(sums)).tolist()
         for gi, j in enumerate(group):
             logliks[j][piece[0] : piece[1]] = values[gi * len(part) : (gi + 1) * len(part)]
