@@ -113,6 +113,14 @@ BUILTIN_TASKS.update({
         2000,
         200,
     ),
+    "verdict": TaskInfo(
+        "verdict",
+        "label a three-point review by how many points are good, negations included: positive (3), "
+        "mostly positive (2), mostly negative (1) or negative (0) ('The room was not clean, the staff was "
+        "friendly and the view was superb.' -> 'mostly positive')",
+        2000,
+        200,
+    ),
 })
 
 #: The operators the shipped base model is pretrained on (``shift`` is deliberately absent).
@@ -261,4 +269,34 @@ def _sentiment(rng: random.Random) -> dict:
     return {"input": text, "output": label}
 
 
-_WORD_TASKS: dict[str, Callable[[random.Random], dict]] = {"arithmetic": _arithmetic, "sentiment": _sentiment}
+#: the verdict for each number of good points (0..3)
+VERDICT_LABELS = ("negative", "mostly negative", "mostly positive", "positive")
+
+
+def _verdict(rng: random.Random) -> dict:
+    """Three points about a place, each good or bad and a third of them negated ("was not
+    friendly" is a bad point, "was not noisy" a good one); the label counts the good points.
+
+    The harder classification task: the sentiment task's label follows from its words (a
+    135M model learns it with almost any learning rate), while here the label needs every
+    clause read with its negation and the good ones counted, which separates configurations.
+    """
+    place = rng.choice(_PLACES)
+    aspects = rng.sample(_ASPECTS, 3)
+    good = 0
+    clauses = []
+    for aspect in aspects:
+        positive_word = rng.random() < 0.5
+        negated = rng.random() < 1 / 3
+        word = rng.choice(_GOOD if positive_word else _BAD)
+        good += positive_word != negated
+        clauses.append(f"the {aspect} was {'not ' if negated else ''}{word}")
+    review = f"At the {place} {clauses[0]}, {clauses[1]} and {clauses[2]}."
+    text = ("Count the good points of the review and answer with its verdict: positive (all three good), "
+            "mostly positive (two), mostly negative (one) or negative (none).\n"
+            f"Review: {review}\n")
+    return {"input": text, "output": VERDICT_LABELS[good]}
+
+
+_WORD_TASKS: dict[str, Callable[[random.Random], dict]] = {"arithmetic": _arithmetic, "sentiment": _sentiment,
+                                                           "verdict": _verdict}

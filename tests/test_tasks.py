@@ -129,6 +129,23 @@ def test_sentiment_labels_follow_the_words() -> None:
         assert (" but " in review) == (ex["output"] == "mixed")
 
 
+def test_verdict_labels_count_the_good_points() -> None:
+    import re
+
+    from plora.tasks import _BAD, _GOOD, VERDICT_LABELS
+
+    rows = load_builtin_task("verdict", "train", 800)
+    assert {ex["output"] for ex in rows} == set(VERDICT_LABELS)
+    for ex in rows:
+        review = ex["input"].split("Review: ")[1]
+        points = re.findall(r"was (not )?(\w+)", review)
+        assert len(points) == 3, review
+        good = sum((word in _GOOD) != bool(neg) for neg, word in points)
+        assert all(word in _GOOD + _BAD for _, word in points)
+        assert ex["output"] == VERDICT_LABELS[good], ex
+    assert not {ex["input"] for ex in rows} & {ex["input"] for ex in load_builtin_task("verdict", "eval", 200)}
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="unknown built-in task"):
         load_builtin_task("nope", "train")
