@@ -124,10 +124,12 @@ def run_plora(args, variant: str, data_dir: Path) -> dict:
     path.write_text(yaml.safe_dump(space(args, variant, data_dir), sort_keys=False))
     plora = [sys.executable, "-m", "plora.cli"]
     t0 = time.time()
-    subprocess.run(plora + ["profile", str(path)], check=True, stdout=subprocess.DEVNULL)
+    with open(args.out / f"{variant}-profile.log", "w") as log:  # kept: what the profile measured, and how long
+        subprocess.run(plora + ["profile", str(path)], check=True, stdout=log, stderr=subprocess.STDOUT)
     profile_s = time.time() - t0
     t0 = time.time()
-    proc = subprocess.run(plora + ["sweep", str(path), "--restart"], stdout=subprocess.DEVNULL)
+    with open(args.out / f"{variant}-sweep.log", "w") as log:
+        proc = subprocess.run(plora + ["sweep", str(path), "--restart"], stdout=log, stderr=subprocess.STDOUT)
     wall = time.time() - t0
     spec = load_spec(path)
     run_dir = spec.run_dir(None)
