@@ -1052,15 +1052,9 @@ def profile_model(
     fit_set = [measure(p) for p in calibration_probes()]
     rows = _probe_rows(fit_set, gpu_memory_bytes * load_factor, seq_len, max_rows)
     say(f"  largest probes: {rows} rows of {seq_len} tokens")
-    if cuda and max_rows is not None and rows >= max_rows and _far_from_limit(fit_set, rows, gpu_memory_bytes * load_factor):
-        # The sweep's largest pack (``max_rows``) stays far below the memory limit: packs near
-        # it will never be planned, so measuring or validating them only costs time.
-        limit = fill = False
-        say("  the sweep's largest pack is far from the memory limit: no near-limit probes")
     fit_set += [measure(p) for p in fit_probes(rows, kmax)]
     meta = {"device": device_name, "backend": key["backend"], "dtype": dtype, "seq_len": int(seq_len),
             "warmup": warmup, "iters": iters, "probe_rows": rows,
-            "sized_by": "rows" if max_rows is not None and rows >= max_rows else "memory",
             **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if cuda else {})}
     cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees, meta=meta)
     if fill:  # the largest packs, placed by the memory model just fitted; then fit again
@@ -1115,27 +1109,6 @@ def _probe_rows(cal: Sequence[Measurement], usable_bytes: float, seq_len: int, m
         fit_rows = int((PROBE_MEMORY_SHARE * usable_bytes - a.peak_bytes) // per_row) + 1
         rows = fit_rows if rows is None else min(rows, fit_rows)
     return max(1, int(rows if rows is not None else CPU_MAX_ROWS))
-
-
-def _far_from_limit(cal: Sequence[Measurement], rows: int, usable_bytes: float, share: float = 0.5) -> bool:
-    """Whether ``rows`` rows stay within ``share`` of the usable memory, by the calibration
-    probes' bytes per row (the same estimate `_probe_rows` sizes the probes with)."""
-    a, b = cal[0], cal[1]
-    if not (a.ok and b.ok and a.reserved_peak is not None):
-        return False
-    per_row = max((b.peak_bytes - a.peak_bytes) / max(1, b.probe.rows - a.probe.rows), 1.0)
-    return a.peak_bytes + per_row * rows < share * usable_bytes
-
-
-def cuda_like(device: str) -> bool:
-    return str(device).startswith("cuda")
-
-
-def sweep_pack_rows(spec) -> int:
-    """The most rows one job of this sweep can hold: the largest batch sizes of as many
-    configurations as a job may pack. Probes beyond it measure packs the planner never forms."""
-    sizes = sorted((c.batch_size for c in spec.expand()), reverse=True)
-    return max(1, sum(sizes[: max(1, int(spec.planner.max_adapters_per_job))]))
 
 
 # ----------------------------------------------------------------------------- cache
@@ -1268,18 +1241,12 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
             prof = Profile.load(path)
         except ProfileError as e:
             say(f"ignoring the cached profile: {e}")
-    if prof is not None and cuda_like(device) and prof.cost_model.meta.get("sized_by") == "rows" \
-            and int(prof.cost_model.meta.get("probe_rows", 0)) < sweep_pack_rows(spec):
-        say(f"the cached profile {path} measured packs of at most {prof.cost_model.meta.get('probe_rows')} rows; "
-            "this sweep's are larger: profiling again")
-        prof = None
     if prof is not None:
         say(f"reusing the cached profile {path}")
         cm = prof.cost_model
         if set(cm.degrees) != set(degrees) or cm.gpu_memory_bytes != gpu_memory:
             keep = {k: v for k, v in cm.meta.items() if k in ("device", "backend", "dtype", "seq_len", "warmup",
-                                                              "iters", "probe_rows", "profiling_s", "holdout",
-                                                              "sized_by")}
+                                                              "iters", "probe_rows", "profiling_s", "holdout")}
             overhead, terms = cm.job_overhead_s, cm.overheads
             prof.cost_model = fit_cost_model(prof.measurements, shape, seq, gpu_memory, targets=targets,
                                              tp_degrees=degrees, meta=keep)
@@ -1297,8 +1264,6 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
             torch.set_num_threads(1)  # tiny matmuls on several threads are far slower on a small CPU
             for k, v in CPU_DEFAULTS.items():
                 options.setdefault(k, v)
-        else:  # probes sized to the sweep's packs (a quarter more), not to the whole device
-            options.setdefault("max_rows", -(-5 * sweep_pack_rows(spec) // 4))
         options.setdefault("job_probe", True)
         options.setdefault("random_init", bool(spec.model.random_init))
         prof = profile_model(model_dir, shape, seq_len=seq, dtype=dtype, device=device, targets=targets,
