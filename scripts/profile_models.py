@@ -137,7 +137,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> int:
-    from plora.engine.local import JOB_ALLOCATOR
+    from plora.step_settings import JOB_ALLOCATOR
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
