@@ -403,7 +403,9 @@ def profile(
 ) -> None:
     """Fit SPACE's memory and step-time model from short probe jobs on this machine; print it and its held-out error."""
     from plora.models import ModelError
-    from plora.profiler import ProfileError, load_profile, profile_sweep
+    from plora.profiling.errors import ProfileError
+    from plora.profiling.profile import profile_sweep
+    from plora.profiling.record import load_profile
 
     spec = _load(space)
     run_dir = spec.run_dir(output)

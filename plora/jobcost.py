@@ -4,7 +4,7 @@ On a GPU a packed job of a 0.5B model spends about as long starting, loading, ca
 graphs, evaluating and saving as it spends in its steps; a plan that prices only the steps
 predicts half the makespan. These terms are measured from the phases a job records
 (`plora.jobphases.PhaseClock`, summary.json ``phases``), fitted here, cached with the
-profile (`plora.profiler`), and used by `plora.costmodel.CostModel.job_time`:
+profile (`plora.profiling`), and used by `plora.costmodel.CostModel.job_time`:
 
     job = fixed + Σ_phases steps·step_time + capture·(phases - 1) + Σ_groups (eval(G) + save·|G|)
 

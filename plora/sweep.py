@@ -184,7 +184,8 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     shape (FLOPs and bytes), which `plora profile` replaces with measurements.
     """
     from plora.costmodel import CostModel
-    from plora.profiler import profile_sweep, shape_from_model
+    from plora.profiling.cache import shape_from_model
+    from plora.profiling.profile import profile_sweep
 
     hw = hardware or hardware_for(spec)
     if run_dir is not None and (run_dir / "profile.json").is_file():
@@ -419,7 +420,8 @@ def run_prepared(
         journal.close()
         backend.close()
     if engine.drift.overhead_s is not None and (prep.hardware is None or prep.hardware.local):
-        from plora.profiler import ProfileError, remember_job_overhead
+        from plora.profiling.cache import remember_job_overhead
+        from plora.profiling.errors import ProfileError
 
         try:  # the next sweep of this model here plans with it; losing it costs nothing else
             if getattr(prep.cost_model, "overheads", None) is None:
@@ -428,7 +430,8 @@ def run_prepared(
             pass
     if getattr(prep.cost_model, "overheads", None) is not None and (prep.hardware is None or prep.hardware.local):
         from plora.jobphases import read_phases
-        from plora.profiler import ProfileError, remember_job_phases
+        from plora.profiling.cache import remember_job_phases
+        from plora.profiling.errors import ProfileError
 
         try:  # the job terms refitted with this sweep's jobs, for the next sweep's first plan
             remember_job_phases(prep.spec, [read_phases(p.job_dir, p.ended) for p in engine.finished

@@ -34,7 +34,7 @@ from plora.data import IGNORE_INDEX, Sample
 from plora.heap import frozen_heap
 from plora.models import write_shape_folder
 from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.recipes.step_graph import ENV as GRAPHS_ENV
+from plora.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -84,7 +84,8 @@ def main() -> None:
     first = args.out / f"{'one-per-job' if variants[0] else 'packed'}.yaml"
     first.write_text(yaml.safe_dump(space(args, variants[0]), sort_keys=False))
     if args.profile is not None:  # a private cache holding the given profile, for both runs
-        from plora.profiler import Profile, sweep_cache_path
+        from plora.profiling.cache import sweep_cache_path
+        from plora.profiling.record import Profile
         from plora.spec import load_spec
 
         os.environ["PLORA_CACHE_DIR"] = str((args.out / "cache").resolve())

@@ -1,6 +1,6 @@
 """Profile random-init model shapes on this GPU and check the cost model on held-out packs.
 
-For each MODEL:SEQ configuration: probe jobs (`plora.profiler.profile_model`) fit the
+For each MODEL:SEQ configuration: probe jobs (`plora.profiling.profile.profile_model`) fit the
 memory and step-time model; then packs not used in the fit are run as fresh jobs --
 random mixes of ranks and batch sizes, and packs the model predicts *just* fit at the load
 factor (which shows whether a predicted fit really fits) -- and compared with the
@@ -93,7 +93,9 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     from plora.models import write_shape_folder
-    from plora.profiler import Measurement, _backend, profile_model
+    from plora.profiling.cache import _backend
+    from plora.profiling.probes import Measurement
+    from plora.profiling.profile import profile_model
 
     model, seq, ac = parse_config(args.config)
     shape = preset(model)
@@ -137,7 +139,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> int:
-    from plora.engine.local import JOB_ALLOCATOR
+    from plora.step_settings import JOB_ALLOCATOR
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -216,7 +218,7 @@ def _run_worker(args: argparse.Namespace, config: str, share: float, env: dict, 
 
 def _read_raw(path: Path):
     """(meta, measurements) of a raw JSONL file written by a worker."""
-    from plora.profiler import Measurement
+    from plora.profiling.probes import Measurement
 
     if not path.is_file():
         return {}, []
@@ -234,7 +236,10 @@ def _read_raw(path: Path):
 def fit_config(work: Path, config: str, refit: bool):
     """The configuration's profile: the worker's, or fitted anew from its raw measurements
     (when the worker was stopped before writing it, or when ``refit`` asks)."""
-    from plora.profiler import Profile, ProfileError, fit_cost_model, profile_key
+    from plora.profiling.cache import profile_key
+    from plora.profiling.errors import ProfileError
+    from plora.profiling.fit import fit_cost_model
+    from plora.profiling.record import Profile
 
     path = work / "profiles" / f"{tag_of(config)}.json"
     prof = Profile.load(path) if path.is_file() else None
@@ -281,7 +286,7 @@ def _gib(x) -> str:
 
 
 def report(args: argparse.Namespace, configs: list[str], note: str, wall_s: float, refit: bool = False) -> int:
-    from plora.profiler import summarize_errors
+    from plora.profiling.validate import summarize_errors
 
     rows, packs = [], []
     results = {"note": note, "wall_s": wall_s, "configs": {}, "profiles": {}, "raw": {}}

@@ -155,7 +155,8 @@ def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
 
 def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     """A cost model 100× too optimistic: after the first job, the waiting ones are re-planned."""
-    from plora.profiler import Profile, sweep_cache_path
+    from plora.profiling.cache import sweep_cache_path
+    from plora.profiling.record import Profile
 
     spec = load_spec(space(tmp_path, per_job=1))
     first = prepare(spec)

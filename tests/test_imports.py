@@ -2,6 +2,17 @@
 
 Every ``import`` in plora's modules counts, at module level or inside a function (a lazy
 import is still a dependency), except those under ``if TYPE_CHECKING:``.
+
+The planner, the cost model and the profiler sit below the recipe (`plora.recipes`): they
+describe and measure training jobs, and a change to how a job trains must not reach them
+except through what they measure. One module is the exception, by necessity:
+`plora.profiling.measure` builds a probe's packed job with the recipe and steps it in this
+process, because a probe's times and peaks are only a job's when it runs as a job does. It
+is imported by one module, `plora.profiling.profile`, which runs the probes; the probes,
+the fit, the validation, the profile record and the cache never reach the recipe, so that
+what the planner reads of a profile loads no training code. What the recipe and the
+profiler must agree on (CUDA graphs, the CUDA allocator) is in `plora.step_settings`, below
+both.
 """
 
 from __future__ import annotations
@@ -87,19 +98,46 @@ def test_no_import_circles():
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def _reach(graph: dict[str, set[str]], start: str, avoid: frozenset[str] = frozenset()) -> set[str]:
+    """What ``start`` imports, directly or not, without walking through ``avoid``."""
+    out, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in out and nxt not in avoid:
+                out.add(nxt)
+                todo.append(nxt)
+    return out
+
+
+def _recipes(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m == "plora.recipes" or m.startswith("plora.recipes."))
+
+
+#: the one module of the profiler that imports the recipe: it runs a probe's job in-process
+MEASURES_IN_PROCESS = "plora.profiling.measure"
+#: the one module that imports it: the profiler proper, which runs the probes
+RUNS_PROBES = "plora.profiling.profile"
+
+
 def test_planning_never_imports_the_training_loop():
     graph = _graph()
-
-    def reach(start: str) -> set[str]:
-        out, todo = set(), [start]
-        while todo:
-            for nxt in graph.get(todo.pop(), ()):
-                if nxt not in out:
-                    out.add(nxt)
-                    todo.append(nxt)
-        return out
-
     planning = [m for m in graph if m == "plora.costmodel" or m.startswith("plora.planner")]
     assert planning
-    bad = {m: sorted(r for r in reach(m) if r.startswith("plora.recipes")) for m in planning}
+    bad = {m: _recipes(_reach(graph, m)) for m in planning}
     assert not {m: r for m, r in bad.items() if r}, bad
+
+
+def test_the_profiler_reaches_the_recipe_only_through_its_in_process_measurement():
+    graph = _graph()
+    profiler = {m for m in graph if m == "plora.profiler" or m == "plora.profiling" or m.startswith("plora.profiling.")}
+    profiler |= {"plora.jobcost", "plora.jobprobe"}  # the job terms: a real job, run as the engine runs it
+    shared = {"plora.step_settings", "plora.heap", "plora.jobphases"}  # what the recipe imports from below
+    assert {MEASURES_IN_PROCESS, RUNS_PROBES} <= profiler and shared <= set(graph)
+
+    below = sorted((profiler | shared) - {MEASURES_IN_PROCESS, RUNS_PROBES})
+    bad = {m: _recipes(_reach(graph, m)) for m in below}
+    assert not {m: r for m, r in bad.items() if r}, bad
+    importers = sorted(m for m in graph if MEASURES_IN_PROCESS in graph[m])
+    assert importers == [RUNS_PROBES], f"only {RUNS_PROBES} may import {MEASURES_IN_PROCESS}, not {importers}"
+    around = _recipes(_reach(graph, RUNS_PROBES, avoid=frozenset({MEASURES_IN_PROCESS})))
+    assert not around, f"{RUNS_PROBES} reaches {around} other than through {MEASURES_IN_PROCESS}"

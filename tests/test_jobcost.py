@@ -13,7 +13,8 @@ import yaml
 from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
 from plora.jobcost import EvalLoad, JobOverheads, eval_features, fit_overheads
 from plora.jobphases import PhaseClock, read_phases
-from plora.profiler import Measurement, Probe, Profile
+from plora.profiling.probes import Measurement, Probe
+from plora.profiling.record import Profile
 
 TRUTH = JobOverheads(start_s=4.0, load_s=2.0, setup_s=0.5, warm_s=1.5, tail_s=0.8, capture_s=0.3,
                      eval_call_s=0.05, eval_tok_s=2e-6, eval_gen_fwd_s=0.02, eval_gen_tok_s=1e-6, save_s=0.2)
@@ -199,7 +200,7 @@ def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
     """Profile (probes and the job probe), plan, run: the engine's makespan against the plan's.
     CPU timing on a shared machine is noisy, so the bound is loose; the ratio is printed."""
     from plora.jobcost import measured_makespan
-    from plora.profiler import profile_sweep
+    from plora.profiling.profile import profile_sweep
     from plora.spec import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
@@ -218,6 +219,6 @@ def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
         print(f"\nCPU sweep: predicted {predicted:.1f} s, measured {measured:.1f} s, measured/predicted {ratio:.2f}")
     assert 1 / 1.5 <= ratio <= 1.5
     # the sweep's jobs refitted the cached job terms
-    from plora.profiler import sweep_cache_path
+    from plora.profiling.cache import sweep_cache_path
 
     assert Profile.load(sweep_cache_path(spec)).cost_model.overheads.jobs == 1 + len(prep.plan.jobs)

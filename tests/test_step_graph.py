@@ -10,25 +10,26 @@ from safetensors.torch import load_file
 from conftest import job_config
 from plora.data import Sample, collate
 from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.recipes.step_graph import ENV, WIDTH_MULTIPLE, graphs_wanted, padded_width
+from plora.recipes.step_graph import WIDTH_MULTIPLE, padded_width
+from plora.step_settings import CUDA_GRAPHS_ENV, graphs_wanted
 
 CUDA = torch.device("cuda")
 
 
 def test_graphs_are_for_one_cuda_device_without_recomputation(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
     assert not graphs_wanted("auto", torch.device("cpu"), tp=False, activation_checkpointing=False)
     assert not graphs_wanted("on", torch.device("cpu"), tp=False, activation_checkpointing=False)
     assert graphs_wanted(None, CUDA, tp=False, activation_checkpointing=False)
     assert not graphs_wanted("auto", CUDA, tp=True, activation_checkpointing=False)
     assert not graphs_wanted("auto", CUDA, tp=False, activation_checkpointing=True)
     assert not graphs_wanted("off", CUDA, tp=False, activation_checkpointing=False)
-    monkeypatch.setenv(ENV, "0")
+    monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
     assert not graphs_wanted("on", CUDA, tp=False, activation_checkpointing=False)
 
 
 def test_a_bad_setting_names_the_field(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
     with pytest.raises(ValueError, match="cuda_graphs"):
         graphs_wanted("sometimes", CUDA, tp=False, activation_checkpointing=False)
 
@@ -78,7 +79,7 @@ def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_p
     mode, and AdamW's first steps turn a near-zero gradient's noise into a full ±lr move
     of that element: so the check is the loss of every adapter at every step (a stale or
     misplaced input would change those at once) and the weights in the mean."""
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
     weights, recipes, losses = {}, {}, {}
     for mode in ("off", "on"):
         out = tmp_path / mode

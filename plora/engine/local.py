@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from plora.step_settings import JOB_ALLOCATOR
+
 #: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
 RECIPE = "plora/recipes/packed_lora.py"
 
@@ -109,11 +111,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except OSError:  # not Linux: resume's stale-process check still covers it
         pass
-
-
-#: the CUDA allocator settings every job runs with (and the profiler's probes, so that what
-#: they measure is what jobs use)
-JOB_ALLOCATOR = "expandable_segments:True"
 
 
 def visible_gpu_ids(gpus: Sequence[int], visible: str | None) -> list[str]:

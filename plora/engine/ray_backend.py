@@ -32,7 +32,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from plora.engine.errors import BackendError
-from plora.engine.local import JOB_ALLOCATOR, JobProcess, tune_command
+from plora.engine.local import JobProcess, tune_command
+from plora.step_settings import JOB_ALLOCATOR
 
 #: exit code the engine sees for a job whose task was lost with its node
 LOST = -1000

@@ -52,8 +52,9 @@ from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
 from plora.recipes.checkpoint import JobCheckpointer
-from plora.recipes.step_graph import StepBuffers, StepGraph, graphs_wanted, step_inputs
+from plora.recipes.step_graph import StepBuffers, StepGraph, step_inputs
 from plora.spec import warmup_steps_for
+from plora.step_settings import graphs_wanted
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
 EXIT_OOM = 3

@@ -23,7 +23,6 @@ its memory back, so a job never holds two steps' activations at once.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,32 +30,9 @@ from typing import Any
 
 import torch
 
-from plora.spec import cuda_graphs_setting
-
-#: ``training.cuda_graphs``: "auto" (on for one CUDA device without activation
-#: checkpointing), "on" or "off"; the environment variable overrides the config.
-ENV = "PLORA_CUDA_GRAPHS"
 #: the batch width is padded to a multiple of this in graph mode (and never shrinks while
 #: a composition's graph is held: `padded_width`)
 WIDTH_MULTIPLE = 64
-
-
-def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_checkpointing: bool) -> bool:
-    """Whether steps should be replayed from CUDA graphs on this job.
-
-    "auto" turns them on for a CUDA device, off under tensor parallelism (collectives in a
-    graph are not set up here) and activation checkpointing (recomputation saves and
-    restores RNG state, which a capture does not allow).
-    """
-    try:
-        value = cuda_graphs_setting(os.environ.get(ENV, setting if setting is not None else "auto"))
-    except ValueError as e:
-        raise ValueError(f"cuda_graphs: {e}") from None
-    if value is False or device.type != "cuda":
-        return False
-    if value == "auto" and (tp or activation_checkpointing):
-        return False
-    return True
 
 
 def padded_width(width: int, max_width: int, held: int | None = None) -> int:
