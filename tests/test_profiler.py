@@ -416,3 +416,22 @@ def test_trace_script_reports_a_step(tmp_path):
     summary = json.loads((out / "trace_summary.json").read_text())
     assert summary["step_ms"] > 0 and summary["ranks"] == [8, 64] and summary["device"] == "cpu"
     assert (out / "host_ops.txt").read_text().strip() and (out / "trace.json.gz").is_file()
+
+
+def test_gpu_probes_are_sized_to_the_sweeps_largest_pack(tmp_path, tiny_model):
+    from plora.profiling.probes import far_from_limit, sweep_pack_rows
+
+    spec = parse_spec(yaml.safe_load(space(tmp_path, tiny_model).read_text()))
+    sizes = sorted((c.batch_size for c in spec.expand()), reverse=True)
+    assert sweep_pack_rows(spec) == sum(sizes[: spec.planner.max_adapters_per_job])
+
+    def cal(peak_a: float, peak_b: float) -> list[Measurement]:
+        a, b = calibration_probes()
+        return [Measurement(a, 64, [0.1], peak_bytes=peak_a, reserved_peak=peak_a),
+                Measurement(b, 64, [0.1], peak_bytes=peak_b, reserved_peak=peak_b)]
+
+    # 1 GiB of base and 1 GiB per row (the calibration probes hold 1 and 4 rows)
+    probes = cal(2**30, 4 * 2**30)
+    assert far_from_limit(probes, rows=10, usable_bytes=40 * 2**30)  # 11 GiB of 40: no near-limit probes
+    assert not far_from_limit(probes, rows=30, usable_bytes=40 * 2**30)
+    assert not far_from_limit([Measurement(p, 64, [0.1], peak_bytes=1.0) for p in calibration_probes()], 1, 1e12)

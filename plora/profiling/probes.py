@@ -287,3 +287,20 @@ def _probe_rows(cal: Sequence[Measurement], usable_bytes: float, seq_len: int, m
         fit_rows = int((PROBE_MEMORY_SHARE * usable_bytes - a.peak_bytes) // per_row) + 1
         rows = fit_rows if rows is None else min(rows, fit_rows)
     return max(1, int(rows if rows is not None else CPU_MAX_ROWS))
+
+
+def far_from_limit(cal: Sequence[Measurement], rows: int, usable_bytes: float, share: float = 0.5) -> bool:
+    """Whether ``rows`` rows stay within ``share`` of the usable memory, by the calibration
+    probes' bytes per row (the estimate `_probe_rows` sizes the probes with)."""
+    a, b = cal[0], cal[1]
+    if not (a.ok and b.ok and a.reserved_peak is not None):
+        return False
+    per_row = max((b.peak_bytes - a.peak_bytes) / max(1, b.probe.rows - a.probe.rows), 1.0)
+    return a.peak_bytes + per_row * rows < share * usable_bytes
+
+
+def sweep_pack_rows(spec) -> int:
+    """The most rows one job of this sweep can hold: the largest batch sizes of as many
+    configurations as a job may pack. Probes beyond it measure packs the planner never forms."""
+    sizes = sorted((c.batch_size for c in spec.expand()), reverse=True)
+    return max(1, sum(sizes[: max(1, int(spec.planner.max_adapters_per_job))]))

@@ -24,8 +24,8 @@ from plora.profiling.cache import _backend, _device_info, _sweep_cache_path, pro
 from plora.profiling.errors import ProfileError
 from plora.profiling.fit import fit_cost_model
 from plora.profiling.measure import DEFAULT_ITERS, DEFAULT_WARMUP, Log, _match_job_allocator, run_probe
-from plora.profiling.probes import (CPU_MAX_ROWS, Measurement, Probe, _probe_rows, calibration_probes, fill_probes,
-                                    fit_probes, holdout_probes, limit_probes)
+from plora.profiling.probes import (CPU_MAX_ROWS, Measurement, Probe, _probe_rows, calibration_probes, far_from_limit,
+                                    fill_probes, fit_probes, holdout_probes, limit_probes, sweep_pack_rows)
 from plora.profiling.record import Profile
 
 #: more warm-up steps for the first probe of a process
@@ -125,9 +125,15 @@ def profile_model(
     fit_set = [measure(p) for p in calibration_probes()]
     rows = _probe_rows(fit_set, gpu_memory_bytes * load_factor, seq_len, max_rows)
     say(f"  largest probes: {rows} rows of {seq_len} tokens")
+    if cuda and max_rows is not None and rows >= max_rows and far_from_limit(fit_set, rows, gpu_memory_bytes * load_factor):
+        # The sweep's largest pack (``max_rows``) stays far below the memory limit: packs near
+        # it will never be planned, so measuring or validating them only costs time.
+        limit = fill = False
+        say("  the sweep's largest pack is far from the memory limit: no near-limit probes")
     fit_set += [measure(p) for p in fit_probes(rows, kmax)]
     meta = {"device": device_name, "backend": key["backend"], "dtype": dtype, "seq_len": int(seq_len),
             "warmup": warmup, "iters": iters, "probe_rows": rows,
+            "sized_by": "rows" if max_rows is not None and rows >= max_rows else "memory",
             **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if cuda else {})}
     cm = fit_cost_model(fit_set, shape, seq_len, gpu_memory_bytes, targets=names, tp_degrees=tp_degrees, meta=meta)
     if fill:  # the largest packs, placed by the memory model just fitted; then fit again
@@ -195,12 +201,18 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
             prof = Profile.load(path)
         except ProfileError as e:
             say(f"ignoring the cached profile: {e}")
+    if prof is not None and device.startswith("cuda") and prof.cost_model.meta.get("sized_by") == "rows" \
+            and int(prof.cost_model.meta.get("probe_rows", 0)) < sweep_pack_rows(spec):
+        say(f"the cached profile {path} measured packs of at most {prof.cost_model.meta.get('probe_rows')} rows; "
+            "this sweep's are larger: profiling again")
+        prof = None
     if prof is not None:
         say(f"reusing the cached profile {path}")
         cm = prof.cost_model
         if set(cm.degrees) != set(degrees) or cm.gpu_memory_bytes != gpu_memory:
             keep = {k: v for k, v in cm.meta.items() if k in ("device", "backend", "dtype", "seq_len", "warmup",
-                                                              "iters", "probe_rows", "profiling_s", "holdout")}
+                                                              "iters", "probe_rows", "profiling_s", "holdout",
+                                                              "sized_by")}
             overhead, terms = cm.job_overhead_s, cm.overheads
             prof.cost_model = fit_cost_model(prof.measurements, shape, seq, gpu_memory, targets=targets,
                                              tp_degrees=degrees, meta=keep)
@@ -218,6 +230,8 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
             torch.set_num_threads(1)  # tiny matmuls on several threads are far slower on a small CPU
             for k, v in CPU_DEFAULTS.items():
                 options.setdefault(k, v)
+        else:  # probes sized to the sweep's packs (a quarter more), not to the whole device
+            options.setdefault("max_rows", -(-5 * sweep_pack_rows(spec) // 4))
         options.setdefault("job_probe", True)
         options.setdefault("random_init", bool(spec.model.random_init))
         prof = profile_model(model_dir, shape, seq_len=seq, dtype=dtype, device=device, targets=targets,
