@@ -124,12 +124,14 @@ def run_plora(args, variant: str, data_dir: Path) -> dict:
     path.write_text(yaml.safe_dump(space(args, variant, data_dir), sort_keys=False))
     plora = [sys.executable, "-m", "plora.cli"]
     t0 = time.time()
-    with open(args.out / f"{variant}-profile.log", "w") as log:  # kept: what the profile measured, and how long
-        subprocess.run(plora + ["profile", str(path)], check=True, stdout=log, stderr=subprocess.STDOUT)
+    if not args.no_profile:
+        with open(args.out / f"{variant}-profile.log", "w") as log:  # kept: what the profile measured, and how long
+            subprocess.run(plora + ["profile", str(path)], check=True, stdout=log, stderr=subprocess.STDOUT)
     profile_s = time.time() - t0
     t0 = time.time()
     with open(args.out / f"{variant}-sweep.log", "w") as log:
-        proc = subprocess.run(plora + ["sweep", str(path), "--restart"], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(plora + ["sweep", str(path), "--restart"] + (["--no-profile"] if args.no_profile else []),
+                              stdout=log, stderr=subprocess.STDOUT)
     wall = time.time() - t0
     spec = load_spec(path)
     run_dir = spec.run_dir(None)
@@ -145,6 +147,8 @@ def run_plora(args, variant: str, data_dir: Path) -> dict:
 
         status = pd.read_csv(results)["status"].value_counts().to_dict()
     ooms = sum(1 for p in (run_dir / "jobs").glob("*/oom.json")) if (run_dir / "jobs").is_dir() else 0
+    for summary in sorted(run_dir.glob("jobs/*/summary.json")):  # each job's phases, beside the results
+        (args.out / f"{variant}-{summary.parent.name}-summary.json").write_text(summary.read_text())
     return {"variant": variant, "exit_code": proc.returncode, "profile_s": profile_s, "wall_s": wall,
             "makespan_s": span, "predicted_makespan_s": predicted,
             "measured_over_predicted": span / predicted if span and predicted else None,
@@ -397,6 +401,8 @@ def main() -> None:
                     help="train the first N configurations with PEFT and extrapolate the rest (0: no baseline)")
     ap.add_argument("--baseline-variants", nargs="+", default=["fixed"], choices=["fixed", "varied"],
                     help="data variants the PEFT baseline runs on")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="plan with the analytic cost model (no profile; the predicted makespan is then the analytic one)")
     ap.add_argument("--keep-site", action="store_true", help="the baseline keeps PYTHONPATH as it is")
     ap.add_argument("--peft-worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peft-out", type=Path, default=None, help=argparse.SUPPRESS)
