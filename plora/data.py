@@ -14,12 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from plora.formats import SUPPORTED_SUFFIXES, DataError, RowFormat, read_rows, rows_to_examples
+from plora.formats import DataError, RowFormat, read_rows, rows_to_examples
+
+if TYPE_CHECKING:
+    from plora.jobconfig import JobData, JobEval
 
 IGNORE_INDEX = -100
 
@@ -43,27 +46,27 @@ def synthetic_samples(count: int, seq_len: int, vocab_size: int, seed: int = 0) 
     return [Sample(r, r) for r in rows]
 
 
-def load_split(data_cfg: dict, split: str, *, choices_column: str | None = None,
+def load_split(data: JobData, split: str, *, choices_column: str | None = None,
                dropped: list[str] | None = None) -> list[dict]:
     """The train or eval examples a data config names (a built-in task or files), each row
     checked and shaped by its format (`plora.formats`). Rows without an answer raise, or
     land in ``dropped`` with ``data.on_bad_rows: drop``."""
     from plora.formats import Row
 
-    task = data_cfg.get("task")
-    fmt = RowFormat.from_config(data_cfg, choices_column if split == "eval" else None)
-    on_bad = str(data_cfg.get("on_bad_rows") or "error")
+    task = data.task
+    fmt = RowFormat.from_config(data, choices_column if split == "eval" else None)
+    on_bad = data.on_bad_rows
     if task:
         from plora.tasks import load_builtin_task
 
         name = str(task).removeprefix("builtin:")
-        n = data_cfg.get("num_train" if split == "train" else "num_eval")
+        n = data.num_train if split == "train" else data.num_eval
         raw = load_builtin_task(name, split, n, seed=0)
         rows = [Row(f"example {i}", ex) for i, ex in enumerate(raw, start=1)]
         fmt = RowFormat(format="plain", prompt_template=fmt.prompt_template, choices_column=fmt.choices_column)
         examples, bad = rows_to_examples(rows, ["input", "output"], fmt, f"data.task {task} ({split})", on_bad)
     else:
-        path = data_cfg.get(split)
+        path = data.train if split == "train" else data.eval
         if not path:
             if split == "eval":
                 return []
@@ -304,35 +307,34 @@ class PreparedData:
         return [n for r in self.reports for n in r.notes(max_seq_len)]
 
 
-def prepare_data(data_cfg: dict, eval_cfg: dict, tok: TextTokenizer, max_seq_len: int) -> PreparedData:
+def prepare_data(data: JobData, evals: JobEval, tok: TextTokenizer, max_seq_len: int) -> PreparedData:
     """Train and eval samples of a job config's ``data`` and ``eval`` sections: what a job
     trains on, and what validation checks before anything runs (the same code for both)."""
-    on_bad = str(data_cfg.get("on_bad_rows") or "error")
-    choices = eval_cfg.get("choices")
+    on_bad = data.on_bad_rows
     reports = []
     dropped: list[str] = []
-    train_ex = load_split(data_cfg, "train", dropped=dropped)
-    train, rep = tokenize_split(train_ex, tok, max_seq_len, label=_split_label(data_cfg, "train"), on_bad_rows=on_bad)
+    train_ex = load_split(data, "train", dropped=dropped)
+    train, rep = tokenize_split(train_ex, tok, max_seq_len, label=_split_label(data, "train"), on_bad_rows=on_bad)
     rep.dropped[:0] = dropped
     reports.append(rep)
     dropped = []
-    eval_ex = load_split(data_cfg, "eval", choices_column=eval_cfg.get("choices_column"), dropped=dropped)
+    eval_ex = load_split(data, "eval", choices_column=evals.choices_column, dropped=dropped)
     samples: list[Sample] = []
     kept: list[dict] = []
     if eval_ex:
-        samples, rep = tokenize_split(eval_ex, tok, max_seq_len, label=_split_label(data_cfg, "eval"), eval=True,
-                                      choices=choices, on_bad_rows=on_bad)
+        samples, rep = tokenize_split(eval_ex, tok, max_seq_len, label=_split_label(data, "eval"), eval=True,
+                                      choices=evals.choices, on_bad_rows=on_bad)
         rep.dropped[:0] = dropped
         reports.append(rep)
         kept = [eval_ex[i] for i in rep.kept]
-    limit = int(eval_cfg.get("max_eval_samples") or 256)
+    limit = evals.max_eval_samples
     return PreparedData(train, samples[:limit], reports, kept[:limit])
 
 
-def _split_label(data_cfg: dict, split: str) -> str:
-    if data_cfg.get("task"):
+def _split_label(data: JobData, split: str) -> str:
+    if data.task:
         return f"data.task ({split})"
-    return f"data.{split}: {data_cfg.get(split)}"
+    return f"data.{split}: {data.train if split == 'train' else data.eval}"
 
 
 class AdapterStream:

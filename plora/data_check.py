@@ -9,7 +9,9 @@ before a run directory exists: never a job that crashes, retries and leaves one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from plora.jobconfig import JobData, JobEval
 
 if TYPE_CHECKING:
     from plora.spec import SweepSpec
@@ -17,29 +19,25 @@ if TYPE_CHECKING:
 __all__ = ["DataReport", "check_data", "data_config", "eval_config"]
 
 
-def data_config(spec: "SweepSpec") -> dict[str, Any]:
-    """The ``data`` section a job reads (paths as text)."""
-    data = spec.data.model_dump(mode="json")
-    for key in ("train", "eval"):
-        if data.get(key) is not None:
-            data[key] = str(data[key])
-    return data
+def data_config(spec: "SweepSpec") -> JobData:
+    """The ``data`` section a job reads (paths as text; the eval-row limit goes to `eval_config`)."""
+    return JobData(**spec.data.model_dump(mode="json", exclude={"max_eval_samples"}))
 
 
-def eval_config(spec: "SweepSpec") -> dict[str, Any]:
+def eval_config(spec: "SweepSpec") -> JobEval:
     """The ``eval`` section a job reads: metrics as the space file names them, where a job
     imports user metrics from, and the label choices."""
     from plora.metrics import metric_paths
 
-    return {
-        "metrics": list(spec.eval.metrics),
-        "max_new_tokens": spec.eval.max_new_tokens,
-        "max_eval_samples": spec.data.max_eval_samples,
-        "every_steps": spec.eval.every_steps,
-        "choices": list(spec.eval.choices) if spec.eval.choices is not None else None,
-        "choices_column": spec.eval.choices_column,
-        "python_path": metric_paths(spec.eval.metrics),
-    }
+    return JobEval(
+        metrics=list(spec.eval.metrics),
+        max_new_tokens=spec.eval.max_new_tokens,
+        max_eval_samples=spec.data.max_eval_samples,
+        every_steps=spec.eval.every_steps,
+        choices=list(spec.eval.choices) if spec.eval.choices is not None else None,
+        choices_column=spec.eval.choices_column,
+        python_path=metric_paths(spec.eval.metrics),
+    )
 
 
 @dataclass

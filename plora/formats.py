@@ -24,7 +24,10 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plora.jobconfig import JobData
 
 __all__ = [
     "FORMATS",
@@ -75,14 +78,15 @@ class RowFormat:
     choices_column: str | None = None
 
     @classmethod
-    def from_config(cls, data_cfg: dict, choices_column: str | None = None) -> "RowFormat":
+    def from_config(cls, data: JobData, choices_column: str | None = None) -> "RowFormat":
+        """The format of a job config's ``data`` section (`plora.jobconfig.JobData`)."""
         return cls(
-            format=str(data_cfg.get("format") or "auto"),
-            input_column=str(data_cfg.get("input_column") or "input"),
-            output_column=str(data_cfg.get("output_column") or "output"),
-            instruction_column=str(data_cfg.get("instruction_column") or "instruction"),
-            messages_column=str(data_cfg.get("messages_column") or "messages"),
-            prompt_template=data_cfg.get("prompt_template"),
+            format=data.format,
+            input_column=data.input_column,
+            output_column=data.output_column,
+            instruction_column=data.instruction_column,
+            messages_column=data.messages_column,
+            prompt_template=data.prompt_template,
             choices_column=choices_column,
         )
 

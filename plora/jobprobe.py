@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining
+
 __all__ = ["job_probe_config", "run_job_probe", "text_rows"]
 
 _WORDS = ("the model reads a short note about rivers, markets and weather before it answers with a plain "
@@ -43,31 +45,29 @@ def text_rows(n: int, prompt_tokens: int, answer_tokens: int, count_tokens, seed
 def job_probe_config(model_dir: str | Path, work: Path, *, seq_len: int, dtype: str, device: str,
                      targets: Sequence[str], family: str, dropout: float, random_init: bool,
                      activation_checkpointing: bool, cuda_graphs: Any, samples: int, max_new_tokens: int,
-                     steps: Sequence[int], ranks: Sequence[int], batch_size: int, every_steps: int) -> dict[str, Any]:
-    """The job.yaml of the probe job (the engine's `plora.sweep.job_config` layout)."""
-    return {
-        "job_id": "job-probe",
-        "output_dir": str(work),
-        "job_dir": str(work / "jobs" / "job-probe"),
-        "seed": 0,
-        "device": device,
-        "num_threads": 1 if device == "cpu" else None,
-        "model": {"path": str(model_dir), "family": family, "dtype": dtype, "max_seq_len": int(seq_len),
-                  "random_init": bool(random_init)},
-        "data": {"train": str(work / "train.jsonl"), "eval": str(work / "eval.jsonl"), "on_bad_rows": "drop",
-                 "input_column": "input",
-                 "output_column": "output", "max_eval_samples": int(samples)},
-        "lora": {"targets": list(targets), "dropout": float(dropout)},
-        "adapters": [{"id": f"probe-{k}", "rank": int(r), "alpha": 2.0 * r, "learning_rate": 1e-4,
-                      "batch_size": int(batch_size), "seed": k, "steps": int(s)}
-                     for k, (r, s) in enumerate(zip(ranks, steps))],
-        "training": {"warmup_steps": 0, "warmup_ratio": None, "scheduler": "constant", "grad_clip": 1.0,
-                     "weight_decay": 0.0, "divergence_loss": None,
-                     "activation_checkpointing": bool(activation_checkpointing), "cuda_graphs": cuda_graphs},
-        "eval": {"metrics": ["loss", "exact_match"], "max_new_tokens": int(max_new_tokens),
-                 "max_eval_samples": int(samples), "every_steps": int(every_steps)},
-        "eval_base": False,
-    }
+                     steps: Sequence[int], ranks: Sequence[int], batch_size: int, every_steps: int) -> JobConfig:
+    """The job config of the probe job (laid out as `plora.sweep.job_config`'s)."""
+    return JobConfig(
+        job_id="job-probe",
+        output_dir=work,
+        job_dir=work / "jobs" / "job-probe",
+        seed=0,
+        device=device,
+        num_threads=1 if device == "cpu" else None,
+        model=JobModel(path=str(model_dir), family=family, dtype=dtype, max_seq_len=int(seq_len),
+                       random_init=bool(random_init)),
+        data=JobData(train=str(work / "train.jsonl"), eval=str(work / "eval.jsonl"), on_bad_rows="drop",
+                     input_column="input", output_column="output"),
+        lora=JobLora(targets=list(targets), dropout=float(dropout)),
+        adapters=[JobAdapter(id=f"probe-{k}", rank=int(r), alpha=2.0 * r, learning_rate=1e-4,
+                             batch_size=int(batch_size), seed=k, steps=int(s))
+                  for k, (r, s) in enumerate(zip(ranks, steps))],
+        training=JobTraining(scheduler="constant", grad_clip=1.0, weight_decay=0.0, divergence_loss=None,
+                             activation_checkpointing=bool(activation_checkpointing), cuda_graphs=cuda_graphs),
+        eval=JobEval(metrics=["loss", "exact_match"], max_new_tokens=int(max_new_tokens),
+                     max_eval_samples=int(samples), every_steps=int(every_steps)),
+        eval_base=False,
+    )
 
 
 def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: str, targets: Sequence[str],
@@ -76,8 +76,6 @@ def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: st
                   max_new_tokens: int | None = None, timeout_s: float = 900.0) -> dict[str, Any] | None:
     """Run the probe job; its summary's ``phases`` with ``exited_at`` (when the process was
     seen to end), or None when it did not finish (the cost model then has no job terms)."""
-    import yaml
-
     from plora.data import TextTokenizer
     from plora.engine.local import launch
     from plora.models import read_model_info
@@ -105,9 +103,9 @@ def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: st
                                activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs,
                                samples=samples, max_new_tokens=max_new_tokens, steps=(4, 8, 8, 12),
                                ranks=(16, 16, 32, 64), batch_size=2, every_steps=3)
-        job_dir = Path(cfg["job_dir"])
+        job_dir = cfg.job_dir
         job_dir.mkdir(parents=True)
-        (job_dir / "job.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        cfg.write(job_dir / "job.yaml")
         proc = launch("job-probe", job_dir, device, gpus=[0] if cuda else [])
         try:
             rc = proc.proc.wait(timeout=timeout_s)

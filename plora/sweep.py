@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from plora.data_check import DataReport, check_data, data_config, eval_config
+from plora.jobconfig import JobAdapter, JobConfig, JobLora, JobModel, JobTraining
 from plora.spec import AdapterConfig, SweepSpec
 
 
@@ -233,42 +233,33 @@ def model_targets(spec: SweepSpec) -> list[str]:
     return resolve_targets(spec.lora.targets, family)
 
 
-def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bool) -> dict[str, Any]:
-    """The recipe config of one job (what `tune run` reads)."""
-    return {
-        "job_id": job.job_id,
-        "tp": job.tp,
-        "output_dir": str(run_dir),
-        "job_dir": str(run_dir / "jobs" / job.job_id),
-        "seed": spec.space.seed,
-        "device": spec.hardware.device,
-        "num_threads": 1 if spec.hardware.device == "cpu" else None,
-        "model": {
-            "path": str(spec.model.resolved_path()),
-            "family": spec.model.family,
-            "dtype": spec.model.dtype,
-            "max_seq_len": spec.model.max_seq_len,
-            "random_init": spec.model.random_init,
-        },
-        "data": data_config(spec),
-        "lora": {"targets": model_targets(spec), "dropout": spec.lora.dropout},
-        "adapters": [{**a.to_dict(), "steps": job.steps[a.id]} for a in job.adapters],
-        "training": {
-            "warmup_steps": spec.training.warmup_steps,
-            "warmup_ratio": spec.training.warmup_ratio,
-            "scheduler": spec.training.scheduler,
-            "grad_clip": spec.training.grad_clip,
-            "weight_decay": spec.training.weight_decay,
-            "divergence_loss": spec.training.divergence_loss,
-            "activation_checkpointing": spec.training.activation_checkpointing,
-            "cuda_graphs": spec.training.cuda_graphs,
-            "row_layout": spec.training.row_layout,
-            "checkpoint_every_steps": spec.training.checkpoint_every_steps,
-            "checkpoint_every_minutes": spec.training.checkpoint_every_minutes,
-        },
-        "eval": eval_config(spec),
-        "eval_base": eval_base,
-    }
+def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bool) -> JobConfig:
+    """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
+    settings with the sweep's decisions made (step budgets, warm-ups, resolved targets)."""
+    t = spec.training
+    return JobConfig(
+        job_id=job.job_id,
+        tp=job.tp,
+        output_dir=run_dir,
+        job_dir=run_dir / "jobs" / job.job_id,
+        seed=spec.space.seed,
+        device=spec.hardware.device,
+        num_threads=1 if spec.hardware.device == "cpu" else None,
+        model=JobModel(path=str(spec.model.resolved_path()), family=spec.model.family, dtype=spec.model.dtype,
+                       max_seq_len=spec.model.max_seq_len, random_init=spec.model.random_init),
+        data=data_config(spec),
+        lora=JobLora(targets=model_targets(spec), dropout=spec.lora.dropout),
+        adapters=[JobAdapter(**a.to_dict(), steps=job.steps[a.id], warmup_steps=t.warmup_for(job.steps[a.id]))
+                  for a in job.adapters],
+        training=JobTraining(
+            scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
+            divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
+            cuda_graphs=t.cuda_graphs, row_layout=t.row_layout, checkpoint_every_steps=t.checkpoint_every_steps,
+            checkpoint_every_minutes=t.checkpoint_every_minutes,
+        ),
+        eval=eval_config(spec),
+        eval_base=eval_base,
+    )
 
 
 @dataclass
@@ -377,8 +368,7 @@ def run_prepared(
         job_dir.mkdir(parents=True, exist_ok=True)
         planned = PlannedJob(job.job_id, [by_id[a] for a in job.adapters], {a: prep.steps[a] for a in job.adapters}, job.tp)
         eval_base = job.job_id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
-        cfg = job_config(prep.spec, planned, prep.run_dir, eval_base=eval_base)
-        (job_dir / "job.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        job_config(prep.spec, planned, prep.run_dir, eval_base=eval_base).write(job_dir / "job.yaml")
         return job_dir
 
     def tick(snapshot) -> None:

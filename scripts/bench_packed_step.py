@@ -32,6 +32,7 @@ import torch
 from plora.costmodel import ModelShape
 from plora.data import IGNORE_INDEX, Sample
 from plora.heap import frozen_heap
+from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
 from plora.models import write_shape_folder
 from plora.recipes.packed_lora import PackedLoRARecipe
 from plora.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV
@@ -41,23 +42,24 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 def make_recipe(model_dir: Path, out: Path, ranks: Sequence[int], batch_size: int, seq: int,
                 dtype: str) -> PackedLoRARecipe:
-    """A packed job of one adapter per rank in ``ranks``, on synthetic data, that never ends."""
-    adapters = [
-        dict(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=batch_size, seed=k, steps=10**6)
-        for k, r in enumerate(ranks)
-    ]
-    cfg = {
-        "job_id": "bench",
-        "output_dir": str(out),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype, "random_init": True},
-        "data": {"synthetic": {"seq_len": seq, "num_samples": 256}},
-        "lora": {"targets": ALL_LINEAR, "dropout": 0.0},
-        "adapters": adapters,
-        "training": {"scheduler": "constant", "grad_clip": 1.0},
-        "eval": {"metrics": []},
-    }
-    return PackedLoRARecipe(cfg)
+    """A packed job of one adapter per rank in ``ranks``, on synthetic data, that never ends
+    (set up, ready for `train_step`)."""
+    cfg = JobConfig(
+        job_id="bench",
+        output_dir=out,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        model=JobModel(path=str(model_dir), max_seq_len=seq, dtype=dtype, random_init=True),
+        data=JobData(synthetic=SyntheticRows(seq_len=seq, num_samples=256)),
+        lora=JobLora(targets=ALL_LINEAR, dropout=0.0),
+        adapters=[JobAdapter(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=batch_size, seed=k,
+                             steps=10**6)
+                  for k, r in enumerate(ranks)],
+        training=JobTraining(scheduler="constant", grad_clip=1.0),
+        eval=JobEval(metrics=[]),
+    )
+    recipe = PackedLoRARecipe(cfg)
+    recipe.setup()
+    return recipe
 
 
 def varied_samples(count: int, seq: int, vocab: int, answer: int, seed: int = 0) -> list[Sample]:

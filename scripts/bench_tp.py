@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from plora.costmodel import ModelShape
 from plora.engine.local import tune_command
+from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
 from plora.models import write_shape_folder
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,25 +40,23 @@ REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {"float32": 5e-3, "bfloat16": 1e-1, "float16": 5e-2}
 
 
-def job_config(model_dir: Path, out: Path, job_id: str, args: argparse.Namespace, tp: int) -> dict:
+def job_config(model_dir: Path, out: Path, job_id: str, args: argparse.Namespace, tp: int) -> JobConfig:
     ranks = [int(r) for r in args.ranks.split(",")]
-    adapters = [
-        dict(id=f"a{k}-r{ranks[k % len(ranks)]}", rank=ranks[k % len(ranks)], alpha=2.0 * ranks[k % len(ranks)],
-             learning_rate=args.lr, batch_size=args.batch_size, seed=k, steps=args.steps)
-        for k in range(args.adapters)
-    ]
-    return {
-        "job_id": job_id,
-        "output_dir": str(out),
-        "device": args.device,
-        "tp": tp,
-        "model": {"path": str(model_dir), "max_seq_len": args.seq, "dtype": args.dtype, "random_init": True},
-        "data": {"synthetic": {"seq_len": args.seq, "num_samples": 512}},
-        "lora": {"targets": ALL_LINEAR, "dropout": 0.0},
-        "adapters": adapters,
-        "training": {"scheduler": "constant", "grad_clip": 1.0},
-        "eval": {"metrics": []},
-    }
+    return JobConfig(
+        job_id=job_id,
+        output_dir=out,
+        device=args.device,
+        tp=tp,
+        model=JobModel(path=str(model_dir), max_seq_len=args.seq, dtype=args.dtype, random_init=True),
+        data=JobData(synthetic=SyntheticRows(seq_len=args.seq, num_samples=512)),
+        lora=JobLora(targets=ALL_LINEAR, dropout=0.0),
+        adapters=[JobAdapter(id=f"a{k}-r{ranks[k % len(ranks)]}", rank=ranks[k % len(ranks)],
+                             alpha=2.0 * ranks[k % len(ranks)], learning_rate=args.lr, batch_size=args.batch_size,
+                             seed=k, steps=args.steps)
+                  for k in range(args.adapters)],
+        training=JobTraining(scheduler="constant", grad_clip=1.0),
+        eval=JobEval(metrics=[]),
+    )
 
 
 def command(job_yaml: Path, nproc: int, launcher: str) -> list[str]:
@@ -73,12 +71,12 @@ def command(job_yaml: Path, nproc: int, launcher: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *recipe]
 
 
-def launch(cfg: dict, work: Path, gpus: list[int], launcher: str) -> tuple[subprocess.Popen, Path, float]:
-    job_dir = work / cfg["job_id"]
+def launch(cfg: JobConfig, work: Path, gpus: list[int], launcher: str) -> tuple[subprocess.Popen, Path, float]:
+    job_dir = work / cfg.job_id
     job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / "job.yaml").write_text(yaml.safe_dump(cfg))
+    cfg.write(job_dir / "job.yaml")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cfg["device"] == "cuda":
+    if cfg.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     else:  # a CPU smoke run: gloo, one thread per rank
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -88,14 +86,14 @@ def launch(cfg: dict, work: Path, gpus: list[int], launcher: str) -> tuple[subpr
     return proc, job_dir, time.time()
 
 
-def collect(cfg: dict, proc: subprocess.Popen, job_dir: Path, started: float, gpus: list[int], timeout: float) -> dict:
+def collect(cfg: JobConfig, proc: subprocess.Popen, job_dir: Path, started: float, gpus: list[int], timeout: float) -> dict:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = "timeout"
     wall = time.time() - started
-    metrics = Path(cfg["output_dir"]) / "jobs" / cfg["job_id"] / "metrics.jsonl"
+    metrics = cfg.job_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     losses = {(r["step"], r["adapter"]): r["loss"] for r in rows}
     starts: dict[int, float] = {}
@@ -105,9 +103,9 @@ def collect(cfg: dict, proc: subprocess.Popen, job_dir: Path, started: float, gp
     deltas = [starts[b] - starts[a] for a, b in zip(steps, steps[1:])]
     timed = deltas[2:] if len(deltas) > 4 else deltas  # the first steps compile kernels
     step_s = statistics.median(timed) if timed else float("nan")
-    tokens = sum(a["batch_size"] for a in cfg["adapters"]) * cfg["model"]["max_seq_len"]
+    tokens = sum(a.batch_size for a in cfg.adapters) * cfg.model.max_seq_len
     result = {
-        "job": cfg["job_id"], "tp": cfg["tp"], "gpus": gpus, "returncode": rc, "wall_s": round(wall, 1),
+        "job": cfg.job_id, "tp": cfg.tp, "gpus": gpus, "returncode": rc, "wall_s": round(wall, 1),
         "steps_logged": len(steps), "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s if timed else None,
         "losses": losses,
     }

@@ -79,7 +79,8 @@ def reverse_data(tmp_path_factory) -> dict[str, Path]:
 
 
 def job_config(model: Path, data: dict, out: Path, adapters: list[dict], **over) -> dict:
-    """A recipe config as `plora sweep` writes it, for in-process runs."""
+    """A recipe config as `plora sweep` writes it (`plora.jobconfig.JobConfig`'s layout),
+    for in-process runs; each adapter warms up for 2 of its steps unless it says otherwise."""
     cfg = {
         "job_id": "job-test",
         "output_dir": str(out),
@@ -88,10 +89,21 @@ def job_config(model: Path, data: dict, out: Path, adapters: list[dict], **over)
         "model": {"path": str(model), "max_seq_len": 64},
         "data": {"train": str(data["train"]), "eval": str(data["eval"])},
         "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], "dropout": 0.0},
-        "adapters": adapters,
-        "training": {"scheduler": "cosine", "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.01},
+        "adapters": [{"warmup_steps": 2, **a} for a in adapters],
+        "training": {"scheduler": "cosine", "grad_clip": 1.0, "weight_decay": 0.01},
         "eval": {"metrics": ["loss"], "max_eval_samples": 8},
     }
     for k, v in over.items():
         cfg[k] = v
     return cfg
+
+
+#: hooks that make a job process fail on purpose (`plora.hooks`, PLORA_TEST_HOOKS)
+FAULT_HOOKS = Path(__file__).with_name("fault_hooks.py")
+
+
+def inject_fault(monkeypatch, faults: str) -> None:
+    """Make the jobs this test launches fail as ``faults`` says (`fault_hooks`: e.g.
+    ``"crash@job-000@3@1"``: job-000 crashes after step 3 on its first attempt)."""
+    monkeypatch.setenv("PLORA_TEST_HOOKS", str(FAULT_HOOKS))
+    monkeypatch.setenv("PLORA_INJECT_FAULT", faults)

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from plora.cli import app
 from plora.data import DataError, load_split
+from plora.jobconfig import JobData
 
 runner = CliRunner()
 GOOD = [{"input": "abc+", "output": "bca"}, {"input": "hello+", "output": "elloh"}, {"input": "xy+", "output": "yx"}]
@@ -157,7 +158,7 @@ def test_bad_chat_rows(tmp_path, messages, pieces):
     path.write_text(jsonl([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
                            {"messages": messages}]))
     with pytest.raises(DataError) as info:
-        load_split({"train": str(path)}, "train")
+        load_split(JobData(train=str(path)), "train")
     msg = str(info.value)
     assert msg.startswith(f"data.train: {path} line 2, column 'messages': ") and "\n" not in msg
     for piece in pieces:

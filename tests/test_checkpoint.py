@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from conftest import inject_fault
 from plora.engine.journal import Journal
 from plora.spec import load_spec
 from plora.sweep import PlannedJob, SweepPlan, prepare, run_prepared, write_run_files
@@ -56,7 +57,7 @@ def test_spec_checkpoint_settings_are_validated(tmp_path):
 def test_sigkilled_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_run(tmp_path, monkeypatch):
     """The job is SIGKILLed at step 12 (checkpoints at 5 and 10); the engine relaunches it,
     it goes on from step 10, and the adapters equal a run that was never interrupted."""
-    monkeypatch.setenv("PLORA_INJECT_FAULT", "kill@job-000@12@1")
+    inject_fault(monkeypatch, "kill@job-000@12@1")
     prep = prepared(tmp_path)
     frame = run_prepared(prep, slots=["cpu:0"])
     assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
@@ -85,7 +86,6 @@ def test_sigkilled_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_
     ref_dir = tmp_path / "ref"
     cfg.update(output_dir=str(ref_dir), job_dir=str(ref_dir / "jobs" / "job-000"), eval_base=False)
     cfg["training"]["checkpoint_every_steps"] = None
-    monkeypatch.setenv("PLORA_INJECT_FAULT", "")
     PackedLoRARecipe(cfg).run()
     for c in prep.configs:
         got = load_file(run / "adapters" / c.id / "adapter_model.safetensors")
@@ -105,15 +105,21 @@ def test_sigkilled_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_
 
 def test_a_checkpoint_of_other_training_settings_is_not_resumed(tmp_path):
     """A changed spec (another learning-rate schedule) must not pick up old states."""
+    from plora.jobconfig import JobConfig
     from plora.recipes.checkpoint import fingerprint
 
-    base = {"seed": 0, "model": {"path": "m"}, "data": {"task": "t"}, "lora": {"targets": ["q_proj"]},
+    base = {"job_id": "j", "output_dir": "out", "seed": 0, "model": {"path": "m", "max_seq_len": 64},
+            "data": {"task": "t"}, "lora": {"targets": ["q_proj"]},
+            "adapters": [{"id": "a", "rank": 2, "alpha": 4.0, "learning_rate": 1e-3, "batch_size": 2, "seed": 0,
+                          "steps": 10}],
             "training": {"scheduler": "cosine", "checkpoint_every_steps": 5}}
     same = json.loads(json.dumps(base))
     same["training"]["checkpoint_every_steps"] = 50  # how often to save changes nothing learned
+    same["adapters"][0]["id"] = "b"  # the pack is not the fingerprint's: adapters are matched one by one
     other = json.loads(json.dumps(base))
     other["training"]["scheduler"] = "linear"
-    assert fingerprint(base) == fingerprint(same) != fingerprint(other)
+    fp = [fingerprint(JobConfig.parse(c)) for c in (base, same, other)]
+    assert fp[0] == fp[1] != fp[2]
 
 
 def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
@@ -131,8 +137,8 @@ def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
     job = PlannedJob("job-000", list(prep.configs), {c.id: 400 for c in prep.configs})
     job_dir = prep.run_dir / "jobs" / "job-000"
     job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / "job.yaml").write_text(yaml.safe_dump(job_config(prep.spec, job, prep.run_dir, eval_base=False)))
-    proc = launch("job-000", job_dir, "cpu:0", extra_env={"PLORA_INJECT_FAULT": "", "PLORA_ATTEMPT": "1"})
+    job_config(prep.spec, job, prep.run_dir, eval_base=False).write(job_dir / "job.yaml")
+    proc = launch("job-000", job_dir, "cpu:0", extra_env={"PLORA_ATTEMPT": "1"})
     deadline = time.time() + 120
     while time.time() < deadline and proc.proc.poll() is None:
         try:

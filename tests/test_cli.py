@@ -11,6 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from conftest import inject_fault
 from plora.cli import app
 
 runner = CliRunner()
@@ -121,7 +122,7 @@ def test_sweep_end_to_end(tmp_path):
 
 def test_crashed_job_marks_adapters_failed_and_exits_1(tmp_path, monkeypatch):
     # (a broken model folder no longer gets this far: it is refused at validation, see test_model_check)
-    monkeypatch.setenv("PLORA_INJECT_FAULT", "crash@job-000@1,crash@job-001@1")  # every attempt of both jobs
+    inject_fault(monkeypatch, "crash@job-000@1,crash@job-001@1")  # every attempt of both jobs
     space = small_space(tmp_path)
     result = runner.invoke(app, ["sweep", str(space)], terminal_width=200)
     assert result.exit_code == 1

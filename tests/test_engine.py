@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from conftest import inject_fault
 from plora.engine.journal import Journal
 from plora.spec import load_spec
 from plora.sweep import PlannedJob, SweepPlan, prepare, run_prepared, write_run_files
@@ -63,7 +64,7 @@ def launches(run: Path) -> list[tuple[str, list[str]]]:
 
 
 def test_oom_splits_the_job_and_requeues(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLORA_INJECT_FAULT", "oom@job-000@2")
+    inject_fault(monkeypatch, "oom@job-000@2")
     prep = prepared(tmp_path)
     frame = run_prepared(prep, slots=["cpu:0", "cpu:1"])
     assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
@@ -78,7 +79,7 @@ def test_oom_splits_the_job_and_requeues(tmp_path, monkeypatch):
 
 
 def test_single_adapter_oom_is_failed_and_the_sweep_goes_on(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLORA_INJECT_FAULT", "oom@job-001@1")
+    inject_fault(monkeypatch, "oom@job-001@1")
     prep = prepared(tmp_path)  # job-001 holds one adapter
     frame = run_prepared(prep, slots=["cpu:0", "cpu:1"])
     failed = frame[frame.status == "failed"]
@@ -87,7 +88,7 @@ def test_single_adapter_oom_is_failed_and_the_sweep_goes_on(tmp_path, monkeypatc
 
 
 def test_crash_is_retried_then_succeeds(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLORA_INJECT_FAULT", "crash@job-000@3@1")  # first attempt only
+    inject_fault(monkeypatch, "crash@job-000@3@1")  # first attempt only
     prep = prepared(tmp_path)
     frame = run_prepared(prep, slots=["cpu:0", "cpu:1"])
     assert set(frame.status) == {"done"}
@@ -97,7 +98,7 @@ def test_crash_is_retried_then_succeeds(tmp_path, monkeypatch):
 
 
 def test_crash_retries_are_bounded(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLORA_INJECT_FAULT", "crash@job-000@1")  # every attempt
+    inject_fault(monkeypatch, "crash@job-000@1")  # every attempt
     prep = prepared(tmp_path)
     frame = run_prepared(prep, slots=["cpu:0", "cpu:1"], max_retries=1)
     bad = frame[frame.job_id == "job-000"]
@@ -119,9 +120,8 @@ def _wait_for(pred, timeout: float) -> bool:
 def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
     path = space(tmp_path, per_job=4, name="k")
     run = tmp_path / "runs" / "k"
-    env = dict(os.environ, PLORA_INJECT_FAULT="")
     cmd = [sys.executable, "-m", "plora.cli", "sweep", str(path)]
-    sweep = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def some_adapter_done() -> bool:
         return any((p / "metrics.json").is_file() for p in (run / "adapters").glob("*")) if (run / "adapters").is_dir() else False
@@ -133,7 +133,7 @@ def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
     assert 0 < len(frame_before) < 4, "kill came too late to test a resume"
 
     restarted = time.time()
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     frame = pd.read_parquet(run / "results.parquet")
     assert set(frame.status) == {"done"} and len(frame) == 4

@@ -12,6 +12,7 @@ import pytest
 from plora.chat_template import ChatTemplate, load_chat_template
 from plora.data import IGNORE_INDEX, DataError, TextTokenizer, load_split, prepare_data, tokenize_split
 from plora.formats import INSTRUCTION_TEMPLATE, INSTRUCTION_TEMPLATE_NO_INPUT
+from plora.jobconfig import JobData, JobEval
 
 #: a chat template in the tiny model's alphabet: user turns end with "=", assistant turns with eos
 TINY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
@@ -60,7 +61,7 @@ def test_plain_rows_train_on_the_answer_and_eos(tiny_tok):
 
 def test_prompt_template_for_plain_rows(tmp_path, tiny_tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"q": "abc", "a": "cba"}])
-    cfg = {"train": str(path), "input_column": "q", "output_column": "a", "prompt_template": "{input} > "}
+    cfg = JobData(train=str(path), input_column="q", output_column="a", prompt_template="{input} > ")
     [ex] = load_split(cfg, "train")
     assert ex["input"] == "abc > " and ex["output"] == "cba" and ex["where"].endswith("d.jsonl line 1")
     [s] = tokenize_split([ex], tiny_tok, 64)[0]
@@ -69,10 +70,10 @@ def test_prompt_template_for_plain_rows(tmp_path, tiny_tok):
 
 def test_prompt_template_names_other_columns(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input": "x", "ctx": "abc", "output": "y"}])
-    [ex] = load_split({"train": str(path), "prompt_template": "{ctx} {input}="}, "train")
+    [ex] = load_split(JobData(train=str(path), prompt_template="{ctx} {input}="), "train")
     assert ex["input"] == "abc x="
     with pytest.raises(DataError, match=r"no column 'nope'"):
-        load_split({"train": str(path), "prompt_template": "{nope}"}, "train")
+        load_split(JobData(train=str(path), prompt_template="{nope}"), "train")
 
 
 def test_instruction_rows(tmp_path):
@@ -81,10 +82,10 @@ def test_instruction_rows(tmp_path):
         {"instruction": "say hi", "output": "hi"},
         {"instruction": "say hi", "input": None, "output": "hi"},
     ])
-    a, b, c = load_split({"train": str(path)}, "train")  # format auto: the instruction column is there
+    a, b, c = load_split(JobData(train=str(path)), "train")  # format auto: the instruction column is there
     assert a["input"] == INSTRUCTION_TEMPLATE.format(instruction="reverse", input="abc") and a["output"] == "cba"
     assert b["input"] == c["input"] == INSTRUCTION_TEMPLATE_NO_INPUT.format(instruction="say hi")
-    [d, *_] = load_split({"train": str(path), "format": "instruction", "prompt_template": "{instruction}: {input}="},
+    [d, *_] = load_split(JobData(train=str(path), format="instruction", prompt_template="{instruction}: {input}="),
                          "train")
     assert d["input"] == "reverse: abc="
 
@@ -92,11 +93,11 @@ def test_instruction_rows(tmp_path):
 def test_auto_format_from_the_columns(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "a"},
                                                             {"role": "assistant", "content": "b"}]}])
-    assert "messages" in load_split({"train": str(chat)}, "train")[0]
+    assert "messages" in load_split(JobData(train=str(chat)), "train")[0]
     plain = write_jsonl(tmp_path / "p.jsonl", [{"input": "a", "output": "b"}])
-    assert load_split({"train": str(plain)}, "train")[0]["input"] == "a"
+    assert load_split(JobData(train=str(plain)), "train")[0]["input"] == "a"
     with pytest.raises(DataError, match=r"no column 'messages' for the chat format"):
-        load_split({"train": str(plain), "format": "chat"}, "train")
+        load_split(JobData(train=str(plain), format="chat"), "train")
 
 
 @pytest.mark.parametrize("template", [TINY_TEMPLATE, TINY_GENERATION_TEMPLATE], ids=["prefixes", "generation"])
@@ -119,7 +120,7 @@ def test_chat_rows_on_the_tiny_model(tmp_path, tiny_model, template):
 def test_chat_rows_need_a_chat_template(tmp_path, tiny_tok):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "a"},
                                                             {"role": "assistant", "content": "b"}]}])
-    examples = load_split({"train": str(path)}, "train")
+    examples = load_split(JobData(train=str(path)), "train")
     with pytest.raises(DataError) as info:
         tokenize_split(examples, tiny_tok, 64)
     msg = str(info.value)
@@ -165,7 +166,7 @@ def test_answer_cut_away_is_refused_with_its_line(tiny_tok):
 def test_rows_without_answer_are_dropped_and_counted_when_asked(tmp_path, tiny_tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input": "a", "output": "b"}, {"input": "a", "output": None},
                                               {"input": "a", "output": ""}, {"input": "a", "output": "c"}])
-    data = prepare_data({"train": str(path), "on_bad_rows": "drop"}, {}, tiny_tok, 64)
+    data = prepare_data(JobData(train=str(path), on_bad_rows="drop"), JobEval(), tiny_tok, 64)
     assert len(data.train) == 2
     [note] = data.notes(64)
     assert "2 rows dropped" in note and "d.jsonl line 2, column 'output': is null" in note
@@ -174,15 +175,15 @@ def test_rows_without_answer_are_dropped_and_counted_when_asked(tmp_path, tiny_t
 def test_choices_from_a_column_and_from_the_spec(tmp_path, tiny_tok):
     train = write_jsonl(tmp_path / "t.jsonl", [{"input": "ab", "output": "x", "opts": ["x", "y"]}])
     ev = write_jsonl(tmp_path / "e.jsonl", [{"input": "ab", "output": "y", "opts": ["x", "y", "z"]}])
-    data = prepare_data({"train": str(train), "eval": str(ev)}, {"choices_column": "opts"}, tiny_tok, 64)
+    data = prepare_data(JobData(train=str(train), eval=str(ev)), JobEval(choices_column="opts"), tiny_tok, 64)
     [s] = data.eval
     assert s.gold == 1 and len(s.choices) == 3
     assert answer_tokens(s.choices[2]) == tiny_tok.encode("z") + [2]
     assert s.choices[2].tokens[: len(s.prompt)] == s.prompt
-    data = prepare_data({"train": str(train), "eval": str(ev)}, {"choices": ["y", "x"]}, tiny_tok, 64)
+    data = prepare_data(JobData(train=str(train), eval=str(ev)), JobEval(choices=["y", "x"]), tiny_tok, 64)
     assert data.eval[0].gold == 0
     with pytest.raises(DataError, match=r"e.jsonl line 1: the answer 'y' is not one of the choices \('a', 'b'\)"):
-        prepare_data({"train": str(train), "eval": str(ev)}, {"choices": ["a", "b"]}, tiny_tok, 64)
+        prepare_data(JobData(train=str(train), eval=str(ev)), JobEval(choices=["a", "b"]), tiny_tok, 64)
 
 
 # --------------------------------------------------------------------------- a real chat template
@@ -261,7 +262,7 @@ def test_smollm2_generation_blocks_match_the_assistant_mask(smollm2_tokenizer, t
 def test_jsonl_line_separators_inside_strings_and_crlf(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(('{"input": "a\u2028b", "output": "c"}\r\n\r\n{"input": "d", "output": "e"}\r\n').encode())
-    a, b = load_split({"train": str(path)}, "train")
+    a, b = load_split(JobData(train=str(path)), "train")
     assert a["input"] == "a\u2028b" and b["where"].endswith("line 3")
 
 
@@ -269,10 +270,10 @@ def test_csv_lines_are_counted_across_quoted_newlines(tmp_path):
     path = tmp_path / "d.csv"
     path.write_text('input,output\n"two\nlines",x\nb,\n')
     with pytest.raises(DataError, match=r"d.csv line 4, column 'output': is empty"):
-        load_split({"train": str(path)}, "train")
+        load_split(JobData(train=str(path)), "train")
 
 
 def test_numbers_are_text(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input": 3, "output": 42}, {"input": 0.5, "output": True}])
-    a, b = load_split({"train": str(path)}, "train")
+    a, b = load_split(JobData(train=str(path)), "train")
     assert (a["input"], a["output"], b["input"], b["output"]) == ("3", "42", "0.5", "true")

@@ -129,7 +129,7 @@ def test_planning_never_imports_the_training_loop():
 
 def test_the_profiler_reaches_the_recipe_only_through_its_in_process_measurement():
     graph = _graph()
-    profiler = {m for m in graph if m == "plora.profiler" or m == "plora.profiling" or m.startswith("plora.profiling.")}
+    profiler = {m for m in graph if m == "plora.profiling" or m.startswith("plora.profiling.")}
     profiler |= {"plora.jobcost", "plora.jobprobe"}  # the job terms: a real job, run as the engine runs it
     shared = {"plora.step_settings", "plora.heap", "plora.jobphases"}  # what the recipe imports from below
     assert {MEASURES_IN_PROCESS, RUNS_PROBES} <= profiler and shared <= set(graph)

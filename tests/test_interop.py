@@ -43,7 +43,7 @@ def test_peft_loads_adapter_with_same_logits(trained, tiny_model):
     x = torch.randint(4, 40, (3, 12), generator=torch.Generator().manual_seed(0))
     for k, name in enumerate(["a", "b"]):
         cfg = json.loads((out / "adapters" / name / "adapter_config.json").read_text())
-        assert cfg["r"] == recipe.runs[k].cfg["rank"] and cfg["peft_type"] == "LORA"
+        assert cfg["r"] == recipe.runs[k].cfg.rank and cfg["peft_type"] == "LORA"
         hf = transformers.LlamaForCausalLM.from_pretrained(tiny_model)
         with torch.no_grad():
             base_logits = hf(input_ids=x).logits

@@ -4,7 +4,6 @@ memory, cached with the profile, and a CPU sweep's makespan predicted from them.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest

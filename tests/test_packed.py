@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import job_config
+from plora import hooks
 from plora.recipes.packed_lora import PackedLoRARecipe, lr_factor
 
 ATOL = 2e-6
@@ -68,8 +69,8 @@ def test_steps_run_with_the_heap_frozen_and_it_is_released_after(tiny_model, rev
     import gc
 
     seen = []
-    PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path, ADAPTERS[:1])).run(
-        on_step=lambda recipe, step: seen.append(gc.get_freeze_count()))
+    with hooks.installed("after_step", lambda recipe, step: seen.append(gc.get_freeze_count())):
+        PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path, ADAPTERS[:1])).run()
     assert seen and all(n > 0 for n in seen)
     assert gc.get_freeze_count() == 0
 
@@ -91,15 +92,16 @@ def test_diverging_adapter_is_isolated(packed_run, tiny_model, reverse_data, tmp
 
     checked = []
 
-    def check_others_finite(rec, step):
-        for r in rec.runs:
+    def check_others_finite(recipe, step):
+        for r in recipe.runs:
             if r.id == "absurd":
                 continue
-            for t in rec.bank.adapter_views(rec.bank.weights, r.index) + rec.optimizer.state_views(r.index):
+            for t in recipe.bank.adapter_views(recipe.bank.weights, r.index) + recipe.optimizer.state_views(r.index):
                 assert torch.isfinite(t).all()
         checked.append(step)
 
-    summary = recipe.run(on_step=check_others_finite)
+    with hooks.installed("after_step", check_others_finite):
+        summary = recipe.run()
     assert summary["adapters"]["absurd"] == "diverged"
     assert len(checked) == max(a["steps"] for a in ADAPTERS)
     for a in ADAPTERS:
@@ -121,14 +123,15 @@ def test_nan_loss_adapter_is_isolated_in_the_shared_backward(packed_run, tiny_mo
     extra = dict(id="poisoned", rank=4, alpha=8.0, learning_rate=1e-3, batch_size=2, seed=98, steps=14)
     recipe = PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path, ADAPTERS + [extra]))
 
-    def poison_at_step_2(rec, step):
+    def poison_at_step_2(recipe, step):
         if step == 2:
-            k = next(r.index for r in rec.runs if r.id == "poisoned")
+            k = next(r.index for r in recipe.runs if r.id == "poisoned")
             with torch.no_grad():
-                for view in rec.bank.adapter_views(rec.bank.weights, k):
+                for view in recipe.bank.adapter_views(recipe.bank.weights, k):
                     view.fill_(float("nan"))
 
-    summary = recipe.run(on_step=poison_at_step_2)
+    with hooks.installed("after_step", poison_at_step_2):
+        summary = recipe.run()
     assert summary["adapters"]["poisoned"] == "diverged"
     m = json.loads((tmp_path / "adapters" / "poisoned" / "metrics.json").read_text())
     assert m["reason"].startswith("loss nan") and m["steps"] == 3
@@ -160,11 +163,12 @@ def test_pruned_adapter_leaves_and_others_are_unchanged(packed_run, tiny_model, 
     out, _ = packed_run
     recipe = PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path, ADAPTERS))
 
-    def prune_r1_at_step_3(rec, step):
+    def prune_r1_at_step_3(recipe, step):
         if step == 3:
-            (rec.job_dir / "control.json").write_text(json.dumps({"prune": ["r1"]}))
+            (recipe.job_dir / "control.json").write_text(json.dumps({"prune": ["r1"]}))
 
-    summary = recipe.run(on_step=prune_r1_at_step_3)
+    with hooks.installed("after_step", prune_r1_at_step_3):
+        summary = recipe.run()
     assert summary["adapters"]["r1"] == "pruned"
     m = json.loads((tmp_path / "adapters" / "r1" / "metrics.json").read_text())
     assert m["steps"] == 4
@@ -172,14 +176,22 @@ def test_pruned_adapter_leaves_and_others_are_unchanged(packed_run, tiny_model, 
         assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
 
 
-def test_job_warmup_is_the_space_files_warmup(tiny_model, reverse_data, tmp_path):
+def test_job_warmup_is_the_space_files_warmup(tmp_path):
     """A warm-up ratio gives each adapter the warm-up the validated spec computes for its own
-    step count (one rounding, in one place)."""
-    from plora.spec import TrainingConfig
+    step count (one rounding, in one place): the sweep writes it into each adapter's job
+    config, and the job trains with it."""
+    from plora.spec import AdapterConfig, parse_spec
+    from plora.sweep import PlannedJob
+    from plora.sweep import job_config as sweep_job_config
 
-    adapters = [dict(ADAPTERS[0], id="w55", steps=55), dict(ADAPTERS[1], id="w7", steps=7)]
-    cfg = job_config(tiny_model, reverse_data, tmp_path, adapters)
-    cfg["training"] = {**cfg["training"], "warmup_steps": None, "warmup_ratio": 0.1}
-    recipe = PackedLoRARecipe(cfg)
-    spec_training = TrainingConfig(epochs=1, warmup_ratio=0.1)
-    assert [r.warmup for r in recipe.runs] == [spec_training.warmup_for(55), spec_training.warmup_for(7)] == [6, 1]
+    spec = parse_spec({"name": "w", "training": {"warmup_ratio": 0.1}, "hardware": {"device": "cpu"}})
+    a, b = AdapterConfig.make(4, 8.0, 1e-3, 2, 0), AdapterConfig.make(4, 8.0, 1e-3, 4, 0)
+    cfg = sweep_job_config(spec, PlannedJob("job-000", [a, b], {a.id: 55, b.id: 7}), tmp_path, eval_base=False)
+    want = [spec.training.warmup_for(55), spec.training.warmup_for(7)]
+    assert [x.warmup_steps for x in cfg.adapters] == want == [6, 1]
+    recipe = PackedLoRARecipe(cfg.to_dict())
+    recipe.setup()
+    try:
+        assert [r.warmup for r in recipe.runs] == want
+    finally:
+        recipe.cleanup()

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import job_config
 from plora import evaluate as ev
+from plora import hooks
 from plora.data import IGNORE_INDEX, Sample, collate
 from plora.packed.head_loss import adapter_mean_losses, final_hidden, head_loss_sum
 from plora.packed.rows import MIN_TOKENS, flatten_rows, held_sizes, padded_label_parts
@@ -115,7 +116,9 @@ def test_padded_label_parts_match_the_flattened_ones():
 
 # ------------------------------------------------------------------ model pieces
 def _recipe(tiny_model, mixed_data, tmp_path, adapters=MIXED[:3]):
-    return PackedLoRARecipe(job_config(tiny_model, mixed_data, tmp_path, adapters))
+    recipe = PackedLoRARecipe(job_config(tiny_model, mixed_data, tmp_path, adapters))
+    recipe.setup()
+    return recipe
 
 
 def test_row_attention_equals_padded_rows_and_each_row_alone(tiny_model, mixed_data, tmp_path):
@@ -204,9 +207,10 @@ def test_padding_free_steps_equal_padded_steps(mixed_run, tiny_model, mixed_data
     monkeypatch.setattr(packed_lora, "install_row_attention", lambda model: None)
     stable = [a for a in MIXED if a["id"] != "unstable"]
     recipe = PackedLoRARecipe(job_config(tiny_model, mixed_data, tmp_path, stable))
-    assert recipe.row_attn is None
     seen = []
-    recipe.run(on_step=lambda r, step: seen.append(r.real_tokens))
+    with hooks.installed("after_step", lambda recipe, step: seen.append(recipe.real_tokens)):
+        recipe.run()
+    assert recipe.row_attn is None
     for a in stable:
         flat_w, padded_w = _weights(mixed_run, a["id"]), _weights(tmp_path, a["id"])
         diff = max(float((flat_w[k] - padded_w[k]).abs().max()) for k in flat_w)

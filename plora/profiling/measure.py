@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from plora.heap import frozen_heap
-from plora.profiler import probe_job_config
+from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
 from plora.profiling.probes import Measurement, Probe
 from plora.step_settings import JOB_ALLOCATOR
 
@@ -52,6 +52,31 @@ MAX_ITERS_FACTOR = 3
 MIN_ITERS = 3
 
 Log = Callable[[str], None]
+
+
+def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype: str, device: str,
+                     targets: Sequence[str], family: str = "auto", dropout: float = 0.0,
+                     output_dir: str | Path = ".", num_threads: int | None = None,
+                     activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> JobConfig:
+    """The recipe config of a probe: a random-init model, fixed-length synthetic rows."""
+    return JobConfig(
+        job_id=f"probe-{probe.name}",
+        output_dir=Path(output_dir),
+        device=device,
+        num_threads=num_threads,
+        seed=0,
+        model=JobModel(path=str(model_dir), family=family, max_seq_len=int(seq_len), dtype=dtype, random_init=True),
+        data=JobData(synthetic=SyntheticRows(seq_len=int(seq_len), num_samples=max(16, max(probe.batch_sizes)))),
+        lora=JobLora(targets=list(targets), dropout=float(dropout)),
+        adapters=[
+            JobAdapter(id=f"{probe.name}-{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=b, seed=k,
+                       steps=10**9)
+            for k, (r, b) in enumerate(zip(probe.ranks, probe.batch_sizes))
+        ],
+        training=JobTraining(scheduler="constant", grad_clip=1.0, weight_decay=0.0,
+                             activation_checkpointing=bool(activation_checkpointing), cuda_graphs=cuda_graphs),
+        eval=JobEval(metrics=[]),
+    )
 
 
 def run_probe(
@@ -99,6 +124,7 @@ def run_probe(
         try:
             t0 = time.perf_counter()
             recipe = PackedLoRARecipe(cfg)
+            recipe.setup()
             if cuda:  # blocks cached while building (fp32 staging of the weights) are not the job's
                 torch.cuda.synchronize(dev)
                 torch.cuda.empty_cache()
@@ -141,10 +167,9 @@ def run_probe(
         finally:
             if poller is not None:
                 poller.stop()
-            log_file = getattr(recipe, "_metrics_file", None)
-            if log_file is not None:
-                log_file.close()
-            del recipe, log_file
+            if recipe is not None:
+                recipe.cleanup()
+            del recipe
     _release(cuda)
     return m
 

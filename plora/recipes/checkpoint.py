@@ -24,9 +24,12 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from plora.jobconfig import JobConfig
 
 VERSION = 1
 #: training settings that do not change what an adapter learns (left out of the fingerprint)
@@ -37,17 +40,17 @@ def checkpoint_dir(job_dir: Path) -> Path:
     return Path(job_dir) / "checkpoint"
 
 
-def fingerprint(cfg: dict[str, Any]) -> str:
+def fingerprint(cfg: JobConfig) -> str:
     """What a checkpoint must agree with to be resumed from: the job config less the pack."""
-    training = {k: v for k, v in (cfg.get("training") or {}).items() if k not in NEUTRAL_TRAINING}
-    keep = {"seed": cfg.get("seed"), "model": cfg.get("model"), "data": cfg.get("data"), "lora": cfg.get("lora"),
-            "training": training}
+    keep = cfg.model_dump(mode="json", include={"seed", "model", "data", "lora", "training"},
+                          exclude={"training": set(NEUTRAL_TRAINING)})
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _adapter_key(run) -> dict[str, Any]:
-    """An adapter's identity beyond its id: a checkpoint of another budget is not its own."""
-    return {k: run.cfg[k] for k in ("rank", "alpha", "learning_rate", "batch_size", "seed")} | {"steps": run.total_steps}
+    """An adapter's identity beyond its id: a checkpoint of another budget (or warm-up) is
+    not its own."""
+    return run.cfg.model_dump(exclude={"id"})
 
 
 #: exit code of a job stopped by SIGTERM after saving its checkpoint (128 + SIGTERM)
@@ -71,7 +74,7 @@ class JobCheckpointer:
         tp = recipe.tp
         self.rank, self.world = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.dir = checkpoint_dir(recipe.job_dir)
-        self.fingerprint = fingerprint(_plain(recipe.cfg))
+        self.fingerprint = fingerprint(recipe.cfg)
         self.last_save = time.monotonic()
         self.saves = 0
         self.job_step = 0  # the job step the latest checkpoint restored from was taken at
@@ -133,7 +136,7 @@ class JobCheckpointer:
             "version": VERSION,
             "job_id": r.job_id,
             "job_step": int(step),
-            "attempt": int(os.environ.get("PLORA_ATTEMPT", "1")),
+            "attempt": r.attempt,
             "world": self.world,
             "fingerprint": self.fingerprint,
             "saved_at": time.time(),
@@ -201,7 +204,7 @@ class JobCheckpointer:
     def _latest_states(self, wanted: dict[str, Any]) -> dict[str, dict]:
         """For each wanted adapter, its state of the most steps among the run's checkpoints
         (this job's first: a split or retried job finds its parent's too)."""
-        jobs = Path(self.recipe.output_dir) / "jobs"
+        jobs = self.recipe.output_dir / "jobs"
         own = self.dir / f"state.rank{self.rank}.pt"
         paths = [own] + sorted(p for p in jobs.glob(f"*/checkpoint/state.rank{self.rank}.pt") if p != own)
         best: dict[str, dict] = {}
@@ -245,10 +248,3 @@ def _load(path: Path) -> dict | None:
         return None
     except Exception:  # noqa: BLE001 - unreadable (another version, a torn disk): not resumable
         return None
-
-
-def _plain(cfg) -> dict[str, Any]:
-    from omegaconf import DictConfig, OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-

@@ -21,15 +21,18 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
+from pydantic import ValidationError
 from torchtune.config._errors import ConfigError
 
+from plora import hooks
 from plora.data import (
     AdapterStream,
     DataError,
@@ -39,6 +42,7 @@ from plora.data import (
 )
 from plora.evaluate import evaluate_adapters
 from plora.heap import frozen_heap
+from plora.jobconfig import JobAdapter, JobConfig
 from plora.jobphases import PhaseClock
 from plora.metrics import generated_metrics, use_metric_paths
 from plora.models import ModelError, load_base_model
@@ -53,7 +57,6 @@ from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
 from plora.recipes.checkpoint import JobCheckpointer
 from plora.recipes.step_graph import StepBuffers, StepGraph, step_inputs
-from plora.spec import warmup_steps_for
 from plora.step_settings import graphs_wanted
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
@@ -62,7 +65,8 @@ EXIT_OOM = 3
 #: the message is in UNFIXABLE_FILE in the job's folder (torchrun reports any failure as 1)
 EXIT_UNFIXABLE = 4
 UNFIXABLE_FILE = "error.json"
-UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (ModelError, DataError, ConfigError, OmegaConfBaseException)
+UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (ModelError, DataError, ConfigError, OmegaConfBaseException,
+                                                      ValidationError)
 #: learning rates are capped here; see train_step
 MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
 
@@ -86,9 +90,7 @@ class AdapterRun:
     """One adapter's progress inside the job."""
 
     index: int
-    cfg: dict[str, Any]
-    total_steps: int
-    warmup: int
+    cfg: JobAdapter
     stream: AdapterStream
     step: int = 0
     status: str = "running"  # running | done | diverged | pruned
@@ -98,7 +100,15 @@ class AdapterRun:
 
     @property
     def id(self) -> str:
-        return self.cfg["id"]
+        return self.cfg.id
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.steps
+
+    @property
+    def warmup(self) -> int:
+        return self.cfg.warmup_steps
 
     @property
     def active(self) -> bool:
@@ -106,46 +116,60 @@ class AdapterRun:
 
 
 class PackedLoRARecipe:
-    """Sets up the packed model, data and optimizer from a job config, then trains."""
+    """One packed job, shaped as torchtune's recipes are: `__init__` reads the (typed) job
+    config, `setup` builds the model, data, optimizer and graphs, `train` runs the loop
+    (evaluating and saving adapters as they leave), `cleanup` releases what the job holds.
+    `run` does all three, as `recipe_main` does."""
 
-    def __init__(self, cfg: DictConfig | dict):
-        self.cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    def __init__(self, cfg: JobConfig | DictConfig | Mapping[str, Any]):
+        self.cfg = JobConfig.parse(cfg)  # a typo or a bad value in the job file fails here
         c = self.cfg
-        if c.get("num_threads"):
-            torch.set_num_threads(int(c.num_threads))
-        self.device = _pick_device(c.get("device", "auto"))
+        self.job_id = c.job_id
+        self.output_dir = c.output_dir
+        self.job_dir: Path = c.job_dir
+        self.attempt = int(os.environ.get("PLORA_ATTEMPT", "1"))
+        self.targets = list(c.lora.targets)
+        self.dropout = c.lora.dropout
+        self.max_seq_len = c.model.max_seq_len
+        self.grad_clip = c.training.grad_clip
+        self.divergence_loss = c.training.divergence_loss
+        self.scheduler = c.training.scheduler
+        self._metrics_file = None  # what cleanup() closes, whether or not setup() got that far
+
+    def setup(self) -> None:
+        """Build the job: process group (TP), base model with the packed adapters, data,
+        optimizer, step graphs, checkpointer."""
+        c = self.cfg
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
+        self.device = _pick_device(c.device)
         # TP > 1: one process per GPU under torchrun (WORLD_SIZE); rank 0 writes every file.
         self.tp: TensorParallel | None = None
-        if tp_degree(c.get("tp")) > 1:
+        if tp_degree(c.tp) > 1:
             self.tp, self.device = init_tp(self.device)
         self.is_main = self.tp is None or self.tp.is_main
         self.clock = PhaseClock()  # what the job spends outside its steps, for the cost model
-        torch.manual_seed(int(c.get("seed", 0)))
-        self.job_id = str(c.job_id)
-        self.output_dir = Path(c.output_dir)
-        self.job_dir = Path(c.get("job_dir") or self.output_dir / "jobs" / self.job_id)
+        torch.manual_seed(c.seed)
         self.job_dir.mkdir(parents=True, exist_ok=True)
 
         t_load = time.perf_counter()
         model, self.info = load_base_model(
             c.model.path,
-            family=c.model.get("family", "auto"),
-            max_seq_len=int(c.model.max_seq_len),
-            dtype=c.model.get("dtype", "float32"),
+            family=c.model.family,
+            max_seq_len=c.model.max_seq_len,
+            dtype=c.model.dtype,
             device=self.device,
-            random_init=bool(c.model.get("random_init", False)),
+            random_init=c.model.random_init,
         )
         self.clock.loaded(time.perf_counter() - t_load)
-        adapters = [dict(a) for a in c.adapters]
-        self.targets = list(c.lora.targets)
-        self.dropout = float(c.lora.get("dropout", 0.0))
-        specs = [AdapterSpec(a["id"], int(a["rank"]), float(a["alpha"]), int(a["seed"])) for a in adapters]
+        specs = [AdapterSpec(a.id, a.rank, a.alpha, a.seed) for a in c.adapters]
         self.pm = inject_packed_lora(model, specs, self.targets, self.dropout)
         # rows flattened without padding, attention confined to each (None: padded rows)
         self.row_attn = install_row_attention(self.pm.model)
         if self.tp is not None:  # before the optimizer: it must see the local shards
             self.tp.shard(self.pm)
-        if c.training.get("activation_checkpointing"):
+        t = c.training
+        if t.activation_checkpointing:
             # Each decoder layer is recomputed in backward; the pack's state stays set until
             # after backward (train_step), so the recomputed LoRA rows are the same rows.
             from torchtune.modules import TransformerSelfAttentionLayer
@@ -158,55 +182,53 @@ class PackedLoRARecipe:
         self.real_tokens = 0  # non-padding tokens trained on (throughput)
 
         self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
-        data_cfg = OmegaConf.to_container(c.data, resolve=True)
-        max_len = int(c.model.max_seq_len)
-        synthetic = data_cfg.get("synthetic")
-        if synthetic:  # profiling and benchmarks: fixed-length random rows, no eval
-            self.train_samples = synthetic_samples(
-                int(synthetic.get("num_samples", 1024)), int(synthetic["seq_len"]), self.info.vocab_size
-            )
+        synthetic = c.data.synthetic
+        if synthetic is not None:  # profiling and benchmarks: fixed-length random rows, no eval
+            self.train_samples = synthetic_samples(synthetic.num_samples, synthetic.seq_len, self.info.vocab_size)
             self.eval_samples, self.eval_examples = [], []
         else:
-            use_metric_paths(c.eval.get("python_path") or [])
-            data = prepare_data(data_cfg, OmegaConf.to_container(c.eval, resolve=True), self.tok, max_len)
+            use_metric_paths(c.eval.python_path)
+            data = prepare_data(c.data, c.eval, self.tok, self.max_seq_len)
             self.train_samples, self.eval_samples, self.eval_examples = data.train, data.eval, data.eval_examples
 
-        t = c.training
-        self.runs: list[AdapterRun] = []
-        for i, a in enumerate(adapters):
-            total = int(a["steps"])
-            warmup = warmup_steps_for(total, t.get("warmup_steps"), t.get("warmup_ratio"))
-            self.runs.append(AdapterRun(i, a, total, warmup, AdapterStream(len(self.train_samples), int(a["seed"]))))
+        self.runs = [AdapterRun(i, a, AdapterStream(len(self.train_samples), a.seed)) for i, a in enumerate(c.adapters)]
         # after TP sharding: the bank lays out the local shards
         self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
-        self.optimizer = PackedAdamW(
-            self.bank,
-            [float(r.cfg["learning_rate"]) for r in self.runs],
-            weight_decay=float(t.get("weight_decay", 0.0)),
-        )
+        self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in c.adapters], weight_decay=t.weight_decay)
         self.graphs: StepGraph | None = None
-        if graphs_wanted(t.get("cuda_graphs"), self.device, tp=self.tp is not None,
-                         activation_checkpointing=bool(t.get("activation_checkpointing"))):
+        if graphs_wanted(t.cuda_graphs, self.device, tp=self.tp is not None,
+                         activation_checkpointing=t.activation_checkpointing):
             self.graphs = StepGraph(self.device)
-        self.grad_clip = t.get("grad_clip")
-        self.divergence_loss = t.get("divergence_loss")
-        self.scheduler = str(t.get("scheduler", "constant"))
         self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
         self._last_progress = 0.0
         self._control_seen: tuple[int, int, int] | None = None  # control.json's (inode, mtime, size) last read
-        self.attempt = int(os.environ.get("PLORA_ATTEMPT", "1"))
-        self.checkpointer = JobCheckpointer(self, t.get("checkpoint_every_steps", 500),
-                                            t.get("checkpoint_every_minutes", 10.0))
+        self.checkpointer = JobCheckpointer(self, t.checkpoint_every_steps, t.checkpoint_every_minutes)
         self.resumed: dict[str, int] = {}  # adapter id -> the adapter step it resumed from
         self.start_time = time.time()
         self.clock.set_up(self.eval_samples)
 
+    def run(self) -> dict[str, Any]:
+        """The whole job in this process: setup, train, cleanup (what `recipe_main` runs);
+        the job's summary."""
+        self.setup()
+        try:
+            return self.train()
+        finally:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        """Release what the job holds open: its metrics log (flushed and closed). Safe after
+        a setup that failed part way, and twice."""
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+
     # ------------------------------------------------------------------ training
-    def run(self, on_step: Callable[["PackedLoRARecipe", int], None] | None = None) -> dict[str, Any]:
-        """Train until every adapter has left the pack. `on_step(recipe, step)` runs after
-        each optimizer step, before finished adapters leave (tests and callers look in)."""
-        c = self.cfg
-        if c.get("eval_base"):
+    def train(self) -> dict[str, Any]:
+        """Train until every adapter has left the pack; the job's summary (also summary.json).
+        The ``after_step`` hook (`plora.hooks`) fires after each optimizer step, before
+        finished adapters leave: tests look in there."""
+        if self.cfg.eval_base:
             with self.clock.timed("eval_base_s"):
                 self._eval_base()
         self.resumed = self.checkpointer.restore()
@@ -229,8 +251,7 @@ class PackedLoRARecipe:
                     first_step_s = dt
                 else:
                     steps_s += dt
-                if on_step is not None:
-                    on_step(self, step)
+                hooks.fire("after_step", recipe=self, step=step)
                 step += 1
                 self._intermediate_eval(active)
                 finished = [r for r in active if r.active and r.step >= r.total_steps]
@@ -241,8 +262,6 @@ class PackedLoRARecipe:
                 self._write_progress(step)
         self.checkpointer.discard()
         self._write_progress(step, final=True)
-        if self._metrics_file is not None:
-            self._metrics_file.close()
         summary = {
             "job_id": self.job_id,
             "steps": step,
@@ -267,14 +286,14 @@ class PackedLoRARecipe:
         """
         samples, rows = [], []
         for r in active:
-            idx = r.stream.next(int(r.cfg["batch_size"]))
+            idx = r.stream.next(r.cfg.batch_size)
             samples.extend(self.train_samples[i] for i in idx)
             rows.append(len(idx))
         ids = [r.index for r in active]
         graphed = self.graphs is not None and self.graphs.enabled
         batch = self._step_batch(samples, rows, ids, graphed)
         for r in active:
-            lr = float(r.cfg["learning_rate"]) * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
+            lr = r.cfg.learning_rate * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
             # lr / (1 - beta1) goes to the device as float32: a larger value would turn one
             # absurd adapter's step into inf before its weights could show it.
             self.optimizer.lrs[r.index] = min(lr, MAX_LR)
@@ -308,12 +327,12 @@ class PackedLoRARecipe:
         """Flattened rows when attention can be confined to rows (and, for a CUDA graph,
         read its row boundaries from the device) and ``training.row_layout`` allows it
         ("auto": not in graph-replayed steps, see the spec); padded rows otherwise."""
-        layout = str(self.cfg.training.get("row_layout") or "auto")
+        layout = self.cfg.training.row_layout
         flat = (self.row_attn is not None and layout != "padded" and (layout == "flat" or not graphed)
                 and (not graphed or self.row_attn.graph_safe(self.device, self.dtype)))
         held = self.graphs.held_shape(ids, rows) if graphed else None
         return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,
-                                max_width=int(self.cfg.model.max_seq_len))
+                                max_width=self.max_seq_len)
 
     def _device_step(self, b: StepBuffers, spec: StepBatch) -> None:
         """Forward, per-adapter losses, backward, norms, clipping and AdamW, all on the
@@ -341,7 +360,7 @@ class PackedLoRARecipe:
                 self.tp.broadcast_(values)
             ok = torch.isfinite(values)
             if self.divergence_loss is not None:
-                ok &= values <= float(self.divergence_loss)
+                ok &= values <= self.divergence_loss
             torch.where(ok, losses, torch.zeros_like(losses)).sum().backward()
         finally:
             if self.row_attn is not None:
@@ -356,7 +375,7 @@ class PackedLoRARecipe:
         norms = self._sq_norms().sqrt()
         go &= torch.isfinite(norms)
         if self.grad_clip is not None:  # as torch's clip_grad_norm_, per adapter
-            coef = (float(self.grad_clip) / (norms + 1e-6)).clamp(max=1.0)
+            coef = (self.grad_clip / (norms + 1e-6)).clamp(max=1.0)
         else:
             coef = torch.ones_like(norms)
         self.optimizer.step_where(b.planned, go, coef)
@@ -413,7 +432,6 @@ class PackedLoRARecipe:
         then drop their state. The weights are on disk before the eval runs, so an eval that
         fails cannot cost their training; one that runs out of memory retries in smaller
         pieces (`evaluate_adapters`)."""
-        c = self.cfg
         self._drop_graph()  # its memory, for the eval's activations
         t_save = time.perf_counter()
         checkpoints = []
@@ -424,14 +442,14 @@ class PackedLoRARecipe:
                 self.output_dir / "adapters" / r.id,
                 state,
                 self.info,
-                rank=int(r.cfg["rank"]),
-                alpha=float(r.cfg["alpha"]),
+                rank=r.cfg.rank,
+                alpha=r.cfg.alpha,
                 targets=self.targets,
                 dropout=self.dropout,
             ) if self.is_main else None)
         self.clock.saved(len(runs), time.perf_counter() - t_save)
-        max_new = int(c.eval.get("max_new_tokens", 16))
-        eval_metrics = list(c.eval.get("metrics", ["loss", "exact_match"])) if self.eval_examples else []
+        max_new = self.cfg.eval.max_new_tokens
+        eval_metrics = list(self.cfg.eval.metrics) if self.eval_examples else []
         eval_clock = self.clock.eval_event(len(runs), max_new if generated_metrics(eval_metrics) else 0, self.device)
         metrics = self._evaluate([r.index for r in runs], metrics=eval_metrics, max_new_tokens=max_new)
         eval_clock.done()
@@ -444,19 +462,18 @@ class PackedLoRARecipe:
         device's memory."""
         return evaluate_adapters(
             self.pm, adapters, self.eval_samples, self.eval_examples, self.tok,
-            metrics=metrics, max_new_tokens=max_new_tokens, max_seq_len=int(self.cfg.model.max_seq_len),
-            device=self.device, batch_rows=int(self.cfg.eval.get("batch_rows", 256)),
-            token_budget=self.cfg.eval.get("token_budget"),
+            metrics=metrics, max_new_tokens=max_new_tokens, max_seq_len=self.max_seq_len,
+            device=self.device, batch_rows=self.cfg.eval.batch_rows, token_budget=self.cfg.eval.token_budget,
         )
 
     def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
         """Every `eval.every_steps` of its own steps, an adapter's eval loss goes to
         evals.jsonl (learning curves; what a pruner decides on). Adapters due together
         are evaluated packed."""
-        every = self.cfg.eval.get("every_steps")
+        every = self.cfg.eval.every_steps
         if not every or not self.eval_samples:
             return
-        due = [r for r in stepped if r.active and r.step % int(every) == 0 and r.step < r.total_steps]
+        due = [r for r in stepped if r.active and r.step % every == 0 and r.step < r.total_steps]
         if not due:
             return
         self._drop_graph()  # its memory, for the eval's activations
@@ -469,12 +486,12 @@ class PackedLoRARecipe:
             for r, m in zip(due, metrics):
                 f.write(json.dumps({"adapter": r.id, "adapter_step": r.step, "eval_loss": m["eval_loss"],
                                     "time": round(time.time() - self.start_time, 4),
-                                    "attempt": int(os.environ.get("PLORA_ATTEMPT", "1"))}) + "\n")
+                                    "attempt": self.attempt}) + "\n")
 
     def _eval_base(self) -> None:
         self._drop_graph()  # its memory, for the eval's activations
-        metrics = self._evaluate([None], metrics=list(self.cfg.eval.get("metrics", ["loss", "exact_match"])),
-                                 max_new_tokens=int(self.cfg.eval.get("max_new_tokens", 16)))[0]
+        metrics = self._evaluate([None], metrics=list(self.cfg.eval.metrics),
+                                 max_new_tokens=self.cfg.eval.max_new_tokens)[0]
         if self.is_main:
             (self.output_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
 
@@ -488,7 +505,7 @@ class PackedLoRARecipe:
         row = {
             "adapter_id": r.id,
             "job_id": self.job_id,
-            "attempt": int(os.environ.get("PLORA_ATTEMPT", "1")),
+            "attempt": self.attempt,
             "status": r.status,
             "reason": r.reason,
             "steps": r.step,
@@ -497,7 +514,7 @@ class PackedLoRARecipe:
             **m,
             "wall_time_s": (r.finished_at or time.time()) - self.start_time,
             "checkpoint_path": str(checkpoint) if checkpoint else None,
-            "config": {k: r.cfg[k] for k in ("rank", "alpha", "learning_rate", "batch_size", "seed")},
+            "config": r.cfg.hyperparameters(),
         }
         tmp = out / "metrics.json.tmp"
         tmp.write_text(json.dumps(row, indent=2))
@@ -574,50 +591,26 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _injected_fault(job_id: str) -> tuple[str, int] | None:
-    """Test hook: PLORA_INJECT_FAULT="<oom|crash|kill>@<job id>@<step>[@<attempts>]" makes that
-    job fail at that step on its first <attempts> attempts (PLORA_ATTEMPT counts from 1)."""
-    spec = os.environ.get("PLORA_INJECT_FAULT")
-    if not spec:
-        return None
-    for item in spec.split(","):
-        parts = item.split("@")
-        kind, job, at = parts[0], parts[1], int(parts[2])
-        attempts = int(parts[3]) if len(parts) > 3 else 10**9
-        if job == job_id and int(os.environ.get("PLORA_ATTEMPT", "1")) <= attempts:
-            return kind, at
-    return None
-
-
-def _fault_hook(kind: str, at: int):
-    def hook(recipe: "PackedLoRARecipe", step: int) -> None:
-        if step != at:
-            return
-        if kind == "oom":
-            raise torch.OutOfMemoryError("injected out-of-memory")
-        if kind == "kill":
-            os.kill(os.getpid(), 9)
-        os._exit(1)
-
-    return hook
-
-
 def recipe_main(cfg: DictConfig) -> None:
+    """The job process: `tune run plora/recipes/packed_lora.py --config job.yaml`."""
+    hooks.load_env_hooks()  # tests' hooks (PLORA_TEST_HOOKS); none in production
     try:
         recipe = PackedLoRARecipe(cfg)
-        fault = _injected_fault(recipe.job_id)
+        recipe.setup()
         try:
-            summary = recipe.run(on_step=_fault_hook(*fault) if fault else None)
+            summary = recipe.train()
         except torch.OutOfMemoryError as e:
             # Adapters that finished before this are saved; the engine re-queues the rest.
             (recipe.job_dir / "oom.json").write_text(json.dumps({"error": str(e)[:2000]}))
             print(f"out of memory: {str(e)[:500]}", file=sys.stderr, flush=True)
             sys.exit(EXIT_OOM)
+        finally:
+            recipe.cleanup()
     except UNFIXABLE_ERRORS as e:
         # The same model, data or config fails the same way on every attempt: say so and
         # let the engine fail the adapters at once instead of retrying.
         message = " ".join(str(e).split())[:2000] or type(e).__name__
-        job_dir = Path(cfg.get("job_dir") or Path(cfg.output_dir) / "jobs" / str(cfg.job_id))
+        job_dir = _job_dir_of(cfg)
         job_dir.mkdir(parents=True, exist_ok=True)
         (job_dir / UNFIXABLE_FILE).write_text(json.dumps({"error": message}))
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -625,6 +618,15 @@ def recipe_main(cfg: DictConfig) -> None:
     if recipe.is_main:
         print(json.dumps(summary), flush=True)
     close_tp()
+
+
+def _job_dir_of(cfg: DictConfig) -> Path:
+    """Where to report a job whose config may itself be what failed validation: its
+    ``job_dir``, else the working directory (the engine starts each job in its folder)."""
+    try:
+        return JobConfig.parse(cfg).job_dir
+    except ValidationError:
+        return Path(cfg["job_dir"]) if "job_dir" in cfg else Path.cwd()
 
 
 if __name__ == "__main__":

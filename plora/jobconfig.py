@@ -1,0 +1,181 @@
+"""The job config: everything one packed job reads, typed, with every job default here.
+
+A job (`plora.recipes.packed_lora`) is a process of its own that reads its ``job.yaml``.
+The sweep (`plora.sweep.job_config`), the profiler's probes and the job probe build a
+`JobConfig`; ``job.yaml`` is its dump (`JobConfig.to_yaml`); the recipe validates what it
+is given back into a `JobConfig` before anything else and then reads typed attributes
+only. Unknown keys are errors, so a typo in a job file fails the job at once (as an
+unfixable config) instead of silently training with a default.
+
+The space file's sections (`plora.spec`) say what a user asks for; these say what one job
+does, with the sweep's decisions already made: the adapters' step budgets and warm-ups,
+the LoRA targets resolved for the model's family, the model's folder on disk.
+
+No plora imports: the spec, the sweep, the profiler and the recipe all sit above this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "JobAdapter",
+    "JobConfig",
+    "JobData",
+    "JobEval",
+    "JobLora",
+    "JobModel",
+    "JobTraining",
+    "SyntheticRows",
+]
+
+
+class _Section(BaseModel):
+    # A typo must not fall back to a default; NaN/inf are never a setting.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class JobModel(_Section):
+    path: str  # the model folder on disk (the spec's ``model.path`` resolved)
+    family: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_seq_len: int = Field(ge=1)
+    random_init: bool = False  # a shape-only folder: weights drawn at random (planning, probes)
+
+
+class SyntheticRows(_Section):
+    """Fixed-length random rows and no eval: what probes and benchmarks train on, where
+    only shapes matter."""
+
+    seq_len: int = Field(ge=1)
+    num_samples: int = Field(1024, ge=1)
+
+
+class JobData(_Section):
+    """Where a job's rows come from and how they are read (the spec's ``data`` section,
+    paths as text; the eval-row limit is `JobEval.max_eval_samples`)."""
+
+    task: str | None = None  # builtin:<name>, or None for files
+    train: str | None = None
+    eval: str | None = None
+    format: Literal["auto", "plain", "instruction", "chat"] = "auto"
+    input_column: str = "input"
+    output_column: str = "output"
+    instruction_column: str = "instruction"
+    messages_column: str = "messages"
+    prompt_template: str | None = None
+    on_bad_rows: Literal["error", "drop"] = "error"
+    num_train: int | None = Field(None, ge=1)  # a built-in task's rows
+    num_eval: int | None = Field(None, ge=1)
+    synthetic: SyntheticRows | None = None  # instead of any of the above
+
+
+class JobLora(_Section):
+    targets: list[str] = Field(min_length=1)  # resolved for the model's family
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class JobAdapter(_Section):
+    """One adapter of the pack, with its own budget and warm-up in its own steps."""
+
+    id: str
+    rank: int = Field(ge=1)
+    alpha: float
+    learning_rate: float = Field(gt=0)
+    batch_size: int = Field(ge=1)
+    seed: int
+    steps: int = Field(ge=0)
+    #: computed by whoever builds the job (the sweep: `plora.spec.warmup_steps_for`), never by the job
+    warmup_steps: int = Field(0, ge=0)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """What identifies the configuration (metrics.json's ``config``)."""
+        return self.model_dump(include={"rank", "alpha", "learning_rate", "batch_size", "seed"})
+
+
+class JobTraining(_Section):
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    grad_clip: float | None = Field(1.0, gt=0)  # per adapter; None: no clipping
+    weight_decay: float = Field(0.0, ge=0)
+    divergence_loss: float | None = Field(None, gt=0)  # a finite loss above this also diverges
+    activation_checkpointing: bool = False
+    # "auto": on one CUDA device without activation checkpointing (`plora.recipes.step_graph`);
+    # YAML's and the space file's on/off arrive as booleans
+    cuda_graphs: Literal["auto"] | bool = "auto"
+    row_layout: Literal["auto", "flat", "padded"] = "auto"
+    checkpoint_every_steps: int | None = Field(500, ge=1)  # None turns that trigger off
+    checkpoint_every_minutes: float | None = Field(10.0, gt=0)
+
+
+class JobEval(_Section):
+    metrics: list[str] = Field(default_factory=lambda: ["loss", "exact_match"])
+    max_new_tokens: int = Field(16, ge=1)
+    max_eval_samples: int = Field(256, ge=1)
+    every_steps: int | None = Field(None, ge=1)  # intermediate eval loss every N adapter steps
+    choices: list[str] | None = None  # choice_accuracy: the labels of every row
+    choices_column: str | None = None  # or a column of each row's own choices
+    python_path: list[str] = Field(default_factory=list)  # where user metrics are imported from
+    batch_rows: int = Field(256, ge=1)  # rows an eval forward takes at once
+    token_budget: int | None = Field(None, ge=1)  # tokens of one eval batch; None: from device memory
+
+
+class JobConfig(_Section):
+    """One packed job: its adapters, where it writes, and how it trains and evaluates."""
+
+    job_id: str
+    output_dir: Path  # the run directory: adapters/<id>/ and base_metrics.json land here
+    job_dir: Path | None = None  # default: <output_dir>/jobs/<job_id>
+    tp: int | None = Field(None, ge=1)  # must agree with the processes launched (WORLD_SIZE)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda (| cuda:<i>)
+    num_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: torch's default
+    model: JobModel
+    data: JobData = Field(default_factory=JobData)
+    lora: JobLora
+    adapters: list[JobAdapter] = Field(min_length=1)
+    training: JobTraining = Field(default_factory=JobTraining)
+    eval: JobEval = Field(default_factory=JobEval)
+    eval_base: bool = False  # also evaluate the base model (base_metrics.json)
+
+    @model_validator(mode="after")
+    def _defaults(self) -> JobConfig:
+        if self.job_dir is None:
+            self.job_dir = self.output_dir / "jobs" / self.job_id
+        ids = [a.id for a in self.adapters]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"adapter ids repeat: {ids}")
+        return self
+
+    @classmethod
+    def parse(cls, cfg: JobConfig | Mapping[str, Any]) -> JobConfig:
+        """A job config from what a job is given: a `JobConfig`, a plain mapping (a loaded
+        job.yaml) or the DictConfig `tune run` hands a recipe."""
+        if isinstance(cfg, JobConfig):
+            return cfg
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        return cls.model_validate(dict(cfg))
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobConfig:
+        return cls.parse(yaml.safe_load(Path(path).read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (paths as text): what job.yaml holds."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def write(self, path: str | Path) -> Path:
+        """Write job.yaml (what `tune run ... --config` reads)."""
+        path = Path(path)
+        path.write_text(self.to_yaml())
+        return path
