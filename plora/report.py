@@ -37,6 +37,7 @@ import pandas as pd
 import yaml
 
 if TYPE_CHECKING:
+    from plora.costmodel import AdapterLoad
     from plora.planner.plan import Job, Plan
 
 __all__ = [
@@ -770,7 +771,7 @@ def _cost_model(run: RunData):
         return None
 
 
-def _loads(plan_job: Job, planned: dict[str, Any], cfg: pd.DataFrame) -> list:
+def _loads(plan_job: Job, planned: dict[str, AdapterLoad], cfg: pd.DataFrame) -> list[AdapterLoad]:
     """The job's adapters as the plan priced them, else from the results table."""
     from plora.costmodel import AdapterLoad
 
