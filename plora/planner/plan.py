@@ -2,9 +2,9 @@
 
 `Job` is the one job type from the planner to the engine: the planner predicts its
 times, the engine runs it (and makes new ones when it splits a job that ran out of
-memory). `Plan` owns ``plan.json``: it writes the file and every reader (the engine's
-sweep, the report, ``plora tune``) reads it back through `Plan.load`. Everything here is
-plain data, so reading a plan needs none of the planner's solvers.
+memory). `Plan` owns ``plan.json``: it writes the file and every reader (the sweep, the
+report, ``plora tune``, the benchmarks) reads it back through `Plan.load`. Everything
+here is plain data: reading a plan back runs no solver.
 """
 
 from __future__ import annotations
