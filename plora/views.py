@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import optuna
     import pandas as pd
 
-    from plora.profiler import Profile
+    from plora.profiling.record import Profile
     from plora.spec import SweepSpec
     from plora.sweep import PreparedSweep
 
