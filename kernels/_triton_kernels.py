@@ -264,7 +264,6 @@ def dy_band_kernel(
     N, stride_dy, stride_b, stride_db, stride_p,
     BT: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
     ATOMIC: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TACC: tl.constexpr = False,
-    DS_ATOMIC: tl.constexpr = False,
 ):
     """Both products of dy from one read of it, in bands of BN output columns.
 
@@ -274,9 +273,6 @@ def dy_band_kernel(
     band's plane of P (``band_sum_kernel`` adds the planes). The planes cost 2·RP/BN of dy's
     bytes each way, against a second pass over dy for the two-program "pair" schedule,
     whose second read of a dy tile misses L2 once many segments are in flight.
-
-    DS_ATOMIC ("fused" mode): the parts are added atomically into a zeroed float32 dS
-    (P, one plane) instead, RP/BN atomic adds per dy element.
     """
     pid = tl.program_id(0)
     band = tl.program_id(1)
@@ -313,10 +309,7 @@ def dy_band_kernel(
             acc = _mm(tl.trans(sp), dy, acc, IEEE)
         part = tl.zeros((BT, RP), dtype=tl.float32)
         part = _mm(dy, bt, part, IEEE) * scale
-        if DS_ATOMIC:
-            tl.atomic_add(P + s_off, part, mask=mt[:, None] & mr[None, :], sem="relaxed")
-        else:
-            tl.store(p_band + s_off, part, mask=mt[:, None])
+        tl.store(p_band + s_off, part, mask=mt[:, None])
     if TACC:
         db_ptrs = DB + ro.to(tl.int64) * stride_db + (offs_r[None, :] * stride_db + offs_n[:, None])
         m = mr[None, :] & mn[:, None]

@@ -3,13 +3,12 @@
 Forward (per rank bucket): ``shrink`` S' = s·x Aᵀ (reads x once), then ``expand``
 y += S' B (reads and writes y once). Backward: the dy side gives dS = s·dy Bᵀ and
 dB = S'ᵀ dy; the x side gives dA = dSᵀ x (``wgrad``, reads x once) and dx += dS A
-(``expand`` again, reads and writes dx once). The dy side runs in one of five ways per
+(``expand`` again, reads and writes dx once). The dy side runs in one of four ways per
 rank bucket (`DY_MODE`, and `DY_MODE_LARGE` for launches past `LARGE_ELEMS` elements):
 
 - "pair": one launch whose programs compute either dS or dB, scheduled so that both
   read each row of dy at about the same time, so the second read mostly hits L2;
 - "split": a shrink and a weight-gradient launch, two full reads of dy;
-- "fused": each dy tile gives its dB part and adds its dS partial atomically;
 - "band": one read of dy; a program walks a whole segment over a band of output
   columns, so dB is complete in it, and stores the band's partial dS in float32 for a
   small launch to sum (ranks up to 32: the partials cost 2·rank/band of dy's bytes);
@@ -94,7 +93,7 @@ def _default_tiles(kind: str, rp: int) -> TileConfig:
         return TileConfig(bt=64, bh=64 if big else 128, warps=8 if rp >= 64 else 4, stages=3)
     if kind == "expand":
         return TileConfig(bt=64, bh=64 if rp >= 256 else 128, warps=8 if big else 4, stages=3, waves=4.0)
-    if kind in ("wgrad", "dy_fused"):
+    if kind == "wgrad":
         return TileConfig(bt=32 if rp >= 256 else 64, bh=64 if big else 128, warps=8 if rp >= 64 else 4, stages=3)
     if kind == "dy_band":  # waves: fall back to "pair" below waves × SMs programs
         return TileConfig(bt=32, bh=512 if rp <= 32 else 128, warps=8, stages=3, waves=1.0)
@@ -109,8 +108,8 @@ def _default_tiles(kind: str, rp: int) -> TileConfig:
 #: Tiles per (kind, rank bucket), the tiles of launches past `LARGE_ELEMS` (where they differ)
 #: and the dy side's mode per rank bucket — "band" (one pass over dy, float32 partial dS per
 #: band), "pair" (one launch, the second read of dy partly from L2), "block" ("pair" in column
-#: blocks whose dy stays in L2), "split" (two launches, two passes) or "fused" (one pass,
-#: atomics) — for all launches, those past `LARGE_ELEMS` and those within `SMALL_ELEMS`.
+#: blocks whose dy stays in L2) or "split" (two launches, two passes) — for all launches,
+#: those past `LARGE_ELEMS` and those within `SMALL_ELEMS`.
 #: They are measurements, kept as data per GPU model in ``tiles/`` (`tile_tables`); the
 #: sweeps behind them are in NOTES.md. Buckets not listed take `_default_tiles` and "pair".
 #: The dicts are filled in place, so a benchmark that swaps them sees every later launch.
@@ -122,9 +121,21 @@ DY_MODE_SMALL: dict[int, str] = {}
 _LOADED: list[Path] = []  # the table file now in the dicts
 
 
+#: The dy side's modes and the kind whose tiles each launches with.
+_DY_KINDS = {"pair": "dy_pair", "split": "wgrad", "band": "dy_band", "block": "dy_block"}
+
+
+def _check_dy_mode(mode: str, where: object) -> None:
+    if mode not in _DY_KINDS:
+        raise ValueError(f"{where}: dy mode {mode!r} is not one of {', '.join(_DY_KINDS)}")
+
+
 def use_tables(device_name: str | None = None) -> Path:
     """Load the tile tables of ``device_name`` (the default tables when it has none)."""
     t = load_tables(TileConfig, device_name)
+    for table in (t.dy_mode, t.dy_mode_large, t.dy_mode_small):
+        for mode in table.values():
+            _check_dy_mode(mode, t.source)
     for table, value in ((TILES, t.tiles), (TILES_LARGE, t.large), (DY_MODE, t.dy_mode),
                          (DY_MODE_LARGE, t.dy_mode_large), (DY_MODE_SMALL, t.dy_mode_small)):
         table.clear()
@@ -154,6 +165,8 @@ def tile_overrides(tiles: dict | None = None, dy_mode: str | None = None):
 
     Keys may also be ``(kind, bucket)``. ``dy_mode`` forces the backward's dy side.
     """
+    if dy_mode is not None:
+        _check_dy_mode(dy_mode, "tile_overrides")
     _OVERRIDES.append({"tiles": tiles or {}, "dy_mode": dy_mode})
     try:
         yield
@@ -561,7 +574,6 @@ def lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRAMe
     )
 
 
-_DY_KINDS = {"fused": "dy_fused", "pair": "dy_pair", "split": "wgrad", "band": "dy_band", "block": "dy_block"}
 #: Tokens per program of the band planes' sum.
 BAND_SUM_TOKENS = 64
 
@@ -588,7 +600,7 @@ def _dy_plans(meta: LoRAMeta, d_out: int, sms: int):
     modes = {rp: _dy_mode(meta, rp, d_out, sms) for rp in meta.buckets}
     plans = {rp: _plan(meta, _DY_KINDS[m], rp, d_out, sms) for rp, m in modes.items()}
     shrink = {rp: _plan(meta, "dy_shrink", rp, d_out, sms) for rp, m in modes.items() if m == "split"}
-    atomic_ds = any(m == "fused" for m in modes.values()) or any(p[2] > 1 for p in shrink.values())
+    atomic_ds = any(p[2] > 1 for p in shrink.values())  # a dy shrink split over hidden tiles sums into dS
     return modes, plans, shrink, atomic_ds, any(p[1].split for p in plans.values())
 
 
@@ -631,19 +643,17 @@ def _launch_dy(k, dy, S, B, dS, dB, meta, rp, mode, plan, shrink_plan, ieee, the
         )
         if planes > 1:
             _launch_band_sum(k, P, dS, meta, rp, red, planes)
-    else:  # "band", or "fused": the band kernel adding its dS parts into dS
-        band = mode == "band"
-        P = _ds_planes(meta, blocks, dy.device) if band else dS
+    else:  # "band": the band kernel's dS parts in float32 planes, summed by a second launch
+        P = _ds_planes(meta, blocks, dy.device)
         _launch(
             k.dy_band_kernel, (sched.n, blocks),
             dy, S, B, P, dB, sched.seg, sched.lo, sched.hi,
             meta.token_starts, meta.rank_starts, meta.ranks, meta.s_offsets, meta.scales,
-            d_out, dy.stride(0), B.stride(0), dB.stride(0), P.stride(0) if band else 0,
+            d_out, dy.stride(0), B.stride(0), dB.stride(0), P.stride(0),
             BT=cfg.bt, BN=cfg.bh, RP=rp, ATOMIC=sched.split, EVEN_N=d_out % cfg.bh == 0, IEEE=ieee, TACC=cfg.tacc,
-            DS_ATOMIC=not band, num_warps=cfg.warps, num_stages=cfg.stages,
+            num_warps=cfg.warps, num_stages=cfg.stages,
         )
-        if band:
-            _launch_band_sum(k, P, dS, meta, rp, red, blocks)
+        _launch_band_sum(k, P, dS, meta, rp, red, blocks)
     if then:
         then()
 

@@ -13,9 +13,9 @@ What the run directory offers, and where each section reads it:
   hyperparameter, best against worst and base model.
 * ``jobs/<id>/metrics.jsonl`` / ``evals.jsonl``: learning curves; measured step times.
 * ``journal.sqlite`` (the engine's record of each job: slots, start, end, outcome), else the
-  recipe's ``summary.json``: the actual timeline. ``plan.json``: the planned one, when its jobs
-  carry predicted times (``predicted_start``/``predicted_end`` or ``start``/``end``) and
-  ``gpus``; the makespan's baselines and lower bound when the planner wrote them.
+  recipe's ``summary.json``: the actual timeline. ``plan.json`` (read as a
+  :class:`plora.planner.plan.Plan`): the planned one, when its jobs carry predicted times
+  and GPUs; the makespan's baselines and lower bound when the planner wrote them.
 * ``profile.json`` (a fitted cost model): predicted against measured step and job times.
 * the Optuna study (``study.sqlite`` or ``optuna.storage``): the optimization history.
 """
@@ -31,10 +31,14 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import yaml
+
+if TYPE_CHECKING:
+    from plora.costmodel import AdapterLoad
+    from plora.planner.plan import Job, Plan
 
 __all__ = [
     "Missing",
@@ -200,7 +204,7 @@ class RunData:
     spec: dict[str, Any]
     results: pd.DataFrame
     base: dict[str, float]
-    plan: dict[str, Any] | None
+    plan: Plan | None
     jobs: pd.DataFrame  # one row per job that ran: timeline and predictions
     steps: pd.DataFrame  # per job and packed step: time, adapters in the pack
     train_curves: pd.DataFrame  # adapter, adapter_step, loss
@@ -252,7 +256,7 @@ def load_run(run_dir: Path | str) -> RunData:
     with contextlib.suppress(Exception):
         results = pd.read_parquet(run_dir / "results.parquet")
     base = _read_json(run_dir / "base_metrics.json") or {}
-    plan = _read_json(run_dir / "plan.json")
+    plan = _read_plan(run_dir)
     profile = _read_json(run_dir / "profile.json")
     jobs_dir = run_dir / "jobs"
     job_dirs = sorted(p for p in jobs_dir.iterdir() if p.is_dir()) if jobs_dir.is_dir() else []
@@ -321,10 +325,19 @@ def latest_attempts(curves: pd.DataFrame) -> pd.DataFrame:
     return curves[keep].reset_index(drop=True)
 
 
-def _plan_jobs(plan: dict | None) -> dict[str, dict]:
-    if not plan:
-        return {}
-    return {str(j.get("job_id") or j.get("id")): j for j in plan.get("jobs", []) if isinstance(j, dict)}
+def _read_plan(run_dir: Path) -> Plan | None:
+    """The run's plan; None without one, or with one of another plora version (the
+    sections that need it say so)."""
+    from plora.planner.plan import Plan
+
+    try:
+        return Plan.of_run(run_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def _plan_jobs(plan: Plan | None) -> dict[str, Job]:
+    return {j.id: j for j in plan.jobs} if plan is not None else {}
 
 
 def _journal_jobs(run_dir: Path) -> list[dict] | None:
@@ -369,30 +382,32 @@ def _recipe_jobs(job_dirs: list[Path]) -> list[dict]:
     return rows
 
 
-def _job_timeline(run_dir: Path, job_dirs: list[Path], plan: dict | None, results: pd.DataFrame) -> pd.DataFrame:
+def _job_timeline(run_dir: Path, job_dirs: list[Path], plan: Plan | None, results: pd.DataFrame) -> pd.DataFrame:
     """One row per job run: actual start/end (seconds from the first start), its slots, and
     the plan's predictions where plan.json (or the journal) has them."""
     import time
 
     planned = _plan_jobs(plan)
+    batch_of = plan.batch_of() if plan is not None else {}
     runs = _journal_jobs(run_dir)
     source = "journal"
     if not runs:
         runs, source = _recipe_jobs(job_dirs), "recipe"
     rows = []
     for r in runs:
-        p = planned.get(r["job_id"], {})
-        pstart = p.get("predicted_start", p.get("start", r.get("predicted_start")))
-        pend = p.get("predicted_end", p.get("end", r.get("predicted_end")))
+        p = planned.get(r["job_id"])
+        pstart = p.start if p is not None and p.start is not None else r.get("predicted_start")
+        pend = p.end if p is not None and p.end is not None else r.get("predicted_end")
         end = r["end"] if r["end"] is not None else time.time()  # still running
         rows.append({
             "job_id": r["job_id"], "slots": r["slots"], "start": float(r["start"]), "end": float(end),
             "source": source, "status": r.get("status"), "returncode": r.get("returncode"),
-            "adapters": r.get("adapters") or len(p.get("adapters", [])), "tp": r.get("tp") or p.get("tp", 1),
-            "batch": p.get("batch"), "gpus": p.get("gpus") or r.get("gpus") or [],
+            "adapters": r.get("adapters") or (len(p.adapters) if p is not None else 0),
+            "tp": r.get("tp") or (p.tp if p is not None else 1),
+            "batch": batch_of.get(r["job_id"]), "gpus": (p.gpus if p is not None else []) or r.get("gpus") or [],
             "planned_start": float(pstart) if isinstance(pstart, (int, float)) else None,
             "planned_end": float(pend) if isinstance(pend, (int, float)) else None,
-            "predicted_step_time": p.get("step_time"),
+            "predicted_step_time": p.step_time if p is not None else None,
         })
     cols = ["job_id", "slots", "start", "end", "source", "status", "returncode", "adapters", "tp", "batch", "gpus",
             "planned_start", "planned_end", "predicted_step_time"]
@@ -666,12 +681,14 @@ def makespan_values(run: RunData) -> dict[str, float]:
     if not run.jobs.empty:
         out["measured (this run)"] = float(run.jobs["end"].max() - run.jobs["start"].min())
         out["measured jobs, one after another"] = float((run.jobs["end"] - run.jobs["start"]).sum())
-    plan = run.plan or {}
-    if isinstance(plan.get("makespan"), (int, float)):
-        out["planned (predicted)"] = float(plan["makespan"])
-    for name, v in (plan.get("baselines") or {}).items():
-        if isinstance(v, (int, float)) and math.isfinite(v):
-            out[f"baseline: {name} (predicted)"] = float(v)
+    plan = run.plan
+    if plan is None:
+        return out
+    if plan.makespan > 0:
+        out["planned (predicted)"] = plan.makespan
+    for name, v in plan.baselines.items():
+        if math.isfinite(v):
+            out[f"baseline: {name} (predicted)"] = v
     return out
 
 
@@ -688,13 +705,13 @@ def plot_makespan(run: RunData):
     ax.barh(names, [vals[n] for n in names], color=colors)
     for i, n in enumerate(names):
         ax.annotate(f"{vals[n]:.1f} s", (vals[n], i), va="center", fontsize=8, xytext=(3, 0), textcoords="offset points")
-    lb = (run.plan or {}).get("lower_bound")
-    if isinstance(lb, (int, float)) and lb > 0:
+    lb = run.plan.lower_bound if run.plan is not None else 0.0
+    if lb > 0:
         ax.axvline(lb, color="black", linestyle=":", label=f"lower bound {lb:.1f} s")
         ax.legend(fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
-    if not (run.plan or {}).get("baselines"):
+    if run.plan is None or not run.plan.baselines:
         ax.set_title("makespan (plan.json has no baselines; measured values only)", fontsize=10)
     else:
         ax.set_title("makespan against the baselines", fontsize=10)
@@ -723,16 +740,17 @@ def cost_model_points(run: RunData) -> pd.DataFrame:
     measured_step = measured_step_times(run)
     model = _cost_model(run)
     plan_jobs = _plan_jobs(run.plan)
+    planned_loads = {a.id: a for a in run.plan.adapters} if run.plan is not None else {}
     cfg = run.results.set_index("adapter_id") if not run.results.empty else pd.DataFrame()
     rows = []
     for _, r in run.jobs.iterrows():
-        pj = plan_jobs.get(r["job_id"], {})
+        pj = plan_jobs.get(r["job_id"])
         pred_step = r["predicted_step_time"] if isinstance(r["predicted_step_time"], (int, float)) else None
         pred_job = (r["planned_end"] - r["planned_start"]) if pd.notna(r["planned_end"]) and pd.notna(r["planned_start"]) else None
-        if model is not None and (pred_step is None or pred_job is None):
-            loads = _loads(pj, cfg)
+        if model is not None and pj is not None and (pred_step is None or pred_job is None):
+            loads = _loads(pj, planned_loads, cfg)
             if loads:
-                d = int(pj.get("tp", 1) or 1)
+                d = pj.tp
                 with contextlib.suppress(Exception):
                     pred_step = pred_step if pred_step is not None else model.step_time(loads, d)
                     pred_job = pred_job if pred_job is not None else model.job_time(loads, d)
@@ -753,15 +771,17 @@ def _cost_model(run: RunData):
         return None
 
 
-def _loads(plan_job: dict, cfg: pd.DataFrame) -> list:
+def _loads(plan_job: Job, planned: dict[str, AdapterLoad], cfg: pd.DataFrame) -> list[AdapterLoad]:
+    """The job's adapters as the plan priced them, else from the results table."""
     from plora.costmodel import AdapterLoad
 
     out = []
-    steps = plan_job.get("steps") or {}
-    for a in plan_job.get("adapters", []):
-        if a in cfg.index:
+    for a in plan_job.adapters:
+        if a in planned:
+            out.append(planned[a])
+        elif a in cfg.index:
             row = cfg.loc[a]
-            out.append(AdapterLoad(a, int(row["rank"]), int(row["batch_size"]), int(steps.get(a, row.get("steps") or 1))))
+            out.append(AdapterLoad(a, int(row["rank"]), int(row["batch_size"]), int(row.get("steps") or 1)))
     return out
 
 

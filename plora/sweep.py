@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -21,37 +21,8 @@ from plora.data_check import DataReport, check_data, data_config, eval_config
 from plora.jobconfig import JobAdapter, JobConfig, JobLora, JobModel, JobTraining
 from plora.spec import AdapterConfig, SweepSpec
 
-
-@dataclass
-class PlannedJob:
-    """One packed job: its adapters (with their step budgets) and where it runs."""
-
-    job_id: str
-    adapters: list[AdapterConfig]
-    steps: dict[str, int]
-    tp: int = 1
-    gpus: list[int] = field(default_factory=list)
-    predicted_start: float | None = None
-    predicted_end: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "job_id": self.job_id,
-            "adapters": [a.id for a in self.adapters],
-            "tp": self.tp,
-            "gpus": self.gpus,
-            "predicted_start": self.predicted_start,
-            "predicted_end": self.predicted_end,
-            "steps": self.steps,
-        }
-
-
-@dataclass
-class SweepPlan:
-    jobs: list[PlannedJob]
-    grouping: str  # how adapters were grouped into jobs, said to the user
-    details: dict[str, Any] = field(default_factory=dict)
-    planned: Any = None  # the planner's Plan (baselines, bound, solver), when a planner made it
+if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
+    from plora.planner.plan import Job, Plan
 
 
 def dataset_size(spec: SweepSpec) -> int:
@@ -65,8 +36,9 @@ def plan_jobs(
     steps: dict[str, int],
     cost_model: Any | None = None,
     hardware: Hardware | None = None,
-) -> SweepPlan:
-    """Group adapters into jobs with the DTM planner on the sweep's cost model.
+) -> Plan:
+    """Group adapters into jobs with the DTM planner on the sweep's cost model; the jobs
+    are named ``job-000``, ``job-001``, … in launch order.
 
     `hardware` defaults to this machine's; `cost_model` to what `cost_model_for` finds
     without probing (a profile from the cache, else the analytic prior).
@@ -81,26 +53,16 @@ def plan_jobs(
         source = cost_model.meta.get("plan_source", cost_model.name or "a given cost model")
     slots = hw.slots
     cost_model = within_node(cost_model, hw.max_tp)
-    by_id = {c.id: c for c in configs}
     loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
     plan = plan_sweep(
         loads, cost_model, slots, solver=spec.planner.solver, load_factor=spec.planner.memory_load_factor,
         max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
         time_limit_s=PLANNING_BUDGET_S,
     )
-    jobs = [
-        PlannedJob(f"job-{i:03d}", [by_id[a] for a in j.adapters], {a: steps[a] for a in j.adapters}, j.tp,
-                   list(j.gpus), j.start, j.end)
-        for i, j in enumerate(plan.jobs)
-    ]
-    details = plan.to_dict()
-    details.pop("jobs")
-    details["predicted_makespan_s"] = plan.makespan
-    details["cost_model_source"] = source
-    details["hardware"] = hw.describe()
     grouping = (f"planned ({plan.strategy}, {plan.objective} objective, solver {plan.solver}) for "
                 f"{hw.describe()} with {source}")
-    return SweepPlan(jobs, grouping, details, plan)
+    return replace(plan, jobs=[replace(j, id=f"job-{i:03d}") for i, j in enumerate(plan.jobs)], grouping=grouping,
+                   hardware=hw.describe(), cost_model_source=source)
 
 
 @dataclass(frozen=True)
@@ -233,15 +195,17 @@ def model_targets(spec: SweepSpec) -> list[str]:
     return resolve_targets(spec.lora.targets, family)
 
 
-def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bool) -> JobConfig:
+def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
+               run_dir: Path, *, eval_base: bool) -> JobConfig:
     """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
-    settings with the sweep's decisions made (step budgets, warm-ups, resolved targets)."""
+    settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
+    in its order): step budgets, warm-ups, resolved targets."""
     t = spec.training
     return JobConfig(
-        job_id=job.job_id,
+        job_id=job.id,
         tp=job.tp,
         output_dir=run_dir,
-        job_dir=run_dir / "jobs" / job.job_id,
+        job_dir=run_dir / "jobs" / job.id,
         seed=spec.space.seed,
         device=spec.hardware.device,
         num_threads=1 if spec.hardware.device == "cpu" else None,
@@ -249,8 +213,8 @@ def job_config(spec: SweepSpec, job: PlannedJob, run_dir: Path, *, eval_base: bo
                        max_seq_len=spec.model.max_seq_len, random_init=spec.model.random_init),
         data=data_config(spec),
         lora=JobLora(targets=model_targets(spec), dropout=spec.lora.dropout),
-        adapters=[JobAdapter(**a.to_dict(), steps=job.steps[a.id], warmup_steps=t.warmup_for(job.steps[a.id]))
-                  for a in job.adapters],
+        adapters=[JobAdapter(**a.to_dict(), steps=steps[a.id], warmup_steps=t.warmup_for(steps[a.id]))
+                  for a in adapters],
         training=JobTraining(
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
             divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
@@ -268,7 +232,7 @@ class PreparedSweep:
     run_dir: Path
     configs: list[AdapterConfig]
     steps: dict[str, int]
-    plan: SweepPlan
+    plan: Plan
     cost_model: Any = None
     hardware: Hardware | None = None
     data: DataReport | None = None  # rows checked, cut or dropped (notes for the user)
@@ -302,13 +266,12 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
 
 
 def write_plan(prep: PreparedSweep) -> Path:
-    """plan.json: the planner's plan (jobs with TP, GPUs, predicted start/end; baselines;
-    lower bound; solver), with each job's predicted times also under the engine's names."""
+    """plan.json: the plan (jobs with TP, GPUs, predicted start and end; baselines; lower
+    bound; solver), as `plora.planner.plan.Plan` writes and reads it."""
+    from plora.planner.plan import PLAN_FILE
+
     prep.run_dir.mkdir(parents=True, exist_ok=True)
-    plan = {"grouping": prep.plan.grouping, **prep.plan.details, "jobs": [j.to_dict() for j in prep.plan.jobs]}
-    path = prep.run_dir / "plan.json"
-    path.write_text(json.dumps(plan, indent=2))
-    return path
+    return prep.plan.save(prep.run_dir / PLAN_FILE)
 
 
 def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
@@ -340,17 +303,20 @@ def run_prepared(
     on_snapshot: Callable[[Any], None] | None = None,
     slots: list[str] | None = None,
     max_retries: int = 2,
+    replan: bool = True,
 ) -> pd.DataFrame:
     """Run every adapter that has no result yet through the engine, then collect the table.
 
     On an existing run directory this resumes: finished adapters are kept, the rest are
     re-queued in their planned jobs. `on_tick(running, finished)` gets the job processes
     (e.g. to watch their files); `on_snapshot` gets the engine's state for a live view.
+    With `replan` (and a cost model), jobs not started yet are planned again when finished
+    jobs' times drift from the plan's predictions (jobs without predictions never drift).
     """
     from plora.engine.backends import backend_for
     from plora.engine.journal import Journal
     from plora.engine.local import default_slots
-    from plora.engine.runner import Drift, Engine, QueuedJob
+    from plora.engine.runner import Drift, Engine
 
     if slots is None:
         slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
@@ -361,14 +327,14 @@ def run_prepared(
         write_unmeasured_base_metrics(prep)  # no job evaluates the base model on nothing
     journal = Journal(prep.run_dir / "journal.sqlite")
     journal.add_adapters(by_id)
-    first_job = prep.plan.jobs[0].job_id if prep.plan.jobs else None
+    first_job = prep.plan.jobs[0].id if prep.plan.jobs else None
 
-    def write_job(job: QueuedJob) -> Path:
-        job_dir = prep.run_dir / "jobs" / job.job_id
+    def write_job(job: Job) -> Path:
+        job_dir = prep.run_dir / "jobs" / job.id
         job_dir.mkdir(parents=True, exist_ok=True)
-        planned = PlannedJob(job.job_id, [by_id[a] for a in job.adapters], {a: prep.steps[a] for a in job.adapters}, job.tp)
-        eval_base = job.job_id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
-        job_config(prep.spec, planned, prep.run_dir, eval_base=eval_base).write(job_dir / "job.yaml")
+        eval_base = job.id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
+        job_config(prep.spec, job, [by_id[a] for a in job.adapters], prep.steps, prep.run_dir,
+                   eval_base=eval_base).write(job_dir / "job.yaml")
         return job_dir
 
     def tick(snapshot) -> None:
@@ -377,7 +343,7 @@ def run_prepared(
         if on_tick is not None:
             on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
 
-    def replan(adapters: list[str], drift: Drift, now: float, free: int) -> list[QueuedJob]:
+    def replan_waiting(adapters: list[str], drift: Drift, now: float, free: int) -> list[Job]:
         from plora.costmodel import AdapterLoad
         from plora.planner import plan_sweep
 
@@ -389,22 +355,18 @@ def run_prepared(
                           max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
                           time_limit_s=30)
         prefix = f"r{engine.replans + 1}-"
-        return [QueuedJob(f"{prefix}job-{i:03d}", list(j.adapters), j.tp, predicted_start=now + j.start,
-                          predicted_end=now + j.end, gpus=list(j.gpus)) for i, j in enumerate(plan.jobs)]
+        return [replace(j, id=f"{prefix}job-{i:03d}", start=now + j.start, end=now + j.end)
+                for i, j in enumerate(plan.jobs)]
 
     engine = Engine(
         prep.run_dir, journal, slots, write_job,
-        max_retries=max_retries, predicted_makespan_s=prep.plan.details.get("predicted_makespan_s"), on_tick=tick,
-        replan=replan if prep.cost_model is not None and prep.plan.planned is not None else None,
+        max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
+        replan=replan_waiting if replan and prep.cost_model is not None else None,
         launcher=backend.launcher,
     )
     try:
         engine.reconcile()
-        engine.submit([
-            QueuedJob(j.job_id, [a.id for a in j.adapters], j.tp,
-                      predicted_start=j.predicted_start, predicted_end=j.predicted_end, gpus=list(j.gpus))
-            for j in prep.plan.jobs
-        ])
+        engine.submit(prep.plan.jobs)
         engine.run()
     finally:
         journal.close()
@@ -451,7 +413,7 @@ def result_columns(spec: SweepSpec) -> list[str]:
 def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per adapter from adapters/<id>/metrics.json; adapters with none are `failed`."""
     crashed_jobs = crashed_jobs or {}
-    job_of = {a.id: j.job_id for j in prep.plan.jobs for a in j.adapters}
+    job_of = prep.plan.job_of()
     rows = []
     for c in prep.configs:
         path = prep.run_dir / "adapters" / c.id / "metrics.json"

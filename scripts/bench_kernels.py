@@ -136,7 +136,6 @@ SWEEP = {
               (64, 256, 8, 4, 2, _hf), (64, 256, 8, 3, 2, _hf), (64, 128, 4, 3, 2, _hf), (64, 128, 4, 3, 1, _hf),
               (64, 64, 4, 4, 1, _hf), (32, 64, 4, 4, 1, _hf), (128, 128, 8, 3, 2, _hf), (64, 512, 8, 3, 2, _hf),
               (32, 256, 8, 3, 1, _hf), (64, 128, 8, 3, 2, _hf), (128, 128, 8, 4, 2, _hf), (64, 64, 4, 4, 2, _hf)],
-    "dy_fused": [(64, 512, 8, 3, 2), (64, 256, 8, 3, 2)],
     "dy_band": [(64, 512, 8, 2, 1, _ta), (64, 512, 8, 2, 2, _ta), (64, 512, 8, 2, 4, _ta), (64, 512, 4, 3, 1, _ta),
                 (64, 512, 4, 3, 2, _ta), (64, 512, 4, 3, 4, _ta), (64, 256, 4, 4, 1, _ta), (64, 256, 4, 4, 4, _ta),
                 (64, 512, 8, 3, 1), (64, 256, 4, 3, 1), (128, 256, 8, 2, 1, _ta),
@@ -275,7 +274,7 @@ def run_stage(kind: str, p: Problem, out: dict | None = None):
         db = T.wgrad_stage(p.S, p.dy, p.meta, p.B)
         if out is not None:
             out["dB"] = db
-    elif kind in ("dy_fused", "dy_pair", "dy_split", "dy_band", "dy_block"):
+    elif kind in ("dy_pair", "dy_split", "dy_band", "dy_block"):
         with T.tile_overrides(dy_mode=kind[3:]):
             ds, db = T.dy_stage(p.dy, p.S, p.B, p.meta)
         if out is not None:
@@ -324,7 +323,7 @@ def _warm_op(meta, d_in: int, d_out: int) -> None:
     x, y, dy, dx, A, B = z(1, d_in), z(1, d_out), z(1, d_out), z(1, d_in), z(r, d_in), z(r, d_out)
     S = T.shrink_stage(x, A, meta)
     T.expand_stage(S, B, meta, y)
-    for mode in ("split", "fused", "pair"):
+    for mode in ("split", "pair"):
         with T.tile_overrides(dy_mode=mode):
             dS, _ = T.dy_stage(dy, S, B, meta)
         T.x_stage(dS, x, A, meta, dx)
@@ -540,7 +539,7 @@ def check_bf16(log) -> list[dict]:
     rows = []
     cases = CHECK_CASES
     for tokens, ranks, d_in, d_out in cases:
-        for mode in ("split", "fused", "pair", "block", None):  # None: the committed modes
+        for mode in ("split", "pair", "block", None):  # None: the committed modes
             g = torch.Generator(device=DEVICE).manual_seed(len(tokens) * 7 + d_in)
             t, r = sum(tokens), sum(ranks)
 
@@ -626,7 +625,7 @@ def sweep(jobs: int, log, out: Path) -> dict:
                         torch.cuda.synchronize()
                     row["err"] = max(rel_err(got[n], want[n]) for n in want)
                     row["ms"] = t_graph(lambda: run_stage(kind, p), rep=10)
-                    row["floor_passes"] = {"shrink": 1, "expand": 2, "wgrad": 1, "dy_fused": 1, "dy_pair": 1, "dy_band": 1,
+                    row["floor_passes"] = {"shrink": 1, "expand": 2, "wgrad": 1, "dy_pair": 1, "dy_band": 1,
                                           "dy_block": 1}[kind]
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"
@@ -682,7 +681,7 @@ def pick_tiles(rows: list[dict], log) -> dict:
                 c, small_pick = min(big, key=big.get), best.get((kind, rp))
                 if small_pick not in big or big[c] < 0.98 * big[small_pick]:
                     best_large[(kind, rp)] = c
-    # dy side per bucket and size class, on the swept shapes: one launch (pair, fused,
+    # dy side per bucket and size class, on the swept shapes: one launch (pair, block,
     # band) or shrink + wgrad
     dy_mode: dict = {}
     dy_mode_large: dict = {}
@@ -694,8 +693,7 @@ def pick_tiles(rows: list[dict], log) -> dict:
             return v[0] if v else math.inf
 
         def worst_modes(shapes: list) -> dict:
-            t = {"fused": [tbest("dy_fused", s) for s in shapes],
-                 "pair": [tbest("dy_pair", s) for s in shapes],
+            t = {"pair": [tbest("dy_pair", s) for s in shapes],
                  "block": [tbest("dy_block", s) for s in shapes],
                  "split": [tbest("shrink", s) + tbest("wgrad", s) for s in shapes]}
             if rp <= T.BAND_MAX_RANK:  # past it a "band" bucket runs "pair"
@@ -785,7 +783,6 @@ def diagnose(log, i: int) -> None:
         ("shrink x", lambda: T.shrink_stage(p.x, p.A, p.meta)),
         ("expand y", lambda: T.expand_stage(p.S, p.B, p.meta, p.y)),
         ("dy split", lambda: run_stage("dy_split", p)),
-        ("dy fused", lambda: run_stage("dy_fused", p)),
         ("dy pair", lambda: run_stage("dy_pair", p)),
         ("dA", lambda: T.wgrad_stage(p.dS, p.x, p.meta, p.A)),
         ("dx", lambda: T.expand_stage(p.dS, p.A, p.meta, p.dx)),

@@ -118,6 +118,7 @@ def run_plora(args, variant: str, data_dir: Path) -> dict:
     import yaml
 
     from plora.jobcost import measured_makespan
+    from plora.planner.plan import Plan
     from plora.spec import load_spec
 
     path = args.out / f"{variant}.yaml"
@@ -135,9 +136,9 @@ def run_plora(args, variant: str, data_dir: Path) -> dict:
     wall = time.time() - t0
     spec = load_spec(path)
     run_dir = spec.run_dir(None)
-    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").is_file() else {}
+    plan = Plan.of_run(run_dir)
     span = measured_makespan(run_dir)
-    predicted = plan.get("predicted_makespan_s")
+    predicted = plan.makespan if plan is not None else None
     tokens, rows = real_tokens(spec)
     configs = 4 * len(args.ranks)
     status = {}
@@ -152,7 +153,7 @@ def run_plora(args, variant: str, data_dir: Path) -> dict:
     return {"variant": variant, "exit_code": proc.returncode, "profile_s": profile_s, "wall_s": wall,
             "makespan_s": span, "predicted_makespan_s": predicted,
             "measured_over_predicted": span / predicted if span and predicted else None,
-            "jobs": len(plan.get("jobs", [])), "adapters": status, "oom_jobs": ooms,
+            "jobs": len(plan.jobs) if plan is not None else 0, "adapters": status, "oom_jobs": ooms,
             "real_tokens": tokens * configs, "rows": rows,
             "real_tokens_per_s": tokens * configs / span if span else None}
 

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from conftest import inject_fault
 from plora.engine.journal import Journal
+from plora.planner.plan import Job, Plan
 from plora.spec import load_spec
-from plora.sweep import PlannedJob, SweepPlan, prepare, run_prepared, write_run_files
+from plora.sweep import prepare, run_prepared, write_run_files
 
 CONFIGS = [
     {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
@@ -39,8 +40,7 @@ def prepared(tmp_path: Path, every_steps: int = 5):
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump(data))
     prep = prepare(load_spec(path))
-    job = PlannedJob("job-000", list(prep.configs), dict(prep.steps))
-    prep.plan = SweepPlan([job], "one job for the test")
+    prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")
     write_run_files(prep)
     return prep
 
@@ -134,10 +134,11 @@ def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
 
     prep = prepared(tmp_path, every_steps=1000)  # no periodic checkpoint before the signal
     prep.spec.training.steps = 400
-    job = PlannedJob("job-000", list(prep.configs), {c.id: 400 for c in prep.configs})
+    job = Job("job-000", [c.id for c in prep.configs])
     job_dir = prep.run_dir / "jobs" / "job-000"
     job_dir.mkdir(parents=True, exist_ok=True)
-    job_config(prep.spec, job, prep.run_dir, eval_base=False).write(job_dir / "job.yaml")
+    job_config(prep.spec, job, prep.configs, {c.id: 400 for c in prep.configs}, prep.run_dir,
+               eval_base=False).write(job_dir / "job.yaml")
     proc = launch("job-000", job_dir, "cpu:0", extra_env={"PLORA_ATTEMPT": "1"})
     deadline = time.time() + 120
     while time.time() < deadline and proc.proc.poll() is None:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import inject_fault
 from plora.cli import app
+from plora.planner.plan import Plan
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
@@ -91,12 +92,13 @@ def test_plan_paper_space_writes_plan_json(tmp_path):
     space = REPO / "sweeps" / "paper-qwen2.5-7b.yaml"
     result = runner.invoke(app, ["plan", str(space), "-o", str(tmp_path / "plan")], terminal_width=200)
     assert result.exit_code == 0, result.output
-    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    jobs = plan["jobs"]
-    assert sorted(a for j in jobs for a in j["adapters"]) == sorted({a for j in jobs for a in j["adapters"]})
-    assert len({a for j in jobs for a in j["adapters"]}) == 120
-    assert plan["makespan"] <= plan["baselines"]["min_gpu"] and plan["bound_ratio"] <= 1.10
-    assert all(j["tp"] in (1, 2, 4, 8) and len(j["gpus"]) == j["tp"] for j in jobs)
+    plan = Plan.load(tmp_path / "plan" / "plan.json")
+    jobs = plan.jobs
+    assert sorted(a for j in jobs for a in j.adapters) == sorted({a for j in jobs for a in j.adapters})
+    assert len({a for j in jobs for a in j.adapters}) == 120
+    assert plan.makespan <= plan.baselines["min_gpu"] and plan.bound_ratio <= 1.10
+    assert all(j.tp in (1, 2, 4, 8) and len(j.gpus) == j.tp for j in jobs)
+    assert all(j.start is not None and j.end is not None and j.step_time for j in jobs)
     assert "Max GPU" in result.output and "lower bound" in result.output
 
 

@@ -16,8 +16,9 @@ import yaml
 
 from conftest import inject_fault
 from plora.engine.journal import Journal
+from plora.planner.plan import Job, Plan
 from plora.spec import load_spec
-from plora.sweep import PlannedJob, SweepPlan, prepare, run_prepared, write_run_files
+from plora.sweep import prepare, run_prepared, write_run_files
 
 
 def space(tmp_path: Path, steps: list[int] | None = None, per_job: int = 3, name: str = "e") -> Path:
@@ -48,9 +49,8 @@ def prepared(tmp_path: Path, groups=((0, 1, 2), (3,))):
     """The sweep with a fixed grouping (job-000: adapters 0-2, job-001: adapter 3): these
     tests are about the engine, not about the planner's choices."""
     prep = prepare(load_spec(space(tmp_path)))
-    jobs = [PlannedJob(f"job-{j:03d}", [prep.configs[i] for i in g], {prep.configs[i].id: prep.steps[prep.configs[i].id] for i in g})
-            for j, g in enumerate(groups)]
-    prep.plan = SweepPlan(jobs, "fixed for the test")
+    jobs = [Job(f"job-{j:03d}", [prep.configs[i].id for i in g]) for j, g in enumerate(groups)]
+    prep.plan = Plan(jobs, grouping="fixed for the test")
     write_run_files(prep)
     return prep
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from plora.engine.journal import Journal
 from plora.engine.local import JobProcess
-from plora.engine.runner import MAX_LOST, Engine, QueuedJob
+from plora.engine.runner import MAX_LOST, Engine
+from plora.planner.plan import Job
 
 
 class FakeTask:
@@ -49,8 +50,8 @@ def run_engine(tmp_path: Path, lose_attempts: int, max_retries: int = 0):
     journal.add_adapters(["a", "b"])
     launches = []
 
-    def write_job(job: QueuedJob) -> Path:
-        d = run / "jobs" / job.job_id
+    def write_job(job: Job) -> Path:
+        d = run / "jobs" / job.id
         d.mkdir(exist_ok=True)
         return d
 
@@ -61,7 +62,7 @@ def run_engine(tmp_path: Path, lose_attempts: int, max_retries: int = 0):
         return JobProcess(job_id, job_dir, slot, task, time.time())
 
     engine = Engine(run, journal, ["ray:0"], write_job, max_retries=max_retries, poll_s=0.001, launcher=launcher)
-    engine.submit([QueuedJob("job-000", ["a", "b"])])
+    engine.submit([Job("job-000", ["a", "b"])])
     engine.run()
     return journal, launches
 

@@ -19,13 +19,13 @@ from plora.jobconfig import JobConfig
 
 def _sweep_job(tmp_path, **training):
     from plora.spec import AdapterConfig, parse_spec
-    from plora.sweep import PlannedJob
+    from plora.planner.plan import Job
     from plora.sweep import job_config as sweep_job_config
 
     spec = parse_spec({"name": "j", "hardware": {"device": "cpu"}, "training": {"steps": 30, **training}})
     adapters = [AdapterConfig.make(4, 8.0, 1e-3, 2, 0), AdapterConfig.make(8, 16.0, 3e-3, 4, 1)]
-    job = PlannedJob("job-000", adapters, {a.id: 30 for a in adapters})
-    return spec, sweep_job_config(spec, job, tmp_path, eval_base=True)
+    job = Job("job-000", [a.id for a in adapters])
+    return spec, sweep_job_config(spec, job, adapters, {a.id: 30 for a in adapters}, tmp_path, eval_base=True)
 
 
 def test_the_sweeps_job_config_round_trips_through_job_yaml(tmp_path):

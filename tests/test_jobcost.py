@@ -209,7 +209,7 @@ def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
     prep = prepare(spec)
     assert prep.cost_model.eval_load is not None and prep.cost_model.eval_load.max_new_tokens == 8
     write_run_files(prep)
-    predicted = prep.plan.details["predicted_makespan_s"]
+    predicted = prep.plan.makespan
     frame = run_prepared(prep)
     assert set(frame.status) == {"done"}
     measured = measured_makespan(prep.run_dir)

@@ -25,7 +25,6 @@ SMALL_TILES = {
     "shrink": {"bt": 16, "bh": 32},
     "expand": {"bt": 16, "bh": 16, "max_chunk": 32},
     "wgrad": {"bt": 16, "bh": 32, "max_chunk": 16},
-    "dy_fused": {"bt": 16, "bh": 16, "max_chunk": 16},
     "dy_pair": {"bt": 16, "bh": 32, "bt2": 16, "bh2": 16, "max_chunk": 16},
     "dy_band": {"bt": 16, "bh": 16, "max_chunk": 16, "waves": 0},
     "dy_block": {"bt": 16, "bh": 16, "bt2": 16, "bh2": 16, "block": 48, "max_chunk": 16},
@@ -140,7 +139,6 @@ SEPARATE, MERGED = 0, None
         (F32, None, "pair", SEPARATE),
         (F16, None, "pair", SEPARATE),
         (F16, None, "split", SEPARATE),
-        (F32, SMALL_TILES, "fused", SEPARATE),
         (F32, SMALL_TILES, "split", SEPARATE),
         (F16, SMALL_TILES, "pair", SEPARATE),
         (F32, PIPELINED_TILES, "pair", SEPARATE),
@@ -324,7 +322,7 @@ def test_small_rank_buckets_merge_upwards():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "dy_mode,streams,merge",
-    [("split", True, SEPARATE), ("fused", True, SEPARATE), ("pair", True, SEPARATE), ("pair", False, SEPARATE),
+    [("split", True, SEPARATE), ("pair", True, SEPARATE), ("pair", False, SEPARATE),
      ("band", True, SEPARATE), (None, True, SEPARATE), ("split", True, MERGED), (None, True, MERGED),
      ("split", False, MERGED), ("block", True, SEPARATE), ("large", True, SEPARATE)],
 )

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from plora.cli import app
+from plora.planner.plan import Plan
 from plora.spec import ASSETS_DIR, AdapterConfig, parse_spec
 from plora.tuning import base as tbase
 from plora.tuning import loop as tloop
@@ -173,6 +174,10 @@ def test_tpe_tune_second_batch_depends_on_first(tmp_path, demo_model):
         assert (Path(a["checkpoint_path"]) / "adapter_model.safetensors").is_file()
         assert t.value == pytest.approx(frame.loc[a["adapter_id"], "eval_loss"])
     assert len(frame) == len({t.user_attrs["adapter_id"] for t in trials})
+    plan = Plan.load(run / "plan.json")  # every batch's jobs, each batch with its own predictions
+    assert {plan.batch_of()[j.id] for j in plan.jobs} == {1, 2} and {b["batch"] for b in plan.batches} == {1, 2}
+    assert all(b["makespan"] > 0 for b in plan.batches) and len(plan.adapters) == len(frame)
+    assert all(plan.job_of()[a] == frame.loc[a, "job_id"] for a in frame.index)
 
     # batch 2 came from the model fitted on batch 1: replaying batch 1 with its real values
     # proposes exactly batch 2, and with the values reversed proposes something else

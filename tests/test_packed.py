@@ -181,12 +181,12 @@ def test_job_warmup_is_the_space_files_warmup(tmp_path):
     step count (one rounding, in one place): the sweep writes it into each adapter's job
     config, and the job trains with it."""
     from plora.spec import AdapterConfig, parse_spec
-    from plora.sweep import PlannedJob
+    from plora.planner.plan import Job
     from plora.sweep import job_config as sweep_job_config
 
     spec = parse_spec({"name": "w", "training": {"warmup_ratio": 0.1}, "hardware": {"device": "cpu"}})
     a, b = AdapterConfig.make(4, 8.0, 1e-3, 2, 0), AdapterConfig.make(4, 8.0, 1e-3, 4, 0)
-    cfg = sweep_job_config(spec, PlannedJob("job-000", [a, b], {a.id: 55, b.id: 7}), tmp_path, eval_base=False)
+    cfg = sweep_job_config(spec, Job("job-000", [a.id, b.id]), [a, b], {a.id: 55, b.id: 7}, tmp_path, eval_base=False)
     want = [spec.training.warmup_for(55), spec.training.warmup_for(7)]
     assert [x.warmup_steps for x in cfg.adapters] == want == [6, 1]
     recipe = PackedLoRARecipe(cfg.to_dict())

@@ -253,6 +253,20 @@ def test_plan_json_round_trip(tmp_path):
     assert json.loads(path.read_text())["jobs"][0]["adapters"]
 
 
+def test_a_plan_no_planner_made_round_trips_and_old_files_are_refused(tmp_path):
+    """Jobs without predictions (fixed by hand, split by the engine) and a tune's batches
+    read back as written; a plan.json of another version is refused in one line."""
+    plan = Plan([Job("b01-job-000", ["a", "b"]), Job("b02-job-000", ["c"], tp=2, gpus=[0, 1])], grouping="by hand",
+                batches=[{"batch": 1, "jobs": ["b01-job-000"]}, {"batch": 2, "jobs": ["b02-job-000"]}])
+    back = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert back == plan and back.jobs[0].start is None and back.jobs[0].predicted_seconds is None
+    assert back.batch_of() == {"b01-job-000": 1, "b02-job-000": 2} and back.job_of()["c"] == "b02-job-000"
+    assert Plan.of_run(tmp_path) == plan and Plan.of_run(tmp_path / "nowhere") is None
+    (tmp_path / "plan.json").write_text(json.dumps({"jobs": [{"job_id": "job-000", "adapters": ["a"]}]}))
+    with pytest.raises(ValueError, match="plan.json: not a plan of this plora version"):
+        Plan.load(tmp_path / "plan.json")
+
+
 def test_simulate_reports_violations():
     cm = random_model(np.random.default_rng(0), degrees=(1, 2))
     a, b = AdapterLoad("a", 8, 1, 10), AdapterLoad("b", 8, 1, 10)

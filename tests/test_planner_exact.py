@@ -272,7 +272,7 @@ def test_engine_starts_planned_jobs_when_the_simulator_does(tmp_path, monkeypatc
     from plora.engine import runner
     from plora.engine.journal import Journal
     from plora.engine.local import JobProcess
-    from plora.engine.runner import Engine, QueuedJob
+    from plora.engine.runner import Engine
 
     checked = 0
     for seed in range(4):
@@ -305,8 +305,8 @@ def test_engine_starts_planned_jobs_when_the_simulator_does(tmp_path, monkeypatc
         journal = Journal(run / "journal.sqlite")
         journal.add_adapters([a.id for a in inst.loads])
         engine = Engine(run, journal, [f"cuda:{g}" for g in range(inst.gpus)],
-                        lambda job: (run / "jobs" / job.job_id).mkdir(parents=True, exist_ok=True) or run / "jobs" / job.job_id)
-        engine.submit([QueuedJob(j.id, list(j.adapters), j.tp, gpus=list(j.gpus)) for j in plan.jobs])
+                        lambda job: (run / "jobs" / job.id).mkdir(parents=True, exist_ok=True) or run / "jobs" / job.id)
+        engine.submit(plan.jobs)
         while engine.queue or engine.running:
             engine._launch_ready()
             ends = [rj.proc.proc.end for rj in engine.running.values()]

@@ -17,8 +17,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from plora.engine.journal import Journal  # noqa: E402
+from plora.planner.plan import Job, Plan  # noqa: E402
 from plora.spec import load_spec  # noqa: E402
-from plora.sweep import PlannedJob, SweepPlan, prepare, run_prepared, write_run_files  # noqa: E402
+from plora.sweep import prepare, run_prepared, write_run_files  # noqa: E402
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
 #: notice a dead node within seconds, not Ray's default half a minute
@@ -65,9 +66,8 @@ def space(tmp_path: Path, name: str, backend: dict | None, steps: int = 12, num_
 
 def two_jobs(path: Path):
     prep = prepare(load_spec(path))
-    jobs = [PlannedJob(f"job-{j:03d}", prep.configs[2 * j: 2 * j + 2], {c.id: prep.steps[c.id] for c in prep.configs[2 * j: 2 * j + 2]})
-            for j in range(2)]
-    prep.plan = SweepPlan(jobs, "fixed for the test")
+    jobs = [Job(f"job-{j:03d}", [c.id for c in prep.configs[2 * j: 2 * j + 2]]) for j in range(2)]
+    prep.plan = Plan(jobs, grouping="fixed for the test")
     write_run_files(prep)
     return prep
 

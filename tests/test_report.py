@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from plora import report as R
 from plora.cli import app
+from plora.planner.plan import Plan
 from plora.spec import ASSETS_DIR, parse_spec
 
 runner = CliRunner()
@@ -93,7 +95,7 @@ def test_notebook_is_shipped_in_the_package():
 def test_sections_from_a_run(demo_run):
     run = R.load_run(demo_run)
     assert run.objective == "exact_match" and not run.minimize
-    planned = {j["job_id"] for j in json.loads((demo_run / "plan.json").read_text())["jobs"]}
+    planned = {j.id for j in Plan.load(demo_run / "plan.json").jobs}
     assert set(run.jobs["job_id"]) == planned and (run.jobs["source"] == "journal").all()
     assert all(lanes[0].startswith("cpu:") for lanes in run.jobs["lanes"])  # the slots the engine used
     assert len(run.eval_curves) == 3 * 3  # steps 2, 4, 6 of 3 adapters
@@ -108,11 +110,9 @@ def test_sections_from_a_run(demo_run):
 def test_plan_predictions_and_profile_are_plotted(demo_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(demo_run, run_dir)
-    plan = json.loads((run_dir / "plan.json").read_text())
-    for i, job in enumerate(plan["jobs"]):  # what the planner adds to plan.json
-        job.update(predicted_start=0.0, predicted_end=5.0 + i, gpus=[i])
-    plan.update(makespan=6.0, lower_bound=4.0, baselines={"min_gpu": 9.0, "sequential": 11.0})
-    (run_dir / "plan.json").write_text(json.dumps(plan))
+    plan = Plan.load(run_dir / "plan.json")
+    replace(plan, jobs=[replace(j, start=0.0, end=5.0 + i, gpus=[i]) for i, j in enumerate(plan.jobs)], makespan=6.0,
+            lower_bound=4.0, baselines={"min_gpu": 9.0, "sequential": 11.0}).save(run_dir / "plan.json")
     model = {"gpu_memory_bytes": 8e9, "seq_len": 48,
              "time": {"1": {"c0": 0.01, "c_tok": 2e-5, "c_rtok": 1e-6, "c_ad": 1e-3}},
              "memory": {"1": {"base": 1e8, "adapter": 1e5, "rank": 1e4, "tok": 1e3, "rank_tok": 10.0}}}
@@ -152,7 +152,7 @@ def test_sweep_is_an_optuna_study(demo_run):
     spec = parse_spec(yaml.safe_load((demo_run / "spec.yaml").read_text()))
     study = optuna.load_study(study_name="demo", storage=f"sqlite:///{demo_run / 'study.sqlite'}")
     trials = study.get_trials()
-    planned = {j["job_id"] for j in json.loads((demo_run / "plan.json").read_text())["jobs"]}
+    planned = {j.id for j in Plan.load(demo_run / "plan.json").jobs}
     assert len(trials) == 3 and {t.state for t in trials} == {TrialState.COMPLETE}
     assert study.direction == optuna.study.StudyDirection.MAXIMIZE  # exact match
     for t in trials:

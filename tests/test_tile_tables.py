@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from plora.kernels import tile_tables, triton_ops
 
 
@@ -37,3 +39,16 @@ def test_a_gpu_with_its_own_file_takes_it(tmp_path, monkeypatch):
         monkeypatch.undo()
         triton_ops.use_tables()
     assert triton_ops._LOADED[0].name == "default.json"
+
+
+def test_a_table_naming_a_dy_mode_the_kernels_lack_is_refused(tmp_path, monkeypatch):
+    """("fused", an atomic dS mode that no sweep chose, is gone): an old table that names
+    it fails when loaded, not in the middle of a backward."""
+    (tmp_path / "default.json").write_text(json.dumps({"dy_mode": {"16": "fused"}}))
+    monkeypatch.setattr(tile_tables, "TILES_DIR", tmp_path)
+    with pytest.raises(ValueError, match="dy mode 'fused' is not one of pair, split, band, block"):
+        triton_ops.use_tables()
+    monkeypatch.undo()
+    assert triton_ops.use_tables().name == "default.json"
+    with pytest.raises(ValueError, match="tile_overrides: dy mode 'fused'"), triton_ops.tile_overrides(dy_mode="fused"):
+        pass

@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for its type only: plora.jobcost, under the planner's cost model, reads the journal
+    from plora.planner.plan import Job
 
 FINAL_ADAPTER = ("done", "diverged", "pruned", "failed")
 SCHEMA = """
@@ -39,6 +43,10 @@ CREATE TABLE IF NOT EXISTS events (
 
 @dataclass
 class JobRow:
+    """One job's run as the journal recorded it: a job as submitted (adapters, TP, its
+    predicted start and end) and the state of its latest attempt. ``gpus`` are the GPUs
+    it was planned on until it starts, then the ones it ran on."""
+
     id: str
     status: str
     adapters: list[str]
@@ -86,14 +94,13 @@ class Journal:
         return [dict(zip(("id", "status", "job_id", "trained_by", "attempts"), row)) for row in cur]
 
     # --------------------------------------------------------------------- jobs
-    def add_job(self, job_id: str, adapters: Sequence[str], tp: int, *, parent: str | None = None,
-                predicted_start: float | None = None, predicted_end: float | None = None,
-                gpus: Sequence[int] | None = None) -> None:
+    def add_job(self, job: Job, *, parent: str | None = None) -> None:
+        """Record a queued job (again, for a retry: its run state starts over)."""
         self.db.execute(
             "INSERT OR REPLACE INTO jobs (id, status, adapters, tp, gpus, parent, predicted_start, predicted_end, updated) "
             "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
-            (job_id, json.dumps(list(adapters)), tp, json.dumps(list(gpus or [])), parent, predicted_start,
-             predicted_end, time.time()),
+            (job.id, json.dumps(list(job.adapters)), job.tp, json.dumps(list(job.gpus)), parent, job.start,
+             job.end, time.time()),
         )
 
     def update_job(self, job_id: str, **fields) -> None:

@@ -27,11 +27,12 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
+from plora.planner.plan import Job
 
 EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
 EXIT_UNFIXABLE = 4  # plora.recipes.packed_lora.EXIT_UNFIXABLE: a model, data or config error
@@ -42,21 +43,20 @@ MAX_LOST = 5
 
 
 @dataclass
-class QueuedJob:
-    job_id: str
-    adapters: list[str]
-    tp: int = 1
+class JobHistory:
+    """What the engine knows of a job id beyond the job itself: how often it was launched
+    (read back from the journal on resume), how many of those launches were lost with
+    their node (not the adapters' crashes), and the job it was split from. A job's retries
+    keep its id, so they share its history."""
+
     attempt: int = 0
+    lost: int = 0
     parent: str | None = None
-    predicted_start: float | None = None
-    predicted_end: float | None = None
-    gpus: list[int] = field(default_factory=list)  # the planner's choice; advisory
-    lost: int = 0  # attempts lost with their node (not the adapters' crashes)
 
 
 @dataclass
 class RunningJob:
-    job: QueuedJob
+    job: Job
     proc: JobProcess
     slots: list[str]
 
@@ -66,7 +66,7 @@ class EngineSnapshot:
     """What the live view shows."""
 
     running: list[RunningJob]
-    queued: list[QueuedJob]
+    queued: list[Job]
     adapter_status: dict[str, int]
     elapsed_s: float
     predicted_makespan_s: float | None
@@ -109,10 +109,10 @@ class Drift:
         self.step_s = None if self.step_s is None or step_s is None else self.step_s + step_s
 
 
-WriteJob = Callable[[QueuedJob], Path]  # writes jobs/<id>/job.yaml for the job's adapters, returns the job dir
+WriteJob = Callable[[Job], Path]  # writes jobs/<id>/job.yaml for the job's adapters, returns the job dir
 #: (adapters of the jobs not started yet, finished jobs against the plan, seconds since the start,
 #: free slots now) -> new jobs for those adapters
-Replan = Callable[[list[str], Drift, float, int], list[QueuedJob]]
+Replan = Callable[[list[str], Drift, float, int], list[Job]]
 #: re-plan when measured job times drift this far (relative) from the plan's
 DRIFT_THRESHOLD = 0.25
 
@@ -142,7 +142,8 @@ class Engine:
         self.predicted_makespan_s = predicted_makespan_s
         self.on_tick = on_tick
         self.poll_s = poll_s
-        self.queue: list[QueuedJob] = []
+        self.queue: list[Job] = []
+        self.history: dict[str, JobHistory] = {}
         self.running: dict[str, RunningJob] = {}
         self.recent: list[str] = []
         self.finished: list[JobProcess] = []
@@ -187,19 +188,32 @@ class Engine:
         return [a for a in adapters if status.get(a) not in FINAL_ADAPTER]
 
     # -------------------------------------------------------------------- run
-    def submit(self, jobs: Sequence[QueuedJob]) -> None:
+    def submit(self, jobs: Sequence[Job]) -> list[Job]:
+        """Queue each job with its adapters not finished yet (the caller's jobs are left as
+        they are); returns the jobs queued."""
+        queued = []
         for job in jobs:
-            job.adapters = self.unfinished(job.adapters)
+            job = replace(job, adapters=self.unfinished(job.adapters))
             if not job.adapters:
                 continue
-            known = self.journal.job(job.job_id)
+            history = self._history(job.id)
+            known = self.journal.job(job.id)
             if known is not None:
-                job.attempt = known.attempt
-            self.journal.add_job(job.job_id, job.adapters, job.tp, parent=job.parent,
-                                 predicted_start=job.predicted_start, predicted_end=job.predicted_end, gpus=job.gpus)
+                history.attempt = known.attempt
+            self.journal.add_job(job, parent=history.parent)
             if known is not None:
-                self.journal.update_job(job.job_id, attempt=known.attempt)
+                self.journal.update_job(job.id, attempt=known.attempt)
             self.queue.append(job)
+            queued.append(job)
+        return queued
+
+    def _history(self, job_id: str) -> JobHistory:
+        return self.history.setdefault(job_id, JobHistory())
+
+    def _to_front(self, jobs: Sequence[Job]) -> None:
+        """First in line (a retry whose turn on its GPUs had come, the halves of a split)."""
+        rest = [j for j in self.queue if not any(j is k for k in jobs)]
+        self.queue[:] = list(jobs) + rest
 
     def run(self) -> None:
         try:
@@ -248,23 +262,25 @@ class Engine:
             slots = pinned if pinned is not None else open_slots[: job.tp]
             for s in slots:
                 self.free.remove(s)
-            job.attempt += 1
+            history = self._history(job.id)
+            history.attempt += 1
+            attempt = history.attempt
             job_dir = self.write_job(job)
             (job_dir / "oom.json").unlink(missing_ok=True)  # a marker of an earlier attempt
             (job_dir / UNFIXABLE_FILE).unlink(missing_ok=True)
             gpus = [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
-            proc = self.launch(job.job_id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
-                               extra_env={"PLORA_ATTEMPT": str(job.attempt)})
+            proc = self.launch(job.id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
+                               extra_env={"PLORA_ATTEMPT": str(attempt)})
             self.queue.remove(job)
-            self.running[job.job_id] = RunningJob(job, proc, slots)
-            self.journal.update_job(job.job_id, status="running", attempt=job.attempt, pid=proc.proc.pid,
+            self.running[job.id] = RunningJob(job, proc, slots)
+            self.journal.update_job(job.id, status="running", attempt=attempt, pid=proc.proc.pid,
                                     gpus=gpus, started=proc.started)
             for a in job.adapters:
-                self.journal.set_adapter(a, "running", job_id=job.job_id)
-            self.journal.event("launch", job.job_id, {"adapters": job.adapters, "attempt": job.attempt, "slots": slots})
-            self._note(f"started {job.job_id} ({len(job.adapters)} adapters, TP {job.tp}) on {','.join(slots)}")
+                self.journal.set_adapter(a, "running", job_id=job.id)
+            self.journal.event("launch", job.id, {"adapters": job.adapters, "attempt": attempt, "slots": slots})
+            self._note(f"started {job.id} ({len(job.adapters)} adapters, TP {job.tp}) on {','.join(slots)}")
 
-    def _planned_slots(self, job: QueuedJob) -> list[str] | None:
+    def _planned_slots(self, job: Job) -> list[str] | None:
         """The pool's slots for the job's planned GPUs (a TP job may use any set the plan
         gives it); None when it has none or they do not fit this pool."""
         if len(job.gpus) != job.tp or len(set(job.gpus)) != job.tp:
@@ -292,16 +308,14 @@ class Engine:
         jobs not started yet are planned again with what was measured (PLoRA re-plans the
         rest of the queue whenever reality and the cost model part ways)."""
         job = rj.job
-        if job.predicted_start is None or job.predicted_end is None or job.attempt != 1:
-            return
-        predicted = job.predicted_end - job.predicted_start
-        if predicted <= 0:
+        predicted = job.predicted_seconds
+        if predicted is None or predicted <= 0 or self._history(job.id).attempt != 1:
             return
         self.drift.add((rj.proc.ended or time.time()) - rj.proc.started, predicted, _step_seconds(rj.proc.job_dir))
         drift = self.drift.factor
         if self.replan is None or abs(drift / self.drift_at_last_plan - 1) <= self.drift_threshold:
             return
-        waiting = [j for j in self.queue if j.attempt == 0 and j.parent is None]
+        waiting = [j for j in self.queue if self._history(j.id).attempt == 0 and self._history(j.id).parent is None]
         if not waiting:
             return
         adapters = [a for j in waiting for a in j.adapters]
@@ -311,14 +325,14 @@ class Engine:
             return
         for j in waiting:
             self.queue.remove(j)
-            self.journal.update_job(j.job_id, status="replanned")
+            self.journal.update_job(j.id, status="replanned")
         self.drift_at_last_plan = drift
         self.replans += 1
-        ends = [j.predicted_end for j in new_jobs if j.predicted_end is not None]
+        ends = [j.end for j in new_jobs if j.end is not None]
         if ends and self.predicted_makespan_s is not None:  # the live view compares with the new plan
             self.predicted_makespan_s = max(ends)
         self.journal.event("replan", "", {"drift": drift, "overhead_s": self.drift.overhead_s, "adapters": adapters,
-                                          "old": [j.job_id for j in waiting], "new": [j.job_id for j in new_jobs]})
+                                          "old": [j.id for j in waiting], "new": [j.id for j in new_jobs]})
         self._note(f"measured/predicted {drift:.2f}: re-planned {len(adapters)} waiting adapters "
                    f"into {len(new_jobs)} jobs")
         for j in new_jobs:  # planned as if every slot were free now, which the running jobs contradict:
@@ -335,62 +349,59 @@ class Engine:
             if result is not None:
                 self._record_result(a, result)
 
-    def _after_exit(self, job: QueuedJob, rc: int, lost: bool = False) -> None:
+    def _after_exit(self, job: Job, rc: int, lost: bool = False) -> None:
         left = self.unfinished(job.adapters)
         now = time.time()
+        history = self._history(job.id)
         if not left and (rc == 0 or lost):  # lost after its last result: nothing to run again
-            self.journal.update_job(job.job_id, status="finished", ended=now, returncode=rc)
-            self._note(f"finished {job.job_id}")
+            self.journal.update_job(job.id, status="finished", ended=now, returncode=rc)
+            self._note(f"finished {job.id}")
             return
-        if lost and left and job.lost < MAX_LOST:  # its node died: run it elsewhere, from its checkpoint
-            self.journal.update_job(job.job_id, status="lost", ended=now, returncode=None)
-            retry = QueuedJob(job.job_id, left, job.tp, attempt=job.attempt, parent=job.parent, gpus=job.gpus,
-                              lost=job.lost + 1)
-            self.journal.event("lost", job.job_id, {"attempt": job.attempt})
-            self._note(f"{job.job_id} was lost with its node; re-queued")
-            self.submit([retry])
-            self.queue.insert(0, self.queue.pop())  # first in line: it has a checkpoint to go on from
+        if lost and left and history.lost < MAX_LOST:  # its node died: run it elsewhere, from its checkpoint
+            history.lost += 1
+            self.journal.update_job(job.id, status="lost", ended=now, returncode=None)
+            self.journal.event("lost", job.id, {"attempt": history.attempt})
+            self._note(f"{job.id} was lost with its node; re-queued")
+            self._to_front(self.submit([replace(job, adapters=left)]))  # it has a checkpoint to go on from
             return
         # torchrun reports any failed worker as exit 1: the recipe's marker file says OOM
-        if rc == EXIT_OOM or (rc != 0 and (self.run_dir / "jobs" / job.job_id / "oom.json").is_file()):
-            self.journal.update_job(job.job_id, status="oom", ended=now, returncode=rc)
+        if rc == EXIT_OOM or (rc != 0 and (self.run_dir / "jobs" / job.id / "oom.json").is_file()):
+            self.journal.update_job(job.id, status="oom", ended=now, returncode=rc)
             if len(left) == 1:
                 self._fail(job, "out of memory with this adapter alone", left)
                 return
             half = (len(left) + 1) // 2
-            parts = [left[:half], left[half:]]
-            children = [QueuedJob(f"{job.job_id}.{i}", part, job.tp, parent=job.job_id) for i, part in enumerate(parts)]
-            self.journal.event("split", job.job_id, {"into": [c.job_id for c in children]})
-            self._note(f"{job.job_id} ran out of memory: split into {', '.join(c.job_id for c in children)}")
-            self.journal.update_job(job.job_id, status="split")
-            self.submit(children)
-            self.queue[:0] = [self.queue.pop(self.queue.index(c)) for c in children if c in self.queue]
+            children = [Job(f"{job.id}.{i}", part, job.tp) for i, part in enumerate([left[:half], left[half:]])]
+            for child in children:
+                self._history(child.id).parent = job.id
+            self.journal.event("split", job.id, {"into": [c.id for c in children]})
+            self._note(f"{job.id} ran out of memory: split into {', '.join(c.id for c in children)}")
+            self.journal.update_job(job.id, status="split")
+            self._to_front(self.submit(children))
             return
-        unfixable = self.run_dir / "jobs" / job.job_id / UNFIXABLE_FILE
+        unfixable = self.run_dir / "jobs" / job.id / UNFIXABLE_FILE
         if rc != 0 and (rc == EXIT_UNFIXABLE or unfixable.is_file()):  # a retry would fail the same way
-            self.journal.update_job(job.job_id, status="crashed", ended=now, returncode=rc)
+            self.journal.update_job(job.id, status="crashed", ended=now, returncode=rc)
             self._fail(job, _unfixable_message(unfixable, rc), left)
             return
         # crashed (or exited 0 with adapters left, which is a crash too)
-        self.journal.update_job(job.job_id, status="crashed", ended=now, returncode=rc)
-        if job.attempt - job.lost <= self.max_retries:
-            retry = QueuedJob(job.job_id, left, job.tp, attempt=job.attempt, parent=job.parent, gpus=job.gpus,
-                              lost=job.lost)
-            self.journal.event("retry", job.job_id, {"returncode": rc, "attempt": job.attempt})
-            self._note(f"{job.job_id} crashed (exit {rc}); retry {job.attempt - job.lost}/{self.max_retries}")
-            self.submit([retry])
-            if retry in self.queue:  # its turn on its GPUs had come: first in line for them again
-                self.queue.insert(0, self.queue.pop(self.queue.index(retry)))
+        self.journal.update_job(job.id, status="crashed", ended=now, returncode=rc)
+        crashes = history.attempt - history.lost
+        if crashes <= self.max_retries:
+            self.journal.event("retry", job.id, {"returncode": rc, "attempt": history.attempt})
+            self._note(f"{job.id} crashed (exit {rc}); retry {crashes}/{self.max_retries}")
+            # its turn on its GPUs had come: first in line for them again
+            self._to_front(self.submit([replace(job, adapters=left)]))
             return
-        self._fail(job, f"crashed {job.attempt - job.lost} times (last exit code {rc}); see jobs/{job.job_id}/log.txt", left)
+        self._fail(job, f"crashed {crashes} times (last exit code {rc}); see jobs/{job.id}/log.txt", left)
 
-    def _fail(self, job: QueuedJob, why: str, adapters: Sequence[str] | None = None) -> None:
+    def _fail(self, job: Job, why: str, adapters: Sequence[str] | None = None) -> None:
         for a in adapters if adapters is not None else job.adapters:
-            self.journal.set_adapter(a, "failed", job_id=job.job_id)
-            _write_failure(self.run_dir, a, job.job_id, why)
-        self.journal.update_job(job.job_id, status="abandoned")
-        self.journal.event("failed", job.job_id, why)
-        self._note(f"{job.job_id}: {why}")
+            self.journal.set_adapter(a, "failed", job_id=job.id)
+            _write_failure(self.run_dir, a, job.id, why)
+        self.journal.update_job(job.id, status="abandoned")
+        self.journal.event("failed", job.id, why)
+        self._note(f"{job.id}: {why}")
 
     def _note(self, text: str) -> None:
         self.recent = (self.recent + [f"{time.strftime('%H:%M:%S')} {text}"])[-6:]

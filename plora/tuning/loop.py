@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,11 +15,11 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
+from plora.costmodel import AdapterLoad
+from plora.planner.plan import PLAN_FILE, Job, Plan
 from plora.spec import AdapterConfig, Range, SweepSpec
 from plora.sweep import (
-    PlannedJob,
     PreparedSweep,
-    SweepPlan,
     collect_results,
     configs_frame,
     dataset_size,
@@ -62,8 +61,9 @@ class _RunState:
     run_dir: Path
     configs: dict[str, AdapterConfig] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
-    jobs: list[PlannedJob] = field(default_factory=list)
+    jobs: list[Job] = field(default_factory=list)
     batches: list[dict[str, Any]] = field(default_factory=list)
+    gpus: int = 0  # slots the batches were planned for
 
     @classmethod
     def load(cls, spec: SweepSpec, run_dir: Path) -> "_RunState":
@@ -73,45 +73,47 @@ class _RunState:
                 cfg = AdapterConfig.make(r["rank"], r["alpha"], r["learning_rate"], r["batch_size"], r["seed"])
                 st.configs[cfg.id] = cfg
                 st.steps[cfg.id] = int(r.get("steps") or 0)
-        with contextlib.suppress(Exception):
-            plan = json.loads((run_dir / "plan.json").read_text())
-            st.batches = list(plan.get("batches", []))
-            for j in plan.get("jobs", []):
-                jid = str(j.get("job_id") or j.get("id"))
-                members = [st.configs[a] for a in j.get("adapters", []) if a in st.configs]
-                if members:
-                    steps = {a.id: int((j.get("steps") or {}).get(a.id, st.steps.get(a.id, 0))) for a in members}
-                    st.jobs.append(PlannedJob(jid, members, steps, int(j.get("tp", 1)), list(j.get("gpus") or []),
-                                              j.get("predicted_start"), j.get("predicted_end")))
+        with contextlib.suppress(Exception):  # a run directory of another plora version: start the plan afresh
+            plan = Plan.of_run(run_dir)
+            if plan is not None:
+                st.batches, st.gpus = list(plan.batches), plan.gpus
+                members = [(j, [a for a in j.adapters if a in st.configs]) for j in plan.jobs]
+                st.jobs = [dataclasses.replace(j, adapters=m) for j, m in members if m]
         return st
 
     def next_batch(self) -> int:
-        used = [int(m.group(1)) for j in self.jobs if (m := re.match(r"b(\d+)-", j.job_id))]
+        used = [int(m.group(1)) for j in self.jobs if (m := re.match(r"b(\d+)-", j.id))]
         used += [int(b.get("batch", 0)) for b in self.batches]
         return max(used, default=0) + 1
 
-    def prep(self) -> PreparedSweep:
-        cfgs = list(self.configs.values())
-        return PreparedSweep(self.spec, self.run_dir, cfgs, dict(self.steps),
-                             SweepPlan(list(self.jobs), "optuna batches"))
+    def plan(self) -> Plan:
+        """Every batch's jobs in one plan; each batch's predictions are in its record."""
+        last = self.batches[-1].get("grouping", "") if self.batches else ""
+        return Plan(list(self.jobs), adapters=[AdapterLoad(c.id, c.rank, c.batch_size, self.steps[c.id])
+                                               for c in self.configs.values()],
+                    gpus=self.gpus, grouping=f"optuna: {len(self.batches)} batches; {last}", batches=list(self.batches))
 
-    def add(self, configs: Sequence[AdapterConfig], steps: Mapping[str, int], jobs: Sequence[PlannedJob]) -> None:
+    def prep(self) -> PreparedSweep:
+        return PreparedSweep(self.spec, self.run_dir, list(self.configs.values()), dict(self.steps), self.plan())
+
+    def add(self, configs: Sequence[AdapterConfig], steps: Mapping[str, int], jobs: Sequence[Job]) -> None:
         for c in configs:
             self.configs[c.id] = c
             self.steps[c.id] = int(steps.get(c.id, self.steps.get(c.id, 0)))
         self.jobs.extend(jobs)
 
+    def add_batch(self, number: int, trials: Sequence[int], plan: Plan) -> None:
+        """A batch's record: its trials, its jobs' ids and its plan's predictions."""
+        summary = {k: v for k, v in plan.to_dict().items() if k not in ("kind", "jobs", "batches", "adapters")}
+        self.batches.append({"batch": number, "trials": list(trials), "jobs": [j.id for j in plan.jobs], **summary})
+        self.gpus = max(self.gpus, plan.gpus)
+
     def write(self) -> None:
         """configs.parquet and plan.json of everything so far (each batch's jobs keep their id)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        configs_frame(self.prep()).to_parquet(self.run_dir / "configs.parquet", index=False)
-        batch_of = {jid: b["batch"] for b in self.batches for jid in b.get("jobs", [])}
-        plan = {
-            "grouping": f"optuna: {len(self.batches)} batches; " + (self.batches[-1].get("grouping", "") if self.batches else ""),
-            "jobs": [{**j.to_dict(), "batch": batch_of.get(j.job_id)} for j in self.jobs],
-            "batches": self.batches,
-        }
-        (self.run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+        prep = self.prep()
+        configs_frame(prep).to_parquet(self.run_dir / "configs.parquet", index=False)
+        prep.plan.save(self.run_dir / PLAN_FILE)
 
 
 def _tell(study: optuna.Study, spec: SweepSpec, trial: optuna.Trial, row: Mapping[str, Any] | None,
@@ -240,14 +242,14 @@ def run_tune(
                 if a not in state.configs:
                     state.add([unique[a]], {a: spec.steps_for(unique[a], n_train)}, [])
             watcher = _PruneWatcher(by_adapter, sign, can_prune=True)
-            jobs: list[PlannedJob] = []
+            jobs: list[Job] = []
             if new:
                 steps = {c.id: spec.steps_for(c, n_train) for c in new}
                 plan = plan_jobs(spec, new, steps)
-                jobs = [dataclasses.replace(j, job_id=f"b{b:02d}-{j.job_id}") for j in plan.jobs]
+                jobs = [dataclasses.replace(j, id=f"b{b:02d}-{j.id}") for j in plan.jobs]
+                plan = dataclasses.replace(plan, jobs=jobs)
                 state.add(new, steps, jobs)
-                state.batches.append({"batch": b, "trials": [t.number for t in batch_trials],
-                                      "jobs": [j.job_id for j in jobs], "grouping": plan.grouping, **plan.details})
+                state.add_batch(b, [t.number for t in batch_trials], plan)
                 state.write()
 
                 def tick(running: list, finished: list) -> None:
@@ -255,15 +257,16 @@ def run_tune(
                     if on_tick is not None:
                         on_tick(running, finished)
 
-                batch_prep = PreparedSweep(spec, run_dir, new, steps, SweepPlan(jobs, plan.grouping, plan.details))
-                run_prepared(batch_prep, on_tick=tick, on_snapshot=on_snapshot, slots=slots)
+                # no re-planning: a re-planned job's id (r1-job-000) would be taken again by the next batch's
+                run_prepared(PreparedSweep(spec, run_dir, new, steps, plan), on_tick=tick, on_snapshot=on_snapshot,
+                             slots=slots, replan=False)
                 for job_dir in sorted((run_dir / "jobs").glob(f"b{b:02d}-*")):
                     watcher.poll(job_dir, prune=False)  # evals written after the last tick: curves only
             else:
                 state.write()
             frame = collect_results(state.prep())
             rows = {r["adapter_id"]: r for r in frame.to_dict("records")}
-            tp_of = {a.id: j.tp for j in state.jobs for a in j.adapters}
+            tp_of = {a: j.tp for j in state.jobs for a in j.adapters}
             for t in batch_trials:
                 cfg = cfg_of[t.number]
                 _tell(study, spec, t, rows.get(cfg.id), cfg, tp_of.get(cfg.id), run_dir, b)
@@ -278,7 +281,7 @@ def run_tune(
             frozen = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
             on_batch(BatchReport(
                 index=b, trials=frozen, trained=[c.id for c in new], reused=reused,
-                pruned=[a for a in unique if rows.get(a, {}).get("status") == "pruned"], jobs=[j.job_id for j in jobs],
+                pruned=[a for a in unique if rows.get(a, {}).get("status") == "pruned"], jobs=[j.id for j in jobs],
                 wall_time_s=time.time() - t0, best=_best(study),
             ))
     return study

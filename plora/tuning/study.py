@@ -160,7 +160,7 @@ def record_sweep(prep: PreparedSweep, frame: pd.DataFrame) -> optuna.Study | Non
             if t.state in (TrialState.RUNNING, TrialState.WAITING):
                 seen.add((a, "*"))
         space = search_space(spec, include_seed=True)
-        tp_of = {a.id: j.tp for j in prep.plan.jobs for a in j.adapters}
+        tp_of = {a: j.tp for j in prep.plan.jobs for a in j.adapters}
         cfg_of = {c.id: c for c in prep.configs}
         curves = read_evals(prep.run_dir)
         sign = intermediate_sign(spec)
