@@ -26,6 +26,8 @@ import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
+from plora.row_layout import priced_row_tokens
+
 __all__ = ["EvalLoad", "JobOverheads", "eval_features", "fit_overheads"]
 
 #: rows an eval forward takes at once (`plora.evaluate.evaluate_adapters`' default batch_rows)
@@ -205,16 +207,22 @@ def _tokenizer(spec: Any):
     return TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
 
 
-def train_row_tokens(spec: Any) -> float | None:
-    """Mean real tokens of a sweep's training rows (at most ``max_seq_len`` each; the first
-    `ROWS_SAMPLED` rows), or None where they cannot be tokenized here."""
+def train_row_tokens(spec: Any, *, graphed: bool = False) -> float | None:
+    """What a sweep's training row costs a step, in tokens (`plora.step_settings.priced_row_tokens`):
+    the mean real tokens of its rows (at most ``max_seq_len`` each; the first `ROWS_SAMPLED`
+    rows) where jobs flatten them, the width they are padded to where jobs pad them
+    (``graphed``: steps replayed from CUDA graphs). None where they cannot be tokenized here."""
     try:
         from plora.data import load_split, tokenize_examples
         from plora.data_check import data_config
 
         examples = load_split(data_config(spec), "train")[:ROWS_SAMPLED]
         samples = tokenize_examples(examples, _tokenizer(spec), int(spec.model.max_seq_len))
-        return sum(len(s.tokens) for s in samples) / len(samples) if samples else None
+        if not samples:
+            return None
+        lengths = [len(s.tokens) for s in samples]
+        return priced_row_tokens(spec.training.row_layout, graphed=graphed, mean_tokens=sum(lengths) / len(lengths),
+                                 max_tokens=max(lengths), max_seq_len=int(spec.model.max_seq_len))
     except Exception:  # noqa: BLE001 - pricing only: validation and the job report bad data
         return None
 

@@ -42,3 +42,4 @@ def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_ch
     if value == "auto" and (tp or activation_checkpointing):
         return False
     return True
+

@@ -166,6 +166,17 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     return cm, ANALYTIC_SOURCE
 
 
+def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
+    """Whether this sweep's (one-GPU) jobs will replay their steps from CUDA graphs."""
+    import torch
+
+    from plora.step_settings import graphs_wanted
+
+    device = torch.device("cuda" if hw.gpu else "cpu")
+    return graphs_wanted(spec.training.cuda_graphs, device, tp=False,
+                         activation_checkpointing=bool(spec.training.activation_checkpointing))
+
+
 def recalibrated(cost_model: Any, drift: Any) -> Any:
     """The cost model corrected by what finished jobs measured (`plora.engine.runner.Drift`).
 
@@ -260,7 +271,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     if getattr(cost_model, "overheads", None) is not None and cost_model.eval_load is None:
         from plora.jobcost import eval_load_for, train_row_tokens  # priced on this sweep's own rows
 
-        cost_model = cost_model.for_eval(eval_load_for(spec)).for_rows(train_row_tokens(spec))
+        cost_model = cost_model.for_eval(eval_load_for(spec)).for_rows(train_row_tokens(spec, graphed=graphed_steps(spec, hw)))
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data)
 

@@ -103,3 +103,15 @@ def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_p
         for name, t in weights["off"][a["id"]].items():
             diff = (t - weights["on"][a["id"]][name]).abs()
             assert float(diff.mean()) <= 1e-3 * float(t.abs().mean()) + 1e-7, (a["id"], name)
+
+
+def test_rows_are_priced_as_the_layout_lays_them_out():
+    from plora.row_layout import priced_row_tokens, rows_flattened
+
+    assert rows_flattened("auto", graphed=False) and rows_flattened("flat", graphed=True)
+    assert not rows_flattened("auto", graphed=True) and not rows_flattened("padded", graphed=False)
+    # flattened: a row costs its real tokens; padded: the width the graph settles on
+    assert priced_row_tokens("auto", graphed=False, mean_tokens=252.4, max_tokens=438, max_seq_len=512) == 252.4
+    assert priced_row_tokens("auto", graphed=True, mean_tokens=252.4, max_tokens=438, max_seq_len=512) == 448
+    assert priced_row_tokens("padded", graphed=False, mean_tokens=250.0, max_tokens=252, max_seq_len=512) == 256
+    assert priced_row_tokens("auto", graphed=True, mean_tokens=90.0, max_tokens=100, max_seq_len=100) == 100

@@ -57,6 +57,7 @@ from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
 from plora.recipes.checkpoint import JobCheckpointer
 from plora.recipes.step_graph import StepBuffers, StepGraph, step_inputs
+from plora.row_layout import rows_flattened
 from plora.step_settings import graphs_wanted
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
@@ -328,7 +329,7 @@ class PackedLoRARecipe:
         read its row boundaries from the device) and ``training.row_layout`` allows it
         ("auto": not in graph-replayed steps, see the spec); padded rows otherwise."""
         layout = self.cfg.training.row_layout
-        flat = (self.row_attn is not None and layout != "padded" and (layout == "flat" or not graphed)
+        flat = (self.row_attn is not None and rows_flattened(layout, graphed=graphed)
                 and (not graphed or self.row_attn.graph_safe(self.device, self.dtype)))
         held = self.graphs.held_shape(ids, rows) if graphed else None
         return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-#: the batch width is padded to a multiple of this in graph mode (and never shrinks while
-#: a composition's graph is held: `padded_width`)
-WIDTH_MULTIPLE = 64
+from plora.row_layout import WIDTH_MULTIPLE
+
+__all__ = ["WIDTH_MULTIPLE", "StepBuffers", "StepGraph", "padded_width", "step_inputs"]
 
 
 def padded_width(width: int, max_width: int, held: int | None = None) -> int:
