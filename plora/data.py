@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from plora.formats import DataError, RowFormat, read_rows, rows_to_examples
+from plora.row_layout import bucket_bounds
 
 if TYPE_CHECKING:
     from plora.jobconfig import JobData, JobEval
@@ -338,21 +339,48 @@ def _split_label(data: JobData, split: str) -> str:
 
 
 class AdapterStream:
-    """An endless, seeded sequence of sample indices: one fresh permutation per epoch."""
+    """An endless, seeded sequence of sample indices: one fresh permutation per epoch.
 
-    def __init__(self, num_samples: int, seed: int):
+    With ``buckets`` > 1 (padded rows, `plora.row_layout.length_buckets_for`), the rows are
+    split by ``lengths`` into that many equal buckets, each shuffled per epoch, and the
+    n-th call takes its rows from bucket n mod ``buckets`` (or the next one not used up).
+    Every bucket then gives up its rows at the same pace, whatever the batch size, so all
+    adapters of a pack draw from the same bucket at the same step and the step pads to
+    the longest row of one bucket instead of the longest of all. The order depends only
+    on the adapter's own seed, batch size and data, so packed still equals alone.
+    """
+
+    def __init__(self, num_samples: int, seed: int, *, lengths: Sequence[int] | None = None, buckets: int = 1):
         if num_samples <= 0:
             raise DataError("the training set is empty")
         self.num_samples = num_samples
         self.seed = seed
         self._epoch = 0
-        self._order: np.ndarray = self._permutation(0)
         self._pos = 0
+        self._step = 0
+        self._buckets: list[list[int]] | None = None
+        if buckets > 1 and lengths is not None and num_samples > 1:
+            self._buckets = [b for b in bucket_bounds(list(lengths)[:num_samples], buckets) if b]
+        self._order: np.ndarray = self._permutation(0)
+        self._orders = self._bucket_orders(0)
+        self._bucket_pos = [0] * len(self._orders)
+
+    @property
+    def buckets(self) -> int:
+        return len(self._buckets) if self._buckets is not None else 1
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
+    def _bucket_orders(self, epoch: int) -> list[np.ndarray]:
+        if self._buckets is None:
+            return []
+        rng = np.random.default_rng([self.seed, epoch])
+        return [rng.permutation(np.asarray(b, dtype=np.int64)) for b in self._buckets]
+
     def next(self, count: int) -> list[int]:
+        if self._buckets is not None:
+            return self._next_bucketed(count)
         taken: list[int] = []
         while len(taken) < count:
             if self._pos == self.num_samples:
@@ -363,13 +391,43 @@ class AdapterStream:
             self._pos += take
         return taken
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the stream is (a resumed job goes on from here, not from the start)."""
-        return {"epoch": self._epoch, "pos": self._pos}
+    def _next_bucketed(self, count: int) -> list[int]:
+        first = self._step % len(self._orders)
+        self._step += 1
+        taken: list[int] = []
+        while len(taken) < count:
+            for j in range(len(self._orders)):  # this call's bucket, or the next one not used up
+                k = (first + j) % len(self._orders)
+                if self._bucket_pos[k] < len(self._orders[k]):
+                    break
+            else:  # every bucket used up: the next epoch
+                self._epoch += 1
+                self._orders, self._bucket_pos = self._bucket_orders(self._epoch), [0] * len(self._orders)
+                continue
+            pos = self._bucket_pos[k]
+            take = min(count - len(taken), len(self._orders[k]) - pos)
+            taken.extend(int(i) for i in self._orders[k][pos:pos + take])
+            self._bucket_pos[k] += take
+        self._pos = sum(self._bucket_pos)
+        return taken
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is (a resumed job goes on from here, not from the start)."""
+        state: dict[str, Any] = {"epoch": self._epoch, "pos": self._pos}
+        if self._buckets is not None:
+            state.update(step=self._step, bucket_pos=list(self._bucket_pos), buckets=len(self._orders))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (self._buckets is not None) != ("bucket_pos" in state) or (
+                self._buckets is not None and int(state["buckets"]) != len(self._orders)):
+            raise DataError("the checkpoint's data position was saved with other length buckets")
         self._epoch, self._pos = int(state["epoch"]), int(state["pos"])
         self._order = self._permutation(self._epoch)
+        if self._buckets is not None:
+            self._step = int(state["step"])
+            self._orders = self._bucket_orders(self._epoch)
+            self._bucket_pos = [int(p) for p in state["bucket_pos"]]
 
 
 def collate(samples: Sequence[Sample], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

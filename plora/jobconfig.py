@@ -108,6 +108,7 @@ class JobTraining(_Section):
     # YAML's and the space file's on/off arrive as booleans
     cuda_graphs: Literal["auto"] | bool = "auto"
     row_layout: Literal["auto", "flat", "padded"] = "auto"
+    length_buckets: Literal["auto"] | int = "auto"  # `plora.row_layout.length_buckets_for`
     checkpoint_every_steps: int | None = Field(500, ge=1)  # None turns that trigger off
     checkpoint_every_minutes: float | None = Field(10.0, gt=0)
 

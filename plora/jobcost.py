@@ -220,9 +220,8 @@ def train_row_tokens(spec: Any, *, graphed: bool = False) -> float | None:
         samples = tokenize_examples(examples, _tokenizer(spec), int(spec.model.max_seq_len))
         if not samples:
             return None
-        lengths = [len(s.tokens) for s in samples]
-        return priced_row_tokens(spec.training.row_layout, graphed=graphed, mean_tokens=sum(lengths) / len(lengths),
-                                 max_tokens=max(lengths), max_seq_len=int(spec.model.max_seq_len))
+        return priced_row_tokens(spec.training.row_layout, graphed=graphed, lengths=[len(s.tokens) for s in samples],
+                                 max_seq_len=int(spec.model.max_seq_len), length_buckets=spec.training.length_buckets)
     except Exception:  # noqa: BLE001 - pricing only: validation and the job report bad data
         return None
 

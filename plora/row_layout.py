@@ -18,11 +18,54 @@ def rows_flattened(layout: str, *, graphed: bool) -> bool:
     return layout == "flat" or (layout != "padded" and not graphed)
 
 
-def priced_row_tokens(layout: str, *, graphed: bool, mean_tokens: float, max_tokens: int, max_seq_len: int) -> float:
-    """What one training row costs a step, in tokens: its real tokens when rows are
-    flattened; right-padded, the width a job's graph settles on (the longest row, rounded up
-    to `WIDTH_MULTIPLE`, at most ``max_seq_len``), since every row is padded to it."""
-    if rows_flattened(layout, graphed=graphed):
-        return float(mean_tokens)
-    width = -(-int(max_tokens) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
-    return float(max(int(max_tokens), min(int(max_seq_len), width)))
+def priced_row_tokens(layout: str, *, graphed: bool, lengths: list[int], max_seq_len: int,
+                      length_buckets: int | str = "auto") -> float:
+    """What one training row of these ``lengths`` costs a step, in tokens: its real tokens
+    where rows are flattened; right-padded, the width its step pads to: the longest row of
+    its length bucket (`bucketed_row_tokens`; one bucket: of all rows), rounded up to
+    `WIDTH_MULTIPLE`, at most ``max_seq_len``."""
+    if not lengths:
+        return 0.0
+    flattened = rows_flattened(layout, graphed=graphed)
+    if flattened:
+        return sum(lengths) / len(lengths)
+    buckets = length_buckets_for(length_buckets, flattened=False, graphed=graphed)
+    return bucketed_row_tokens(list(lengths), buckets, max_seq_len)
+
+
+#: ``training.length_buckets: auto``: where rows are padded, every adapter's rows are drawn
+#: from this many length buckets in turn (`plora.data.AdapterStream`), so that the rows of one
+#: step, whatever adapter they belong to, have about the same length
+AUTO_LENGTH_BUCKETS = 8
+
+
+def length_buckets_for(setting: int | str, *, flattened: bool, graphed: bool) -> int:
+    """How many length buckets an adapter's rows are drawn from (1: a plain shuffle).
+
+    "auto" buckets only the padded rows of CUDA-graph steps, the one place where a step
+    pays for its longest row (flattened rows cost their real tokens whatever their lengths;
+    padded eager steps are launch-bound), so everywhere else the order stays the plain
+    shuffle."""
+    if setting == "auto":
+        return AUTO_LENGTH_BUCKETS if graphed and not flattened else 1
+    return max(1, int(setting))
+
+
+def bucket_bounds(lengths: list[int] | tuple[int, ...], buckets: int) -> list[list[int]]:
+    """Row indices in ``buckets`` length buckets of (as near as possible) equal size, shortest first."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    n, b = len(order), max(1, min(int(buckets), len(order) or 1))
+    return [order[k * n // b:(k + 1) * n // b] for k in range(b)]
+
+
+def bucketed_row_tokens(lengths: list[int], buckets: int, max_seq_len: int) -> float:
+    """What a padded row costs, in tokens, when rows come in length buckets: the mean over
+    the buckets of the width each pads to (its longest row, rounded up to `WIDTH_MULTIPLE`)."""
+    groups = [g for g in bucket_bounds(lengths, buckets) if g]
+    if not groups:
+        return 0.0
+    widths = []
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        widths.append(max(longest, min(int(max_seq_len), -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE)))
+    return sum(w * len(g) for w, g in zip(widths, groups)) / sum(len(g) for g in groups)

@@ -698,6 +698,11 @@ class TrainingConfig(_Model):
     # replayed from CUDA graphs, where padded measured faster (H100, 16 adapters of varied rows:
     # 57 ms padded against 427 ms flat, whose per-adapter sizes keep growing and recapturing)
     row_layout: Literal["auto", "flat", "padded"] = "auto"
+    # padded rows: each adapter draws its rows from this many length buckets in turn (the
+    # same bucket at the same step for every batch size), so a step pads to the longest row
+    # of one bucket, not of the whole data; "auto": 8 where rows are padded in CUDA-graph
+    # steps (one GPU), else 1 (a plain shuffle)
+    length_buckets: Union[Literal["auto"], int] = "auto"
     # mid-job checkpoints (weights, AdamW state, schedule and data position of every adapter
     # in the pack), whichever comes first; null turns that trigger off
     checkpoint_every_steps: Optional[int] = Field(500, ge=1)
@@ -707,6 +712,13 @@ class TrainingConfig(_Model):
     @classmethod
     def _graphs(cls, v: Any) -> Union[str, bool]:
         return cuda_graphs_setting(v)
+
+    @field_validator("length_buckets")
+    @classmethod
+    def _buckets(cls, v: Union[str, int]) -> Union[str, int]:
+        if v != "auto" and (isinstance(v, bool) or int(v) < 1):
+            raise ValueError("must be auto or a whole number of at least 1")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingConfig":

@@ -229,7 +229,8 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         training=JobTraining(
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
             divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
-            cuda_graphs=t.cuda_graphs, row_layout=t.row_layout, checkpoint_every_steps=t.checkpoint_every_steps,
+            cuda_graphs=t.cuda_graphs, row_layout=t.row_layout, length_buckets=t.length_buckets,
+            checkpoint_every_steps=t.checkpoint_every_steps,
             checkpoint_every_minutes=t.checkpoint_every_minutes,
         ),
         eval=eval_config(spec),

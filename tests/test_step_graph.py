@@ -41,10 +41,21 @@ def test_widths_fall_on_a_few_values_never_past_the_longest_allowed():
     assert padded_width(500, 512) == 512
     assert padded_width(40, 48) == 48
     assert padded_width(60, 40) == 60  # never narrower than the batch
-    # a held graph's width is kept while the batch fits in it, so the width only grows
-    assert padded_width(10, 512, held=256) == 256
-    assert padded_width(300, 512, held=256) == 320
-    assert padded_width(10, 512, held=None) == WIDTH_MULTIPLE
+
+    # a padded batch takes the narrowest held graph it fits, or a width of its own
+    from plora.data import Sample
+    from plora.packed.step_batch import build_step_batch
+
+    def rows(*lengths):
+        return [Sample(list(range(1, n + 1)), [-100] * (n - 2) + [5, 6]) for n in lengths]
+
+    a = build_step_batch(rows(100, 30), [1, 1], 0, flat=False, fixed=True, max_width=512)
+    b = build_step_batch(rows(300, 30), [1, 1], 0, flat=False, fixed=True, held=[a.shape], max_width=512)
+    assert a.shape[1] == 128 and b.shape[1] == 320
+    c = build_step_batch(rows(20, 60), [1, 1], 0, flat=False, fixed=True, held=[b.shape, a.shape], max_width=512)
+    assert c.shape == a.shape  # fits both: the narrower
+    d = build_step_batch(rows(200, 60), [1, 1], 0, flat=False, fixed=True, held=[b.shape, a.shape], max_width=512)
+    assert d.shape == b.shape
 
 
 def test_collate_pads_to_a_given_width_and_refuses_a_short_one():
@@ -84,7 +95,7 @@ def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_p
     for mode in ("off", "on"):
         out = tmp_path / mode
         cfg = job_config(tiny_model, reverse_data, out, ADAPTERS, device="cuda")
-        cfg["training"] = dict(cfg["training"], cuda_graphs=mode)
+        cfg["training"] = dict(cfg["training"], cuda_graphs=mode, length_buckets=1)  # one order in both modes
         recipe = PackedLoRARecipe(cfg)
         summary = recipe.run()
         assert set(summary["adapters"].values()) == {"done"}
@@ -105,13 +116,50 @@ def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_p
             assert float(diff.mean()) <= 1e-3 * float(t.abs().mean()) + 1e-7, (a["id"], name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_length_buckets_replay_a_graph_per_width_from_one_pool(tiny_model, tmp_path, monkeypatch):
+    """Padded rows of 5-240 tokens drawn from 4 length buckets: each composition replays one
+    graph per width (sharing one memory pool), and the job equals the eager one."""
+    import json
+    import random
+
+    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
+    rng = random.Random(3)
+    rows = []
+    for _ in range(120):
+        s = "".join(rng.choice("abcdef") for _ in range(rng.randint(2, 118)))
+        rows.append({"input": s + ">", "output": s[::-1]})
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:100]))
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows[100:]))
+    data = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
+    adapters = [dict(a, steps=n) for a, n in zip(ADAPTERS, (16, 12, 24))]
+    recipes, losses = {}, {}
+    for mode in ("off", "on"):
+        cfg = job_config(tiny_model, data, tmp_path / mode, adapters, device="cuda")
+        cfg["model"] = dict(cfg["model"], max_seq_len=256)
+        cfg["training"] = dict(cfg["training"], cuda_graphs=mode, row_layout="padded", length_buckets=4)
+        recipes[mode] = PackedLoRARecipe(cfg)
+        assert set(recipes[mode].run()["adapters"].values()) == {"done"}
+        losses[mode] = _losses(recipes[mode].job_dir)
+    graphs = recipes["on"].graphs
+    assert graphs is not None and graphs.enabled and graphs.replays > 0
+    assert 2 <= graphs.captures <= 3 * 4 + 3  # a few widths per composition, not one per step
+    for key, value in losses["off"].items():
+        assert losses["on"][key] == pytest.approx(value, rel=1e-4), key
+
+
 def test_rows_are_priced_as_the_layout_lays_them_out():
     from plora.row_layout import priced_row_tokens, rows_flattened
 
     assert rows_flattened("auto", graphed=False) and rows_flattened("flat", graphed=True)
     assert not rows_flattened("auto", graphed=True) and not rows_flattened("padded", graphed=False)
-    # flattened: a row costs its real tokens; padded: the width the graph settles on
-    assert priced_row_tokens("auto", graphed=False, mean_tokens=252.4, max_tokens=438, max_seq_len=512) == 252.4
-    assert priced_row_tokens("auto", graphed=True, mean_tokens=252.4, max_tokens=438, max_seq_len=512) == 448
-    assert priced_row_tokens("padded", graphed=False, mean_tokens=250.0, max_tokens=252, max_seq_len=512) == 256
-    assert priced_row_tokens("auto", graphed=True, mean_tokens=90.0, max_tokens=100, max_seq_len=100) == 100
+    # flattened: a row costs its real tokens; padded: the width its step pads to
+    lengths = [66, 100, 200, 250, 300, 438]
+    assert priced_row_tokens("auto", graphed=False, lengths=lengths, max_seq_len=512) == sum(lengths) / 6
+    assert priced_row_tokens("auto", graphed=True, lengths=lengths, max_seq_len=512, length_buckets=1) == 448
+    assert priced_row_tokens("padded", graphed=False, lengths=[250, 252], max_seq_len=512, length_buckets=1) == 256
+    assert priced_row_tokens("auto", graphed=True, lengths=[90, 100], max_seq_len=100, length_buckets=1) == 100
+    # in three length buckets: (66, 100) pad to 128, (200, 250) to 256, (300, 438) to 448
+    assert priced_row_tokens("auto", graphed=True, lengths=lengths, max_seq_len=512, length_buckets=3) == (
+        (128 + 256 + 448) * 2 / 6)

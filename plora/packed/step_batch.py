@@ -68,22 +68,25 @@ def build_step_batch(
     *,
     flat: bool,
     fixed: bool = False,
-    held: tuple | None = None,
+    held: Sequence[tuple] | tuple | None = (),
     max_width: int | None = None,
 ) -> StepBatch:
     """Rows of each adapter (adapter-contiguous) as a flattened or padded batch.
 
-    ``fixed``: shapes for a CUDA graph, grown from ``held`` (the shape of the graph held for
-    the same adapters and rows) only when the rows do not fit it; ``max_width``: the padded
-    layout's width cap (the model's context).
+    ``fixed``: shapes for a CUDA graph. ``held``: the shapes of the graphs held for the same
+    adapters and rows (`StepGraph.held_shapes`; one shape is taken too). Flattened rows grow
+    the newest held shape only when the rows do not fit it; padded rows take the narrowest
+    held width they fit, else a new width of their own (length-bucketed rows come in a few
+    widths, each with its graph). ``max_width``: the padded layout's width cap (the model's
+    context).
     """
     layout = "flat" if flat else "padded"
-    if held is not None and held[0] != layout:
-        held = None
-    labels_sizes = None
-    if fixed:
-        labels_sizes = held_sizes(label_counts(samples, rows_per_adapter), held[2] if held else None)
+    shapes = [held] if held and isinstance(held[0], str) else list(held or ())
+    shapes = [sh for sh in shapes if sh and sh[0] == layout]
+    counts = label_counts(samples, rows_per_adapter) if fixed else None
     if flat:
+        newest = shapes[-1] if shapes else None
+        labels_sizes = held_sizes(counts, newest[2] if newest else None) if fixed else None
         seg_sizes = None
         if fixed:
             real: list[int] = []
@@ -91,7 +94,7 @@ def build_step_batch(
             for n in rows_per_adapter:
                 real.append(sum(len(s.tokens) for s in samples[i : i + n]))
                 i += n
-            seg_sizes = held_sizes(real, held[1] if held else None, extra=1)
+            seg_sizes = held_sizes(real, newest[1] if newest else None, extra=1)
         rows = flatten_rows(samples, rows_per_adapter, pad_id, segment_sizes=seg_sizes, label_sizes=labels_sizes)
         max_len = rows.max_row
         if fixed:  # a graph replays with other rows: a bound that holds for any of them
@@ -103,10 +106,19 @@ def build_step_batch(
     from plora.recipes.step_graph import padded_width  # the graph's width rule lives with the graph
 
     width = None
+    labels_sizes = None
     if fixed:
         longest = max(len(s.tokens) for s in samples)
-        width = padded_width(longest, max(longest, int(max_width or longest)),
-                             held=int(held[1]) if held else None)
+        fitting = [sh for sh in shapes if int(sh[1]) >= longest and len(sh[2]) == len(counts)
+                   and all(c <= h for c, h in zip(counts, sh[2]))]
+        if fitting:
+            width, labels = min(((int(sh[1]), sh[2]) for sh in fitting), key=lambda wl: wl[0])
+            labels_sizes = list(labels)
+        else:
+            width = padded_width(longest, max(longest, int(max_width or longest)))
+            widest = [max(col) for col in zip(*(sh[2] for sh in shapes))] if shapes and all(
+                len(sh[2]) == len(counts) for sh in shapes) else None
+            labels_sizes = held_sizes(counts, widest)
     tokens, labels = collate(samples, pad_id, width=width)
     seq = tokens.shape[1]
     parts = padded_label_parts(labels, rows_per_adapter, labels_sizes)

@@ -57,7 +57,7 @@ from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
 from plora.recipes.checkpoint import JobCheckpointer
 from plora.recipes.step_graph import StepBuffers, StepGraph, step_inputs
-from plora.row_layout import rows_flattened
+from plora.row_layout import length_buckets_for, rows_flattened
 from plora.step_settings import graphs_wanted
 
 #: exit code of a job that ran out of memory: the engine splits it and re-queues the halves
@@ -192,14 +192,18 @@ class PackedLoRARecipe:
             data = prepare_data(c.data, c.eval, self.tok, self.max_seq_len)
             self.train_samples, self.eval_samples, self.eval_examples = data.train, data.eval, data.eval_examples
 
-        self.runs = [AdapterRun(i, a, AdapterStream(len(self.train_samples), a.seed)) for i, a in enumerate(c.adapters)]
-        # after TP sharding: the bank lays out the local shards
-        self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
-        self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in c.adapters], weight_decay=t.weight_decay)
         self.graphs: StepGraph | None = None
         if graphs_wanted(t.cuda_graphs, self.device, tp=self.tp is not None,
                          activation_checkpointing=t.activation_checkpointing):
             self.graphs = StepGraph(self.device)
+        graphed = self.graphs is not None
+        buckets = length_buckets_for(t.length_buckets, flattened=self._rows_flat(graphed), graphed=graphed)
+        lengths = [len(s.tokens) for s in self.train_samples]
+        self.runs = [AdapterRun(i, a, AdapterStream(len(self.train_samples), a.seed, lengths=lengths, buckets=buckets))
+                     for i, a in enumerate(c.adapters)]
+        # after TP sharding: the bank lays out the local shards
+        self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
+        self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in c.adapters], weight_decay=t.weight_decay)
         self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
         self._last_progress = 0.0
         self._control_seen: tuple[int, int, int] | None = None  # control.json's (inode, mtime, size) last read
@@ -328,12 +332,14 @@ class PackedLoRARecipe:
         """Flattened rows when attention can be confined to rows (and, for a CUDA graph,
         read its row boundaries from the device) and ``training.row_layout`` allows it
         ("auto": not in graph-replayed steps, see the spec); padded rows otherwise."""
-        layout = self.cfg.training.row_layout
-        flat = (self.row_attn is not None and rows_flattened(layout, graphed=graphed)
-                and (not graphed or self.row_attn.graph_safe(self.device, self.dtype)))
-        held = self.graphs.held_shape(ids, rows) if graphed else None
+        flat = self._rows_flat(graphed)
+        held = self.graphs.held_shapes(ids, rows) if graphed else ()
         return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,
                                 max_width=self.max_seq_len)
+
+    def _rows_flat(self, graphed: bool) -> bool:
+        return (self.row_attn is not None and rows_flattened(self.cfg.training.row_layout, graphed=graphed)
+                and (not graphed or self.row_attn.graph_safe(self.device, self.dtype)))
 
     def _device_step(self, b: StepBuffers, spec: StepBatch) -> None:
         """Forward, per-adapter losses, backward, norms, clipping and AdamW, all on the

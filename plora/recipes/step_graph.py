@@ -12,13 +12,16 @@ What a step must decide per adapter (diverged loss, non-finite gradient, clippin
 decided on the device inside the step (`PackedLoRARecipe._device_step`); the host reads
 one small tensor back after the replay and keeps the books.
 
-A graph is made for one *composition*: the active adapters, their row counts and the
-batch's shape (`plora.packed.step_batch`: each adapter's segment and label part padded to a
-held size when rows are flattened, or the padded width; sizes only grow). The first step of a composition runs eagerly (on the stream
-the graph is captured on: it also builds the kernels' schedules, which the graph then
-reads), the second captures the graph and replays it, the following ones replay it. A new
-composition (an adapter left, a batch wider than the graph's) drops the graph first and gives
-its memory back, so a job never holds two steps' activations at once.
+A graph is made for one *composition* (the active adapters and their row counts) and one
+batch shape (`plora.packed.step_batch`: each adapter's segment and label part padded to a
+held size when rows are flattened, which only grows; or the padded width, one of a few when
+rows come in length buckets). The first step of a shape runs eagerly (on the stream the
+graph is captured on: it also builds the kernels' schedules, which the graph then reads),
+the second captures the graph and replays it, the following ones replay it. The graphs of
+one composition share one memory pool, since only one step runs at a time; a new
+composition (an adapter left) drops them and gives their memory back first, and so does a
+new shape whose eager step would not fit beside them, so a job never holds two steps'
+activations at once.
 """
 
 from __future__ import annotations
@@ -35,13 +38,11 @@ from plora.row_layout import WIDTH_MULTIPLE
 __all__ = ["WIDTH_MULTIPLE", "StepBuffers", "StepGraph", "padded_width", "step_inputs"]
 
 
-def padded_width(width: int, max_width: int, held: int | None = None) -> int:
-    """The batch width in graph mode: rounded up to `WIDTH_MULTIPLE`, at most ``max_width``;
-    or ``held``, the width of the graph held for the same adapters and rows, when the batch
-    fits in it. A composition's width then only grows, so batches of real data (each padded
-    to its longest row) settle on one graph after a few captures instead of alternating."""
-    padded = max(width, min(max_width, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
-    return held if held is not None and held >= padded else padded
+def padded_width(width: int, max_width: int) -> int:
+    """The batch width in graph mode: rounded up to `WIDTH_MULTIPLE`, at most ``max_width``
+    (never narrower than the batch), so that a composition's batches come in a few widths,
+    each replayed from its own graph (`StepGraph`)."""
+    return max(width, min(max_width, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
 
 
 def step_inputs(batch) -> dict[str, torch.Tensor]:
@@ -104,30 +105,41 @@ class StepGraph:
     fixed by the composition: no host syncs, no host-side effects (it runs once to record).
     """
 
+    #: graphs held for one composition (one per batch shape: padded rows drawn from length
+    #: buckets come in a few widths); past it the oldest is dropped
+    MAX_GRAPHS = 16
+
     def __init__(self, device: torch.device, log: Callable[[str], None] | None = None):
         self.device = device
         self.enabled = True
         self._log = log or (lambda msg: print(msg, file=sys.stderr))
         self._stream: torch.cuda.Stream | None = None
-        self._buffers: StepBuffers | None = None
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._composition: tuple | None = None
+        # batch shape -> [buffers, graph or None (run eagerly once, captured the next time)]
+        self._held: dict[tuple, list] = {}
+        self._pool: Any = None  # the memory pool the composition's graphs share
+        self._step_bytes = 0  # the most memory one eager step of this composition took
         self.captures = 0
         self.replays = 0
 
+    def held_shapes(self, adapters: Sequence[int], rows: Sequence[int]) -> list[tuple]:
+        """The batch shapes (`StepBatch.shape`) of the graphs held for these adapters and
+        rows, oldest first: a new batch that fits one reuses its graph."""
+        if self._composition != (tuple(adapters), tuple(rows)):
+            return []
+        return [key[2] for key in self._held]
+
     def held_shape(self, adapters: Sequence[int], rows: Sequence[int]) -> tuple | None:
-        """The batch shape (`StepBatch.shape`) of the graph held for these adapters and
-        rows, if any: a new batch that fits it reuses the graph."""
-        b = self._buffers
-        if b is None or b.key[:2] != (tuple(adapters), tuple(rows)):
-            return None
-        return b.key[2]
+        """The newest of `held_shapes`, if any."""
+        shapes = self.held_shapes(adapters, rows)
+        return shapes[-1] if shapes else None
 
     def drop(self) -> None:
-        """Forget the current composition and give its graph's memory back."""
-        if self._buffers is None and self._graph is None:
+        """Forget the current composition and give its graphs' memory back."""
+        if not self._held and self._pool is None:
             return
-        self._graph = None
-        self._buffers = None
+        self._held.clear()
+        self._pool = None
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
@@ -138,31 +150,49 @@ class StepGraph:
         inputs: tuple[dict[str, torch.Tensor], torch.Tensor],
         body: Callable[[StepBuffers], None],
     ) -> StepBuffers:
-        """One step of composition ``key``. ``make()`` allocates its buffers (and sets the
-        pack state the body reads) the first time; ``inputs`` = (`step_inputs`, planned)."""
-        if self._buffers is None or self._buffers.key != key:
+        """One step of composition ``key`` = (adapters, rows, batch shape). ``make()``
+        allocates its buffers (and sets the pack state the body reads) the first time a
+        shape comes; ``inputs`` = (`step_inputs`, planned).
+
+        The graphs of one composition's shapes share one memory pool: a step's activations
+        live only within it, so the pool holds what the largest of them needs, once."""
+        if key[:2] != self._composition:
             self.drop()
+            self._step_bytes = 0
+            self._composition = key[:2]
+        entry = self._held.get(key)
+        if entry is None:
+            if self._held and not self._room_for_an_eager_step():
+                self.drop()  # the held graphs' pool and an eager step would not fit side by side
+            while len(self._held) >= self.MAX_GRAPHS:
+                self._held.pop(next(iter(self._held)))
             buffers = make()
-            self._buffers = buffers
-            self._eager_on_side_stream(body, buffers)
+            self._held[key] = [buffers, None]
+            self._eager_on_side_stream(body, buffers, measure=True)
             return buffers
-        buffers = self._buffers
+        buffers, graph = entry
         buffers.fill(*inputs)
-        if self._graph is None and self.enabled:
-            self._capture(body, buffers)
-        if self._graph is not None:
-            self._graph.replay()
+        if graph is None and self.enabled:
+            graph = entry[1] = self._capture(body, buffers)
+        if graph is not None:
+            graph.replay()
             self.replays += 1
         else:
             self._eager_on_side_stream(body, buffers)
         return buffers
+
+    def _room_for_an_eager_step(self) -> bool:
+        free, _total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + max(0, cached) > 1.1 * self._step_bytes
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def _eager_on_side_stream(self, body: Callable[[StepBuffers], None], buffers: StepBuffers) -> None:
+    def _eager_on_side_stream(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, *,
+                              measure: bool = False) -> None:
         # The warm-up runs on the capture stream (per-stream state such as cuBLAS
         # workspaces is then made before the capture, as CUDA graphs require).
         stream, main = self._side_stream(), torch.cuda.current_stream(self.device)
@@ -170,21 +200,28 @@ class StepGraph:
         with torch.cuda.stream(stream):
             body(buffers)
         main.wait_stream(stream)
+        if measure:  # what the step freed stays cached: about what one step of this shape takes
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            self._step_bytes = max(self._step_bytes, cached)
 
-    def _capture(self, body: Callable[[StepBuffers], None], buffers: StepBuffers) -> None:
+    def _capture(self, body: Callable[[StepBuffers], None], buffers: StepBuffers) -> torch.cuda.CUDAGraph | None:
         stream = self._side_stream()
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the eager step's cached blocks: not held beside the graph's pool
+        if self._pool is None:
+            torch.cuda.empty_cache()  # the eager steps' cached blocks: not held beside the graphs' pool
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=stream):
+            with torch.cuda.graph(graph, stream=stream, pool=self._pool):
                 body(buffers)
         except Exception as e:  # noqa: BLE001 - a capture failure costs speed, not the job
             self.enabled = False
-            self._graph = self._buffers = None
+            self._held.clear()
+            self._pool = None
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self._log(f"CUDA graph capture failed ({type(e).__name__}: {e}); this job's steps run eagerly")
-            return
-        self._graph = graph
+            return None
+        if self._pool is None:
+            self._pool = graph.pool()
         self.captures += 1
+        return graph
