@@ -310,7 +310,8 @@ def test_job_rows_carry_their_attempt(tiny_model, reverse_data, tmp_path, monkey
 def test_interrupt_and_resume_in_a_log(tmp_path):
     """A real sweep, its output to a file, stopped with SIGINT mid-job and run again: the
     log has the first started line and "interrupted:" on its own line; metrics.jsonl marks
-    both attempts and the report's curves are the second's."""
+    both attempts, and the report's curves hold each step once, the second attempt going on
+    from the first's checkpoint."""
     from plora.report import load_run
 
     space = write_space(tmp_path, space={"strategy": "list", "configs": [
@@ -339,8 +340,12 @@ def test_interrupt_and_resume_in_a_log(tmp_path):
                    timeout=300)
     rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert {r["attempt"] for r in rows} == {1, 2}
+    # the interrupted job saved its checkpoint and the second attempt went on from it: each
+    # step once in the curves, the first attempt's up to the checkpoint, the second's after
     curves = load_run(tmp_path / "runs" / "t").train_curves
-    assert set(curves.attempt) == {2} and list(curves.adapter_step) == list(range(600))
+    assert list(curves.adapter_step) == list(range(600)) and set(curves.attempt) == {1, 2}
+    resumed_at = int(curves[curves.attempt == 2].adapter_step.min())
+    assert (curves.attempt == 1).sum() == resumed_at > 0
 
 
 # --------------------------------------------------------------------------- 10: tune under grid
