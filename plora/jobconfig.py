@@ -30,6 +30,7 @@ __all__ = [
     "JobEval",
     "JobLora",
     "JobModel",
+    "JobStreaming",
     "JobTraining",
     "SyntheticRows",
 ]
@@ -113,6 +114,20 @@ class JobTraining(_Section):
     checkpoint_every_minutes: float | None = Field(10.0, gt=0)
 
 
+class JobStreaming(_Section):
+    """Adapters joining the job while it runs (`plora.jobcontrol`: control.json's ``join``
+    list). Without joins these change nothing: the job leaves when its last adapter does."""
+
+    #: seconds a job whose adapters have all left waits for a join before it leaves; a join
+    #: restarts the wait, control.json's ``close`` ends it at once. 0: leave at once.
+    linger_s: float = Field(0.0, ge=0)
+    #: adapters training at once; a join beyond it waits (in control.json) for a slot to free.
+    #: None: no limit (whoever sends the join has checked the memory)
+    max_active: int | None = Field(None, ge=1)
+    #: the sum of the ranks of the adapters training at once, likewise
+    max_active_rank: int | None = Field(None, ge=1)
+
+
 class JobEval(_Section):
     metrics: list[str] = Field(default_factory=lambda: ["loss", "exact_match"])
     max_new_tokens: int = Field(16, ge=1)
@@ -142,6 +157,7 @@ class JobConfig(_Section):
     training: JobTraining = Field(default_factory=JobTraining)
     eval: JobEval = Field(default_factory=JobEval)
     eval_base: bool = False  # also evaluate the base model (base_metrics.json)
+    streaming: JobStreaming = Field(default_factory=JobStreaming)
 
     @model_validator(mode="after")
     def _defaults(self) -> JobConfig:

@@ -7,6 +7,9 @@ optimizer step count (bias correction), its own step (schedule position), its da
 position, its losses so far and its status. Adapters are keyed by id, so a job that
 resumes with a different pack (a retry without the adapters that finished, the halves of
 an out-of-memory split) takes each adapter's state from wherever it was saved last.
+Adapters that joined the running job are saved like the others (with the job step they
+joined at); the relaunched job knows them from its joins.jsonl (`plora.jobcontrol`) and
+puts them back in its pack before it restores.
 
 One file per tensor-parallel rank, ``jobs/<job-id>/checkpoint/state.rank<r>.pt``, written
 atomically (temporary file, fsync, rename): a kill mid-write leaves the previous one.
@@ -131,6 +134,7 @@ class JobCheckpointer:
                 "stream": run.stream.state_dict(),
                 "losses": list(run.losses),
                 "status": run.status,
+                "joined_at": run.joined_at,
             }
         state = {
             "version": VERSION,
@@ -147,6 +151,11 @@ class JobCheckpointer:
         self.saves += 1
         return path
 
+    def drop(self) -> None:
+        """Delete this rank's checkpoint file (a job whose adapters have all left, waiting
+        for joins, has nothing in it to resume)."""
+        (self.dir / f"state.rank{self.rank}.pt").unlink(missing_ok=True)
+
     def discard(self) -> None:
         """Drop this job's checkpoint once none of its adapters trains any more (every one
         has its result): it would only hold states nothing resumes from."""
@@ -154,7 +163,7 @@ class JobCheckpointer:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
         if not any(run.active for run in self.recipe.runs):
-            (self.dir / f"state.rank{self.rank}.pt").unlink(missing_ok=True)
+            self.drop()
 
     # --------------------------------------------------------------- restore
     def restore(self) -> dict[str, int]:

@@ -12,6 +12,11 @@ learning rate, warm-up and schedule are per adapter (`PackedAdamW` over one flat
 every adapter's weights: one launch per step for the whole pack). An adapter
 whose loss or gradient turns NaN/inf is marked ``diverged`` and leaves the batch; one whose
 budget is done is evaluated, saved in the PEFT format and leaves the batch.
+
+Adapters may also join a running job (`plora.jobcontrol`: control.json's ``join`` list):
+at a step boundary each takes the slot of an adapter that has left, or the pack is laid
+out again (`plora.packed.slots`), and it trains as it would alone. A job with
+``streaming.linger_s`` waits that long for joins once its adapters have all left.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ from plora.data import (
 from plora.evaluate import evaluate_adapters
 from plora.heap import frozen_heap
 from plora.jobconfig import JobAdapter, JobConfig
+from plora.jobcontrol import (
+    JobControl,
+    JoinRecord,
+    append_join,
+    read_joins,
+)
 from plora.jobphases import PhaseClock
 from plora.metrics import generated_metrics, use_metric_paths
 from plora.models import ModelError, load_base_model
@@ -52,6 +63,7 @@ from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.peft_format import save_peft_adapter
 from plora.packed.rows import LabelParts
+from plora.packed.slots import NewAdapter, refill_slot, relayout
 from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
@@ -70,6 +82,10 @@ UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (ModelError, DataError, Conf
                                                       ValidationError)
 #: learning rates are capped here; see train_step
 MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
+#: how often a job lingering for joins looks at its control.json
+LINGER_POLL_S = 0.05
+#: what an adapter that left the pack has as its status
+FINAL_STATUSES = ("done", "diverged", "pruned")
 
 
 def lr_factor(step: int, total: int, warmup: int, scheduler: str) -> float:
@@ -88,9 +104,11 @@ def lr_factor(step: int, total: int, warmup: int, scheduler: str) -> float:
 
 @dataclass
 class AdapterRun:
-    """One adapter's progress inside the job."""
+    """One adapter's progress inside the job. ``index``: its slot in the pack (None once
+    the slot was given back); ``joined_at``: the job step it joined at (None: in the job
+    from its start)."""
 
-    index: int
+    index: int | None
     cfg: JobAdapter
     stream: AdapterStream
     step: int = 0
@@ -98,6 +116,7 @@ class AdapterRun:
     losses: list[float] = field(default_factory=list)
     reason: str = ""
     finished_at: float | None = None
+    joined_at: int | None = None
 
     @property
     def id(self) -> str:
@@ -163,7 +182,9 @@ class PackedLoRARecipe:
             random_init=c.model.random_init,
         )
         self.clock.loaded(time.perf_counter() - t_load)
-        specs = [AdapterSpec(a.id, a.rank, a.alpha, a.seed) for a in c.adapters]
+        rejoined = self._rejoined()  # adapters that joined an earlier attempt and did not finish
+        adapters = list(c.adapters) + [a for a, _ in rejoined]
+        specs = [AdapterSpec(a.id, a.rank, a.alpha, a.seed) for a in adapters]
         self.pm = inject_packed_lora(model, specs, self.targets, self.dropout)
         # rows flattened without padding, attention confined to each (None: padded rows)
         self.row_attn = install_row_attention(self.pm.model)
@@ -198,15 +219,18 @@ class PackedLoRARecipe:
             self.graphs = StepGraph(self.device)
         graphed = self.graphs is not None
         buckets = length_buckets_for(t.length_buckets, flattened=self._rows_flat(graphed), graphed=graphed)
-        lengths = [len(s.tokens) for s in self.train_samples]
-        self.runs = [AdapterRun(i, a, AdapterStream(len(self.train_samples), a.seed, lengths=lengths, buckets=buckets))
-                     for i, a in enumerate(c.adapters)]
+        self._stream_lengths = [len(s.tokens) for s in self.train_samples]
+        self._stream_buckets = buckets
+        joined_at = {a.id: s for a, s in rejoined}
+        self.runs = [AdapterRun(i, a, self._stream(a), joined_at=joined_at.get(a.id)) for i, a in enumerate(adapters)]
         # after TP sharding: the bank lays out the local shards
         self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
-        self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in c.adapters], weight_decay=t.weight_decay)
+        self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in adapters], weight_decay=t.weight_decay)
         self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
         self._last_progress = 0.0
         self._control_seen: tuple[int, int, int] | None = None  # control.json's (inode, mtime, size) last read
+        self._pending_joins: list[JobAdapter] = []  # asked for, not taken yet (no room)
+        self._closed = False  # control.json said no more joins will come
         self.checkpointer = JobCheckpointer(self, t.checkpoint_every_steps, t.checkpoint_every_minutes)
         self.resumed: dict[str, int] = {}  # adapter id -> the adapter step it resumed from
         self.start_time = time.time()
@@ -230,9 +254,10 @@ class PackedLoRARecipe:
 
     # ------------------------------------------------------------------ training
     def train(self) -> dict[str, Any]:
-        """Train until every adapter has left the pack; the job's summary (also summary.json).
-        The ``after_step`` hook (`plora.hooks`) fires after each optimizer step, before
-        finished adapters leave: tests look in there."""
+        """Train until every adapter has left the pack (and, with ``streaming.linger_s``, no
+        join came in that time); the job's summary (also summary.json). The ``after_step``
+        hook (`plora.hooks`) fires after each optimizer step, before finished adapters
+        leave: tests look in there."""
         if self.cfg.eval_base:
             with self.clock.timed("eval_base_s"):
                 self._eval_base()
@@ -243,10 +268,12 @@ class PackedLoRARecipe:
         # engine re-plans with the two measured apart.
         first_step_s = steps_s = 0.0
         with frozen_heap():  # no full garbage collections of the model's objects mid-step
-            while any(r.active for r in self.runs):
-                self._check_control()
-                active = [r for r in self.runs if r.active]
+            while True:
+                self._check_control(step)  # prunes, then joins: a freed slot is refilled at once
+                active = self._active()
                 if not active:
+                    if self._linger(step):
+                        continue
                     break
                 t_step = time.perf_counter()
                 self.train_step(active, step)
@@ -275,6 +302,7 @@ class PackedLoRARecipe:
             "first_step_s": first_step_s,
             "step_time_s": steps_s,  # steps 2..n
             "adapters": {r.id: r.status for r in self.runs},
+            "joined": {r.id: r.joined_at for r in self.runs if r.joined_at is not None},
             "phases": self.clock.to_dict(),
         }
         if self.is_main:
@@ -307,7 +335,7 @@ class PackedLoRARecipe:
         inputs = step_inputs(batch)
 
         def make() -> StepBuffers:
-            buffers = StepBuffers.allocate(key, inputs, planned, ids, len(self.runs), self.device)
+            buffers = StepBuffers.allocate(key, inputs, planned, ids, self.bank.num_adapters, self.device)
             self.pm.state.set_batch(ids, batch.segment_tokens, self.device)
             buffers.meta = self.pm.state.meta
             return buffers
@@ -374,7 +402,7 @@ class PackedLoRARecipe:
                 self.row_attn.clear()
         if self.tp is not None:  # partial gradients of replicated LoRA tensors
             self.tp.reduce_grads()
-        k = len(self.runs)
+        k = self.bank.num_adapters
         loss_k = torch.full((k,), float("nan"), dtype=torch.float32, device=values.device)
         loss_k.index_copy_(0, b.active, values)
         go = torch.zeros(k, dtype=torch.bool, device=values.device)
@@ -534,11 +562,11 @@ class PackedLoRARecipe:
         row["attempt"] = self.attempt
         self._metrics_file.write(json.dumps(row) + "\n")
 
-    def _write_progress(self, step: int, final: bool = False) -> None:
+    def _write_progress(self, step: int, final: bool = False, lingering: bool = False) -> None:
         if not self.is_main:
             return
         now = time.time()
-        if not final and now - self._last_progress < 0.5:
+        if not (final or lingering) and now - self._last_progress < 0.5:
             return
         self._last_progress = now
         self._metrics_file.flush()
@@ -550,6 +578,9 @@ class PackedLoRARecipe:
             "adapter_steps_total": sum(r.total_steps for r in self.runs),
             "adapters_finished": sum(not r.active for r in self.runs),
             "adapters_total": len(self.runs),
+            "adapters_joined": sum(r.joined_at is not None for r in self.runs),
+            "joins_waiting": len(self._pending_joins),
+            "lingering": lingering,
             "elapsed_s": now - self.start_time,
             "final": final,
             "attempt": self.attempt,
@@ -560,9 +591,11 @@ class PackedLoRARecipe:
         tmp.write_text(json.dumps(progress))
         tmp.replace(self.job_dir / "progress.json")
 
-    def _check_control(self) -> None:
-        """Adapters named in control.json's "prune" list leave the pack at this step."""
-        prune = self._read_control() if self.is_main else set()
+    def _check_control(self, step: int) -> None:
+        """At a step boundary: adapters named in control.json's "prune" list leave the pack,
+        then adapters waiting to join (its "join" list) take the room there is."""
+        control = self._read_control() if self.is_main else None
+        prune = set(control.prune) if control is not None else set()
         if self.tp is not None:  # rank 0 reads the file; every rank prunes at the same step
             flags = torch.tensor([r.id in prune for r in self.runs], dtype=torch.uint8, device=self.device)
             prune = {r.id for r, f in zip(self.runs, self.tp.broadcast_(flags).tolist()) if f}
@@ -570,24 +603,164 @@ class PackedLoRARecipe:
             if r.active and r.id in prune:
                 r.status, r.reason, r.finished_at = "pruned", "pruned", time.time()
                 self._write_adapter_metrics(r, {}, checkpoint=None)
+        if control is not None:
+            self._closed = self._closed or control.close
+            self._queue_joins(control.join, step)
+        if self._pending_joins:
+            self._take_joins(step)
 
-    def _read_control(self) -> set[str]:
-        """The prune list, read only when control.json has changed: one stat per step, so a
-        prune request takes effect at the next step however fast the steps are."""
+    def _read_control(self) -> JobControl | None:
+        """control.json (`plora.jobcontrol`), read only when it has changed (None when it has
+        not): one stat per step, so a request takes effect at the next step however fast
+        the steps are."""
         path = self.job_dir / "control.json"
         try:
             st = path.stat()
         except OSError:
-            return set()
+            return None
         seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         if seen == self._control_seen:
-            return set()
+            return None
         try:
-            prune = set(json.loads(path.read_text()).get("prune", []))
+            raw = json.loads(path.read_text())
         except (OSError, ValueError):  # half-written by a writer without an atomic rename: next step
-            return set()
+            return None
         self._control_seen = seen
-        return prune
+        try:
+            return JobControl.model_validate(raw)
+        except ValidationError as e:  # a whole file that is wrong: said once, until it changes
+            print(f"control.json ignored: {' '.join(str(e).split())[:1000]}", file=sys.stderr, flush=True)
+            return None
+
+    # ------------------------------------------------------------------ joins
+    def _stream(self, a: JobAdapter) -> AdapterStream:
+        """An adapter's own data order from its start (a joined adapter's too)."""
+        return AdapterStream(len(self.train_samples), a.seed, lengths=self._stream_lengths,
+                             buckets=self._stream_buckets)
+
+    def _active(self) -> list[AdapterRun]:
+        """The adapters training now, in slot order (the order of their rows in a step)."""
+        return sorted((r for r in self.runs if r.active), key=lambda r: r.index)
+
+    def _rejoined(self) -> list[tuple[JobAdapter, int]]:
+        """Adapters that joined an earlier attempt of this job (joins.jsonl) and have no
+        result yet, with the job step they joined at: they train again, from their mid-job
+        checkpoint where there is one. Every id in the file is never taken again."""
+        records = read_joins(self.job_dir)
+        self._joined_before = {rec.adapter.id for rec in records}
+        own = {a.id for a in self.cfg.adapters}
+        out: dict[str, tuple[JobAdapter, int]] = {}
+        for rec in records:
+            a = rec.adapter
+            if rec.refused is None and a.id not in own and a.id not in out and not self._has_result(a):
+                out[a.id] = (a, rec.job_step)
+        return list(out.values())
+
+    def _has_result(self, a: JobAdapter) -> bool:
+        """Whether this job already wrote ``a``'s final metrics (an earlier attempt)."""
+        try:
+            m = json.loads((self.output_dir / "adapters" / a.id / "metrics.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return (m.get("status") in FINAL_STATUSES and m.get("job_id") == self.job_id
+                and m.get("config") == a.hyperparameters())
+
+    def _queue_joins(self, asked: list[JobAdapter], step: int) -> None:
+        """The joins control.json asks for that are new to this job wait their turn."""
+        held = {r.id: r.cfg for r in self.runs}
+        waiting = {a.id for a in self._pending_joins}
+        for a in asked:
+            if a.id in waiting or a.id in self._joined_before:
+                continue
+            if a.id in held:
+                if held[a.id] != a:
+                    self._refuse(a, step, "the job already holds another adapter of this id")
+                continue
+            self._pending_joins.append(a)
+            waiting.add(a.id)
+
+    def _refuse(self, a: JobAdapter, step: int, reason: str) -> None:
+        self._joined_before.add(a.id)
+        if self.is_main:
+            append_join(self.job_dir, JoinRecord(adapter=a, job_step=step, attempt=self.attempt, time=time.time(),
+                                                 refused=reason))
+            print(f"join of {a.id} refused: {reason}", file=sys.stderr, flush=True)
+
+    def _take_joins(self, step: int) -> None:
+        """Waiting joins, in the order asked, enter the pack while ``streaming.max_active``
+        and ``max_active_rank`` allow: each into the slot of an adapter of its rank that has
+        left (in place), the rest into a pack laid out again (the free slots not reused are
+        given back). Each is in joins.jsonl before its first step."""
+        if self.tp is not None:
+            for a in self._pending_joins:
+                self._refuse(a, step, "adapters cannot join a tensor-parallel job")
+            self._pending_joins = []
+            return
+        limits = self.cfg.streaming
+        active = self._active()
+        count, ranks = len(active), sum(r.cfg.rank for r in active)
+        taking: list[JobAdapter] = []
+        for a in self._pending_joins:
+            if limits.max_active is not None and count + 1 > limits.max_active:
+                break
+            if limits.max_active_rank is not None and ranks + a.rank > limits.max_active_rank:
+                break
+            taking.append(a)
+            count, ranks = count + 1, ranks + a.rank
+        if not taking:
+            return
+        self._pending_joins = self._pending_joins[len(taking):]
+        for a in taking:
+            self._joined_before.add(a.id)
+            if self.is_main:
+                append_join(self.job_dir, JoinRecord(adapter=a, job_step=step, attempt=self.attempt, time=time.time()))
+        self._drop_graph()  # captured with the old composition's scales (and, on a new layout, buffers)
+        holder = {r.index: r for r in self.runs if r.index is not None}
+        free: dict[int, list[int]] = {}  # rank -> free slots
+        for k, spec in enumerate(self.pm.state.adapters):
+            if k not in holder or not holder[k].active:
+                free.setdefault(spec.rank, []).append(k)
+        grow: list[JobAdapter] = []
+        for a in taking:
+            slots = free.get(a.rank)
+            if not slots:
+                grow.append(a)
+                continue
+            k = slots.pop(0)
+            if k in holder:
+                holder[k].index = None
+            refill_slot(self.pm, self.bank, self.optimizer, k, self._newcomer(a))
+            self.runs.append(AdapterRun(k, a, self._stream(a), joined_at=step))
+        if grow:
+            keep = [r.index for r in self._active()]
+            self.bank, self.optimizer = relayout(self.pm, self.bank, self.optimizer,
+                                                 keep + [self._newcomer(a) for a in grow])
+            new_index = {old: new for new, old in enumerate(keep)}
+            for r in self.runs:
+                if r.index is not None:
+                    r.index = new_index.get(r.index)
+            for i, a in enumerate(grow):
+                self.runs.append(AdapterRun(len(keep) + i, a, self._stream(a), joined_at=step))
+
+    @staticmethod
+    def _newcomer(a: JobAdapter) -> NewAdapter:
+        return NewAdapter(AdapterSpec(a.id, a.rank, a.alpha, a.seed), a.learning_rate)
+
+    def _linger(self, step: int) -> bool:
+        """Every adapter has left: wait up to ``streaming.linger_s`` for a join (True when
+        one was taken). control.json's ``close``, or SIGTERM, ends the wait at once."""
+        wait = self.cfg.streaming.linger_s
+        if wait <= 0 or self._closed or self.tp is not None:
+            return False
+        self.checkpointer.drop()  # nothing trains: its states would only be resumed by mistake
+        self._write_progress(step, lingering=True)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not self._closed and not self.checkpointer.stop_requested:
+            time.sleep(LINGER_POLL_S)
+            self._check_control(step)
+            if self._active():
+                return True
+        return False
 
 
 def _pick_device(name: str) -> torch.device:
