@@ -47,6 +47,7 @@ __all__ = [
     "append_join",
     "read_control",
     "read_joins",
+    "reopen",
     "request_close",
     "request_join",
     "write_control",
@@ -116,6 +117,18 @@ def request_close(job_dir: str | Path) -> None:
     control = read_control(job_dir)
     control.close = True
     write_control(job_dir, control)
+
+
+def reopen(job_dir: str | Path) -> None:
+    """Take back an earlier attempt's ``close`` before the job is launched again (its other
+    requests stand)."""
+    try:
+        control = read_control(job_dir)
+    except ValueError:
+        return
+    if control.close:
+        control.close = False
+        write_control(job_dir, control)
 
 
 def append_join(job_dir: str | Path, record: JoinRecord) -> None:

@@ -836,6 +836,9 @@ class PlannerConfig(_Model):
     solver: Literal["auto", "gurobi", "highs"] = "auto"
     memory_load_factor: float = Field(0.9, gt=0, le=1)
     objective: Literal["makespan", "paper"] = "makespan"
+    #: adapters of jobs not started yet join running jobs that have room for them (by the cost
+    #: model's memory and max_adapters_per_job) instead of waiting for a job of their own
+    streaming: bool = False
 
 
 class OptunaConfig(_Model):

@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from plora.data_check import DataReport, check_data, data_config, eval_config
-from plora.jobconfig import JobAdapter, JobConfig, JobLora, JobModel, JobTraining
+from plora.engine.streaming import STREAM_LINGER_S, StreamPolicy
+from plora.jobconfig import (
+    JobAdapter,
+    JobConfig,
+    JobLora,
+    JobModel,
+    JobStreaming,
+    JobTraining,
+)
 from plora.spec import AdapterConfig, SweepSpec
 
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
@@ -235,6 +243,7 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         ),
         eval=eval_config(spec),
         eval_base=eval_base,
+        streaming=JobStreaming(linger_s=STREAM_LINGER_S) if spec.planner.streaming and job.tp == 1 else JobStreaming(),
     )
 
 
@@ -248,6 +257,30 @@ class PreparedSweep:
     cost_model: Any = None
     hardware: Hardware | None = None
     data: DataReport | None = None  # rows checked, cut or dropped (notes for the user)
+
+
+def stream_policy(prep: PreparedSweep) -> StreamPolicy:
+    """How the engine sends adapters into running jobs (``planner.streaming``): each as its
+    job config would list it, while the pack stays within ``max_adapters_per_job`` and,
+    with a cost model, within the planner's share of GPU memory."""
+    from plora.costmodel import AdapterLoad
+
+    spec, by_id = prep.spec, {c.id: c for c in prep.configs}
+    warmup = spec.training.warmup_for
+
+    def entry(adapter_id: str) -> JobAdapter:
+        steps = prep.steps[adapter_id]
+        return JobAdapter(**by_id[adapter_id].to_dict(), steps=steps, warmup_steps=warmup(steps))
+
+    def fits(adapters: Sequence[str], tp: int) -> bool:
+        if len(adapters) > spec.planner.max_adapters_per_job:
+            return False
+        if prep.cost_model is None:
+            return True
+        loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
+        return prep.cost_model.fits(loads, tp, spec.planner.memory_load_factor)
+
+    return StreamPolicy(entry, fits)
 
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
@@ -375,6 +408,7 @@ def run_prepared(
         max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
         replan=replan_waiting if replan and prep.cost_model is not None else None,
         launcher=backend.launcher,
+        streaming=stream_policy(prep) if prep.spec.planner.streaming else None,
     )
     try:
         engine.reconcile()

@@ -233,3 +233,52 @@ def test_sigkilled_job_resumes_with_the_adapters_that_joined_it(tiny_model, reve
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
         m = json.loads((run / "adapters" / adapter_id / "metrics.json").read_text())
         assert m["attempt"] == 2
+
+
+def test_streaming_sweep_sends_a_waiting_adapter_into_the_running_job(tmp_path):
+    """planner.streaming, one CPU slot, two planned jobs: once an adapter of job-000 has
+    left, job-001's adapter joins job-000 instead of waiting for a process of its own;
+    the journal records it under job-000 and job-001 never runs."""
+    from plora.engine.journal import Journal
+    from plora.planner.plan import Job, Plan
+    from plora.spec import load_spec
+    from plora.sweep import prepare, run_prepared, write_run_files
+
+    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8},
+               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
+               {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
+    data = {
+        "name": "stream",
+        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": configs},
+        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
+        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
+        "planner": {"max_adapters_per_job": 2, "streaming": True},
+        "hardware": {"device": "cpu"},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    prep = prepare(load_spec(path))
+    first, second, third = (c.id for c in prep.configs)
+    prep.plan = Plan([Job("job-000", [first, second]), Job("job-001", [third])], grouping="two jobs for the test")
+    write_run_files(prep)
+    frame = run_prepared(prep, slots=["cpu:0"])
+    assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
+
+    journal = Journal(prep.run_dir / "journal.sqlite")
+    try:
+        assert journal.job("job-001").status == "streamed"
+        job = journal.job("job-000")
+        assert job.status == "finished" and job.attempt == 1 and job.adapters == [first, second, third]
+        assert any(kind == "join" and subject == "job-000" for _, kind, subject, _ in journal.events())
+    finally:
+        journal.close()
+    [record] = read_joins(prep.run_dir / "jobs" / "job-000")
+    assert record.adapter.id == third and record.refused is None
+    assert record.adapter.steps == prep.steps[third]
+    m = json.loads((prep.run_dir / "adapters" / third / "metrics.json").read_text())
+    assert m["job_id"] == "job-000" and m["steps"] == prep.steps[third]
+    assert not (prep.run_dir / "jobs" / "job-001" / "job.yaml").exists()

@@ -18,6 +18,9 @@
   journal shows running belong to a sweep that died: their processes are killed and their
   unfinished adapters re-queued.
 - Ctrl-C: running jobs are stopped, their unfinished adapters go back to pending.
+- Streaming (``planner.streaming``, `plora.engine.streaming`): adapters of queued jobs not
+  started yet join running jobs that have room, through their control.json; the journal
+  records them under the job they joined, and a job emptied so is not launched.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from pathlib import Path
 
 from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
+from plora.engine.streaming import StreamPolicy, pick_joins
+from plora.jobcontrol import reopen, request_close, request_join
 from plora.planner.plan import Job
 
 EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
@@ -132,6 +137,7 @@ class Engine:
         replan: Replan | None = None,
         drift_threshold: float = DRIFT_THRESHOLD,
         launcher: Callable[..., JobProcess] | None = None,
+        streaming: StreamPolicy | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.journal = journal
@@ -154,6 +160,8 @@ class Engine:
         self.drift_at_last_plan = 1.0
         self.replans = 0
         self.launch = launcher or launch  # the backend's: local processes, or Ray tasks
+        self.streaming = streaming  # None: every adapter trains in the job it was queued in
+        self.closed: set[str] = set()  # streaming jobs told that no join will come
 
     # ------------------------------------------------------------------ resume
     def reconcile(self) -> None:
@@ -219,6 +227,7 @@ class Engine:
         try:
             while self.queue or self.running:
                 self._launch_ready()
+                self._stream()
                 self._reap()
                 if self.on_tick:
                     self.on_tick(self.snapshot())
@@ -268,6 +277,9 @@ class Engine:
             job_dir = self.write_job(job)
             (job_dir / "oom.json").unlink(missing_ok=True)  # a marker of an earlier attempt
             (job_dir / UNFIXABLE_FILE).unlink(missing_ok=True)
+            if self.streaming is not None:  # a relaunched job may take joins again
+                reopen(job_dir)
+                self.closed.discard(job.id)
             gpus = [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
             proc = self.launch(job.id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
                                extra_env={"PLORA_ATTEMPT": str(attempt)})
@@ -279,6 +291,45 @@ class Engine:
                 self.journal.set_adapter(a, "running", job_id=job.id)
             self.journal.event("launch", job.id, {"adapters": job.adapters, "attempt": attempt, "slots": slots})
             self._note(f"started {job.id} ({len(job.adapters)} adapters, TP {job.tp}) on {','.join(slots)}")
+
+    def _stream(self) -> None:
+        """Send adapters of queued jobs not started yet into running jobs with room
+        (`plora.engine.streaming`); close a running job that has nothing left to train and
+        nothing to take."""
+        if self.streaming is None:
+            return
+        for job_id, rj in list(self.running.items()):
+            if job_id in self.closed or rj.job.tp != 1 or rj.proc.proc.poll() is not None:
+                continue
+            training = [a for a in rj.job.adapters if self.result(a) is None]
+            waiting = [a for j in self.queue if self._history(j.id).attempt == 0 for a in j.adapters]
+            taken = pick_joins(training, waiting, self.streaming.fits)
+            if not taken:
+                if not training:
+                    request_close(rj.proc.job_dir)
+                    self.closed.add(job_id)
+                continue
+            request_join(rj.proc.job_dir, [self.streaming.entry(a) for a in taken])
+            rj.job = replace(rj.job, adapters=[*rj.job.adapters, *taken])
+            self.journal.update_job(job_id, adapters=rj.job.adapters)
+            for a in taken:
+                self.journal.set_adapter(a, "running", job_id=job_id)
+            self._take_from_queue(set(taken), into=job_id)
+            self.journal.event("join", job_id, {"adapters": taken})
+            self._note(f"{len(taken)} adapters joined {job_id}")
+
+    def _take_from_queue(self, adapters: set[str], into: str) -> None:
+        for job in list(self.queue):
+            left = [a for a in job.adapters if a not in adapters]
+            if len(left) == len(job.adapters):
+                continue
+            if left:
+                self.queue[self.queue.index(job)] = replace(job, adapters=left)
+                self.journal.update_job(job.id, adapters=left)
+            else:
+                self.queue.remove(job)
+                self.journal.update_job(job.id, status="streamed", ended=time.time())
+                self.journal.event("streamed", job.id, {"into": into})
 
     def _planned_slots(self, job: Job) -> list[str] | None:
         """The pool's slots for the job's planned GPUs (a TP job may use any set the plan
