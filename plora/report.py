@@ -13,7 +13,10 @@ What the run directory offers, and where each section reads it:
   hyperparameter, best against worst and base model.
 * ``jobs/<id>/metrics.jsonl`` / ``evals.jsonl``: learning curves; measured step times.
 * ``journal.sqlite`` (the engine's record of each job: slots, start, end, outcome), else the
-  recipe's ``summary.json``: the actual timeline. ``plan.json`` (read as a
+  recipe's ``summary.json``: the actual timeline. A job the journal marks ``streamed`` (its
+  adapters all joined running jobs) never ran and is not drawn. Each adapter's own span in
+  its job (from the job's start, or from the step it joined at: ``joins.jsonl``,
+  ``summary.json``'s ``joined``, ``metrics.jsonl``) comes from `plora.adapter_spans`. ``plan.json`` (read as a
   :class:`plora.planner.plan.Plan`): the planned one, when its jobs carry predicted times
   and GPUs; the makespan's baselines and lower bound when the planner wrote them.
 * ``profile.json`` (a fitted cost model): predicted against measured step and job times.
@@ -36,6 +39,9 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import yaml
 
+from plora.adapter_spans import SPAN_COLUMNS, JobRun, adapter_spans, planned_adapters
+from plora.jobcontrol import read_joins
+
 if TYPE_CHECKING:
     from plora.costmodel import AdapterLoad
     from plora.planner.plan import Job, Plan
@@ -46,6 +52,7 @@ __all__ = [
     "RunData",
     "load_run",
     "notebook_path",
+    "plot_adapter_gantt",
     "plot_best_worst_base",
     "plot_cost_model",
     "plot_gantt",
@@ -206,6 +213,8 @@ class RunData:
     base: dict[str, float]
     plan: Plan | None
     jobs: pd.DataFrame  # one row per job that ran: timeline and predictions
+    adapter_spans: pd.DataFrame  # per job run and adapter: start, end (same clock as jobs), joined, status
+    streamed: dict[str, str]  # jobs that never ran, their adapters having joined running jobs -> that job
     steps: pd.DataFrame  # per job and packed step: time, adapters in the pack
     train_curves: pd.DataFrame  # adapter, adapter_step, loss
     eval_curves: pd.DataFrame  # adapter, adapter_step, eval_loss
@@ -280,7 +289,7 @@ def load_run(run_dir: Path | str) -> RunData:
                 s["time"] = max(s["time"], float(m["time"]))
                 s["adapters"] += 1
         steps.extend(by_step[k] for k in sorted(by_step))
-    jobs = _job_timeline(run_dir, job_dirs, plan, results)
+    jobs, spans = _job_timeline(run_dir, job_dirs, plan, results)
     return RunData(
         run_dir=run_dir,
         name=str(spec.get("name") or run_dir.name),
@@ -291,6 +300,8 @@ def load_run(run_dir: Path | str) -> RunData:
         base={k: v for k, v in base.items() if isinstance(v, (int, float))},
         plan=plan,
         jobs=jobs,
+        adapter_spans=spans,
+        streamed=_streamed_jobs(run_dir),
         steps=pd.DataFrame(steps, columns=["job_id", "step", "time", "adapters"]),
         train_curves=latest_attempts(pd.DataFrame(train, columns=["job_id", "adapter", "adapter_step", "loss", "time",
                                                                   "attempt"])),
@@ -357,12 +368,34 @@ def _journal_jobs(run_dir: Path) -> list[dict] | None:
         if kind == "launch":
             with contextlib.suppress(ValueError, AttributeError):
                 slots[subject] = list(json.loads(detail).get("slots") or [])
+    # a job whose adapters all joined running jobs (planner.streaming) never ran
     return [
         {"job_id": j.id, "slots": slots.get(j.id) or [], "start": j.started, "end": j.ended, "status": j.status,
-         "returncode": j.returncode, "adapters": len(j.adapters), "tp": j.tp, "gpus": j.gpus,
-         "predicted_start": j.predicted_start, "predicted_end": j.predicted_end}
-        for j in jobs if j.started is not None
+         "returncode": j.returncode, "adapters": len(j.adapters), "adapter_ids": list(j.adapters), "tp": j.tp,
+         "gpus": j.gpus, "predicted_start": j.predicted_start, "predicted_end": j.predicted_end}
+        for j in jobs if j.started is not None and j.status != "streamed"
     ]
+
+
+def _streamed_jobs(run_dir: Path) -> dict[str, str]:
+    """Jobs that never ran because their adapters joined running ones: job -> the job that
+    took them (the journal's ``streamed`` events)."""
+    path = run_dir / "journal.sqlite"
+    if not path.is_file():
+        return {}
+    from plora.engine.journal import Journal
+
+    journal = Journal(path)
+    try:
+        events = journal.events()
+    finally:
+        journal.close()
+    out = {}
+    for _, kind, subject, detail in events:
+        if kind == "streamed":
+            with contextlib.suppress(ValueError, AttributeError):
+                out[subject] = str(json.loads(detail).get("into") or "")
+    return out
 
 
 def _recipe_jobs(job_dirs: list[Path]) -> list[dict]:
@@ -375,16 +408,20 @@ def _recipe_jobs(job_dirs: list[Path]) -> list[dict]:
         for name, rec, key in (("summary.json", summ, "wall_time_s"), ("progress.json", prog, "elapsed_s")):
             if rec.get(key) is not None and (jd / name).is_file():
                 end = (jd / name).stat().st_mtime
+                ids = list(summ.get("adapters") or {}) or [
+                    *planned_adapters(jd), *(r.adapter.id for r in read_joins(jd) if r.refused is None)]
                 rows.append({"job_id": jd.name, "slots": [], "start": end - float(rec[key]), "end": end,
                              "status": "finished" if summ else "running", "returncode": None,
-                             "adapters": len(summ.get("adapters", {})) or None})
+                             "adapters": len(summ.get("adapters", {})) or None, "adapter_ids": ids})
                 break
     return rows
 
 
-def _job_timeline(run_dir: Path, job_dirs: list[Path], plan: Plan | None, results: pd.DataFrame) -> pd.DataFrame:
+def _job_timeline(run_dir: Path, job_dirs: list[Path], plan: Plan | None,
+                  results: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """One row per job run: actual start/end (seconds from the first start), its slots, and
-    the plan's predictions where plan.json (or the journal) has them."""
+    the plan's predictions where plan.json (or the journal) has them; and each adapter's
+    span in those runs (`plora.adapter_spans`), on the same clock, with its job's lanes."""
     import time
 
     planned = _plan_jobs(plan)
@@ -393,12 +430,16 @@ def _job_timeline(run_dir: Path, job_dirs: list[Path], plan: Plan | None, result
     source = "journal"
     if not runs:
         runs, source = _recipe_jobs(job_dirs), "recipe"
-    rows = []
+    rows, job_runs = [], []
+    now = time.time()
     for r in runs:
         p = planned.get(r["job_id"])
+        job_runs.append(JobRun(r["job_id"], float(r["start"]), float(r["end"] if r["end"] is not None else now),
+                               list(r.get("adapter_ids") or (p.adapters if p is not None else [])),
+                               running=r["end"] is None, status=r.get("status")))
         pstart = p.start if p is not None and p.start is not None else r.get("predicted_start")
         pend = p.end if p is not None and p.end is not None else r.get("predicted_end")
-        end = r["end"] if r["end"] is not None else time.time()  # still running
+        end = r["end"] if r["end"] is not None else now  # still running
         rows.append({
             "job_id": r["job_id"], "slots": r["slots"], "start": float(r["start"]), "end": float(end),
             "source": source, "status": r.get("status"), "returncode": r.get("returncode"),
@@ -412,14 +453,20 @@ def _job_timeline(run_dir: Path, job_dirs: list[Path], plan: Plan | None, result
     cols = ["job_id", "slots", "start", "end", "source", "status", "returncode", "adapters", "tp", "batch", "gpus",
             "planned_start", "planned_end", "predicted_step_time"]
     frame = pd.DataFrame(rows, columns=cols)
+    spans = pd.DataFrame([s.row() for s in adapter_spans(run_dir, job_runs)], columns=[*SPAN_COLUMNS, "lanes"])
     if frame.empty:
-        return frame
+        return frame, spans
     t0 = frame["start"].min()
     frame["start"] -= t0
     frame["end"] -= t0
     frame = frame.sort_values(["start", "job_id"]).reset_index(drop=True)
     frame["lanes"] = _lanes(frame)
-    return frame
+    if not spans.empty:
+        spans["start"] -= t0
+        spans["end"] -= t0
+        lanes = dict(zip(frame["job_id"], frame["lanes"]))
+        spans["lanes"] = [lanes.get(j, []) for j in spans["job_id"]]
+    return frame, spans
 
 
 def _lanes(frame: pd.DataFrame) -> list[list[str]]:
@@ -657,6 +704,70 @@ def plot_gantt(run: RunData):
     title = "jobs per slot, planned vs actual" if not planned.empty else "jobs per slot (the plan has no predicted times)"
     if (jobs["source"] == "recipe").any():
         title += "; times exclude process start-up"
+    if run.streamed:
+        title += "; not run (adapters joined others): " + ", ".join(
+            f"{j} → {into}" if into else j for j, into in sorted(run.streamed.items()))
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def plot_adapter_gantt(run: RunData):
+    """Each adapter's own span, grouped by slot (GPU or CPU core) and job: from its job's
+    start, or from the step it joined the running job at, to when it finished. A job's
+    span is the grey band behind its adapters; joined adapters are drawn in their own
+    colour with a marker where they joined."""
+    spans = run.adapter_spans
+    if spans.empty:
+        raise Missing("No adapter timings (journal.sqlite or jobs/*/summary.json) in this run directory.")
+    from matplotlib.patches import Patch
+
+    jobs = run.jobs.set_index("job_id")
+    order = sorted(spans["job_id"].unique(), key=lambda j: (
+        _slot_key(jobs.at[j, "lanes"][0]) if j in jobs.index and jobs.at[j, "lanes"] else ("",),
+        jobs.at[j, "start"] if j in jobs.index else 0.0, j))
+    rows: list[tuple[str, pd.Series]] = []
+    groups: list[tuple[str, int, int]] = []  # job, first row, rows
+    for j in order:
+        g = spans[spans["job_id"] == j].sort_values(["start", "adapter"], kind="stable")
+        groups.append((j, len(rows), len(g)))
+        rows.extend((j, r) for _, r in g.iterrows())
+    n = len(rows)
+    fig = _figure(11, 0.22 * n + 0.3 * len(groups) + 1.6)
+    ax = fig.subplots()
+    colors = {"joined": PALETTE[1], "first": PALETTE[0]}
+    bad = {"diverged", "pruned", "failed"}
+    for j, first, count in groups:
+        if j in jobs.index:
+            r = jobs.loc[j]
+            ax.barh(first + (count - 1) / 2, r["end"] - r["start"], left=r["start"], height=count - 0.1 + 0.4,
+                    color="#e6e6e6", edgecolor="#999999", linewidth=0.5, zorder=0)
+            lane = ",".join(r["lanes"]) if r["lanes"] else ""
+            ax.text(r["start"], first - 0.55, f" {j} on {lane}" if lane else f" {j}", fontsize=7, va="bottom",
+                    color="#555555")
+    for y, (_, r) in enumerate(rows):
+        c = colors["joined"] if r["joined"] else colors["first"]
+        ax.barh(y, max(r["end"] - r["start"], 1e-3), left=r["start"], height=0.6, color=c,
+                hatch="//" if r["status"] in bad else None, edgecolor="black", linewidth=0.3, zorder=2)
+        if r["joined"]:
+            ax.plot([r["start"]], [y], marker=">", color="black", markersize=4, zorder=3)
+    labels = [f"{r['adapter']}" + (f" (joined at step {int(r['joined_step'])})" if r["joined"] and pd.notna(
+        r["joined_step"]) else " (joined)" if r["joined"] else "") for _, r in rows]
+    if n <= 150:
+        ax.set_yticks(range(n), labels, fontsize=7)
+    else:
+        ax.set_yticks([])
+    ax.set_ylim(n - 0.3, -1.2)
+    ax.set_xlabel("seconds since the first job started")
+    handles = [Patch(color=colors["first"], label="in the job from its start"),
+               Patch(color=colors["joined"], label="joined the running job"),
+               Patch(facecolor="white", edgecolor="black", hatch="//", label="diverged / pruned / failed"),
+               Patch(color="#e6e6e6", label="the job")]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the bars
+    joined = int(spans["joined"].sum())
+    title = f"adapters per job: {len(spans)} spans in {len(groups)} jobs, {joined} joined a running job"
+    if run.streamed:
+        title += f"; {len(run.streamed)} queued job{'s' if len(run.streamed) != 1 else ''} never ran (adapters streamed)"
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     return fig

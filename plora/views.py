@@ -110,7 +110,7 @@ def live_view(snapshot, total_adapters: int) -> Group:
     """Running jobs with their progress and ETA, adapters done, predicted vs actual makespan."""
     jobs = Table(title="running jobs", title_justify="left", expand=False)
     for col, just in (("job", "left"), ("GPUs / slots", "left"), ("adapters", "right"), ("adapter steps", "right"),
-                      ("done", "right"), ("elapsed", "right"), ("ETA", "right")):
+                      ("done", "right"), ("joins", "left"), ("elapsed", "right"), ("ETA", "right")):
         jobs.add_column(col, justify=just)
     for rj in snapshot.running:
         p = rj.proc.progress()
@@ -119,7 +119,7 @@ def live_view(snapshot, total_adapters: int) -> Group:
         eta = elapsed * (total - done) / done if elapsed and done else None
         jobs.add_row(rj.job.id, ",".join(rj.slots), str(len(rj.job.adapters)),
                      f"{done}/{total}" if total else "starting", f"{p.get('adapters_finished', 0)}",
-                     _fmt_s(elapsed), _fmt_s(eta))
+                     joins_note(p, running=True), _fmt_s(elapsed), _fmt_s(eta))
     counts = snapshot.adapter_status
     finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
     line = Text.assemble(
@@ -137,38 +137,69 @@ def live_view(snapshot, total_adapters: int) -> Group:
     return Group(*parts)
 
 
+def joins_note(progress: dict, *, running: bool) -> str:
+    """A job's joins from its progress.json: adapters that joined it, joins waiting in its
+    control.json for room, and whether it waits for joins after its own adapters left
+    (``streaming.linger_s``; only while it runs). "—" when there is none of these."""
+    parts = []
+    if progress.get("adapters_joined"):
+        parts.append(f"{int(progress['adapters_joined'])} joined")
+    if running and progress.get("joins_waiting"):
+        parts.append(f"{int(progress['joins_waiting'])} waiting")
+    if running and progress.get("lingering"):
+        parts.append("lingering")
+    return ", ".join(parts) or "—"
+
+
+def _read_progress(job_dir: Path) -> dict:
+    import json
+
+    try:
+        progress = json.loads((job_dir / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return progress if isinstance(progress, dict) else {}
+
+
 def status_tables(run_dir: Path) -> list:
     """Where a sweep stands, from its journal (works while it runs, and after)."""
+    import json
+
     from plora.engine.journal import Journal
 
     journal = Journal(run_dir / "journal.sqlite")
     try:
-        jobs, adapters = journal.jobs(), journal.adapters()
+        jobs, adapters, events = journal.jobs(), journal.adapters(), journal.events()
     finally:
         journal.close()
+    into: dict[str, str] = {}
+    for _, kind, subject, detail in events:
+        if kind == "streamed":
+            with contextlib.suppress(ValueError, AttributeError):
+                into[subject] = str(json.loads(detail).get("into") or "")
     counts: dict[str, int] = {}
     for a in adapters:
         counts[a["status"]] = counts.get(a["status"], 0) + 1
     summary = Text.assemble(("adapters: ", "bold"), ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")
     t = Table(title=f"jobs of {run_dir.name}", title_justify="left")
-    for col in ("job", "status", "adapters", "TP", "GPUs", "attempt", "resumed at", "wall time", "exit"):
+    for col in ("job", "status", "adapters", "TP", "GPUs", "attempt", "resumed at", "joins", "wall time", "exit"):
         t.add_column(col)
     for j in jobs:
         wall = (j.ended or 0) - j.started if j.started and j.ended else None
+        progress = _read_progress(run_dir / "jobs" / j.id) if j.started else {}
+        if j.status == "streamed":  # never ran: its adapters joined a running job
+            joins = f"adapters joined {into[j.id]}" if into.get(j.id) else "adapters joined running jobs"
+        else:
+            joins = joins_note(progress, running=j.status == "running")
         t.add_row(j.id, j.status, str(len(j.adapters)), str(j.tp), ",".join(map(str, j.gpus)) or "—",
-                  str(j.attempt), _resumed_at(run_dir / "jobs" / j.id), _fmt_s(wall),
+                  str(j.attempt), _resumed_at(progress), joins, _fmt_s(wall),
                   "" if j.returncode is None else str(j.returncode))
     return [summary, t]
 
 
-def _resumed_at(job_dir: Path) -> str:
+def _resumed_at(progress: dict) -> str:
     """The step a job's latest attempt resumed from its checkpoint ("—": from the start)."""
-    import json
-
-    try:
-        step = json.loads((job_dir / "progress.json").read_text()).get("resumed_step")
-    except (OSError, ValueError):
-        return "—"
+    step = progress.get("resumed_step")
     return f"step {step}" if step is not None else "—"
 
 
