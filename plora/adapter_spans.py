@@ -40,7 +40,9 @@ SPAN_COLUMNS = ["job_id", "adapter", "start", "end", "joined", "joined_step", "s
 @dataclass
 class JobRun:
     """One job run as the timeline knows it: wall-clock start and end, and its adapters
-    (as the journal or the recipe's files list them, joined ones included)."""
+    (as the journal or the recipe's files list them, joined ones included). For a job
+    that ran more than once, its latest attempt: an adapter an earlier attempt finished has
+    no span in it."""
 
     job_id: str
     start: float
@@ -107,7 +109,8 @@ def _recipe_origin(job_dir: Path, run: JobRun) -> float:
 def _job_spans(run_dir: Path, run: JobRun) -> list[AdapterSpan]:
     job_dir = run_dir / "jobs" / run.job_id
     rows = _read_jsonl(job_dir / "metrics.jsonl")
-    attempt = max((int(r.get("attempt") or 1) for r in rows), default=1)
+    progress = _read_json(job_dir / "progress.json") or {}
+    attempt = max([int(r.get("attempt") or 1) for r in rows] + [int(progress.get("attempt") or 1)])
     rows = [r for r in rows if int(r.get("attempt") or 1) == attempt and isinstance(r.get("time"), (int, float))]
     origin = _recipe_origin(job_dir, run)
     step_time: dict[int, float] = {}
@@ -151,6 +154,8 @@ def _job_spans(run_dir: Path, run: JobRun) -> list[AdapterSpan]:
         else:
             start = run.start
         metrics = _read_json(run_dir / "adapters" / a / "metrics.json") or {}
+        if metrics.get("job_id") == run.job_id and int(metrics.get("attempt") or 1) < attempt:
+            continue  # finished by an earlier attempt, before this run of the job
         own = metrics.get("job_id") == run.job_id and int(metrics.get("attempt") or 1) == attempt
         if own and isinstance(metrics.get("wall_time_s"), (int, float)):
             end = origin + float(metrics["wall_time_s"])

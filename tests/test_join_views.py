@@ -156,3 +156,17 @@ def test_report_html_draws_the_adapter_gantt(streamed_run, tmp_path):
     assert result.exit_code == 0, result.output
     html = out.read_text()
     assert "Adapters per job" in html and "could not be drawn" not in html and "Traceback" not in html
+
+
+def test_an_adapter_an_earlier_attempt_finished_has_no_span_in_the_relaunch(streamed_run, tmp_path):
+    run_dir, (_, second, joined) = streamed_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    progress_path = copy / "jobs" / "job-000" / "progress.json"
+    progress_path.write_text(json.dumps({**json.loads(progress_path.read_text()), "attempt": 2}))
+    for a in (second, joined):  # the relaunch finished these two
+        path = copy / "adapters" / a / "metrics.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "attempt": 2}))
+    spans = R.load_run(copy).adapter_spans.set_index("adapter")
+    assert set(spans.index) == {second, joined}
+    assert (spans["status"] == "done").all()
