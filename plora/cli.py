@@ -163,6 +163,7 @@ def tune(
     pruner: Optional[str] = typer.Option(None, "--pruner", help="Optuna pruner: median, percentile, successive-halving, hyperband, wilcoxon (needs eval.every_steps)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed (default: space.seed)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
+    asynchronous: bool = typer.Option(False, "--async", help="No batches: --batch trials train at once in one long-lived job per slot; each finished or pruned trial is told at once and the next one joins its slot."),
 ) -> None:
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
     from plora.data import DataError
@@ -198,7 +199,8 @@ def tune(
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             study = run_tune(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner, run_dir=output,
-                             seed=seed, on_batch=on_batch, on_snapshot=on_snapshot)
+                             seed=seed, on_batch=on_batch, on_snapshot=on_snapshot, asynchronous=asynchronous,
+                             on_trial=lambda t: console.print(views.trial_line(t)))
     except (DataError, ModelError, ValueError) as e:
         fail(str(e))
     except KeyboardInterrupt:

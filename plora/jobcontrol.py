@@ -48,6 +48,7 @@ __all__ = [
     "read_control",
     "read_joins",
     "reopen",
+    "request",
     "request_close",
     "request_join",
     "write_control",
@@ -103,20 +104,28 @@ def write_control(job_dir: str | Path, control: JobControl) -> Path:
     return path
 
 
+def request(job_dir: str | Path, *, prune: Iterable[str] = (), join: Iterable[JobAdapter] = (),
+            close: bool = False) -> None:
+    """Add prunes, joins and a close to control.json in one write: a join sent with the
+    prune that frees its slot takes that slot at the same step boundary. Ids already
+    listed are left as they are."""
+    control = read_control(job_dir)
+    control.prune.extend(a for a in dict.fromkeys(prune) if a not in control.prune)
+    known = {a.id for a in control.join}
+    control.join.extend(a for a in join if a.id not in known)
+    control.close = control.close or close
+    write_control(job_dir, control)
+
+
 def request_join(job_dir: str | Path, adapters: Iterable[JobAdapter]) -> None:
     """Ask a running job to take these adapters (added to control.json's join list; an id
     already there is left as it is)."""
-    control = read_control(job_dir)
-    known = {a.id for a in control.join}
-    control.join.extend(a for a in adapters if a.id not in known)
-    write_control(job_dir, control)
+    request(job_dir, join=adapters)
 
 
 def request_close(job_dir: str | Path) -> None:
     """Tell a job lingering for joins that none will come."""
-    control = read_control(job_dir)
-    control.close = True
-    write_control(job_dir, control)
+    request(job_dir, close=True)
 
 
 def reopen(job_dir: str | Path) -> None:

@@ -215,10 +215,12 @@ def model_targets(spec: SweepSpec) -> list[str]:
 
 
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
-               run_dir: Path, *, eval_base: bool) -> JobConfig:
+               run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None) -> JobConfig:
     """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
     settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
-    in its order): step budgets, warm-ups, resolved targets."""
+    in its order): step budgets, warm-ups, resolved targets. ``streaming``: the job's
+    streaming section when whoever runs it sends it joins itself (default: from
+    ``planner.streaming``)."""
     t = spec.training
     return JobConfig(
         job_id=job.id,
@@ -243,7 +245,8 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         ),
         eval=eval_config(spec),
         eval_base=eval_base,
-        streaming=JobStreaming(linger_s=STREAM_LINGER_S) if spec.planner.streaming and job.tp == 1 else JobStreaming(),
+        streaming=streaming if streaming is not None else (
+            JobStreaming(linger_s=STREAM_LINGER_S) if spec.planner.streaming and job.tp == 1 else JobStreaming()),
     )
 
 
@@ -257,6 +260,8 @@ class PreparedSweep:
     cost_model: Any = None
     hardware: Hardware | None = None
     data: DataReport | None = None  # rows checked, cut or dropped (notes for the user)
+    #: every job's streaming section, for a caller that sends joins itself (None: job_config's default)
+    streaming: JobStreaming | None = None
 
 
 def stream_policy(prep: PreparedSweep) -> StreamPolicy:
@@ -349,6 +354,7 @@ def run_prepared(
     slots: list[str] | None = None,
     max_retries: int = 2,
     replan: bool = True,
+    feed: Callable[[Any], None] | None = None,
 ) -> pd.DataFrame:
     """Run every adapter that has no result yet through the engine, then collect the table.
 
@@ -357,6 +363,9 @@ def run_prepared(
     (e.g. to watch their files); `on_snapshot` gets the engine's state for a live view.
     With `replan` (and a cost model), jobs not started yet are planned again when finished
     jobs' times drift from the plan's predictions (jobs without predictions never drift).
+    `feed(engine)` is called at each tick by a caller that adds adapters and jobs while
+    the engine runs (appending to ``prep.configs`` and ``prep.steps`` first); the engine
+    then streams nothing itself.
     """
     from plora.engine.backends import backend_for
     from plora.engine.journal import Journal
@@ -375,11 +384,12 @@ def run_prepared(
     first_job = prep.plan.jobs[0].id if prep.plan.jobs else None
 
     def write_job(job: Job) -> Path:
+        by_id.update((c.id, c) for c in prep.configs if c.id not in by_id)  # a feed's adapters
         job_dir = prep.run_dir / "jobs" / job.id
         job_dir.mkdir(parents=True, exist_ok=True)
         eval_base = job.id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
         job_config(prep.spec, job, [by_id[a] for a in job.adapters], prep.steps, prep.run_dir,
-                   eval_base=eval_base).write(job_dir / "job.yaml")
+                   eval_base=eval_base, streaming=prep.streaming).write(job_dir / "job.yaml")
         return job_dir
 
     def tick(snapshot) -> None:
@@ -408,7 +418,8 @@ def run_prepared(
         max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
         replan=replan_waiting if replan and prep.cost_model is not None else None,
         launcher=backend.launcher,
-        streaming=stream_policy(prep) if prep.spec.planner.streaming else None,
+        streaming=stream_policy(prep) if prep.spec.planner.streaming and feed is None else None,
+        feed=feed,
     )
     try:
         engine.reconcile()
@@ -456,25 +467,30 @@ def result_columns(spec: SweepSpec) -> list[str]:
     return RESULT_COLUMNS[:at] + extra + RESULT_COLUMNS[at:]
 
 
+def result_row(spec: SweepSpec, run_dir: Path, c: AdapterConfig, job_id: str | None,
+               crashed_jobs: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """An adapter's row of results.parquet, from its metrics.json (``failed`` without one;
+    ``job_id``: the job it was planned in)."""
+    crashed_jobs = crashed_jobs or {}
+    path = run_dir / "adapters" / c.id / "metrics.json"
+    row: dict[str, Any] = {"adapter_id": c.id, **{k: v for k, v in c.to_dict().items() if k != "id"}}
+    if path.is_file():
+        m = json.loads(path.read_text())
+        if m.get("status") == "failed" and crashed_jobs.get(m.get("job_id", "")):
+            m["reason"] = f"job crashed; see {crashed_jobs[m['job_id']]}"
+        row.update({k: m.get(k) for k in result_columns(spec) if k in m and k not in row})
+        row["reason"] = m.get("reason") or ""
+    else:
+        row.update({"job_id": job_id, "status": "failed", "steps": 0})
+        log = crashed_jobs.get(job_id or "")
+        row["reason"] = f"job crashed; see {log}" if log else "no result"
+    return row
+
+
 def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per adapter from adapters/<id>/metrics.json; adapters with none are `failed`."""
-    crashed_jobs = crashed_jobs or {}
     job_of = prep.plan.job_of()
-    rows = []
-    for c in prep.configs:
-        path = prep.run_dir / "adapters" / c.id / "metrics.json"
-        row: dict[str, Any] = {"adapter_id": c.id, **{k: v for k, v in c.to_dict().items() if k != "id"}}
-        if path.is_file():
-            m = json.loads(path.read_text())
-            if m.get("status") == "failed" and crashed_jobs.get(m.get("job_id", "")):
-                m["reason"] = f"job crashed; see {crashed_jobs[m['job_id']]}"
-            row.update({k: m.get(k) for k in result_columns(prep.spec) if k in m and k not in row})
-            row["reason"] = m.get("reason") or ""
-        else:
-            row.update({"job_id": job_of.get(c.id), "status": "failed", "steps": 0})
-            log = crashed_jobs.get(job_of.get(c.id, ""))
-            row["reason"] = f"job crashed; see {log}" if log else "no result"
-        rows.append(row)
+    rows = [result_row(prep.spec, prep.run_dir, c, job_of.get(c.id), crashed_jobs) for c in prep.configs]
     columns = result_columns(prep.spec)
     frame = pd.DataFrame(rows)
     for col in columns + ["reason"]:

@@ -323,6 +323,14 @@ def batch_line(rep: Any, minimize: bool) -> str:
     return line + f" — {rep.wall_time_s:.0f} s"
 
 
+def trial_line(trial: optuna.trial.FrozenTrial) -> str:
+    """One line per trial an asynchronous tune tells: its state, value and adapter."""
+    a = trial.user_attrs
+    value = f" {trial.value:.4g}" if trial.value is not None else ""
+    return (f"trial {trial.number}: {trial.state.name.lower()}{value} ({a.get('adapter_id')}, "
+            f"{a.get('steps')} steps in {a.get('job_id')})")
+
+
 def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10) -> Table:
     """A tune's best finished trials by the objective."""
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]

@@ -178,6 +178,9 @@ def test_tpe_tune_second_batch_depends_on_first(tmp_path, demo_model):
     assert {plan.batch_of()[j.id] for j in plan.jobs} == {1, 2} and {b["batch"] for b in plan.batches} == {1, 2}
     assert all(b["makespan"] > 0 for b in plan.batches) and len(plan.adapters) == len(frame)
     assert all(plan.job_of()[a] == frame.loc[a, "job_id"] for a in frame.index)
+    for job_dir in (run / "jobs").iterdir():  # batches: no job lingers, none is sent joins
+        assert yaml.safe_load((job_dir / "job.yaml").read_text())["streaming"]["linger_s"] == 0
+        assert not (job_dir / "control.json").exists() and not (job_dir / "joins.jsonl").exists()
 
     # batch 2 came from the model fitted on batch 1: replaying batch 1 with its real values
     # proposes exactly batch 2, and with the values reversed proposes something else
@@ -255,3 +258,99 @@ def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_
         assert got.keys() == want.keys()
         for k in got:
             torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- asynchronous tuning
+
+
+def _rows(job_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_async_tune_records_every_trial_once(tmp_path, demo_model):
+    """--async: 5 trials, 2 at a time, each told as soon as its adapter finishes and the next
+    one sent into the job it left; study, results, journal and plan hold each trial once."""
+    from plora.engine.journal import Journal
+    from plora.jobcontrol import read_joins
+
+    path = write(tmp_path, space(tmp_path, demo_model))
+    result = runner.invoke(app, ["tune", str(path), "--sampler", "random", "--trials", "5", "--batch", "2",
+                                 "--async"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    told = [line for line in result.output.splitlines() if line.startswith("trial ") and ": complete " in line]
+    assert len(told) == 5 and "batch 1: 5 trials" in result.output  # a line per trial as it is told
+    run = tmp_path / "runs" / "tune"
+    study = optuna.load_study(study_name="tune", storage=f"sqlite:///{run / 'study.sqlite'}")
+    trials = study.get_trials()
+    assert len(trials) == 5 and all(t.state == TrialState.COMPLETE for t in trials)
+    spec = parse_spec(yaml.safe_load(path.read_text()))
+    frame = pd.read_parquet(run / "results.parquet").set_index("adapter_id")
+    ids = [t.user_attrs["adapter_id"] for t in trials]
+    assert len(set(ids)) == 5 and sorted(frame.index) == sorted(ids)
+    plan = Plan.load(run / "plan.json")
+    journal = Journal(run / "journal.sqlite")
+    try:
+        status = {r["id"]: r for r in journal.adapters()}
+    finally:
+        journal.close()
+    jobs = sorted({t.user_attrs["job_id"] for t in trials})
+    assert len(jobs) <= 2 and all(j.startswith("b01-job-") for j in jobs)  # one long-lived job per slot
+    for t in trials:
+        a = t.user_attrs
+        assert a["adapter_id"] == tspace.config_from_params(spec, t.params).id and a["batch"] == 1
+        assert a["status"] == "done" and a["steps"] == 8 and a["tp"] == 1
+        assert t.value == pytest.approx(frame.loc[a["adapter_id"], "eval_loss"])
+        assert status[a["adapter_id"]]["status"] == "done" and status[a["adapter_id"]]["job_id"] == a["job_id"]
+        assert plan.job_of()[a["adapter_id"]] == a["job_id"]
+    joined = [r.adapter.id for j in jobs for r in read_joins(run / "jobs" / j) if r.refused is None]
+    assert len(joined) == 5 - sum(len(yaml.safe_load((run / "jobs" / j / "job.yaml").read_text())["adapters"])
+                                  for j in jobs)
+    assert sorted(joined) == sorted(set(joined)) and len(joined) >= 3
+    assert [b["batch"] for b in plan.batches] == [1] and plan.batches[0]["trials"] == [t.number for t in trials]
+    for j in jobs:  # closed once every trial was asked, long before their linger ran out
+        assert json.loads((run / "jobs" / j / "control.json").read_text())["close"] is True
+
+
+class PruneFirst(optuna.pruners.BasePruner):
+    """Prunes trial 0 as soon as it has reported an intermediate value."""
+
+    def prune(self, study, trial) -> bool:
+        return trial.number == 0 and trial.last_step is not None
+
+
+def test_async_tune_fills_a_pruned_slot_at_once(tmp_path, demo_model):
+    """Two trials train in one job; trial 0 is pruned and trial 2 takes its slot at the very
+    step boundary where trial 0 leaves (the prune and the join are one control.json write)."""
+    from plora.jobcontrol import read_joins
+
+    budget, every = 240, 20
+    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
+               {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]
+    data = space(tmp_path, demo_model, space={"strategy": "list", "configs": configs},
+                 training={"steps": budget}, eval={"metrics": ["loss"], "objective": "loss", "every_steps": every})
+    spec = parse_spec(data)
+    told = []
+    study = tloop.run_tune(spec, pruner=PruneFirst(), batch=2, slots=["cpu:0"], asynchronous=True,
+                           on_trial=told.append)
+    run = spec.run_dir()
+    trials = study.get_trials()
+    assert len(trials) == 3 and sorted(t.number for t in told) == [0, 1, 2]
+    first, second, third = trials
+    assert first.state == TrialState.PRUNED and first.user_attrs["status"] == "pruned"
+    assert every <= first.user_attrs["steps"] < budget and first.intermediate_values
+    for t in (second, third):
+        assert t.state == TrialState.COMPLETE and t.user_attrs["steps"] == budget
+        assert len(t.intermediate_values) == (budget - 1) // every
+    assert told[0].number == 0  # told before the others finished
+    job = first.user_attrs["job_id"]
+    assert {t.user_attrs["job_id"] for t in trials} == {job}
+    job_dir = run / "jobs" / job
+    control = json.loads((job_dir / "control.json").read_text())
+    assert control["prune"] == [first.user_attrs["adapter_id"]]
+    [join] = read_joins(job_dir)
+    assert join.adapter.id == third.user_attrs["adapter_id"] and join.refused is None
+    rows = _rows(job_dir)
+    pruned_last = max(r["step"] for r in rows if r["adapter"] == first.user_attrs["adapter_id"])
+    joined_first = min(r["step"] for r in rows if r["adapter"] == join.adapter.id)
+    assert join.job_step == joined_first and joined_first <= pruned_last + 2

@@ -21,6 +21,9 @@
 - Streaming (``planner.streaming``, `plora.engine.streaming`): adapters of queued jobs not
   started yet join running jobs that have room, through their control.json; the journal
   records them under the job they joined, and a job emptied so is not launched.
+- A feed (the asynchronous tuner) may do the same itself at each tick: `Engine.join` sends
+  adapters into a running job (with the prunes that free their slots, in one write),
+  `Engine.close` tells it no more will come, `Engine.submit` queues new jobs.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from pathlib import Path
 from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
 from plora.engine.streaming import StreamPolicy, pick_joins
-from plora.jobcontrol import reopen, request_close, request_join
+from plora.jobconfig import JobAdapter
+from plora.jobcontrol import reopen, request
 from plora.planner.plan import Job
 
 EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
@@ -138,6 +142,7 @@ class Engine:
         drift_threshold: float = DRIFT_THRESHOLD,
         launcher: Callable[..., JobProcess] | None = None,
         streaming: StreamPolicy | None = None,
+        feed: Callable[[Engine], None] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.journal = journal
@@ -162,6 +167,9 @@ class Engine:
         self.launch = launcher or launch  # the backend's: local processes, or Ray tasks
         self.streaming = streaming  # None: every adapter trains in the job it was queued in
         self.closed: set[str] = set()  # streaming jobs told that no join will come
+        #: called at each tick, after finished jobs are reaped, by a caller that steers the
+        #: running jobs itself (the asynchronous tuner: `join`, `close`, `submit`)
+        self.feed = feed
 
     # ------------------------------------------------------------------ resume
     def reconcile(self) -> None:
@@ -204,6 +212,7 @@ class Engine:
             job = replace(job, adapters=self.unfinished(job.adapters))
             if not job.adapters:
                 continue
+            self.journal.add_adapters(job.adapters)
             history = self._history(job.id)
             known = self.journal.job(job.id)
             if known is not None:
@@ -229,6 +238,8 @@ class Engine:
                 self._launch_ready()
                 self._stream()
                 self._reap()
+                if self.feed is not None:
+                    self.feed(self)
                 if self.on_tick:
                     self.on_tick(self.snapshot())
                 time.sleep(self.poll_s)
@@ -306,17 +317,32 @@ class Engine:
             taken = pick_joins(training, waiting, self.streaming.fits)
             if not taken:
                 if not training:
-                    request_close(rj.proc.job_dir)
-                    self.closed.add(job_id)
+                    self.close(job_id)
                 continue
-            request_join(rj.proc.job_dir, [self.streaming.entry(a) for a in taken])
-            rj.job = replace(rj.job, adapters=[*rj.job.adapters, *taken])
-            self.journal.update_job(job_id, adapters=rj.job.adapters)
-            for a in taken:
-                self.journal.set_adapter(a, "running", job_id=job_id)
+            self.join(job_id, [self.streaming.entry(a) for a in taken])
             self._take_from_queue(set(taken), into=job_id)
-            self.journal.event("join", job_id, {"adapters": taken})
-            self._note(f"{len(taken)} adapters joined {job_id}")
+
+    def join(self, job_id: str, entries: Sequence[JobAdapter], prune: Sequence[str] = ()) -> None:
+        """Send adapters into a running job (its control.json) and record them under it;
+        ``prune`` leave in the same write, so a join takes the slot a prune frees at the
+        same step boundary."""
+        rj = self.running[job_id]
+        taken = [a.id for a in entries]
+        request(rj.proc.job_dir, prune=prune, join=entries)
+        if not taken:
+            return
+        self.journal.add_adapters(taken)
+        rj.job = replace(rj.job, adapters=[*rj.job.adapters, *taken])
+        self.journal.update_job(job_id, adapters=rj.job.adapters)
+        for a in taken:
+            self.journal.set_adapter(a, "running", job_id=job_id)
+        self.journal.event("join", job_id, {"adapters": taken})
+        self._note(f"{len(taken)} adapters joined {job_id}")
+
+    def close(self, job_id: str) -> None:
+        """Tell a running job that no join will come (it leaves once its adapters have)."""
+        request(self.running[job_id].proc.job_dir, close=True)
+        self.closed.add(job_id)
 
     def _take_from_queue(self, adapters: set[str], into: str) -> None:
         for job in list(self.queue):

@@ -11,7 +11,9 @@ second island. Two directions:
 * **Drive** (`plora.tuning.loop`). `run_tune` asks a batch of K trials from any sampler
   (`plora.tuning.samplers`, over the space of `plora.tuning.space`), trains them as packed
   jobs, tells the results, and repeats; an adapter the pruner stops leaves its pack
-  (`plora.tuning.prune`).
+  (`plora.tuning.prune`). Asynchronously (`plora.tuning.asynchronous`), trials stream
+  into long-lived jobs instead: each is told as its adapter finishes or is pruned, and the
+  next one joins the slot it freed.
 
 The package imports nothing on its own: the sweep records its study through
 `plora.tuning.study`, which never imports the sweep back.

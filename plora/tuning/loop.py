@@ -30,12 +30,7 @@ from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.prune import _finished_status, _PruneWatcher
 from plora.tuning.samplers import make_pruner, make_sampler
 from plora.tuning.space import config_from_params, enqueue_configs, search_space
-from plora.tuning.study import (
-    _state_and_value,
-    _user_attrs,
-    intermediate_sign,
-    open_study,
-)
+from plora.tuning.study import intermediate_sign, open_study, tell_trial
 
 
 @dataclass
@@ -116,26 +111,6 @@ class _RunState:
         prep.plan.save(self.run_dir / PLAN_FILE)
 
 
-def _tell(study: optuna.Study, spec: SweepSpec, trial: optuna.Trial, row: Mapping[str, Any] | None,
-          cfg: AdapterConfig, tp: int | None, run_dir: Path, batch: int) -> None:
-    row = row or {"status": "failed", "reason": "no result"}
-    for k, v in _user_attrs(row, cfg, tp, run_dir).items():
-        trial.set_user_attr(k, v)
-    trial.set_user_attr("batch", batch)
-    state, value = _state_and_value(row, spec)
-    with _quiet_optuna():
-        try:
-            if state == TrialState.COMPLETE:
-                study.tell(trial, value, skip_if_finished=True)
-            else:
-                study.tell(trial, state=state, skip_if_finished=True)
-        except RuntimeError as e:
-            # The grid sampler calls study.stop() once its grid is done, which only works
-            # inside study.optimize; the trial is told by then.
-            if "Study.stop" not in str(e):
-                raise
-
-
 def tune_trials(spec: SweepSpec, trials: int | None) -> int:
     """Trials a tune runs: ``trials``, else the number of configurations the space expands to
     (which a grid with a range that has no ``num`` does not have: then ``trials`` is needed)."""
@@ -178,6 +153,8 @@ def run_tune(
     on_tick: Callable[[list, list], None] | None = None,
     on_snapshot: Callable[[Any], None] | None = None,
     slots: list[str] | None = None,
+    asynchronous: bool = False,
+    on_trial: Callable[[FrozenTrial], None] | None = None,
 ) -> optuna.Study:
     """Packed optimization driven by an Optuna sampler; returns the study.
 
@@ -192,6 +169,12 @@ def run_tune(
     file expands to; ``batch`` to ``planner.max_adapters_per_job`` × the machine's slots.
     A ``list`` space's configs, and ``enqueue``'s, are tried first whatever the sampler.
     Re-running on the same storage continues the study.
+
+    ``asynchronous`` (``plora tune --async``): no batches; ``batch`` trials train at once
+    in one long-lived job per slot, and each trial is told the moment its adapter finishes
+    or is pruned, the next one asked and sent into the slot it freed
+    (`plora.tuning.asynchronous`); ``on_trial`` gets each trial as it is told, and
+    ``on_batch`` the whole run as one batch at its end.
     """
     from plora.engine.local import default_slots
 
@@ -217,6 +200,24 @@ def run_tune(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     sign = intermediate_sign(spec)
+    if asynchronous:
+        from plora.tuning.asynchronous import tune_async
+
+        t0 = time.time()
+        trials_run, jobs, _ = tune_async(spec, study, space, state, n_trials=n_trials, in_flight=size, slots=slots,
+                                         sign=sign, n_train=n_train, on_trial=on_trial, on_tick=on_tick,
+                                         on_snapshot=on_snapshot)
+        if on_batch is not None and trials_run:
+            numbers = {t.number for t in trials_run}
+            frozen = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
+            trained = sorted({a for j in state.jobs if j.id in jobs for a in j.adapters})
+            on_batch(BatchReport(
+                index=int(frozen[0].user_attrs.get("batch", 0)), trials=frozen, trained=trained,
+                reused=sorted({str(t.user_attrs.get("adapter_id")) for t in frozen} - set(trained)),
+                pruned=[a for a in trained if any(t.user_attrs.get("adapter_id") == a and t.state == TrialState.PRUNED
+                                                  for t in frozen)],
+                jobs=jobs, wall_time_s=time.time() - t0, best=_best(study)))
+        return study
 
     asked = 0
     while asked < n_trials:
@@ -269,7 +270,7 @@ def run_tune(
             tp_of = {a: j.tp for j in state.jobs for a in j.adapters}
             for t in batch_trials:
                 cfg = cfg_of[t.number]
-                _tell(study, spec, t, rows.get(cfg.id), cfg, tp_of.get(cfg.id), run_dir, b)
+                tell_trial(study, spec, t, rows.get(cfg.id), cfg, tp_of.get(cfg.id), run_dir, b)
         except BaseException:
             with _quiet_optuna():
                 for t in batch_trials:  # interrupted or broken: no trial stays RUNNING forever

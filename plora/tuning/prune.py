@@ -36,10 +36,14 @@ class _PruneWatcher:
         for jp in running:
             self.poll(Path(jp.job_dir), prune=self.can_prune)
 
-    def poll(self, job_dir: Path, *, prune: bool) -> None:
+    def poll(self, job_dir: Path, *, prune: bool, request: bool = True) -> list[str]:
+        """Report the job's new intermediate evals; returns the adapters the pruner stops
+        now, whose prune this writes to the job's control.json unless ``request`` is off
+        (a caller that writes it with other requests)."""
         path = job_dir / "evals.jsonl"
+        stopped: list[str] = []
         if not path.is_file():
-            return
+            return stopped
         with open(path, "rb") as f:
             f.seek(self.offsets.get(path, 0))
             chunk = f.read()
@@ -61,7 +65,10 @@ class _PruneWatcher:
                     done.add(step)
             if prune and trials[0].should_prune():
                 self.pruned.add(adapter)
-                request_prune(job_dir, [adapter])
+                stopped.append(adapter)
+                if request:
+                    request_prune(job_dir, [adapter])
+        return stopped
 
 
 def request_prune(job_dir: Path, adapter_ids: Iterable[str]) -> None:

@@ -127,6 +127,28 @@ def _state_and_value(row: Mapping[str, Any], spec: SweepSpec) -> tuple[TrialStat
     return state, value
 
 
+def tell_trial(study: optuna.Study, spec: SweepSpec, trial: optuna.Trial, row: Mapping[str, Any] | None,
+               cfg: AdapterConfig, tp: int | None, run_dir: Path, batch: int) -> None:
+    """Tell a trial its adapter's result (a row of results.parquet; None: no result), with
+    the user attrs every trial of a study carries and the tune's ``batch``."""
+    row = row or {"status": "failed", "reason": "no result"}
+    for k, v in _user_attrs(row, cfg, tp, run_dir).items():
+        trial.set_user_attr(k, v)
+    trial.set_user_attr("batch", batch)
+    state, value = _state_and_value(row, spec)
+    with _quiet_optuna():
+        try:
+            if state == TrialState.COMPLETE:
+                study.tell(trial, value, skip_if_finished=True)
+            else:
+                study.tell(trial, state=state, skip_if_finished=True)
+        except RuntimeError as e:
+            # The grid sampler calls study.stop() once its grid is done, which only works
+            # inside study.optimize; the trial is told by then.
+            if "Study.stop" not in str(e):
+                raise
+
+
 def read_evals(run_dir: Path, job_ids: Iterable[str] | None = None) -> dict[str, dict[int, float]]:
     """Intermediate eval losses per adapter: ``{adapter: {adapter_step: eval_loss}}``."""
     jobs = (run_dir / "jobs" / j for j in job_ids) if job_ids is not None else (run_dir / "jobs").glob("*")

@@ -1,0 +1,237 @@
+"""``plora tune --async``: packs that never drain. Trials stream into long-lived jobs.
+
+The synchronous loop (`plora.tuning.loop`) waits for a whole batch before it asks again, so
+a pack idles on its slowest adapter and a pruned adapter's slot stays empty. Here each slot
+runs one job that lingers for joins (``streaming.linger_s``, at most ``cap`` adapters at
+once: ``streaming.max_active``), and at every engine tick the tuner
+
+1. reports the jobs' new intermediate evals to their trials, and notes the adapters the
+   pruner stops;
+2. tells every trial whose adapter has a result (metrics.json: done, diverged, pruned, or
+   failed by the engine) exactly as the synchronous loop does (`tell_trial`);
+3. asks a new trial for each slot so freed (a pruned adapter's slot counts as free at
+   once) and sends it into that job (`Engine.join`): in the same control.json write as the
+   prune, so it takes the pruned adapter's slot at the same step boundary;
+4. once every trial is asked, closes the jobs (they leave when their adapters have).
+
+A trial that proposes an adapter already trained is told that result without training;
+one that proposes an adapter still training shares its result. Every trial of the run
+carries the run's one ``batch`` number, and plan.json records the run as that batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from plora.engine.streaming import STREAM_LINGER_S
+from plora.jobconfig import JobAdapter, JobStreaming
+from plora.planner.plan import Job, Plan
+from plora.spec import AdapterConfig, SweepSpec
+from plora.sweep import PreparedSweep, collect_results, result_row, run_prepared
+from plora.tuning.base import _quiet_optuna
+from plora.tuning.prune import _finished_status, _PruneWatcher
+from plora.tuning.space import config_from_params
+from plora.tuning.study import tell_trial
+
+if TYPE_CHECKING:  # the loop calls this module with its run state: no import back at run time
+    from plora.engine.runner import Engine
+    from plora.tuning.loop import _RunState
+
+
+@dataclass
+class _Feeder:
+    """The tuner's side of the engine's ticks (`Engine.feed`): see the module docstring."""
+
+    spec: SweepSpec
+    study: optuna.Study
+    space: dict[str, Any]
+    state: _RunState
+    prep: PreparedSweep
+    n_trials: int
+    in_flight: int  # trials training at once, over every job
+    cap: int  # trials training at once in one job
+    n_jobs: int  # jobs training at once (one per slot)
+    batch: int
+    n_train: int
+    sign: float  # of the intermediate values (`intermediate_sign`)
+    on_trial: Callable[[FrozenTrial], None] | None = None
+    asked: list[optuna.Trial] = field(default_factory=list)
+    live: dict[str, list[optuna.Trial]] = field(default_factory=dict)  # adapter -> its trials, until told
+    home: dict[str, str] = field(default_factory=dict)  # live adapter -> its job
+    pruning: set[str] = field(default_factory=set)  # live adapters asked to leave: their slot is free
+    jobs: dict[str, Job] = field(default_factory=dict)  # the run's jobs, with every adapter they took
+    configs: dict[str, AdapterConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.watcher = _PruneWatcher(self.live, self.sign, can_prune=True)  # reads the live trials
+
+    # ------------------------------------------------------------------ trials
+    def _ask(self) -> str | None:
+        """One more trial; the adapter to train for it (None: it is told or shares a live one)."""
+        with _quiet_optuna():
+            trial = self.study.ask(self.space)
+        self.asked.append(trial)
+        cfg = config_from_params(self.spec, trial.params)
+        trial.set_user_attr("adapter_id", cfg.id)  # visible while it trains
+        trial.set_user_attr("batch", self.batch)
+        self.configs[cfg.id] = cfg
+        if cfg.id in self.live:
+            self.live[cfg.id].append(trial)
+            return None
+        steps = self.spec.steps_for(cfg, self.n_train)
+        if cfg.id not in self.state.configs:
+            self.state.add([cfg], {cfg.id: steps}, [])
+        if _finished_status(self.prep.run_dir, cfg.id) is not None:  # trained before: its result again
+            self._tell(cfg.id, [trial])
+            return None
+        self.live[cfg.id] = [trial]
+        if cfg.id not in self.prep.steps:
+            self.prep.configs.append(cfg)
+        self.prep.steps[cfg.id] = steps
+        return cfg.id
+
+    def _tell(self, adapter_id: str, trials: list[optuna.Trial]) -> None:
+        cfg = self.configs[adapter_id]
+        job = self.home.get(adapter_id)
+        row = result_row(self.spec, self.prep.run_dir, cfg, job)
+        for t in trials:
+            tell_trial(self.study, self.spec, t, row, cfg, 1, self.prep.run_dir, self.batch)
+            if self.on_trial is not None:
+                self.on_trial(self.study.get_trials(deepcopy=False)[t.number])
+
+    def _entry(self, adapter_id: str) -> JobAdapter:
+        steps = self.prep.steps[adapter_id]
+        return JobAdapter(**self.configs[adapter_id].to_dict(), steps=steps,
+                          warmup_steps=self.spec.training.warmup_for(steps))
+
+    def _busy(self, job_id: str | None = None) -> int:
+        """Slots taken (in one job, or in all): live adapters not asked to leave."""
+        return sum(1 for a in self.live
+                   if a not in self.pruning and (job_id is None or self.home.get(a) == job_id))
+
+    def _fill(self, room: int) -> list[str]:
+        """Ask trials until ``room`` of them need training (or every trial is asked)."""
+        out: list[str] = []
+        while len(out) < room and len(self.asked) < self.n_trials:
+            a = self._ask()
+            if a is not None:
+                out.append(a)
+        return out
+
+    # ------------------------------------------------------------------ jobs
+    def _new_job(self, adapters: list[str], gpus: list[int]) -> Job:
+        job = Job(f"b{self.batch:02d}-job-{len(self.jobs):03d}", list(adapters), 1, gpus)
+        self.jobs[job.id] = job
+        for a in adapters:
+            self.home[a] = job.id
+        self.state.add([], {}, [job])
+        return job
+
+    def first_jobs(self) -> list[Job]:
+        """The jobs the run starts with: one per slot, the first trials dealt out in turn."""
+        first = self._fill(self.in_flight)
+        n = min(self.n_jobs, len(first))
+        return [self._new_job(first[i::n], [i]) for i in range(n)]
+
+    def __call__(self, engine: Engine) -> None:
+        running = {j: rj for j, rj in engine.running.items() if rj.proc.proc.poll() is None}
+        status = engine.journal.adapter_status()
+        finished = [a for a in self.live if engine.result(a) is not None or status.get(a) == "failed"]
+        prunes: dict[str, list[str]] = {}
+        for job_id in self.jobs:  # finished adapters' last evals too, before they are told
+            job_dir = self.prep.run_dir / "jobs" / job_id
+            for a in self.watcher.poll(job_dir, prune=job_id in running, request=False):
+                if a in self.live and a not in finished:
+                    self.pruning.add(a)
+                    prunes.setdefault(job_id, []).append(a)
+        for a in finished:
+            self._tell(a, self.live.pop(a))
+            self.pruning.discard(a)
+        joins: dict[str, list[str]] = {}
+        for job_id in sorted(running):
+            if job_id not in self.jobs or job_id in engine.closed:
+                continue
+            room = min(self.cap - self._busy(job_id), self.in_flight - self._busy())
+            for a in self._fill(max(0, room)):
+                joins.setdefault(job_id, []).append(a)
+                self.home[a] = job_id
+                self.jobs[job_id].adapters.append(a)
+        for job_id in sorted(set(prunes) | set(joins)):
+            engine.join(job_id, [self._entry(a) for a in joins.get(job_id, [])], prune=prunes.get(job_id, []))
+        alive = [j for j in self.jobs if j in engine.running or any(q.id == j for q in engine.queue)]
+        if len(alive) < self.n_jobs:  # a job ended early (crashed for good, or tired of waiting)
+            room = min(self.cap, self.in_flight - self._busy())
+            adapters = self._fill(max(0, room))
+            if adapters:
+                engine.submit([self._new_job(adapters, [])])
+                self.state.write()
+        if len(self.asked) >= self.n_trials:
+            for job_id in running:
+                if job_id not in engine.closed:
+                    engine.close(job_id)
+        for job_id in running:  # a job the engine made (an out-of-memory half) takes no joins
+            if job_id not in self.jobs and job_id not in engine.closed:
+                engine.close(job_id)
+
+    def tell_the_rest(self) -> None:
+        """Trials whose adapter has no result once every job has ended: told as failed."""
+        for a in list(self.live):
+            self._tell(a, self.live.pop(a))
+
+
+def tune_async(
+    spec: SweepSpec,
+    study: optuna.Study,
+    space: dict[str, Any],
+    state: _RunState,
+    *,
+    n_trials: int,
+    in_flight: int,
+    slots: list[str],
+    sign: float,
+    n_train: int,
+    on_trial: Callable[[FrozenTrial], None] | None = None,
+    on_tick: Callable[[list, list], None] | None = None,
+    on_snapshot: Callable[[Any], None] | None = None,
+) -> tuple[list[optuna.Trial], list[str], float]:
+    """Run ``n_trials`` trials through long-lived jobs, ``in_flight`` at once (see the module
+    docstring); returns the trials asked, the jobs' ids and the wall time."""
+    t0 = time.time()
+    batch = state.next_batch()
+    n_jobs = max(1, min(len(slots), in_flight))
+    cap = min(spec.planner.max_adapters_per_job, math.ceil(in_flight / n_jobs))
+    cap = max(cap, 1)
+    prep = PreparedSweep(spec, state.run_dir, [], {}, Plan([]),
+                         streaming=JobStreaming(linger_s=STREAM_LINGER_S, max_active=cap))
+    feeder = _Feeder(spec, study, space, state, prep, n_trials, min(in_flight, n_jobs * cap), cap, n_jobs, batch,
+                     n_train, sign, on_trial)
+    try:
+        jobs = feeder.first_jobs()
+        state.write()
+        if jobs:
+            prep.plan = Plan(jobs, gpus=n_jobs, grouping=f"asynchronous: {n_jobs} jobs of up to {cap} trials")
+            run_prepared(prep, on_tick=on_tick, on_snapshot=on_snapshot, slots=slots, replan=False, feed=feeder)
+        feeder.tell_the_rest()
+    except BaseException:
+        with _quiet_optuna():
+            for t in feeder.asked:  # interrupted or broken: no trial stays RUNNING forever
+                with contextlib.suppress(Exception):
+                    study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
+        raise
+    finally:
+        plan = Plan(list(feeder.jobs.values()), gpus=n_jobs,
+                    grouping=f"asynchronous: {n_jobs} jobs of up to {cap} trials, joined as trials finished")
+        state.add_batch(batch, [t.number for t in feeder.asked], plan)
+        state.batches[-1]["asynchronous"] = True
+        state.write()
+        collect_results(state.prep())
+    return feeder.asked, list(feeder.jobs), time.time() - t0
+
