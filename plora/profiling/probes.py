@@ -274,17 +274,26 @@ class Measurement:
         )
 
 
+def _calibrated_memory(cal: Sequence[Measurement]) -> tuple[float, float] | None:
+    """(base bytes, bytes per row) from the two calibration probes, where the allocator's
+    numbers are known (GPU); None otherwise."""
+    a, b = cal[0], cal[1]
+    if not (a.ok and b.ok and a.reserved_peak is not None):
+        return None
+    return a.peak_bytes, max((b.peak_bytes - a.peak_bytes) / max(1, b.probe.rows - a.probe.rows), 1.0)
+
+
 def _probe_rows(cal: Sequence[Measurement], usable_bytes: float, seq_len: int, max_rows: int | None) -> int:
     """Rows of the largest probes: about `PROBE_MEMORY_SHARE` of the usable memory, by the
     bytes per row the two calibration probes show (capped by ``max_rows``)."""
-    a, b = cal[0], cal[1]
     rows = max_rows
-    if a.ok and b.ok and a.reserved_peak is not None:  # GPU: the allocator's numbers
-        if a.peak_bytes > usable_bytes:
-            raise ProfileError(f"the base model alone needs {a.peak_bytes / 2**30:.1f} GiB, more than "
+    memory = _calibrated_memory(cal)
+    if memory is not None:
+        base, per_row = memory
+        if base > usable_bytes:
+            raise ProfileError(f"the base model alone needs {base / 2**30:.1f} GiB, more than "
                                f"{usable_bytes / 2**30:.1f} GiB usable")
-        per_row = max((b.peak_bytes - a.peak_bytes) / max(1, b.probe.rows - a.probe.rows), 1.0)
-        fit_rows = int((PROBE_MEMORY_SHARE * usable_bytes - a.peak_bytes) // per_row) + 1
+        fit_rows = int((PROBE_MEMORY_SHARE * usable_bytes - base) // per_row) + 1
         rows = fit_rows if rows is None else min(rows, fit_rows)
     return max(1, int(rows if rows is not None else CPU_MAX_ROWS))
 
@@ -292,11 +301,11 @@ def _probe_rows(cal: Sequence[Measurement], usable_bytes: float, seq_len: int, m
 def far_from_limit(cal: Sequence[Measurement], rows: int, usable_bytes: float, share: float = 0.5) -> bool:
     """Whether ``rows`` rows stay within ``share`` of the usable memory, by the calibration
     probes' bytes per row (the estimate `_probe_rows` sizes the probes with)."""
-    a, b = cal[0], cal[1]
-    if not (a.ok and b.ok and a.reserved_peak is not None):
+    memory = _calibrated_memory(cal)
+    if memory is None:
         return False
-    per_row = max((b.peak_bytes - a.peak_bytes) / max(1, b.probe.rows - a.probe.rows), 1.0)
-    return a.peak_bytes + per_row * rows < share * usable_bytes
+    base, per_row = memory
+    return base + per_row * rows < share * usable_bytes
 
 
 def sweep_pack_rows(spec) -> int:
