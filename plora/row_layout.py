@@ -3,9 +3,15 @@ recipe makes and the cost model prices, kept where both read it (and nothing els
 
 from __future__ import annotations
 
-#: the right-padded batch width of a CUDA-graph step is a multiple of this (and never shrinks
-#: while a composition's graph is held: `plora.recipes.step_graph.padded_width`)
+#: the right-padded batch width of a CUDA-graph step is a multiple of this (`padded_width`)
 WIDTH_MULTIPLE = 64
+
+
+def padded_width(width: int, max_width: int) -> int:
+    """The batch width in graph mode: rounded up to `WIDTH_MULTIPLE`, at most ``max_width``
+    (never narrower than the batch), so that a composition's batches come in a few widths,
+    each replayed from its own graph (`plora.recipes.step_graph.StepGraph`)."""
+    return max(width, min(max_width, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
 
 
 def rows_flattened(layout: str, *, graphed: bool) -> bool:
@@ -64,8 +70,5 @@ def bucketed_row_tokens(lengths: list[int], buckets: int, max_seq_len: int) -> f
     groups = [g for g in bucket_bounds(lengths, buckets) if g]
     if not groups:
         return 0.0
-    widths = []
-    for g in groups:
-        longest = max(lengths[i] for i in g)
-        widths.append(max(longest, min(int(max_seq_len), -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE)))
+    widths = [padded_width(max(lengths[i] for i in g), int(max_seq_len)) for g in groups]
     return sum(w * len(g) for w, g in zip(widths, groups)) / sum(len(g) for g in groups)

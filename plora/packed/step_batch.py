@@ -16,6 +16,7 @@ import torch
 
 from plora.data import IGNORE_INDEX, Sample, collate
 from plora.packed.rows import LabelParts, cu_seqlens, flatten_rows, held_sizes, padded_label_parts
+from plora.row_layout import padded_width
 
 
 @dataclass
@@ -103,8 +104,6 @@ def build_step_batch(
         return StepBatch(True, rows.tokens, rows.labels, rows.segment_tokens, rows.real_tokens, rows.positions,
                          rows.row_lengths, max_len,
                          ("flat", tuple(seg_sizes or ()), tuple(labels_sizes or ())) if fixed else ())
-    from plora.recipes.step_graph import padded_width  # the graph's width rule lives with the graph
-
     width = None
     labels_sizes = None
     if fixed:

@@ -33,16 +33,9 @@ from typing import Any
 
 import torch
 
-from plora.row_layout import WIDTH_MULTIPLE
+from plora.row_layout import WIDTH_MULTIPLE, padded_width
 
 __all__ = ["WIDTH_MULTIPLE", "StepBuffers", "StepGraph", "padded_width", "step_inputs"]
-
-
-def padded_width(width: int, max_width: int) -> int:
-    """The batch width in graph mode: rounded up to `WIDTH_MULTIPLE`, at most ``max_width``
-    (never narrower than the batch), so that a composition's batches come in a few widths,
-    each replayed from its own graph (`StepGraph`)."""
-    return max(width, min(max_width, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
 
 
 def step_inputs(batch) -> dict[str, torch.Tensor]:
@@ -128,11 +121,6 @@ class StepGraph:
         if self._composition != (tuple(adapters), tuple(rows)):
             return []
         return [key[2] for key in self._held]
-
-    def held_shape(self, adapters: Sequence[int], rows: Sequence[int]) -> tuple | None:
-        """The newest of `held_shapes`, if any."""
-        shapes = self.held_shapes(adapters, rows)
-        return shapes[-1] if shapes else None
 
     def drop(self) -> None:
         """Forget the current composition and give its graphs' memory back."""
