@@ -68,14 +68,16 @@ class AdapterSpan:
         return {k: getattr(self, k) for k in SPAN_COLUMNS}
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or None where it is missing or not JSON (a run still being written)."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """A JSONL file's object rows; lines that do not parse (one being written) are skipped."""
     rows = []
     with contextlib.suppress(OSError):
         for line in path.read_text().splitlines():
@@ -98,7 +100,7 @@ def planned_adapters(job_dir: Path) -> list[str]:
 def _recipe_origin(job_dir: Path, run: JobRun) -> float:
     """The wall-clock time the job's latest attempt started its clock (metrics' ``time`` 0)."""
     for name, key in (("progress.json", "elapsed_s"), ("summary.json", "wall_time_s")):
-        rec = _read_json(job_dir / name)
+        rec = read_json(job_dir / name)
         if isinstance(rec, dict) and isinstance(rec.get(key), (int, float)):
             with contextlib.suppress(OSError):
                 origin = (job_dir / name).stat().st_mtime - float(rec[key])
@@ -108,8 +110,8 @@ def _recipe_origin(job_dir: Path, run: JobRun) -> float:
 
 def _job_spans(run_dir: Path, run: JobRun) -> list[AdapterSpan]:
     job_dir = run_dir / "jobs" / run.job_id
-    rows = _read_jsonl(job_dir / "metrics.jsonl")
-    progress = _read_json(job_dir / "progress.json") or {}
+    rows = read_jsonl(job_dir / "metrics.jsonl")
+    progress = read_json(job_dir / "progress.json") or {}
     attempt = max([int(r.get("attempt") or 1) for r in rows] + [int(progress.get("attempt") or 1)])
     rows = [r for r in rows if int(r.get("attempt") or 1) == attempt and isinstance(r.get("time"), (int, float))]
     origin = _recipe_origin(job_dir, run)
@@ -124,7 +126,7 @@ def _job_spans(run_dir: Path, run: JobRun) -> list[AdapterSpan]:
             a = str(r["adapter"])
             first[a] = min(first.get(a, t), t)
             last[a] = max(last.get(a, t), t)
-    summary = _read_json(job_dir / "summary.json") or {}
+    summary = read_json(job_dir / "summary.json") or {}
     joined_at = {str(k): int(v) for k, v in (summary.get("joined") or {}).items() if isinstance(v, int)}
     records = {}
     for rec in read_joins(job_dir):
@@ -153,7 +155,7 @@ def _job_spans(run_dir: Path, run: JobRun) -> list[AdapterSpan]:
                 continue  # waiting to join: not trained yet
         else:
             start = run.start
-        metrics = _read_json(run_dir / "adapters" / a / "metrics.json") or {}
+        metrics = read_json(run_dir / "adapters" / a / "metrics.json") or {}
         if metrics.get("job_id") == run.job_id and int(metrics.get("attempt") or 1) < attempt:
             continue  # finished by an earlier attempt, before this run of the job
         own = metrics.get("job_id") == run.job_id and int(metrics.get("attempt") or 1) == attempt

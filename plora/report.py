@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import yaml
 
-from plora.adapter_spans import SPAN_COLUMNS, JobRun, adapter_spans, planned_adapters
+from plora.adapter_spans import SPAN_COLUMNS, JobRun, adapter_spans, planned_adapters, read_json, read_jsonl
 from plora.jobcontrol import read_joins
 
 if TYPE_CHECKING:
@@ -237,22 +237,6 @@ class RunData:
         return d.sort_values(self.score, ascending=self.minimize)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-    return rows
-
-
 def load_run(run_dir: Path | str) -> RunData:
     """Read a run directory for the report."""
     run_dir = Path(run_dir).expanduser().resolve()
@@ -264,20 +248,20 @@ def load_run(run_dir: Path | str) -> RunData:
     results = pd.DataFrame()
     with contextlib.suppress(Exception):
         results = pd.read_parquet(run_dir / "results.parquet")
-    base = _read_json(run_dir / "base_metrics.json") or {}
+    base = read_json(run_dir / "base_metrics.json") or {}
     plan = _read_plan(run_dir)
-    profile = _read_json(run_dir / "profile.json")
+    profile = read_json(run_dir / "profile.json")
     jobs_dir = run_dir / "jobs"
     job_dirs = sorted(p for p in jobs_dir.iterdir() if p.is_dir()) if jobs_dir.is_dir() else []
 
     train, evals, steps = [], [], []
     for jd in job_dirs:
-        metrics = _read_jsonl(jd / "metrics.jsonl")
+        metrics = read_jsonl(jd / "metrics.jsonl")
         for m in metrics:
             if "adapter" in m and "loss" in m:
                 train.append({"job_id": jd.name, "adapter": m["adapter"], "adapter_step": m.get("adapter_step"),
                               "loss": m["loss"], "time": m.get("time"), "attempt": int(m.get("attempt") or 1)})
-        for e in _read_jsonl(jd / "evals.jsonl"):
+        for e in read_jsonl(jd / "evals.jsonl"):
             if "adapter" in e:
                 evals.append({"job_id": jd.name, **e, "attempt": int(e.get("attempt") or 1)})
         # a resumed job appends to its files: its step times are the last attempt's
@@ -403,8 +387,8 @@ def _recipe_jobs(job_dirs: list[Path]) -> list[dict]:
     after the model is loaded, so process start-up is not included."""
     rows = []
     for jd in job_dirs:
-        summ = _read_json(jd / "summary.json") or {}
-        prog = _read_json(jd / "progress.json") or {}
+        summ = read_json(jd / "summary.json") or {}
+        prog = read_json(jd / "progress.json") or {}
         for name, rec, key in (("summary.json", summ, "wall_time_s"), ("progress.json", prog, "elapsed_s")):
             if rec.get(key) is not None and (jd / name).is_file():
                 end = (jd / name).stat().st_mtime
