@@ -107,3 +107,37 @@ def inject_fault(monkeypatch, faults: str) -> None:
     ``"crash@job-000@3@1"``: job-000 crashes after step 3 on its first attempt)."""
     monkeypatch.setenv("PLORA_TEST_HOOKS", str(FAULT_HOOKS))
     monkeypatch.setenv("PLORA_INJECT_FAULT", faults)
+
+
+def run_streamed_sweep(root: Path):
+    """A sweep with planner.streaming on one CPU slot, planned as two jobs: job-000 (two
+    adapters) and job-001 (one). Once an adapter of job-000 has left, job-001's adapter joins
+    job-000 and job-001 never runs. The prepared sweep and its results frame."""
+    import yaml
+
+    from plora.planner.plan import Job, Plan
+    from plora.spec import load_spec
+    from plora.sweep import prepare, run_prepared, write_run_files
+
+    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8},
+               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
+               {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
+    data = {
+        "name": "stream",
+        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": configs},
+        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
+        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
+        "planner": {"max_adapters_per_job": 2, "streaming": True},
+        "hardware": {"device": "cpu"},
+        "output": {"dir": str(root / "runs")},
+    }
+    path = root / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    prep = prepare(load_spec(path))
+    ids = [c.id for c in prep.configs]
+    prep.plan = Plan([Job("job-000", ids[:2]), Job("job-001", ids[2:])], grouping="two jobs for the test")
+    write_run_files(prep)
+    return prep, run_prepared(prep, slots=["cpu:0"])

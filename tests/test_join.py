@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import FAULT_HOOKS, job_config
+from conftest import FAULT_HOOKS, job_config, run_streamed_sweep
 from plora import hooks
 from plora.jobconfig import JobAdapter
 from plora.jobcontrol import JobControl, read_joins, request_close, request_join, write_control
@@ -240,32 +240,9 @@ def test_streaming_sweep_sends_a_waiting_adapter_into_the_running_job(tmp_path):
     left, job-001's adapter joins job-000 instead of waiting for a process of its own;
     the journal records it under job-000 and job-001 never runs."""
     from plora.engine.journal import Journal
-    from plora.planner.plan import Job, Plan
-    from plora.spec import load_spec
-    from plora.sweep import prepare, run_prepared, write_run_files
 
-    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8},
-               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
-               {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
-    data = {
-        "name": "stream",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "planner": {"max_adapters_per_job": 2, "streaming": True},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
-    prep = prepare(load_spec(path))
+    prep, frame = run_streamed_sweep(tmp_path)
     first, second, third = (c.id for c in prep.configs)
-    prep.plan = Plan([Job("job-000", [first, second]), Job("job-001", [third])], grouping="two jobs for the test")
-    write_run_files(prep)
-    frame = run_prepared(prep, slots=["cpu:0"])
     assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
 
     journal = Journal(prep.run_dir / "journal.sqlite")

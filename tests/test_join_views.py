@@ -11,10 +11,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
+from conftest import run_streamed_sweep
 from plora import report as R
 from plora import views
 from plora.cli import app
@@ -28,33 +28,8 @@ runner = CliRunner()
 def streamed_run(tmp_path_factory) -> tuple[Path, list[str]]:
     """planner.streaming on one CPU slot, two planned jobs: job-001's adapter joins job-000
     once an adapter of job-000 has left, and job-001 never runs (as in test_join)."""
-    from plora.planner.plan import Job, Plan
-    from plora.spec import load_spec
-    from plora.sweep import prepare, run_prepared, write_run_files
-
-    tmp = tmp_path_factory.mktemp("joinview")
-    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8},
-               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
-               {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
-    data = {
-        "name": "stream",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "planner": {"max_adapters_per_job": 2, "streaming": True},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp / "runs")},
-    }
-    path = tmp / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
-    prep = prepare(load_spec(path))
+    prep, frame = run_streamed_sweep(tmp_path_factory.mktemp("joinview"))
     ids = [c.id for c in prep.configs]
-    prep.plan = Plan([Job("job-000", ids[:2]), Job("job-001", ids[2:])], grouping="two jobs for the test")
-    write_run_files(prep)
-    frame = run_prepared(prep, slots=["cpu:0"])
     assert set(frame.status) == {"done"}
     [record] = read_joins(prep.run_dir / "jobs" / "job-000")
     assert record.adapter.id == ids[2]
