@@ -216,16 +216,19 @@ class PruneOne(optuna.pruners.BasePruner):
         return trial.params.get("learning_rate") == self.learning_rate and trial.last_step is not None
 
 
+#: three adapters of one batch size, for the pruning tests (the pruners pick one by its lr)
+PRUNE_CONFIGS = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+                 {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
+                 {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]
+
+
 def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_model):
     from plora.recipes.packed_lora import PackedLoRARecipe
 
     # The pruner's verdict reaches the job through the engine's poll (every 0.25 s); the
     # budget leaves it seconds to land, however fast this machine trains.
     budget, every = 480, 40
-    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
-               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
-               {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]
-    data = space(tmp_path, demo_model, space={"strategy": "list", "configs": configs},
+    data = space(tmp_path, demo_model, space={"strategy": "list", "configs": PRUNE_CONFIGS},
                  training={"steps": budget}, eval={"metrics": ["loss"], "objective": "loss", "every_steps": every})
     spec = parse_spec(data)
     pruner = PruneOne(3e-3)
@@ -324,10 +327,7 @@ def test_async_tune_fills_a_pruned_slot_at_once(tmp_path, demo_model):
     from plora.jobcontrol import read_joins
 
     budget, every = 240, 20
-    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
-               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
-               {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]
-    data = space(tmp_path, demo_model, space={"strategy": "list", "configs": configs},
+    data = space(tmp_path, demo_model, space={"strategy": "list", "configs": PRUNE_CONFIGS},
                  training={"steps": budget}, eval={"metrics": ["loss"], "objective": "loss", "every_steps": every})
     spec = parse_spec(data)
     told = []
