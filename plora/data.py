@@ -361,7 +361,8 @@ class AdapterStream:
         self._buckets: list[list[int]] | None = None
         if buckets > 1 and lengths is not None and num_samples > 1:
             self._buckets = [b for b in bucket_bounds(list(lengths)[:num_samples], buckets) if b]
-        self._order: np.ndarray = self._permutation(0)
+        # the plain shuffle's order (bucketed streams keep one order per bucket instead)
+        self._order: np.ndarray | None = self._permutation(0) if self._buckets is None else None
         self._orders = self._bucket_orders(0)
         self._bucket_pos = [0] * len(self._orders)
 
@@ -423,8 +424,9 @@ class AdapterStream:
                 self._buckets is not None and int(state["buckets"]) != len(self._orders)):
             raise DataError("the checkpoint's data position was saved with other length buckets")
         self._epoch, self._pos = int(state["epoch"]), int(state["pos"])
-        self._order = self._permutation(self._epoch)
-        if self._buckets is not None:
+        if self._buckets is None:
+            self._order = self._permutation(self._epoch)
+        else:
             self._step = int(state["step"])
             self._orders = self._bucket_orders(self._epoch)
             self._bucket_pos = [int(p) for p in state["bucket_pos"]]
