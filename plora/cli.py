@@ -86,15 +86,28 @@ def _note_hardware(spec, hw) -> None:
         err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
 
 
-def _prepare(space: Path, output: Optional[Path], *, probe: bool = False):
-    """Expand and plan; with `probe`, profile the model first on a GPU that has no profile."""
+def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False):
+    """Expand and plan; with `probe`, profile the model first on a GPU that has no profile.
+    With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`)."""
+    from plora.engine import spare
+
+    spec = _load(space)
+    _check_output(spec.run_dir(output))
+    if warm and spec.hardware.backend == "local":
+        spare.prime()
+    try:
+        return _plan(spec, output, probe=probe)
+    except BaseException:
+        spare.discard()
+        raise
+
+
+def _plan(spec, output: Optional[Path], *, probe: bool):
     from plora.data import DataError
     from plora.models import ModelError
     from plora.planner import PlannerError
     from plora.sweep import hardware_for, prepare
 
-    spec = _load(space)
-    _check_output(spec.run_dir(output))
     try:
         hw = hardware_for(spec)
         _note_hardware(spec, hw)
@@ -119,7 +132,7 @@ def sweep(
                                     help="Plan with a cached profile or the analytic model; never profile first."),
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
-    prep = _prepare(space, output, probe=not (dry_run or no_profile))
+    prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run)
     if dry_run:
         console.print(views.configs_table(prep))
         console.print(views.jobs_table(prep))

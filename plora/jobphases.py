@@ -13,6 +13,7 @@ summaries it writes without a model.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,7 +22,14 @@ __all__ = ["PhaseClock", "process_started_at", "read_phases"]
 
 
 def process_started_at() -> float | None:
-    """When this process was created (``time.time()`` scale), or None where unknown."""
+    """When this process became its job (``time.time()`` scale), or None where unknown: its
+    creation, or for a process started ahead (`plora.engine.spare`) when the job was launched."""
+    handed = os.environ.get("PLORA_HANDED_AT")
+    if handed:
+        try:
+            return float(handed)
+        except ValueError:
+            pass
     try:
         import psutil
 
@@ -64,6 +72,8 @@ class PhaseClock:
         created = process_started_at()
         self.created_at = created
         self.start_s = max(0.0, self.t0 - created) if created is not None else None
+        #: whether this process was started ahead of its job (`plora.engine.spare`)
+        self.spare = bool(os.environ.get("PLORA_HANDED_AT"))
         self.load_s = 0.0
         self.setup_s = 0.0
         self.eval_base_s = 0.0
@@ -118,6 +128,7 @@ class PhaseClock:
             "created_at": self.created_at,
             "clock_at": self.t0,
             "start_s": self.start_s,
+            "spare": self.spare,
             "load_s": self.load_s,
             "setup_s": self.setup_s,
             "eval_base_s": self.eval_base_s,

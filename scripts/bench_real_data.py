@@ -9,22 +9,28 @@ here, 32 eval samples per adapter. Two data variants with about the same real to
 * ``fixed``: every row about 250 tokens (about 200 in, 48 out);
 * ``varied``: 16-400 characters in, about 48 out.
 
-Each runs through ``plora sweep`` (the real engine, one process per job), after ``plora
-profile`` (cached, timed apart). Measured makespan (first job start to last job end, from
-the run's journal) against the plan's predicted makespan. Then the baseline: the same
-configurations, rows, batch sizes, steps, schedule and eval with `transformers` + PEFT, one
-after another in one process (a separate interpreter: on the GPU image its path leaves
-``/tmp/site``'s torchao out, which the image's peft refuses). ``--baseline-configs N``
-trains the first N (interleaved over batch sizes) and extrapolates the rest by batch size,
-reported as such. Real (non-padding) training tokens per second for both.
+Each runs through ``plora sweep`` (the real engine), after ``plora profile`` (cached,
+timed apart). Measured makespan (first job start to last job end, from the run's journal)
+against the plan's predicted makespan.
 
-    python scripts/bench_real_data.py --out DIR --baseline-configs 4   # one GPU, ~8 minutes
-    python scripts/bench_real_data.py --out DIR                        # all 16 with PEFT: ~10 more
+Then the baseline, as users run it today: the same configurations, rows, batch sizes,
+steps, schedule and eval with `transformers` + PEFT, one job per configuration, one after
+another: each a fresh interpreter that imports transformers and PEFT, loads the base model
+from disk (written once before any timing), trains, evaluates and saves its adapter (on the
+GPU image its path leaves ``/tmp/site``'s torchao out, which the image's peft refuses). Its
+makespan is the sum of those jobs' wall times; the sum of their steps and evals alone (no
+start, no load) is reported beside it. Real (non-padding) training tokens per second for
+both. ``--baseline-configs N`` trains the first N configurations (interleaved over batch
+sizes) and extrapolates the rest by batch size, reported as such. Each configuration's
+result is a file of its own, so ``--parts`` and ``--baseline-budget-s`` spread one run
+over several calls of a machine with a per-call limit (the same DIR, results merged):
 
-On one GPU (H200/H100, 0.5B shape): the profile ~3 minutes the first time (cached after),
-each plora sweep about a minute, the PEFT baseline about 40 s a configuration (the issue
-measured ~600 s for all 16), on the fixed-length rows only unless ``--baseline-variants``.
-    python scripts/bench_real_data.py --smoke --out DIR             # tiny model, CPU, a minute
+    python scripts/bench_real_data.py --out DIR --parts plora                 # ~8 min with the profile
+    python scripts/bench_real_data.py --out DIR --parts baseline --baseline-budget-s 500   # again till done
+    python scripts/bench_real_data.py --smoke --out DIR                       # tiny model, CPU, a minute
+
+On one H100 (0.5B shape): the profile ~3.5 minutes the first time (cached after), each plora
+sweep about a minute, a PEFT job 20-40 s.
 
 Writes DIR/real_data_bench.json and DIR/real_data_bench.md; prints a short table last.
 """
@@ -169,30 +175,79 @@ def baseline_env() -> dict:
     return env
 
 
+def grid(ranks: list[int]) -> list[tuple[int, float, int]]:
+    """The sweep's configurations (rank, lr, batch size), ordered so that any first N of them
+    mix ranks and batch sizes."""
+    n_all = 4 * len(ranks)
+    return [(ranks[k % len(ranks)], (1e-4, 3e-4)[k * 2 // n_all], (2, 4)[(k + k // len(ranks)) % 2])
+            for k in range(n_all)]
+
+
 def run_baseline(args, variant: str, data_dir: Path) -> dict:
-    """The PEFT baseline in its own interpreter (``--peft-worker``); its JSON line back."""
+    """The PEFT baseline, as users run it today: one job (a fresh interpreter that imports
+    transformers and PEFT, loads the base model from disk, trains, evaluates and saves the
+    adapter) per configuration, one after another. Each configuration's result is kept in
+    ``baseline-<variant>/config-NN.json`` and a rerun trains only the missing ones, so the
+    baseline can be spread over several calls of a machine with a per-call time limit."""
     from plora.spec import load_spec
 
     spec = load_spec(args.out / f"{variant}.yaml")
+    folder = args.out / f"baseline-{variant}"
+    folder.mkdir(exist_ok=True)
     job = {"model": str(spec.model.resolved_path()), "random_init": spec.model.random_init, "dtype": args.dtype,
            "device": args.device, "seq": args.seq, "train": str(data_dir / f"train-{variant}.jsonl"),
            "eval": str(data_dir / f"eval-{variant}.jsonl"), "eval_samples": args.eval_samples,
            "metrics": args.metrics, "max_new_tokens": args.max_new_tokens, "ranks": args.ranks,
-           "configs": args.baseline_configs}
-    spec_path = args.out / f"baseline-{variant}.json"
+           "base": str(args.out / "peft-base"), "adapters": str(folder / "adapters")}
+    spec_path = folder / "job.json"
     spec_path.write_text(json.dumps(job))
-    out = args.out / f"baseline-{variant}.result.json"
-    out.unlink(missing_ok=True)
     env = baseline_env() if not args.keep_site else dict(os.environ)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--peft-worker", str(spec_path),
-                           "--peft-out", str(out)], env=env, cwd=str(REPO))
-    if proc.returncode != 0 or not out.is_file():
-        return {"variant": variant, "error": f"baseline exited {proc.returncode}"}
-    return json.loads(out.read_text())
+    worker = [sys.executable, str(Path(__file__).resolve()), "--peft-worker", str(spec_path)]
+    if not (args.out / "peft-base" / "config.json").is_file():  # the base model on disk, before any timing
+        subprocess.run(worker + ["--peft-save-base"], env=env, cwd=str(REPO), check=True)
+    configs = grid(args.ranks)
+    take = list(range(max(1, min(len(configs), int(args.baseline_configs or len(configs))))))
+    runs: list[dict] = []
+    for i in take:
+        out = folder / f"config-{i:02d}.json"
+        if not out.is_file():
+            if args.baseline_budget_s and time.time() - args.started > args.baseline_budget_s:
+                break  # the rest in a later call
+            t0 = time.time()
+            proc = subprocess.run(worker + ["--peft-config", str(i), "--peft-out", str(out)], env=env, cwd=str(REPO))
+            wall = time.time() - t0
+            if proc.returncode != 0 or not out.is_file():
+                return {"variant": variant, "error": f"baseline configuration {i} exited {proc.returncode}"}
+            out.write_text(json.dumps({**json.loads(out.read_text()), "process_s": wall}))
+        runs.append(json.loads(out.read_text()))
+        print(json.dumps(runs[-1]), flush=True)
+    if not runs:
+        return {"variant": variant, "error": "no baseline configuration ran"}
+    meta = runs[-1]
+    by_bs: dict[int, list[dict]] = {}
+    for r in runs:
+        by_bs.setdefault(r["batch_size"], []).append(r)
+
+    def total(key: str) -> float:  # over all configurations: measured, or by batch size where not run
+        if len(runs) == len(configs):
+            return sum(r[key] for r in runs)
+        mean = lambda rs: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+        return sum(mean(by_bs.get(bs, runs)) for _, _, bs in configs)
+
+    real = total("real_tokens")
+    makespan = total("process_s")
+    return {"variant": variant, "configs_run": len(runs), "configs": len(configs),
+            "extrapolated": len(runs) < len(configs), "makespan_s": makespan,
+            "train_eval_s": total("seconds"), "train_s": total("train_s"), "load_s": total("load_s"),
+            "real_tokens": real, "real_tokens_per_s": real / makespan,
+            "real_tokens_per_train_s": real / total("train_s"),
+            "padding_share": 1 - sum(r["real_tokens"] for r in runs) / max(1, sum(r["padded_tokens"] for r in runs)),
+            "runs": runs, **{k: meta[k] for k in ("device", "torch", "peft", "transformers") if k in meta}}
 
 
-def peft_worker(spec_path: Path, out: Path) -> None:
-    """Train the configurations one after another with transformers + PEFT; write timings."""
+def peft_worker(spec_path: Path, config: int | None, out: Path | None, save_base: bool) -> None:
+    """One configuration with transformers + PEFT, as one job of today's practice; or, with
+    ``save_base``, the base model written to disk once (random init where plora's is)."""
     sys.path[:] = [p for p in sys.path if "torchao" not in p]
     import torch
     from tokenizers import Tokenizer
@@ -202,6 +257,14 @@ def peft_worker(spec_path: Path, out: Path) -> None:
     device = torch.device("cuda" if job["device"] != "cpu" and torch.cuda.is_available() else "cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[job["dtype"]]
     folder = Path(job["model"])
+    if save_base:
+        torch.manual_seed(0)
+        if job["random_init"]:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model.save_pretrained(job["base"])
+        return
     cfg = json.loads((folder / "config.json").read_text())
     bos, eos, pad = cfg.get("bos_token_id"), cfg.get("eos_token_id"), cfg.get("pad_token_id")
     pad = eos if pad is None else pad
@@ -223,13 +286,7 @@ def peft_worker(spec_path: Path, out: Path) -> None:
     evals = encode(read(job["eval"])[: int(job["eval_samples"])])
 
     t_load = time.time()
-    torch.manual_seed(0)
-    if job["random_init"]:
-        config = AutoConfig.from_pretrained(folder)
-        base = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
-    else:
-        base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
-    base.to(device)
+    base = AutoModelForCausalLM.from_pretrained(job["base"], dtype=dtype).to(device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.time() - t_load
@@ -246,95 +303,63 @@ def peft_worker(spec_path: Path, out: Path) -> None:
             mask[i, : len(x)] = 1
         return ids.to(device), labels.to(device), mask.to(device)
 
-    ranks = list(job["ranks"])
-    # the same grid as the sweep, ordered so that any first N of them mix ranks and batch sizes
-    n_all = 4 * len(ranks)
-    configs = [(ranks[k % len(ranks)], (1e-4, 3e-4)[k * 2 // n_all], (2, 4)[(k + k // len(ranks)) % 2])
-               for k in range(n_all)]
-    take = list(range(max(1, min(n_all, int(job["configs"] or n_all)))))
-    results = []
-    for i in take:
-        rank, lr, bs = configs[i]
-        t0 = time.time()
-        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                target_modules=[t for t in
-                                                                ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                 "gate_proj", "up_proj", "down_proj")]))
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        steps = math.ceil(len(train) / bs)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
-        rng = random.Random(i)
-        perm = list(range(len(train)))
-        rng.shuffle(perm)
-        model.train()
-        real, padded = 0, 0
-        for s in range(steps):
-            rows = [train[perm[(s * bs + j) % len(train)]] for j in range(bs)]
-            ids, labels, mask = batch(rows)
-            real += int(mask.sum())
-            padded += ids.numel()
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        train_s = time.time() - t0
-        model.eval()
-        metrics = {}
-        with torch.no_grad():
-            sums = count = 0.0
-            for e0 in range(0, len(evals), 32):
-                ids, labels, mask = batch(evals[e0: e0 + 32])
-                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-                tgt = labels[:, 1:]
-                ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                                                       ignore_index=-100, reduction="sum")
-                sums += float(ce)
-                count += int((tgt != -100).sum())
-            metrics["eval_loss"] = sums / max(1, count)
-            if "exact_match" in job["metrics"]:
-                hits = 0
-                for x, y, r in evals:
-                    prompt = x[: len(x) - sum(1 for v in y if v != -100)]
-                    gen = model.generate(input_ids=torch.tensor([prompt], device=device),
-                                         max_new_tokens=int(job["max_new_tokens"]), do_sample=False,
-                                         eos_token_id=eos, pad_token_id=pad)
-                    hits += int(tok.decode(gen[0, len(prompt):].tolist(), skip_special_tokens=True) == r["output"])
-                metrics["eval_exact_match"] = hits / max(1, len(evals))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        total_s = time.time() - t0
-        base = model.unload()  # the base model back, without LoRA layers, for the next configuration
-        if hasattr(base, "peft_config"):
-            del base.peft_config
-        del model, opt, params
-        results.append({"rank": rank, "lr": lr, "batch_size": bs, "steps": steps, "train_s": train_s,
-                        "seconds": total_s, "real_tokens": real, "padded_tokens": padded, **metrics})
-        print(json.dumps(results[-1]), flush=True)
-    # extrapolated by batch size where fewer configurations ran
-    by_bs: dict[int, list[float]] = {}
-    for r in results:
-        by_bs.setdefault(r["batch_size"], []).append(r["seconds"])
-    mean_all = sum(r["seconds"] for r in results) / len(results)
-    est = sum(sum(by_bs[bs]) / len(by_bs[bs]) if bs in by_bs else mean_all for _, _, bs in configs)
-    ran = [configs[i] for i in take]
-    measured = sum(r["seconds"] for r in results)
-    real_all = sum(r["real_tokens"] for r in results) * len(configs) / len(results)
-    makespan = load_s + (measured if len(ran) == len(configs) else est)
+    rank, lr, bs = grid(list(job["ranks"]))[config]
+    t0 = time.time()
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps = math.ceil(len(train) / bs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
+    rng = random.Random(config)
+    perm = list(range(len(train)))
+    rng.shuffle(perm)
+    model.train()
+    real, padded = 0, 0
+    for s in range(steps):
+        rows = [train[perm[(s * bs + j) % len(train)]] for j in range(bs)]
+        ids, labels, mask = batch(rows)
+        real += int(mask.sum())
+        padded += ids.numel()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    train_s = time.time() - t0
+    model.eval()
+    metrics = {}
+    with torch.no_grad():
+        sums = count = 0.0
+        for e0 in range(0, len(evals), 32):
+            ids, labels, mask = batch(evals[e0: e0 + 32])
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            tgt = labels[:, 1:]
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                                   ignore_index=-100, reduction="sum")
+            sums += float(ce)
+            count += int((tgt != -100).sum())
+        metrics["eval_loss"] = sums / max(1, count)
+        if "exact_match" in job["metrics"]:
+            hits = 0
+            for x, y, r in evals:
+                prompt = x[: len(x) - sum(1 for v in y if v != -100)]
+                gen = model.generate(input_ids=torch.tensor([prompt], device=device),
+                                     max_new_tokens=int(job["max_new_tokens"]), do_sample=False,
+                                     eos_token_id=eos, pad_token_id=pad)
+                hits += int(tok.decode(gen[0, len(prompt):].tolist(), skip_special_tokens=True) == r["output"])
+            metrics["eval_exact_match"] = hits / max(1, len(evals))
+    model.save_pretrained(Path(job["adapters"]) / f"config-{config:02d}")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    total_s = time.time() - t0
     out.write_text(json.dumps({
-        "configs_run": len(ran), "configs": len(configs), "extrapolated": len(ran) < len(configs),
-        "load_s": load_s, "measured_s": measured, "makespan_s": makespan,
-        "real_tokens": real_all, "real_tokens_per_s": real_all / makespan,
-        "padding_share": 1 - sum(r["real_tokens"] for r in results) / max(1, sum(r["padded_tokens"] for r in results)),
-        "runs": results, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "peft": __import__("peft").__version__,
-        "transformers": __import__("transformers").__version__,
-    }, indent=2))
+        "config": config, "rank": rank, "lr": lr, "batch_size": bs, "steps": steps, "load_s": load_s,
+        "train_s": train_s, "seconds": total_s, "real_tokens": real, "padded_tokens": padded, **metrics,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "peft": __import__("peft").__version__, "transformers": __import__("transformers").__version__}))
 
 
 # ----------------------------------------------------------------------------- main
@@ -361,22 +386,28 @@ def smoke_model(out: Path) -> Path:
 
 def table(result: dict) -> list[str]:
     lines = ["| variant | plora predicted s | plora measured s | measured/predicted | OOM jobs | done | "
-             "PEFT s | plora speed-up | plora real tok/s | PEFT real tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "PEFT s (a job per config) | speed-up | PEFT steps+evals only s | speed-up | "
+             "plora real tok/s | PEFT real tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def f(v, fmt="{:.1f}"):
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
+    def ratio(a, b):
+        return a / b if a and b else None
+
     for r in result["variants"]:
-        p, b = r["plora"], r.get("baseline", {})
-        speed = b.get("makespan_s") / p["makespan_s"] if b.get("makespan_s") and p.get("makespan_s") else None
+        p, b = r.get("plora", {}), r.get("baseline", {})
+        span = p.get("makespan_s")
         peft = f(b.get("makespan_s")) + (f" (from {b['configs_run']} of {b['configs']})" if b.get("extrapolated") else "")
-        lines.append(f"| {r['variant']} | {f(p.get('predicted_makespan_s'))} | {f(p.get('makespan_s'))} | "
+        lines.append(f"| {r['variant']} | {f(p.get('predicted_makespan_s'))} | {f(span)} | "
                      f"{f(p.get('measured_over_predicted'), '{:.2f}')} | {p.get('oom_jobs')} | "
-                     f"{p['adapters'].get('done', 0)}/{4 * len(result['ranks'])} | {peft} | {f(speed, '{:.1f}x')} | "
+                     f"{p.get('adapters', {}).get('done', 0)}/{4 * len(result['ranks'])} | {peft} | "
+                     f"{f(ratio(b.get('makespan_s'), span), '{:.1f}x')} | {f(b.get('train_eval_s'))} | "
+                     f"{f(ratio(b.get('train_eval_s'), span), '{:.1f}x')} | "
                      f"{f(p.get('real_tokens_per_s'), '{:,.0f}')} | {f(b.get('real_tokens_per_s'), '{:,.0f}')} |")
-    fixed = next((r["plora"].get("makespan_s") for r in result["variants"] if r["variant"] == "fixed"), None)
-    varied = next((r["plora"].get("makespan_s") for r in result["variants"] if r["variant"] == "varied"), None)
+    fixed = next((r["plora"].get("makespan_s") for r in result["variants"] if r["variant"] == "fixed" and "plora" in r), None)
+    varied = next((r["plora"].get("makespan_s") for r in result["variants"] if r["variant"] == "varied" and "plora" in r), None)
     if fixed and varied:
         lines.append("")
         lines.append(f"varied / fixed makespan: {varied / fixed:.2f}")
@@ -398,18 +429,26 @@ def main() -> None:
     ap.add_argument("--metrics", nargs="+", default=["loss"])
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["fixed", "varied"], choices=["fixed", "varied"])
+    ap.add_argument("--parts", nargs="+", default=["plora", "baseline"], choices=["plora", "baseline"],
+                    help="what to run now; results merge into DIR's real_data_bench.json")
     ap.add_argument("--baseline-configs", type=int, default=16,
                     help="train the first N configurations with PEFT and extrapolate the rest (0: no baseline)")
     ap.add_argument("--baseline-variants", nargs="+", default=["fixed"], choices=["fixed", "varied"],
                     help="data variants the PEFT baseline runs on")
+    ap.add_argument("--baseline-budget-s", type=float, default=0.0,
+                    help="start no PEFT configuration after this many seconds of this run (0: no limit); "
+                         "a rerun with the same DIR trains the rest")
     ap.add_argument("--no-profile", action="store_true",
                     help="plan with the analytic cost model (no profile; the predicted makespan is then the analytic one)")
     ap.add_argument("--keep-site", action="store_true", help="the baseline keeps PYTHONPATH as it is")
     ap.add_argument("--peft-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peft-config", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peft-out", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peft-save-base", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.started = time.time()
     if args.peft_worker is not None:
-        peft_worker(args.peft_worker, args.peft_out)
+        peft_worker(args.peft_worker, args.peft_config, args.peft_out, args.peft_save_base)
         return
     args.ranks = [8, 16, 32, 64]
     args.out = args.out.resolve()
@@ -435,26 +474,38 @@ def main() -> None:
         import torch
 
         device = torch.cuda.get_device_name()
+    saved = args.out / "real_data_bench.json"
     result = {"model": args.model, "device": device, "dtype": args.dtype, "seq": args.seq, "rows": args.rows,
               "eval_samples": args.eval_samples, "metrics": args.metrics, "max_new_tokens": args.max_new_tokens,
               "ranks": args.ranks, "smoke": args.smoke, "variants": []}
+    if saved.is_file():  # an earlier call's parts, kept
+        result["variants"] = json.loads(saved.read_text()).get("variants", [])
+    rows = {r["variant"]: r for r in result["variants"]}
     for variant in args.variants:
-        row = {"variant": variant, "plora": run_plora(args, variant, data_dir)}
-        print(json.dumps(row["plora"]), flush=True)
-        result["variants"].append(row)
-        (args.out / "real_data_bench.json").write_text(json.dumps(result, indent=2))
-    if args.baseline_configs > 0:
-        for row in result["variants"]:
-            if row["variant"] not in args.baseline_variants:
+        if variant not in rows:
+            rows[variant] = {"variant": variant}
+            result["variants"].append(rows[variant])
+    import yaml
+
+    for variant in args.variants:  # the space files the baseline also reads its setting from
+        (args.out / f"{variant}.yaml").write_text(yaml.safe_dump(space(args, variant, data_dir), sort_keys=False))
+    if "plora" in args.parts:
+        for variant in args.variants:
+            rows[variant]["plora"] = run_plora(args, variant, data_dir)
+            print(json.dumps(rows[variant]["plora"]), flush=True)
+            saved.write_text(json.dumps(result, indent=2))
+    if "baseline" in args.parts and args.baseline_configs > 0:
+        for variant in args.variants:
+            if variant not in args.baseline_variants:
                 continue
-            row["baseline"] = run_baseline(args, row["variant"], data_dir)
-            print(json.dumps({k: v for k, v in row["baseline"].items() if k != "runs"}), flush=True)
-            (args.out / "real_data_bench.json").write_text(json.dumps(result, indent=2))
+            rows[variant]["baseline"] = run_baseline(args, variant, data_dir)
+            print(json.dumps({k: v for k, v in rows[variant]["baseline"].items() if k != "runs"}), flush=True)
+            saved.write_text(json.dumps(result, indent=2))
     lines = table(result)
     head = (f"{args.model} on {device}, {args.dtype}, {4 * len(args.ranks)} configurations, {args.rows} rows, "
             f"{args.eval_samples} eval samples per adapter (metrics: {', '.join(args.metrics)})")
     (args.out / "real_data_bench.md").write_text(head + "\n\n" + "\n".join(lines) + "\n")
-    (args.out / "real_data_bench.json").write_text(json.dumps(result, indent=2))
+    saved.write_text(json.dumps(result, indent=2))
     print("\n" + head)
     print("\n".join(lines))
 

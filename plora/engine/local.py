@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from plora.engine import spare
+from plora.engine.spare import die_with_parent
 from plora.step_settings import JOB_ALLOCATOR
 
 #: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
@@ -92,25 +94,19 @@ def launch(
     log = open(job_dir / "log.txt", "a")
     log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {job_id} attempt {env.get('PLORA_ATTEMPT', '1')} on {slot}\n")
     log.flush()
-    proc = subprocess.Popen(
-        tune_command(job_dir / "job.yaml", nproc),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=str(job_dir),
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
-    return JobProcess(job_id, job_dir, slot, proc, time.time(), log)
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except OSError:  # not Linux: resume's stale-process check still covers it
-        pass
+    launched = time.time()  # a hand-over may wait for a spare still importing: that counts
+    proc = spare.take(job_dir / "job.yaml", job_dir, job_dir / "log.txt", env, launched) if nproc == 1 else None
+    if proc is None:  # no spare started ahead (or not one this job can use): the ordinary way
+        proc = subprocess.Popen(
+            tune_command(job_dir / "job.yaml", nproc),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(job_dir),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+    return JobProcess(job_id, job_dir, slot, proc, launched, log)
 
 
 def visible_gpu_ids(gpus: Sequence[int], visible: str | None) -> list[str]:

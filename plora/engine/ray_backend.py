@@ -46,7 +46,7 @@ FORWARDED_PREFIXES = ("PLORA_", "HF_", "TRITON_")
 def _run_job(job_dir: str, nproc: int, env_updates: dict[str, str], omp_threads: int, header: str) -> int:
     """On a worker: start the job in its own session, log to its log.txt, return its exit
     code. Cancelling the task (Ctrl-C on the driver) stops the job with SIGTERM first."""
-    from plora.engine.local import _die_with_parent
+    from plora.engine.spare import die_with_parent as _die_with_parent
 
     env = dict(os.environ)
     env.update(env_updates)

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from plora.engine import local as local_jobs
+from plora.engine import spare
 from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
 from plora.engine.streaming import StreamPolicy, pick_joins
@@ -236,6 +238,8 @@ class Engine:
         try:
             while self.queue or self.running:
                 self._launch_ready()
+                if self.launch is local_jobs.launch:  # local jobs: the next one's process starts ahead
+                    spare.keep(bool(self.queue))
                 self._stream()
                 self._reap()
                 if self.feed is not None:
@@ -247,6 +251,8 @@ class Engine:
             self.stop("interrupted")
             raise
         finally:
+            if self.launch is local_jobs.launch:
+                spare.discard()
             if self.on_tick:
                 self.on_tick(self.snapshot())
 

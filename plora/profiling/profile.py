@@ -121,6 +121,10 @@ def profile_model(
     if cuda:
         _match_job_allocator(say)
     t_start = time.time()
+    if job_probe:  # the probe job's process imports while the probes run, as a sweep's jobs do
+        from plora.engine import spare
+
+        spare.prime()
     say(f"profiling {shape.name} at seq {seq_len}, {dtype}, on {device_name} ({key['backend']} kernels)")
     fit_set = [measure(p) for p in calibration_probes()]
     rows = _probe_rows(fit_set, gpu_memory_bytes * load_factor, seq_len, max_rows)

@@ -1,0 +1,186 @@
+"""A job process started ahead of its job, so that a job does not pay for its imports.
+
+A job is a fresh process so that a crash or an out-of-memory never takes the sweep down
+(`plora.engine.local`). Its start is mostly imports: on an H100 machine, importing
+torchtune (which pulls torchao, torch._dynamo, sympy and datasets) took 8 s of a job's
+11 s start, more than a quarter of a 16-adapter job. A *spare* is that same process,
+started early (while the sweep validates its data, loads its cost model and plans, or
+while the previous job trains): it imports the recipe, says ``ready``, and waits for its
+job on stdin (`plora.recipes.spare`). Handing it a job takes milliseconds.
+
+What the spare must not have done before its job is known: touch CUDA (the job's
+``CUDA_VISIBLE_DEVICES`` is read when CUDA starts; the child checks and says so instead of
+``ready``), or read an environment variable that differs for the job (only the variables in
+`ADJUSTABLE` may differ; any other difference and the job starts the ordinary way). A spare
+that is never used is killed; one whose sweep dies dies with it (parent-death signal).
+Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+#: set to 0 to start every job the ordinary way
+ENV_SWITCH = "PLORA_SPARE_JOBS"
+#: the child: imports the recipe, says ready, waits for a `SpareOrder`
+CHILD_MODULE = "plora.recipes.spare"
+#: when the job was handed to its spare (the job's clock counts its start from there)
+HANDED_AT = "PLORA_HANDED_AT"
+#: what the child prints once it has imported the recipe and left CUDA alone
+READY = "ready"
+#: variables a job may set differently from its spare's: read only once the job runs
+ADJUSTABLE = frozenset({
+    "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "OMP_NUM_THREADS",
+    "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED",
+})
+#: how long a hand-over waits for a spare still importing (a cold start would take as long)
+READY_WAIT_S = 180.0
+
+
+class SpareOrder(BaseModel):
+    """The one line a spare reads on stdin: its job (what `tune run` would have been given)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str  #: the job's job.yaml
+    cwd: str  #: the job's folder
+    log: str  #: the job's log.txt (stdout and stderr go there, appended)
+    env: dict[str, str]  #: the job's whole environment
+
+
+def die_with_parent() -> None:
+    """Linux parent-death signal: the process gets SIGKILL when the sweep process dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:  # not Linux: resume's stale-process check still covers it
+        pass
+
+
+class Spare:
+    """One started spare process and the environment it started with."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=die_with_parent,
+        )
+
+    def compatible(self, env: dict[str, str]) -> bool:
+        keys = (set(env) | set(self.env)) - ADJUSTABLE
+        return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the child said ready (waiting for it to finish importing, up to ``timeout_s``)."""
+        out = self.proc.stdout
+        if out is None:
+            return False
+        ready, _, _ = select.select([out], [], [], timeout_s)
+        if not ready:
+            return False
+        line = out.readline().decode(errors="replace").strip()
+        return line == READY
+
+    def hand(self, order: SpareOrder) -> bool:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((order.model_dump_json() + "\n").encode())
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            return False
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return True
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()
+            except OSError:
+                pass
+
+
+_spare: Spare | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+
+
+def spare_env() -> dict[str, str]:
+    """What a spare starts with: this process's environment, unbuffered as a job's is."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def prime() -> None:
+    """Start a spare unless one is alive (a no-op when spares are off)."""
+    global _spare
+    if not enabled():
+        return
+    if _spare is not None and _spare.proc.poll() is None:
+        return
+    _spare = Spare(spare_env())
+
+
+def keep(wanted: bool) -> None:
+    """Start a spare if more jobs are coming (``wanted``), else let go of the one there is."""
+    if wanted:
+        prime()
+    else:
+        discard()
+
+
+def discard() -> None:
+    """Kill the spare, if there is one (never used: it holds no job)."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is not None:
+        spare.kill()
+
+
+def take(job_yaml: Path, cwd: Path, log: Path, env: dict[str, str], launched: float) -> subprocess.Popen | None:
+    """Hand a job launched at ``launched`` to the spare: its process (now the job's), or
+    None when there is no usable spare and the job must start the ordinary way. The job
+    counts its start from ``launched`` (waiting for a spare still importing included). A new spare is started behind it
+    (`keep` lets it go when no job is left to come)."""
+    global _spare
+    spare, _spare = _spare, None
+    if spare is None or not spare.compatible(env):
+        if spare is not None:
+            spare.kill()
+        return None
+    if spare.proc.poll() is not None or not spare.wait_ready(READY_WAIT_S):
+        spare.kill()
+        return None
+    order = SpareOrder(config=str(job_yaml), cwd=str(cwd), log=str(log), env={**env, HANDED_AT: repr(launched)})
+    if not spare.hand(order):
+        spare.kill()
+        return None
+    prime()
+    return spare.proc
+
+
+atexit.register(discard)

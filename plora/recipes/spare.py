@@ -1,0 +1,47 @@
+"""A job process waiting for its job: imports the recipe first, then reads one `SpareOrder`.
+
+Started by `plora.engine.spare` ahead of a job. Once its imports are done it checks that
+they left CUDA alone (the job's ``CUDA_VISIBLE_DEVICES`` is only read when CUDA starts),
+prints ``ready`` and blocks on stdin. Given its order it becomes the job exactly as
+``tune run plora/recipes/packed_lora.py --config job.yaml`` would have run it: in the
+job's folder, with the job's environment, its output appended to the job's log.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> int:
+    import torch
+    from torchtune import config as tune_config
+
+    from plora.engine.spare import READY, SpareOrder
+    from plora.recipes.packed_lora import recipe_main
+
+    if torch.cuda.is_initialized():
+        print("cuda-initialized", flush=True)  # the job's GPU choice would be ignored: not usable
+        return 0
+    print(READY, flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # let go unused
+    order = SpareOrder.model_validate_json(line)
+    os.chdir(order.cwd)
+    os.environ.clear()
+    os.environ.update(order.env)
+    fd = os.open(order.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    sys.argv = ["plora/recipes/packed_lora.py", "--config", order.config]
+    return tune_config.parse(recipe_main)() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

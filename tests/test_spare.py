@@ -1,0 +1,99 @@
+"""Job processes started ahead of their jobs (`plora.engine.spare`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from plora.cli import app
+from plora.engine import spare
+
+
+def _space(root: Path) -> Path:
+    data = {
+        "name": "spare",
+        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 16, "num_eval": 4},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+            {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
+            {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 8}]},
+        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
+        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
+        "planner": {"max_adapters_per_job": 1},
+        "hardware": {"device": "cpu"},
+        "output": {"dir": str(root / "runs")},
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _sweep(root: Path, monkeypatch, on: bool) -> tuple[pd.DataFrame, list[bool]]:
+    monkeypatch.setenv(spare.ENV_SWITCH, "1" if on else "0")
+    result = CliRunner().invoke(app, ["sweep", str(_space(root)), "--no-profile"])
+    assert result.exit_code == 0, result.output
+    run = root / "runs" / "spare"
+    spares = [json.loads(p.read_text())["phases"]["spare"] for p in sorted(run.glob("jobs/*/summary.json"))]
+    return pd.read_parquet(run / "results.parquet").sort_values("adapter_id"), spares
+
+
+def test_a_job_handed_to_a_spare_trains_as_a_fresh_process(tmp_path, monkeypatch):
+    cold, cold_spares = _sweep(tmp_path / "cold", monkeypatch, on=False)
+    warm, warm_spares = _sweep(tmp_path / "warm", monkeypatch, on=True)
+    assert cold_spares == [False, False, False]
+    assert len(warm_spares) == 3 and any(warm_spares)  # the sweep's first job at least was waiting for it
+    assert (warm["status"] == "done").all()
+    for col in ("train_loss", "eval_loss", "steps"):
+        assert warm[col].tolist() == cold[col].tolist()
+    assert spare._spare is None  # let go at the end of the sweep: no process left behind
+
+
+def test_a_spare_is_not_used_where_the_environment_differs(tmp_path, monkeypatch):
+    monkeypatch.setenv(spare.ENV_SWITCH, "1")
+    spare.prime()
+    proc = spare._spare.proc
+    env = {**spare.spare_env(), "PYTHONPATH": "/elsewhere"}  # read at import: the spare cannot adopt it
+    assert spare.take(tmp_path / "job.yaml", tmp_path, tmp_path / "log.txt", env, 0.0) is None
+    assert proc.poll() is not None and spare._spare is None
+
+
+def test_an_unused_spare_is_killed(monkeypatch):
+    monkeypatch.setenv(spare.ENV_SWITCH, "1")
+    spare.prime()
+    proc = spare._spare.proc
+    spare.keep(False)
+    assert proc.poll() is not None and spare._spare is None
+
+
+def test_spares_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(spare.ENV_SWITCH, "0")
+    spare.prime()
+    assert spare._spare is None
+
+
+def test_the_order_a_spare_reads_has_a_schema():
+    order = {"config": "job.yaml", "cwd": ".", "log": "log.txt", "env": {"A": "1"}}
+    assert spare.SpareOrder.model_validate_json(json.dumps(order)).env == {"A": "1"}
+    with pytest.raises(ValidationError):
+        spare.SpareOrder.model_validate_json(json.dumps({**order, "device": "cuda"}))
+
+
+def test_a_job_clock_counts_from_its_launch_when_handed_to_a_spare(monkeypatch):
+    from plora.jobphases import PhaseClock, process_started_at
+
+    monkeypatch.setenv("PLORA_HANDED_AT", "1000.5")
+    assert process_started_at() == 1000.5
+    assert PhaseClock().spare is True
+    monkeypatch.delenv("PLORA_HANDED_AT")
+    assert PhaseClock().spare is False and (process_started_at() or 0) <= __import__("time").time()
+    assert os.environ.get("PLORA_HANDED_AT") is None
