@@ -49,43 +49,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-_WORDS = ("market river winter council station garden letter morning village engine history report "
-          "question doctor teacher family summer harbor bridge window problem answer number system "
-          "quiet bright early heavy simple careful local public recent strong open final ready").split()
 
 
 # ------------------------------------------------------------------------------ data
-
-
-def sentence_text(rng: random.Random, chars: int) -> str:
-    """Plain sentences of about ``chars`` characters."""
-    out: list[str] = []
-    length = 0
-    while length < chars:
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 11))]
-        s = " ".join(words).capitalize() + rng.choice([".", ".", ".", "?", "!"])
-        out.append(s)
-        length += len(s) + 1
-    return " ".join(out)[:chars].rstrip()
-
-
-def make_rows(n: int, variant: str, *, row_chars: int, answer_chars: int, in_min: int, in_max: int,
-              seed: int) -> list[dict]:
-    """Rows whose text is about one token a character under the shape folder's tokenizer."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        if variant == "fixed":
-            prompt = row_chars - answer_chars
-        else:
-            prompt = rng.randint(in_min, in_max)
-        rows.append({"input": sentence_text(rng, prompt), "output": sentence_text(rng, answer_chars)})
-    return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
+# The rows (shared with bench_streaming.py) live in bench_rows.py beside this script.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rows import make_rows, sentence_text, write_jsonl  # noqa: F401 - importable from here
 
 # ---------------------------------------------------------------------------- plora
 
