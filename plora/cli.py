@@ -94,7 +94,7 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     spec = _load(space)
     _check_output(spec.run_dir(output))
     if warm and spec.hardware.backend == "local":
-        spare.prime()
+        spare.prime([0] if spec.hardware.device != "cpu" else [])  # the first job's GPU
     try:
         return _plan(spec, output, probe=probe)
     except BaseException:

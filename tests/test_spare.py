@@ -97,3 +97,13 @@ def test_a_job_clock_counts_from_its_launch_when_handed_to_a_spare(monkeypatch):
     monkeypatch.delenv("PLORA_HANDED_AT")
     assert PhaseClock().spare is False and (process_started_at() or 0) <= __import__("time").time()
     assert os.environ.get("PLORA_HANDED_AT") is None
+
+
+def test_a_spare_whose_imports_started_cuda_takes_only_a_job_for_its_gpus():
+    s = spare.Spare.__new__(spare.Spare)  # no process: only the environment rule
+    s.env, s.gpus, s.cuda = {"CUDA_VISIBLE_DEVICES": "0", "A": "1"}, (0,), True
+    assert s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "PLORA_ATTEMPT": "2"})
+    assert not s.compatible({"CUDA_VISIBLE_DEVICES": "1", "A": "1"})
+    assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "2"})
+    s.cuda = False  # CUDA not started yet: the job's GPUs are read when it starts
+    assert s.compatible({"CUDA_VISIBLE_DEVICES": "1", "A": "1"})

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plora.engine import spare
+from plora.engine.job_env import job_env, visible_gpu_ids  # noqa: F401 - visible_gpu_ids: where callers look
 from plora.engine.spare import die_with_parent
-from plora.step_settings import JOB_ALLOCATOR
 
 #: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
 RECIPE = "plora/recipes/packed_lora.py"
@@ -81,16 +81,7 @@ def launch(
     The job dies with the sweep process (Linux parent-death signal), so a sweep killed with
     SIGKILL leaves no orphan training on behind it; resume also kills stale groups.
     """
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra_env or {})
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpu_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")))
-        # Packs of many adapters allocate many differently sized activations: without
-        # expandable segments the allocator reserves up to ~30% more than its peak.
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", JOB_ALLOCATOR)
-    else:
-        env.setdefault("OMP_NUM_THREADS", "1")
+    env = job_env(gpus, extra_env)
     log = open(job_dir / "log.txt", "a")
     log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {job_id} attempt {env.get('PLORA_ATTEMPT', '1')} on {slot}\n")
     log.flush()
@@ -107,21 +98,6 @@ def launch(
             preexec_fn=die_with_parent,
         )
     return JobProcess(job_id, job_dir, slot, proc, launched, log)
-
-
-def visible_gpu_ids(gpus: Sequence[int], visible: str | None) -> list[str]:
-    """The device ids to hand a job for the sweep's GPU indices ``gpus``.
-
-    The pool numbers the GPUs this process sees 0..n-1; where the sweep itself runs under
-    ``CUDA_VISIBLE_DEVICES`` (say ``2,3``), index 0 is the first entry of that list, not
-    the machine's GPU 0.
-    """
-    ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
-    if not ids:
-        return [str(g) for g in gpus]
-    if any(g >= len(ids) for g in gpus):
-        raise ValueError(f"GPU index {max(gpus)} is not among CUDA_VISIBLE_DEVICES={visible}")
-    return [ids[g] for g in gpus]
 
 
 def default_slots(device: str) -> list[str]:

@@ -239,7 +239,7 @@ class Engine:
             while self.queue or self.running:
                 self._launch_ready()
                 if self.launch is local_jobs.launch:  # local jobs: the next one's process starts ahead
-                    spare.keep(bool(self.queue))
+                    spare.keep(bool(self.queue), self._next_gpus())
                 self._stream()
                 self._reap()
                 if self.feed is not None:
@@ -271,6 +271,12 @@ class Engine:
             self.journal.update_job(job_id, status="stopped", ended=time.time())
             self.journal.event("stopped", job_id, why)
         self.running.clear()
+
+    def _next_gpus(self) -> list[int]:
+        """The GPUs the next job to launch is expected on (a spare is started for them): the
+        first queued job's planned GPUs, else the first free GPU slot, else the pool's first."""
+        slots = (self._planned_slots(self.queue[0]) if self.queue else None) or self.free[:1] or self.slots[:1]
+        return [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
 
     def _launch_ready(self) -> None:
         wanted: set[str] = set()  # slots that planned jobs still waiting, earlier in the queue, want

@@ -8,10 +8,12 @@ started early (while the sweep validates its data, loads its cost model and plan
 while the previous job trains): it imports the recipe, says ``ready``, and waits for its
 job on stdin (`plora.recipes.spare`). Handing it a job takes milliseconds.
 
-What the spare must not have done before its job is known: touch CUDA (the job's
-``CUDA_VISIBLE_DEVICES`` is read when CUDA starts; the child checks and says so instead of
-``ready``), or read an environment variable that differs for the job (only the variables in
-`ADJUSTABLE` may differ; any other difference and the job starts the ordinary way). A spare
+A spare starts with the environment its job will have (`plora.engine.job_env`), for the GPU
+the next job is expected on. Only the variables in `ADJUSTABLE` may differ for the job it
+is handed; any other difference and the job starts the ordinary way. ``CUDA_VISIBLE_DEVICES``
+may differ only while CUDA has not started: torchao's import asks the GPU its compute
+capability, which starts CUDA on the GPUs the spare sees, so a spare says ``ready cuda``
+then and takes only a job for the same GPUs. A spare
 that is never used is killed; one whose sweep dies dies with it (parent-death signal).
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
 """
@@ -24,9 +26,12 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
+
+from plora.engine.job_env import job_env
 
 #: set to 0 to start every job the ordinary way
 ENV_SWITCH = "PLORA_SPARE_JOBS"
@@ -34,7 +39,7 @@ ENV_SWITCH = "PLORA_SPARE_JOBS"
 CHILD_MODULE = "plora.recipes.spare"
 #: when the job was handed to its spare (the job's clock counts its start from there)
 HANDED_AT = "PLORA_HANDED_AT"
-#: what the child prints once it has imported the recipe and left CUDA alone
+#: what the child prints once it has imported the recipe (``ready cuda``: CUDA started)
 READY = "ready"
 #: variables a job may set differently from its spare's: read only once the job runs
 ADJUSTABLE = frozenset({
@@ -69,16 +74,18 @@ def die_with_parent() -> None:
 class Spare:
     """One started spare process and the environment it started with."""
 
-    def __init__(self, env: dict[str, str]):
-        self.env = env
+    def __init__(self, env: dict[str, str], gpus: Sequence[int] = ()):
+        self.env, self.gpus = env, tuple(gpus)
         self.started = time.time()
+        self.cuda: bool | None = None  # whether its imports started CUDA (known once it is ready)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=die_with_parent,
         )
 
     def compatible(self, env: dict[str, str]) -> bool:
-        keys = (set(env) | set(self.env)) - ADJUSTABLE
+        fixed = set() if not self.cuda else {"CUDA_VISIBLE_DEVICES"}
+        keys = (set(env) | set(self.env)) - (ADJUSTABLE - fixed)
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -89,8 +96,9 @@ class Spare:
         ready, _, _ = select.select([out], [], [], timeout_s)
         if not ready:
             return False
-        line = out.readline().decode(errors="replace").strip()
-        return line == READY
+        words = out.readline().decode(errors="replace").split()
+        self.cuda = words[1:] == ["cuda"]
+        return bool(words) and words[0] == READY
 
     def hand(self, order: SpareOrder) -> bool:
         try:
@@ -128,27 +136,28 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
 
 
-def spare_env() -> dict[str, str]:
-    """What a spare starts with: this process's environment, unbuffered as a job's is."""
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+def spare_env(gpus: Sequence[int] = ()) -> dict[str, str]:
+    """What a spare for a job on ``gpus`` starts with: that job's environment."""
+    return job_env(gpus)
 
 
-def prime() -> None:
-    """Start a spare unless one is alive (a no-op when spares are off)."""
+def prime(gpus: Sequence[int] = ()) -> None:
+    """Start a spare for a job on ``gpus`` unless one is alive (a no-op when spares are off)."""
     global _spare
     if not enabled():
         return
     if _spare is not None and _spare.proc.poll() is None:
-        return
-    _spare = Spare(spare_env())
+        if _spare.env.get("CUDA_VISIBLE_DEVICES") == spare_env(gpus).get("CUDA_VISIBLE_DEVICES"):
+            return
+        discard()  # made for other GPUs: its CUDA may have started there
+    _spare = Spare(spare_env(gpus), gpus)
 
 
-def keep(wanted: bool) -> None:
-    """Start a spare if more jobs are coming (``wanted``), else let go of the one there is."""
+def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:
+    """Start a spare for a job on ``gpus`` if more jobs are coming (``wanted``), else let go
+    of the one there is."""
     if wanted:
-        prime()
+        prime(gpus)
     else:
         discard()
 
@@ -168,18 +177,18 @@ def take(job_yaml: Path, cwd: Path, log: Path, env: dict[str, str], launched: fl
     (`keep` lets it go when no job is left to come)."""
     global _spare
     spare, _spare = _spare, None
-    if spare is None or not spare.compatible(env):
+    if spare is None or not spare.compatible(env):  # (before ready: only what no import reads)
         if spare is not None:
             spare.kill()
         return None
-    if spare.proc.poll() is not None or not spare.wait_ready(READY_WAIT_S):
+    if spare.proc.poll() is not None or not spare.wait_ready(READY_WAIT_S) or not spare.compatible(env):
         spare.kill()
         return None
     order = SpareOrder(config=str(job_yaml), cwd=str(cwd), log=str(log), env={**env, HANDED_AT: repr(launched)})
     if not spare.hand(order):
         spare.kill()
         return None
-    prime()
+    prime(spare.gpus)  # the next job's, started behind it
     return spare.proc
 
 

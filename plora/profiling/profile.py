@@ -124,7 +124,7 @@ def profile_model(
     if job_probe:  # the probe job's process imports while the probes run, as a sweep's jobs do
         from plora.engine import spare
 
-        spare.prime()
+        spare.prime([0] if str(device).startswith("cuda") or device == "auto" else [])
     say(f"profiling {shape.name} at seq {seq_len}, {dtype}, on {device_name} ({key['backend']} kernels)")
     fit_set = [measure(p) for p in calibration_probes()]
     rows = _probe_rows(fit_set, gpu_memory_bytes * load_factor, seq_len, max_rows)
