@@ -157,13 +157,33 @@ def test_an_adapter_too_big_for_any_pack_holds_nothing():
     assert chosen == {"job-000": ["s"]}
 
 
-def test_a_pack_whose_throughput_would_fall_waits_for_the_rank_heavy_adapter():
+def test_a_rank_heavy_adapter_that_can_wait_is_held_back_and_others_pass_it():
+    """busy: 4 light adapters, 10 steps (33 s) left. A 2-step rank-64 adapter (13 s alone)
+    would lower the pack's tokens per second and can wait: held back, holding nothing; the
+    light one behind it joins. Into an empty pack, it joins at once."""
     m = cost(admits=10, c0=0.1, c_tok=0.01, c_rtok=0.01)
     busy = pack("job-000", *[load(f"s{i}", 10, rank=1, bs=4) for i in range(4)])
-    big, small = load("big", 30, rank=64, bs=1), load("small", 2, rank=1, bs=4)
-    assert jc.choose_joins([busy], [big, small], fits_for(m), m) == {}  # big holds the pack; small waits behind it
-    assert jc.choose_joins([busy, pack("job-001")], [big, small], fits_for(m), m) == {
-        "job-001": ["big"], "job-000": ["small"]}
+    heavy, small = load("heavy", 2, rank=64, bs=1), load("small", 1, rank=1, bs=4)
+    assert jc.solo_span(heavy, m) < jc.remaining_seconds(busy.training, m)
+    assert jc.held_back(busy.training, heavy, m) and not jc.held_back(busy.training, small, m)
+    assert jc.choose_joins([busy], [heavy, small], fits_for(m), m) == {"job-000": ["small"]}
+    # beside an empty pack, heavy takes it, and small ends soonest next to heavy
+    assert jc.choose_joins([busy, pack("job-001")], [heavy, small], fits_for(m), m) == {"job-001": ["heavy", "small"]}
+    # once the pack has less left than the adapter's own span, the hold ends
+    drained = jc.steps_left(busy.training, {f"s{i}": 9 for i in range(4)})
+    assert jc.remaining_seconds(drained, m) < jc.solo_span(heavy, m)
+    assert not jc.held_back(drained, heavy, m)
+
+
+def test_a_long_adapter_is_never_held_back_for_throughput():
+    """A 30-step rank-64 adapter lowers the pack's rate too, but it is the longest work
+    left: held back, it would be the sweep's tail. It joins now."""
+    m = cost(admits=10, c0=0.1, c_tok=0.01, c_rtok=0.01)
+    busy = pack("job-000", *[load(f"s{i}", 10, rank=1, bs=4) for i in range(4)])
+    long_heavy = load("long", 30, rank=64, bs=1)
+    assert not jc.keeps_throughput(busy.training, long_heavy, m)
+    assert not jc.held_back(busy.training, long_heavy, m)
+    assert jc.choose_joins([busy], [long_heavy], fits_for(m), m) == {"job-000": ["long"]}
 
 
 # --------------------------------------------------------------------------- the engine

@@ -13,25 +13,29 @@ with the longest work first (LPT), packs as the machines:
 2. **Room.** A pack can take an adapter only when the grown pack fits: the cost model's
    memory within the planner's load factor, and ``planner.max_adapters_per_job`` (the
    engine's ``fits``).
-3. **Throughput.** A pack takes an adapter only if the grown pack moves at least as many
-   real tokens per second as it does now (`keeps_throughput`), i.e. only if the newcomer's
-   tokens cost no more per token than the pack's average. A pack's rate only falls for an
-   adapter of a large rank among small ones, or one that opens a new rank bucket (a fixed
-   cost on every step) for a few rows; the adapters already there carry the sweep's
-   progress and are not slowed down for it. It is no starvation: a pack's average falls as
-   its adapters leave, so such an adapter joins as soon as the pack's rate has fallen to
-   its own, and an empty pack (rate 0) takes any adapter that fits.
+3. **Throughput.** A pack holds back an adapter that would lower its real tokens per
+   second (`keeps_throughput`: the newcomer's tokens cost more per token than the pack's
+   average, as for a large rank among small ones, or a few rows that open a new rank
+   bucket, a fixed cost on every step), but only while the adapter can wait
+   (`held_back`): while its solo span is shorter than the pack's predicted remaining
+   time. It joins later, once the pack has drained enough: a pack's average falls as its
+   adapters leave (an empty pack takes any adapter that fits), and the hold ends at the
+   latest when the pack has no more than the adapter's span left, so the adapter still
+   ends about when the pack would have. A long adapter is never held back: holding it
+   would make it the sweep's tail, which is what (1) avoids. A held-back adapter reserves no pack (5): adapters that keep the
+   pack's rate may pass it.
 4. **Where.** Among the packs with room, the one whose predicted remaining time once grown
    is shortest (`remaining_seconds`: the cost model's time of the steps each adapter has
    left, with adapters leaving as they finish; without a cost model, the most steps left):
-   the adapter's work ends soonest there and the longest pack is not made longer. Ties:
+   the adapter's work ends soonest there, and a pack that ends late is not made to end
+   later while another can take the adapter. Ties:
    the pack with fewer real tokens per step, then the one started first.
-5. **No overtaking.** An adapter that no pack takes now, but that fits a pack alone,
-   reserves the open pack predicted to drain first: that pack takes no shorter adapter in
-   this tick, so it drains to the long one instead of being kept full by short ones
-   (backfilling with one reservation per blocked adapter, as EASY backfilling does). An
-   adapter that does not fit a pack even alone reserves nothing: it waits for its own
-   queued job.
+5. **No overtaking.** An adapter that fits a pack alone but that no pack has room for
+   now (memory or adapter count) reserves, of the packs without room, the one predicted
+   to drain first: that pack takes no shorter adapter in this tick, so it drains to the
+   long one instead of being kept full by short ones (backfilling with one reservation
+   per blocked adapter, as EASY backfilling does). An adapter that does not fit a pack
+   even alone reserves nothing: it waits for its own queued job.
 
 The queue's order is the planner's predicted launch order (`plora.planner.scheduler`
 replays the cost model): a prediction, not an order the user asked for, so the rule may
@@ -48,8 +52,8 @@ from dataclasses import dataclass, replace
 
 from plora.costmodel import AdapterLoad, CostModel
 
-#: the TP degree of a job that takes joins: a tensor-parallel job refuses them (the recipe
-#: cannot lay its sharded pack out again mid-job), so the engine never sends it any
+#: the TP degree of a job that takes joins: the recipe refuses joins into a tensor-parallel
+#: job (`PackedLoRARecipe._take_joins`), so the engine never sends it any
 JOIN_TP = 1
 #: why a running tensor-parallel job is sent no adapters (the engine's journal says it once)
 TP_JOIN_REFUSAL = "a tensor-parallel job takes no joins"
@@ -134,6 +138,12 @@ def keeps_throughput(pack: Sequence[AdapterLoad], a: AdapterLoad, cost: CostMode
     return after >= before * (1 - 1e-9)
 
 
+def held_back(pack: Sequence[AdapterLoad], a: AdapterLoad, cost: CostModel | None) -> bool:
+    """Whether a pack holds ``a`` back for now: it would lower the pack's tokens per second,
+    and it can wait (its solo span is shorter than the pack's remaining time)."""
+    return not keeps_throughput(pack, a, cost) and solo_span(a, cost) < remaining_seconds(pack, cost)
+
+
 def longest_first(waiting: Sequence[AdapterLoad], cost: CostModel | None,
                   first: frozenset[str] | set[str] = frozenset()) -> list[AdapterLoad]:
     """The waiting adapters in the order they are offered to the packs: those in ``first``
@@ -157,9 +167,13 @@ def choose_joins(packs: Sequence[RunningPack], waiting: Sequence[AdapterLoad], f
         if not open_packs:
             break
         best: tuple[tuple[float, float, int], str] | None = None
+        no_room: list[str] = []
         for job_id in open_packs:
             pack = grown[job_id]
-            if not fits([*pack, a]) or not keeps_throughput(pack, a, cost):
+            if not fits([*pack, a]):
+                no_room.append(job_id)
+                continue
+            if held_back(pack, a, cost):
                 continue
             key = (remaining_seconds([*pack, a], cost), pack_tokens(pack, cost), rank[job_id])
             if best is None or key < best[0]:
@@ -167,6 +181,6 @@ def choose_joins(packs: Sequence[RunningPack], waiting: Sequence[AdapterLoad], f
         if best is not None:
             grown[best[1]].append(a)
             out.setdefault(best[1], []).append(a.id)
-        elif fits([a]):
-            reserved.add(min(open_packs, key=lambda j: (remaining_seconds(grown[j], cost), rank[j])))
+        elif no_room and fits([a]):
+            reserved.add(min(no_room, key=lambda j: (remaining_seconds(grown[j], cost), rank[j])))
     return out
