@@ -836,8 +836,10 @@ class PlannerConfig(_Model):
     solver: Literal["auto", "gurobi", "highs"] = "auto"
     memory_load_factor: float = Field(0.9, gt=0, le=1)
     objective: Literal["makespan", "paper"] = "makespan"
-    #: adapters of jobs not started yet join running jobs that have room for them (by the cost
-    #: model's memory and max_adapters_per_job) instead of waiting for a job of their own
+    #: adapters of jobs not started yet join running one-GPU jobs that have room for them (by
+    #: the cost model's memory and max_adapters_per_job) instead of waiting for a job of their
+    #: own: the longest first, each where the cost model predicts the pack ends soonest
+    #: (`plora.engine.join_choice`)
     streaming: bool = False
 
 

@@ -30,6 +30,7 @@ from plora.jobconfig import (
 from plora.spec import AdapterConfig, SweepSpec
 
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
+    from plora.costmodel import AdapterLoad
     from plora.planner.plan import Job, Plan
 
 
@@ -174,6 +175,26 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     return cm, ANALYTIC_SOURCE
 
 
+def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware) -> Any:
+    """A cost model with measured job terms priced on this sweep's own rows and eval
+    (`CostModel.for_eval`, `CostModel.for_rows`), unless it already is; any other as it is."""
+    if getattr(cost_model, "overheads", None) is None or cost_model.eval_load is not None:
+        return cost_model
+    from plora.jobcost import eval_load_for, train_row_tokens
+
+    return cost_model.for_eval(eval_load_for(spec)).for_rows(train_row_tokens(spec, graphed=graphed_steps(spec, hw)))
+
+
+def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
+                     hardware: Hardware | None = None) -> Any:
+    """The cost model a sweep runs with: `cost_model_for`'s (its source in
+    ``meta["plan_source"]``), priced on the sweep's rows (`priced_for_sweep`)."""
+    hw = hardware or hardware_for(spec)
+    cost_model, source = cost_model_for(spec, run_dir, probe=probe, hardware=hw)
+    cost_model.meta["plan_source"] = source
+    return priced_for_sweep(spec, cost_model, hw)
+
+
 def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
     """Whether this sweep's (one-GPU) jobs will replay their steps from CUDA graphs."""
     import torch
@@ -267,8 +288,9 @@ class PreparedSweep:
 def stream_policy(prep: PreparedSweep) -> StreamPolicy:
     """How the engine sends adapters into running jobs (``planner.streaming``): each as its
     job config would list it, while the pack stays within ``max_adapters_per_job`` and,
-    with a cost model, within the planner's share of GPU memory."""
-    from plora.costmodel import AdapterLoad
+    with a cost model, within the planner's share of GPU memory; the cost model also times
+    the packs for the choice (`plora.engine.join_choice`)."""
+    from plora.engine.join_choice import pack_fits
 
     spec, by_id = prep.spec, {c.id: c for c in prep.configs}
     warmup = spec.training.warmup_for
@@ -277,15 +299,11 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
         steps = prep.steps[adapter_id]
         return JobAdapter(**by_id[adapter_id].to_dict(), steps=steps, warmup_steps=warmup(steps))
 
-    def fits(adapters: Sequence[str], tp: int) -> bool:
-        if len(adapters) > spec.planner.max_adapters_per_job:
-            return False
-        if prep.cost_model is None:
-            return True
-        loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
-        return prep.cost_model.fits(loads, tp, spec.planner.memory_load_factor)
+    def fits(loads: Sequence[AdapterLoad], tp: int) -> bool:
+        return pack_fits(loads, tp, prep.cost_model, max_adapters=spec.planner.max_adapters_per_job,
+                         load_factor=spec.planner.memory_load_factor)
 
-    return StreamPolicy(entry, fits)
+    return StreamPolicy(entry, fits, prep.cost_model)
 
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
@@ -305,12 +323,9 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
     if cost_model is None:
-        cost_model, source = cost_model_for(spec, run, probe=probe, hardware=hw)
-        cost_model.meta["plan_source"] = source
-    if getattr(cost_model, "overheads", None) is not None and cost_model.eval_load is None:
-        from plora.jobcost import eval_load_for, train_row_tokens  # priced on this sweep's own rows
-
-        cost_model = cost_model.for_eval(eval_load_for(spec)).for_rows(train_row_tokens(spec, graphed=graphed_steps(spec, hw)))
+        cost_model = sweep_cost_model(spec, run, probe=probe, hardware=hw)
+    else:
+        cost_model = priced_for_sweep(spec, cost_model, hw)
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data)
 

@@ -109,35 +109,55 @@ def inject_fault(monkeypatch, faults: str) -> None:
     monkeypatch.setenv("PLORA_INJECT_FAULT", faults)
 
 
-def run_streamed_sweep(root: Path):
+def cost_model_holding(admits: int, *, c0: float = 1.0, c_tok: float = 0.0, c_rtok: float = 0.0,
+                       c_bkt: float = 0.0, overhead_s: float = 0.0, load_factor: float = 0.9):
+    """A one-GPU cost model whose GPU holds ``admits`` adapters within ``load_factor`` (each
+    adapter 1 byte, the base model none) and whose packed step costs ``c0`` plus the token
+    terms (rows of 10 tokens)."""
+    from plora.costmodel import CostModel, MemoryCoeffs, TimeCoeffs
+
+    return CostModel((admits + 0.5) / load_factor, 10, {1: TimeCoeffs(c0, c_tok, c_rtok, 0.0, c_bkt)},
+                     {1: MemoryCoeffs(0.0, 1.0, 0.0, 0.0, 0.0)}, job_overhead_s=overhead_s)
+
+
+#: the streaming sweep's configurations (`run_streamed_sweep`): 3, 12 and 6 steps of 24 rows
+STREAM_CONFIGS = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8},
+                  {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
+                  {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
+
+
+def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=((0, 1), (2,)),
+                       slots=("cpu:0",), max_adapters: int = 2, cost_model=None):
     """A sweep with planner.streaming on one CPU slot, planned as two jobs: job-000 (two
     adapters) and job-001 (one). Once an adapter of job-000 has left, job-001's adapter joins
-    job-000 and job-001 never runs. The prepared sweep and its results frame."""
+    job-000 and job-001 never runs. The prepared sweep and its results frame.
+
+    ``configs`` (`STREAM_CONFIGS`), ``groups`` (the configurations of job-000, job-001, ...,
+    by index), ``slots``, ``max_adapters`` (``planner.max_adapters_per_job``) and
+    ``cost_model`` (the sweep's, default: the analytic one) change that sweep."""
     import yaml
 
     from plora.planner.plan import Job, Plan
     from plora.spec import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
-    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8},
-               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
-               {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
     data = {
         "name": "stream",
         "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
         "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
         "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
+        "space": {"strategy": "list", "configs": configs or STREAM_CONFIGS},
         "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
         "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "planner": {"max_adapters_per_job": 2, "streaming": True},
+        "planner": {"max_adapters_per_job": max_adapters, "streaming": True},
         "hardware": {"device": "cpu"},
         "output": {"dir": str(root / "runs")},
     }
     path = root / "space.yaml"
     path.write_text(yaml.safe_dump(data))
-    prep = prepare(load_spec(path))
+    prep = prepare(load_spec(path), cost_model=cost_model)
     ids = [c.id for c in prep.configs]
-    prep.plan = Plan([Job("job-000", ids[:2]), Job("job-001", ids[2:])], grouping="two jobs for the test")
+    prep.plan = Plan([Job(f"job-{j:03d}", [ids[i] for i in g]) for j, g in enumerate(groups)],
+                     grouping="fixed for the test")
     write_run_files(prep)
-    return prep, run_prepared(prep, slots=["cpu:0"])
+    return prep, run_prepared(prep, slots=list(slots))

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import FAULT_HOOKS, job_config, run_streamed_sweep
+from conftest import FAULT_HOOKS, cost_model_holding, job_config, run_streamed_sweep
 from plora import hooks
 from plora.jobconfig import JobAdapter
 from plora.jobcontrol import JobControl, read_joins, request_close, request_join, write_control
@@ -259,3 +259,46 @@ def test_streaming_sweep_sends_a_waiting_adapter_into_the_running_job(tmp_path):
     m = json.loads((prep.run_dir / "adapters" / third / "metrics.json").read_text())
     assert m["job_id"] == "job-000" and m["steps"] == prep.steps[third]
     assert not (prep.run_dir / "jobs" / "job-001" / "job.yaml").exists()
+
+
+def test_streaming_sends_the_longest_waiting_adapters_first_and_holds_memory(tmp_path):
+    """Two running jobs (one adapter of 3 steps each) on two CPU slots, a queued job of four
+    adapters of 4, 12, 6 and 8 steps, and a cost model whose GPU holds two adapters: at once
+    the 12-step adapter joins job-000 and the 8-step one job-001; the 6- and 4-step ones
+    join later, in that order, as the first ones leave; no job ever trains more than two
+    adapters at a step, and the queued job never runs."""
+    from plora.engine.journal import Journal
+
+    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8},
+               {"rank": 2, "alpha": 4, "learning_rate": 2e-2, "batch_size": 8},
+               {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 6},
+               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
+               {"rank": 2, "alpha": 2, "learning_rate": 4e-3, "batch_size": 4},
+               {"rank": 4, "alpha": 4, "learning_rate": 1e-3, "batch_size": 3}]
+    prep, frame = run_streamed_sweep(tmp_path, configs=configs, groups=((0,), (1,), (2, 3, 4, 5)),
+                                     slots=("cpu:0", "cpu:1"), max_adapters=4, cost_model=cost_model_holding(2))
+    ids = [c.id for c in prep.configs]
+    steps = [prep.steps[a] for a in ids]
+    assert steps == [3, 3, 4, 12, 6, 8]
+    assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
+
+    journal = Journal(prep.run_dir / "journal.sqlite")
+    try:
+        assert journal.job("job-002").status == "streamed"
+        joins = [(subject, json.loads(detail)["adapters"]) for _, kind, subject, detail in journal.events()
+                 if kind == "join"]
+    finally:
+        journal.close()
+    longest_first = [ids[3], ids[5], ids[4], ids[2]]
+    assert [a for _, taken in joins for a in taken] == longest_first
+    assert joins[:2] == [("job-000", [ids[3]]), ("job-001", [ids[5]])]
+    for job in ("job-000", "job-001"):
+        at_step: dict[int, set] = {}
+        for row in _rows(prep.run_dir / "jobs" / job):
+            at_step.setdefault(row["step"], set()).add(row["adapter"])
+        assert max(len(a) for a in at_step.values()) == 2
+    assert not (prep.run_dir / "jobs" / "job-002" / "job.yaml").exists()
+
+
+def _rows(job_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (job_dir / "metrics.jsonl").read_text().splitlines()]

@@ -354,3 +354,34 @@ def test_async_tune_fills_a_pruned_slot_at_once(tmp_path, demo_model):
     pruned_last = max(r["step"] for r in rows if r["adapter"] == first.user_attrs["adapter_id"])
     joined_first = min(r["step"] for r in rows if r["adapter"] == join.adapter.id)
     assert join.job_step == joined_first and joined_first <= pruned_last + 2
+
+
+def test_async_tune_joins_a_trial_only_where_the_cost_model_says_it_fits(tmp_path, demo_model):
+    """--async with 2 trials in flight in one job, but a cost model whose GPU holds one
+    adapter: the second trial waits for the first to leave instead of joining beside it,
+    no step ever trains two adapters, and every trial is told once."""
+    from conftest import cost_model_holding
+    from plora.jobcontrol import read_joins
+
+    spec = parse_spec(space(tmp_path, demo_model))
+    told = []
+    study = tloop.run_tune(spec, sampler="random", trials=3, batch=2, slots=["cpu:0"], asynchronous=True,
+                           on_trial=told.append, cost_model=cost_model_holding(1))
+    trials = study.get_trials()
+    assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert sorted(t.number for t in told) == [0, 1, 2]
+    [job] = {t.user_attrs["job_id"] for t in trials}
+    job_dir = spec.run_dir() / "jobs" / job
+    assert len(yaml.safe_load((job_dir / "job.yaml").read_text())["adapters"]) == 1  # the second trial waited
+    rows = _rows(job_dir)
+    at_step: dict[int, set] = {}
+    for r in rows:
+        at_step.setdefault(r["step"], set()).add(r["adapter"])
+    assert max(len(a) for a in at_step.values()) == 1
+    joins = [r for r in read_joins(job_dir) if r.refused is None]
+    assert [r.adapter.id for r in joins] == [t.user_attrs["adapter_id"] for t in trials[1:]]
+    for r in joins:  # each joined once the adapter before it had left
+        assert r.job_step == 1 + max(row["step"] for row in rows if row["adapter"] != r.adapter.id
+                                     and row["step"] < r.job_step)
+    frame = pd.read_parquet(spec.run_dir() / "results.parquet")
+    assert sorted(frame.adapter_id) == sorted(t.user_attrs["adapter_id"] for t in trials)

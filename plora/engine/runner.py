@@ -19,8 +19,10 @@
   unfinished adapters re-queued.
 - Ctrl-C: running jobs are stopped, their unfinished adapters go back to pending.
 - Streaming (``planner.streaming``, `plora.engine.streaming`): adapters of queued jobs not
-  started yet join running jobs that have room, through their control.json; the journal
-  records them under the job they joined, and a job emptied so is not launched.
+  started yet join running one-GPU jobs that have room, as the cost model decides
+  (`plora.engine.join_choice`), through their control.json; the journal records them
+  under the job they joined, and a job emptied so is not launched. A tensor-parallel job
+  takes no joins (a ``no_joins`` event in the journal says so).
 - A feed (the asynchronous tuner) may do the same itself at each tick: `Engine.join` sends
   adapters into a running job (with the prunes that free their slots, in one write),
   `Engine.close` tells it no more will come, `Engine.submit` queues new jobs.
@@ -38,9 +40,16 @@ from pathlib import Path
 
 from plora.engine import local as local_jobs
 from plora.engine import spare
+from plora.engine.join_choice import (
+    JOIN_TP,
+    RunningPack,
+    choose_joins,
+    join_refusal,
+    steps_left,
+)
 from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
-from plora.engine.streaming import StreamPolicy, pick_joins
+from plora.engine.streaming import StreamPolicy
 from plora.jobconfig import JobAdapter
 from plora.jobcontrol import reopen, request
 from plora.planner.plan import Job
@@ -169,6 +178,7 @@ class Engine:
         self.launch = launcher or launch  # the backend's: local processes, or Ray tasks
         self.streaming = streaming  # None: every adapter trains in the job it was queued in
         self.closed: set[str] = set()  # streaming jobs told that no join will come
+        self.no_joins: set[str] = set()  # running jobs that take no joins (tensor-parallel), said once
         #: called at each tick, after finished jobs are reaped, by a caller that steers the
         #: running jobs itself (the asynchronous tuner: `join`, `close`, `submit`)
         self.feed = feed
@@ -316,23 +326,49 @@ class Engine:
             self._note(f"started {job.id} ({len(job.adapters)} adapters, TP {job.tp}) on {','.join(slots)}")
 
     def _stream(self) -> None:
-        """Send adapters of queued jobs not started yet into running jobs with room
-        (`plora.engine.streaming`); close a running job that has nothing left to train and
-        nothing to take."""
+        """Send adapters of queued jobs not started yet into running jobs with room, as
+        `plora.engine.join_choice` decides; close a running job that has nothing left to
+        train and nothing to take. A tensor-parallel job is sent nothing (the journal says
+        why, once)."""
         if self.streaming is None:
             return
-        for job_id, rj in list(self.running.items()):
-            if job_id in self.closed or rj.job.tp != 1 or rj.proc.proc.poll() is not None:
+        packs: list[RunningPack] = []
+        for job_id, rj in self.running.items():
+            if job_id in self.closed or rj.proc.proc.poll() is not None:
                 continue
-            training = [a for a in rj.job.adapters if self.result(a) is None]
-            waiting = [a for j in self.queue if self._history(j.id).attempt == 0 for a in j.adapters]
-            taken = pick_joins(training, waiting, self.streaming.fits)
-            if not taken:
-                if not training:
-                    self.close(job_id)
+            refusal = join_refusal(rj.job.tp)
+            if refusal is not None:
+                self._refuse_joins(job_id, refusal)
                 continue
+            packs.append(self._running_pack(rj))
+        if not packs:
+            return
+        queued = [j for j in self.queue if self._history(j.id).attempt == 0]
+        waiting = [self.streaming.load(a) for j in queued for a in j.adapters]
+        first = {a for j in queued if self._history(j.id).parent is not None for a in j.adapters}
+        policy = self.streaming
+        chosen = choose_joins(packs, waiting, lambda loads: policy.fits(loads, JOIN_TP), policy.cost, first)
+        for job_id, taken in chosen.items():
             self.join(job_id, [self.streaming.entry(a) for a in taken])
             self._take_from_queue(set(taken), into=job_id)
+        for pack in packs:
+            if not pack.training and pack.job_id not in chosen:
+                self.close(pack.job_id)
+
+    def _running_pack(self, rj: RunningJob) -> RunningPack:
+        """A running job's adapters still training, with the steps each has left (from its
+        progress.json; an adapter it has not reported, e.g. a join still waiting in its
+        control.json, has taken none)."""
+        training = [self.streaming.load(a) for a in rj.job.adapters if self.result(a) is None]
+        done = rj.proc.progress().get("adapter_steps")
+        return RunningPack(rj.job.id, steps_left(training, done if isinstance(done, dict) else {}))
+
+    def _refuse_joins(self, job_id: str, why: str) -> None:
+        if job_id in self.no_joins:
+            return
+        self.no_joins.add(job_id)
+        self.journal.event("no_joins", job_id, why)
+        self._note(f"{job_id}: {why}")
 
     def join(self, job_id: str, entries: Sequence[JobAdapter], prune: Sequence[str] = ()) -> None:
         """Send adapters into a running job (its control.json) and record them under it;

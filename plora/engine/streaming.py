@@ -1,13 +1,15 @@
 """Streaming: adapters waiting in the queue join running jobs instead of waiting for a new one.
 
-With ``planner.streaming`` the engine looks, at each tick, at every running job (one
-process, TP 1) whose adapters have left room: the adapters of queued jobs not started yet
-join it, in queue order, while the job's adapters still training and the newcomers fit
-(`StreamPolicy.fits`: the cost model's memory within the planner's load factor, and
-``planner.max_adapters_per_job``). They go through the job's control.json
-(`plora.jobcontrol`); the journal records them under that job. Such jobs linger a while
-when their adapters have all left (``streaming.linger_s`` in their job config); the
-engine closes one as soon as nothing is left to send it.
+With ``planner.streaming`` the engine looks, at each tick, at every running one-GPU job
+whose adapters have left room: the adapters of queued jobs not started yet join them as
+`plora.engine.join_choice` decides from the cost model (longest first, into the pack that
+ends soonest with them, only while the grown pack fits the GPU's memory and
+``planner.max_adapters_per_job`` and moves no fewer tokens per second). A running job's
+adapters count with the steps they have left (its progress.json's ``adapter_steps``). A
+tensor-parallel job takes no joins; the journal says so once for each. Joins go through
+the job's control.json (`plora.jobcontrol`); the journal records them under that job.
+Such jobs linger a while when their adapters have all left (``streaming.linger_s`` in
+their job config); the engine closes one as soon as nothing is left to send it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from plora.costmodel import AdapterLoad, CostModel
 from plora.jobconfig import JobAdapter
 
 #: how long a streaming job waits for a join once its adapters have all left; the engine
@@ -29,17 +32,11 @@ class StreamPolicy:
     #: the job adapter entry of an adapter id (its configuration, step budget and warm-up)
     entry: Callable[[str], JobAdapter]
     #: whether a job of these adapters, training at once, fits at TP ``d``
-    fits: Callable[[Sequence[str], int], bool]
+    fits: Callable[[Sequence[AdapterLoad], int], bool]
+    #: the sweep's cost model, which times packs for the choice (None: step counts decide)
+    cost: CostModel | None = None
 
-
-def pick_joins(training: Sequence[str], waiting: Sequence[str], fits: Callable[[Sequence[str], int], bool],
-               tp: int = 1) -> list[str]:
-    """The waiting adapters, in order, that join a job whose adapters ``training`` still
-    train: each while the whole pack still fits (no overtaking: the next one that does not
-    fit stops the list, as the planner's order says who goes first)."""
-    taken: list[str] = []
-    for a in waiting:
-        if not fits([*training, *taken, a], tp):
-            break
-        taken.append(a)
-    return taken
+    def load(self, adapter_id: str) -> AdapterLoad:
+        """What the choice needs of an adapter: its rank, rows per step and step budget."""
+        a = self.entry(adapter_id)
+        return AdapterLoad(a.id, a.rank, a.batch_size, a.steps)

@@ -11,8 +11,12 @@ once: ``streaming.max_active``), and at every engine tick the tuner
    failed by the engine) exactly as the synchronous loop does (`tell_trial`);
 3. asks a new trial for each slot so freed (a pruned adapter's slot counts as free at
    once) and sends it into that job (`Engine.join`): in the same control.json write as the
-   prune, so it takes the pruned adapter's slot at the same step boundary;
-4. once every trial is asked, closes the jobs (they leave when their adapters have).
+   prune, so it takes the pruned adapter's slot at the same step boundary. A trial joins
+   only a pack that the cost model says it fits, with it, in the GPU's memory (the planner's
+   load factor; an empty pack takes any); otherwise it waits for a slot, in the order
+   asked, and no later trial overtakes it (`_Feeder._take`);
+4. once every trial is asked and none waits, closes the jobs (they leave when their
+   adapters have).
 
 A trial that proposes an adapter already trained is told that result without training;
 one that proposes an adapter still training shares its result. Every trial of the run
@@ -31,11 +35,19 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from plora.costmodel import AdapterLoad, CostModel
+from plora.engine.join_choice import JOIN_TP, pack_fits
 from plora.engine.streaming import STREAM_LINGER_S
 from plora.jobconfig import JobAdapter, JobStreaming
 from plora.planner.plan import Job, Plan
 from plora.spec import AdapterConfig, SweepSpec
-from plora.sweep import PreparedSweep, collect_results, result_row, run_prepared
+from plora.sweep import (
+    PreparedSweep,
+    collect_results,
+    result_row,
+    run_prepared,
+    sweep_cost_model,
+)
 from plora.tuning.base import _quiet_optuna
 from plora.tuning.prune import _finished_status, _PruneWatcher
 from plora.tuning.space import config_from_params
@@ -63,10 +75,14 @@ class _Feeder:
     n_train: int
     sign: float  # of the intermediate values (`intermediate_sign`)
     on_trial: Callable[[FrozenTrial], None] | None = None
+    #: the sweep's cost model: a trial joins a job only if the pack with it fits its memory
+    #: (None: only ``cap`` limits a pack)
+    cost_model: CostModel | None = None
     asked: list[optuna.Trial] = field(default_factory=list)
     live: dict[str, list[optuna.Trial]] = field(default_factory=dict)  # adapter -> its trials, until told
     home: dict[str, str] = field(default_factory=dict)  # live adapter -> its job
     pruning: set[str] = field(default_factory=set)  # live adapters asked to leave: their slot is free
+    waiting: list[str] = field(default_factory=list)  # live adapters no job had room for yet, in ask order
     jobs: dict[str, Job] = field(default_factory=dict)  # the run's jobs, with every adapter they took
     configs: dict[str, AdapterConfig] = field(default_factory=dict)
 
@@ -113,22 +129,59 @@ class _Feeder:
                           warmup_steps=self.spec.training.warmup_for(steps))
 
     def _busy(self, job_id: str | None = None) -> int:
-        """Slots taken (in one job, or in all): live adapters not asked to leave."""
+        """Slots taken (in one job, or in all, trials waiting for one included): live
+        adapters not asked to leave."""
         return sum(1 for a in self.live
                    if a not in self.pruning and (job_id is None or self.home.get(a) == job_id))
 
-    def _fill(self, room: int) -> list[str]:
-        """Ask trials until ``room`` of them need training (or every trial is asked)."""
-        out: list[str] = []
-        while len(out) < room and len(self.asked) < self.n_trials:
+    def _load(self, adapter_id: str) -> AdapterLoad:
+        cfg = self.configs[adapter_id]
+        return AdapterLoad(adapter_id, cfg.rank, cfg.batch_size, self.prep.steps[adapter_id])
+
+    def _has_room(self, job_id: str, adapter_id: str) -> bool:
+        """Whether a trial's adapter may join a job now: the job holds fewer than ``cap``
+        trials, and the cost model says the pack with it fits the GPU's memory. An empty
+        pack takes any adapter (where else could it train?); one that the cost model is
+        wrong about runs out of memory alone and is failed, as in a sweep."""
+        pack = [a for a in self.live if a not in self.pruning and self.home.get(a) == job_id]
+        if len(pack) >= self.cap:
+            return False
+        return not pack or pack_fits([*map(self._load, pack), self._load(adapter_id)], JOIN_TP, self.cost_model,
+                                     max_adapters=self.cap, load_factor=self.spec.planner.memory_load_factor)
+
+    def _next(self) -> str | None:
+        """The next adapter to place: the first waiting one, else a new trial's while fewer
+        than ``in_flight`` are live (None: nothing to place now)."""
+        if self.waiting:
+            return self.waiting[0]
+        while self._busy() < self.in_flight and len(self.asked) < self.n_trials:
             a = self._ask()
             if a is not None:
-                out.append(a)
-        return out
+                return a
+        return None
+
+    def _take(self, job_id: str) -> list[str]:
+        """Adapters that join a job now (it may be one not made yet): the waiting ones in
+        the order asked, then new trials', while the job has room. The first without room
+        waits for a slot (`waiting`), and nothing overtakes it: the packs drain to it."""
+        taken: list[str] = []
+        while (a := self._next()) is not None:
+            if not self._has_room(job_id, a):
+                if a not in self.waiting:
+                    self.waiting.append(a)
+                break
+            if a in self.waiting:
+                self.waiting.remove(a)
+            self.home[a] = job_id
+            taken.append(a)
+        return taken
 
     # ------------------------------------------------------------------ jobs
+    def _job_id(self, offset: int = 0) -> str:
+        return f"b{self.batch:02d}-job-{len(self.jobs) + offset:03d}"
+
     def _new_job(self, adapters: list[str], gpus: list[int]) -> Job:
-        job = Job(f"b{self.batch:02d}-job-{len(self.jobs):03d}", list(adapters), 1, gpus)
+        job = Job(self._job_id(), list(adapters), 1, gpus)
         self.jobs[job.id] = job
         for a in adapters:
             self.home[a] = job.id
@@ -136,15 +189,24 @@ class _Feeder:
         return job
 
     def first_jobs(self) -> list[Job]:
-        """The jobs the run starts with: one per slot, the first trials dealt out in turn."""
-        first = self._fill(self.in_flight)
-        n = min(self.n_jobs, len(first))
-        return [self._new_job(first[i::n], [i]) for i in range(n)]
+        """The jobs the run starts with: one per slot, the first trials dealt out in turn
+        (each to the job with the fewest trials that has room for it; the first that none
+        has room for waits)."""
+        ids = [self._job_id(i) for i in range(self.n_jobs)]
+        while (a := self._next()) is not None and a not in self.waiting:
+            room = [j for j in ids if self._has_room(j, a)]
+            if not room:
+                self.waiting.append(a)
+                break
+            self.home[a] = min(room, key=lambda j: (self._busy(j), ids.index(j)))
+        members = {j: [a for a in self.live if self.home.get(a) == j] for j in ids}
+        return [self._new_job(members[j], [i]) for i, j in enumerate(ids) if members[j]]
 
     def __call__(self, engine: Engine) -> None:
         running = {j: rj for j, rj in engine.running.items() if rj.proc.proc.poll() is None}
         status = engine.journal.adapter_status()
-        finished = [a for a in self.live if engine.result(a) is not None or status.get(a) == "failed"]
+        finished = [a for a in self.live
+                    if a not in self.waiting and (engine.result(a) is not None or status.get(a) == "failed")]
         prunes: dict[str, list[str]] = {}
         for job_id in self.jobs:  # finished adapters' last evals too, before they are told
             job_dir = self.prep.run_dir / "jobs" / job_id
@@ -159,21 +221,18 @@ class _Feeder:
         for job_id in sorted(running):
             if job_id not in self.jobs or job_id in engine.closed:
                 continue
-            room = min(self.cap - self._busy(job_id), self.in_flight - self._busy())
-            for a in self._fill(max(0, room)):
+            for a in self._take(job_id):
                 joins.setdefault(job_id, []).append(a)
-                self.home[a] = job_id
                 self.jobs[job_id].adapters.append(a)
         for job_id in sorted(set(prunes) | set(joins)):
             engine.join(job_id, [self._entry(a) for a in joins.get(job_id, [])], prune=prunes.get(job_id, []))
         alive = [j for j in self.jobs if j in engine.running or any(q.id == j for q in engine.queue)]
         if len(alive) < self.n_jobs:  # a job ended early (crashed for good, or tired of waiting)
-            room = min(self.cap, self.in_flight - self._busy())
-            adapters = self._fill(max(0, room))
+            adapters = self._take(self._job_id())
             if adapters:
                 engine.submit([self._new_job(adapters, [])])
                 self.state.write()
-        if len(self.asked) >= self.n_trials:
+        if len(self.asked) >= self.n_trials and not self.waiting:
             for job_id in running:
                 if job_id not in engine.closed:
                     engine.close(job_id)
@@ -185,6 +244,7 @@ class _Feeder:
         """Trials whose adapter has no result once every job has ended: told as failed."""
         for a in list(self.live):
             self._tell(a, self.live.pop(a))
+        self.waiting.clear()
 
 
 def tune_async(
@@ -201,10 +261,15 @@ def tune_async(
     on_trial: Callable[[FrozenTrial], None] | None = None,
     on_tick: Callable[[list, list], None] | None = None,
     on_snapshot: Callable[[Any], None] | None = None,
+    cost_model: CostModel | None = None,
 ) -> tuple[list[optuna.Trial], list[str], float]:
     """Run ``n_trials`` trials through long-lived jobs, ``in_flight`` at once (see the module
-    docstring); returns the trials asked, the jobs' ids and the wall time."""
+    docstring); returns the trials asked, the jobs' ids and the wall time. ``cost_model``
+    judges whether a trial fits a job's memory (default: the sweep's, `sweep_cost_model`:
+    the run's or this machine's profile, else the analytic model)."""
     t0 = time.time()
+    if cost_model is None:
+        cost_model = sweep_cost_model(spec, state.run_dir)
     batch = state.next_batch()
     n_jobs = max(1, min(len(slots), in_flight))
     cap = min(spec.planner.max_adapters_per_job, math.ceil(in_flight / n_jobs))
@@ -212,7 +277,7 @@ def tune_async(
     prep = PreparedSweep(spec, state.run_dir, [], {}, Plan([]),
                          streaming=JobStreaming(linger_s=STREAM_LINGER_S, max_active=cap))
     feeder = _Feeder(spec, study, space, state, prep, n_trials, min(in_flight, n_jobs * cap), cap, n_jobs, batch,
-                     n_train, sign, on_trial)
+                     n_train, sign, on_trial, cost_model)
     try:
         jobs = feeder.first_jobs()
         state.write()

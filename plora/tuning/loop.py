@@ -15,7 +15,7 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
-from plora.costmodel import AdapterLoad
+from plora.costmodel import AdapterLoad, CostModel
 from plora.planner.plan import PLAN_FILE, Job, Plan
 from plora.spec import AdapterConfig, Range, SweepSpec
 from plora.sweep import (
@@ -155,6 +155,7 @@ def run_tune(
     slots: list[str] | None = None,
     asynchronous: bool = False,
     on_trial: Callable[[FrozenTrial], None] | None = None,
+    cost_model: CostModel | None = None,
 ) -> optuna.Study:
     """Packed optimization driven by an Optuna sampler; returns the study.
 
@@ -175,6 +176,9 @@ def run_tune(
     or is pruned, the next one asked and sent into the slot it freed
     (`plora.tuning.asynchronous`); ``on_trial`` gets each trial as it is told, and
     ``on_batch`` the whole run as one batch at its end.
+
+    ``cost_model``: what the batches are planned with and, with ``asynchronous``, what says
+    whether a trial fits a running job's memory (default: the sweep's, `plora.sweep`).
     """
     from plora.engine.local import default_slots
 
@@ -206,7 +210,7 @@ def run_tune(
         t0 = time.time()
         trials_run, jobs, _ = tune_async(spec, study, space, state, n_trials=n_trials, in_flight=size, slots=slots,
                                          sign=sign, n_train=n_train, on_trial=on_trial, on_tick=on_tick,
-                                         on_snapshot=on_snapshot)
+                                         on_snapshot=on_snapshot, cost_model=cost_model)
         if on_batch is not None and trials_run:
             numbers = {t.number for t in trials_run}
             frozen = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
@@ -246,7 +250,7 @@ def run_tune(
             jobs: list[Job] = []
             if new:
                 steps = {c.id: spec.steps_for(c, n_train) for c in new}
-                plan = plan_jobs(spec, new, steps)
+                plan = plan_jobs(spec, new, steps, cost_model)
                 jobs = [dataclasses.replace(j, id=f"b{b:02d}-{j.id}") for j in plan.jobs]
                 plan = dataclasses.replace(plan, jobs=jobs)
                 state.add(new, steps, jobs)
