@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from plora.row_layout import priced_row_tokens
 
@@ -207,23 +207,48 @@ def _tokenizer(spec: Any):
     return TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
 
 
-def train_row_tokens(spec: Any, *, graphed: bool = False) -> float | None:
-    """What a sweep's training row costs a step, in tokens (`plora.step_settings.priced_row_tokens`):
-    the mean real tokens of its rows (at most ``max_seq_len`` each; the first `ROWS_SAMPLED`
-    rows) where jobs flatten them, the width they are padded to where jobs pad them
-    (``graphed``: steps replayed from CUDA graphs). None where they cannot be tokenized here."""
+def train_row_lengths(spec: Any) -> list[int] | None:
+    """The tokens of a sweep's training rows as jobs see them (at most ``max_seq_len``
+    each; the first `ROWS_SAMPLED` rows). None where they cannot be tokenized here."""
     try:
         from plora.data import load_split, tokenize_examples
         from plora.data_check import data_config
 
         examples = load_split(data_config(spec), "train")[:ROWS_SAMPLED]
         samples = tokenize_examples(examples, _tokenizer(spec), int(spec.model.max_seq_len))
-        if not samples:
-            return None
-        return priced_row_tokens(spec.training.row_layout, graphed=graphed, lengths=[len(s.tokens) for s in samples],
-                                 max_seq_len=int(spec.model.max_seq_len), length_buckets=spec.training.length_buckets)
+        return [len(s.tokens) for s in samples] or None
     except Exception:  # noqa: BLE001 - pricing only: validation and the job report bad data
         return None
+
+
+def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool) -> int | str:
+    """``training.length_buckets`` resolved once for a whole sweep: "auto" becomes the count
+    that costs its graphed, padded jobs least (`plora.row_layout.auto_length_buckets`) for
+    its rows and step budgets. Every job of the sweep gets the same count, so an adapter's
+    row order depends on the sweep's data and budgets, never on its pack-mates."""
+    from plora.row_layout import auto_length_buckets, rows_flattened
+
+    setting = spec.training.length_buckets
+    if setting != "auto" or not graphed or rows_flattened(spec.training.row_layout, graphed=graphed) or not steps:
+        return setting
+    lengths = train_row_lengths(spec)
+    if not lengths:
+        return setting
+    budgets = list(steps.values())
+    return auto_length_buckets(lengths, int(spec.model.max_seq_len), steps=max(budgets), compositions=len(set(budgets)))
+
+
+def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | str | None = None) -> float | None:
+    """What a sweep's training row costs a step, in tokens (`plora.step_settings.priced_row_tokens`):
+    the mean real tokens of its rows (`train_row_lengths`) where jobs flatten them, the width
+    they are padded to where jobs pad them (``graphed``: steps replayed from CUDA graphs),
+    in ``length_buckets`` (default: the spec's). None where they cannot be tokenized here."""
+    lengths = train_row_lengths(spec)
+    if not lengths:
+        return None
+    buckets = spec.training.length_buckets if length_buckets is None else length_buckets
+    return priced_row_tokens(spec.training.row_layout, graphed=graphed, lengths=lengths,
+                             max_seq_len=int(spec.model.max_seq_len), length_buckets=buckets)
 
 
 def eval_load_for(spec: Any) -> EvalLoad | None:

@@ -175,24 +175,26 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     return cm, ANALYTIC_SOURCE
 
 
-def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware) -> Any:
-    """A cost model with measured job terms priced on this sweep's own rows and eval
-    (`CostModel.for_eval`, `CostModel.for_rows`), unless it already is; any other as it is."""
+def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buckets: int | str | None = None) -> Any:
+    """A cost model with measured job terms priced on this sweep's own rows (in its jobs'
+    ``length_buckets``) and eval (`CostModel.for_eval`, `CostModel.for_rows`), unless it
+    already is; any other as it is."""
     if getattr(cost_model, "overheads", None) is None or cost_model.eval_load is not None:
         return cost_model
     from plora.jobcost import eval_load_for, train_row_tokens
 
-    return cost_model.for_eval(eval_load_for(spec)).for_rows(train_row_tokens(spec, graphed=graphed_steps(spec, hw)))
+    rows = train_row_tokens(spec, graphed=graphed_steps(spec, hw), length_buckets=length_buckets)
+    return cost_model.for_eval(eval_load_for(spec)).for_rows(rows)
 
 
 def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
-                     hardware: Hardware | None = None) -> Any:
+                     hardware: Hardware | None = None, length_buckets: int | str | None = None) -> Any:
     """The cost model a sweep runs with: `cost_model_for`'s (its source in
     ``meta["plan_source"]``), priced on the sweep's rows (`priced_for_sweep`)."""
     hw = hardware or hardware_for(spec)
     cost_model, source = cost_model_for(spec, run_dir, probe=probe, hardware=hw)
     cost_model.meta["plan_source"] = source
-    return priced_for_sweep(spec, cost_model, hw)
+    return priced_for_sweep(spec, cost_model, hw, length_buckets)
 
 
 def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
@@ -236,12 +238,13 @@ def model_targets(spec: SweepSpec) -> list[str]:
 
 
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
-               run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None) -> JobConfig:
+               run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
+               length_buckets: int | str | None = None) -> JobConfig:
     """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
     settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
     in its order): step budgets, warm-ups, resolved targets. ``streaming``: the job's
     streaming section when whoever runs it sends it joins itself (default: from
-    ``planner.streaming``)."""
+    ``planner.streaming``). ``length_buckets``: the sweep's resolved count (default the spec's)."""
     t = spec.training
     return JobConfig(
         job_id=job.id,
@@ -260,7 +263,8 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         training=JobTraining(
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
             divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
-            cuda_graphs=t.cuda_graphs, row_layout=t.row_layout, length_buckets=t.length_buckets,
+            cuda_graphs=t.cuda_graphs, row_layout=t.row_layout,
+            length_buckets=t.length_buckets if length_buckets is None else length_buckets,
             checkpoint_every_steps=t.checkpoint_every_steps,
             checkpoint_every_minutes=t.checkpoint_every_minutes,
         ),
@@ -283,6 +287,8 @@ class PreparedSweep:
     data: DataReport | None = None  # rows checked, cut or dropped (notes for the user)
     #: every job's streaming section, for a caller that sends joins itself (None: job_config's default)
     streaming: JobStreaming | None = None
+    #: ``training.length_buckets`` as every job of the sweep gets it (`plora.jobcost.sweep_length_buckets`)
+    length_buckets: int | str = "auto"
 
 
 def stream_policy(prep: PreparedSweep) -> StreamPolicy:
@@ -322,12 +328,15 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
+    from plora.jobcost import sweep_length_buckets
+
+    buckets = sweep_length_buckets(spec, steps, graphed=graphed_steps(spec, hw))
     if cost_model is None:
-        cost_model = sweep_cost_model(spec, run, probe=probe, hardware=hw)
+        cost_model = sweep_cost_model(spec, run, probe=probe, hardware=hw, length_buckets=buckets)
     else:
-        cost_model = priced_for_sweep(spec, cost_model, hw)
+        cost_model = priced_for_sweep(spec, cost_model, hw, buckets)
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
-    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data)
+    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets)
 
 
 def write_plan(prep: PreparedSweep) -> Path:
@@ -404,7 +413,8 @@ def run_prepared(
         job_dir.mkdir(parents=True, exist_ok=True)
         eval_base = job.id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
         job_config(prep.spec, job, [by_id[a] for a in job.adapters], prep.steps, prep.run_dir,
-                   eval_base=eval_base, streaming=prep.streaming).write(job_dir / "job.yaml")
+                   eval_base=eval_base, streaming=prep.streaming,
+                   length_buckets=prep.length_buckets).write(job_dir / "job.yaml")
         return job_dir
 
     def tick(snapshot) -> None:
