@@ -319,7 +319,8 @@ def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_mo
                                                                          alone, fake_graphs):
     """No join can come: after A leaves (step 6), C's 6 steps waste half a step each in the
     pack's graph, 3 steps in all, under a capture's cost: covered to the end. With 40 steps
-    left it would cost more, so the drained pack gets its own graph at once."""
+    left it would cost more, so the drained pack gets its own graph at once; and so it does
+    with ``training.cover_vacant_slots`` off."""
     recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path, [A, C]))
     runs: list[str] = []
     with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
@@ -336,3 +337,11 @@ def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_mo
         recipe.run()
     assert runs[6:8] == ["eager", "capture"]
     assert _captured_compositions(fake_graphs[1]) == {Composition((0, 1), (2, 2)), Composition((1,), (2,))}
+
+    cfg = _graphed_config(tiny_model, reverse_data, tmp_path / "probe", [A, C])
+    cfg["training"]["cover_vacant_slots"] = False  # as the job probe runs: every pack captured
+    recipe = PackedLoRARecipe(cfg)
+    runs.clear()
+    with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        recipe.run()
+    assert runs[6:8] == ["eager", "capture"] and fake_graphs[2].counts.covered_steps == 0

@@ -221,6 +221,7 @@ class PackedLoRARecipe:
         if graphs_wanted(t.cuda_graphs, self.device, tp=self.tp is not None,
                          activation_checkpointing=t.activation_checkpointing):
             self.graphs = StepGraph(self.device)
+            self.graphs.cover = t.cover_vacant_slots
         graphed = self.graphs is not None
         # where a capture would bake the adapters' scales in, a graph is only for the scales it saw
         self._scales_in_key = graphed and not scales_on_device(self.device)

@@ -291,9 +291,10 @@ class StepGraph:
     ROOM_MARGIN = 1.1
 
     def __init__(self, device: torch.device, log: Callable[[str], None] | None = None,
-                 backend: GraphBackend | None = None):
+                 backend: GraphBackend | None = None, cover: bool = True):
         self.device = device
         self.enabled = True
+        self.cover = cover  # whether a composition may replay a held one that covers it (`plan`)
         self.backend: GraphBackend = backend if backend is not None else CudaGraphs(device)
         self._log = log or (lambda msg: print(msg, file=sys.stderr))
         self._held: OrderedDict[tuple[Composition, tuple], _Held] = OrderedDict()  # least recently used first
@@ -339,7 +340,7 @@ class StepGraph:
         join: the pack only shrinks): covering then wins only if its whole waste is under a
         capture's cost. Unknown (None: a join may refill the vacant slots at any step), the
         waste covered steps have added up to decides, a step at a time."""
-        if not self.enabled or any(key[0] == own for key in self._held):
+        if not (self.enabled and self.cover) or any(key[0] == own for key in self._held):
             return own
         best, best_share = own, math.inf
         for key, h in self._held.items():
