@@ -101,7 +101,8 @@ def test_held_graphs_go_when_an_eager_step_or_an_eval_would_not_fit_beside_them(
 def test_a_covered_composition_replays_the_covering_graph_until_that_costs_a_capture():
     assert Z.vacant_share(X) == pytest.approx(2 / 5)
     assert Z.vacant_share(Y) == pytest.approx(3 / 6)
-    assert Composition((0, 2), (1, 1)).vacant_share(X) is None  # other rows in slot 0
+    assert Composition((0, 2), (1, 1)).vacant_share(X) == pytest.approx(3 / 5)  # slot 0 padded to its 2 rows
+    assert Composition((0, 2), (3, 1)).vacant_share(X) is None  # more rows in slot 0 than X has
     assert Composition((0, 3), (2, 1)).vacant_share(X) is None  # slot 3 is not in X
     assert Composition((0, 2), (2, 1), (1.0, 2.0)).vacant_share(Composition((0, 1, 2), (2, 2, 1), (1.0, 5.0, 3.0))) \
         is None  # a baked scale differs
@@ -263,6 +264,26 @@ def test_a_slot_refilled_in_place_replays_the_packs_graphs(tiny_model, reverse_d
     graphs = json.loads((recipe.job_dir / "summary.json").read_text())["phases"]["graphs"]
     assert graphs == sg.counts.to_dict() and graphs["captures"] == sg.captures
     for adapter in (A, E):
+        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
+def test_a_slot_refilled_with_a_smaller_batch_replays_the_packs_graph_padded(tiny_model, reverse_data, tmp_path,
+                                                                             alone, fake_graphs):
+    """A streaming job: E1 (C's rank, batch size 1 where C had 2) takes C's slot: the
+    pack's graph covers it (E1's second row is padding, a quarter of the step) for all of
+    E1's 5 steps, under a capture's cost; E1 equals itself alone."""
+    e1 = dict(E, id="e1", batch_size=1)
+    cfg = _graphed_config(tiny_model, reverse_data, tmp_path, [A, C], streaming={"linger_s": 0.05})
+    recipe = PackedLoRARecipe(cfg)
+    runs: list[str] = []
+    with hooks.installed("after_step", _prune_then_join(1, "c", e1)), \
+            hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "pruned", "e1": "done"} and summary["joined"] == {"e1": 2}
+    [sg] = fake_graphs
+    assert runs[:2] == ["eager", "capture"] and runs[2:7] == ["cover"] * 5
+    assert _captured_compositions(sg) == {Composition((0, 1), (2, 2))}
+    for adapter in (A, e1):
         assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
 

@@ -205,7 +205,7 @@ class PackedLoRARecipe:
         self.dtype = self.pm.model.tok_embeddings.weight.dtype
         self.head_chunk = chunk_rows(int(self.info.vocab_size))
         self.real_tokens = 0  # non-padding tokens trained on (throughput)
-        self.stepped_tokens = 0  # tokens the steps ran, padding included (vacant slots' too)
+        self.stepped_tokens = 0  # tokens the steps ran, padding included (a covering graph's too)
 
         self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
         synthetic = c.data.synthetic
@@ -326,7 +326,7 @@ class PackedLoRARecipe:
         gradient norm, the clipping coefficient) are made on the device (`_device_step`);
         the host reads the losses and norms back once and keeps the books: so the same step
         runs eagerly or replayed from a CUDA graph (`StepGraph`), its own or that of a held
-        composition covering it (its vacant slots fed padding rows, `_covered_batch`).
+        composition covering it (the rows this step lacks fed padding, `_covered_batch`).
         """
         parts, rows = [], []
         for r in active:
@@ -393,16 +393,18 @@ class PackedLoRARecipe:
         return min(r.total_steps - r.step for r in active)
 
     def _covered_batch(self, parts: list[list], own: Composition, cover: Composition) -> StepBatch | None:
-        """This step's rows laid out as ``cover``'s: each active slot its own rows, each
-        vacant slot as many one-token padding rows (no labels: its loss is 0 and reaches
-        nothing, and its optimizer row says "leave alone"), in a shape ``cover`` has a graph
-        of; None when the rows fit none of its shapes. A vacant slot's rows run through its
-        old adapter's weights, alone in their rows as every adapter's are."""
+        """This step's rows laid out as ``cover``'s: each active slot its own rows, then
+        one-token padding rows up to its rows in ``cover`` (a vacant slot: only those), in a
+        shape ``cover`` has a graph of; None when the rows fit none of its shapes. Padding
+        rows have no labels (a vacant slot's loss is 0, and its optimizer row says "leave
+        alone"); every row is alone in its attention, a vacant slot's through its old
+        adapter's weights."""
         mine = dict(zip(own.slots, parts))
         pad = Sample([self.tok.pad_id], [IGNORE_INDEX])
         samples: list = []
         for k, n in zip(cover.slots, cover.rows):
-            samples.extend(mine.get(k, [pad] * n))
+            part = mine.get(k, [])
+            samples.extend(part + [pad] * (n - len(part)))
         held = self.graphs.held_shapes(cover, captured=True)
         batch = build_step_batch(samples, list(cover.rows), self.tok.pad_id, flat=self._rows_flat(True), fixed=True,
                                  held=held, max_width=self.max_seq_len)

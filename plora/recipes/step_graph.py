@@ -35,13 +35,15 @@ the composition carries them. Only a pack laid out again (new buffers) drops eve
 **Held graphs.** The graphs of every composition are kept, the least recently used
 dropped past `StepGraph.MAX_GRAPHS`: a composition that comes back (a freed slot refilled,
 a pack returning to an earlier set) replays its graphs instead of capturing again. A
-composition whose slots are a subset of a held one's, with the same rows (a slot just
-freed, its replacement not yet arrived; or a pack draining), replays that one's graph
-instead, its vacant slots fed rows of padding (`StepGraph.plan`). Those rows carry no
-label, so their loss is 0; the optimizer table does not step their slot; they run through
-the vacant slot's old weights inside their own rows, as a diverging adapter's rows do, so
-nothing they compute reaches another slot. Covering wastes the vacant slots' share of each
-step. Where the composition's length is known (no join can come: it lasts until the next
+composition whose slots are a subset of a held one's, each with at most the rows it has
+there (a slot just freed, its replacement not yet arrived; a pack draining; a slot refilled
+by an adapter of a smaller batch size), replays that one's graph instead, the rows it lacks
+fed padding (`StepGraph.plan`). Padding rows carry no label: in a vacant slot the loss is 0
+and the optimizer table does not step it, in an adapter's slot its loss is still the mean
+over its own labels and the rows add exact zeros to its gradient; every row is attended and
+normed alone, and a vacant slot's rows run through its old weights inside their own rows as
+a diverging adapter's rows do, so nothing they compute reaches another slot. Covering
+wastes the padding rows' share of each step. Where the composition's length is known (no join can come: it lasts until the next
 adapter finishes) it is covered only if all that waste is under what a capture of its own
 costs (`CAPTURE_COST_STEPS`); where a join may refill the slot any step, it is covered
 until the waste adds up to that cost, then captured: at most twice the cheaper of the two
@@ -114,12 +116,13 @@ class Composition:
 
     def vacant_share(self, cover: Composition) -> float | None:
         """The share of ``cover``'s rows that would be padding if this composition's step
-        replayed ``cover``'s graph (its slots not in this one), or None where it cannot:
-        a slot of this one missing from ``cover``, or with other rows (or another baked
-        scale) there."""
-        theirs = dict(zip(cover.slots, zip(cover.rows, cover.scales or [None] * len(cover.slots))))
-        for k, n, s in zip(self.slots, self.rows, self.scales or [None] * len(self.slots)):
-            if theirs.get(k) != (n, s):
+        replayed ``cover``'s graph (its slots not in this one, and a slot's rows past its
+        own), or None where it cannot: a slot of this one missing from ``cover``, or with
+        fewer rows (or another baked scale) there."""
+        rows = dict(zip(cover.slots, cover.rows))
+        scales = dict(zip(cover.slots, cover.scales))
+        for i, (k, n) in enumerate(zip(self.slots, self.rows)):
+            if k not in rows or n > rows[k] or (self.scales and scales.get(k) != self.scales[i]):
                 return None
         total = sum(cover.rows)
         return (total - sum(self.rows)) / total if total else None
@@ -332,13 +335,13 @@ class StepGraph:
     def plan(self, own: Composition, lasts: int | None = None) -> Composition:
         """The composition whose graph a step of ``own`` should run: ``own`` where it has
         graphs held, or no held composition covers it, or covering it would waste more than
-        a capture costs; else the held composition that covers it with the fewest vacant
-        rows (its batch then takes that composition's rows, padding in the vacant slots,
-        and one of its captured shapes; `decline` if the batch does not fit one).
+        a capture costs; else the held composition that covers it with the fewest padding
+        rows (its batch then takes that composition's rows, padding where ``own`` has
+        fewer, and one of its captured shapes; `decline` if the batch does not fit one).
 
         ``lasts``: how many more steps ``own`` will run, where that is known (no adapter can
         join: the pack only shrinks): covering then wins only if its whole waste is under a
-        capture's cost. Unknown (None: a join may refill the vacant slots at any step), the
+        capture's cost. Unknown (None: a join may fill a vacant slot at any step), the
         waste covered steps have added up to decides, a step at a time."""
         if not (self.enabled and self.cover) or any(key[0] == own for key in self._held):
             return own
