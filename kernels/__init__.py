@@ -19,7 +19,7 @@ the kernel launchers; both expose ``lora_forward``/``lora_backward`` style ops t
 in place on the base output and on dx.
 """
 
-from .function import backend_for, packed_lora_delta, packed_lora_linear
+from .function import backend_for, packed_lora_delta, packed_lora_linear, scales_on_device
 from .meta import MAX_RANK, LoRAMeta, build_lora_meta, rank_bucket
 from .segments import Segments, adamw_hyperparams, build_segments, segment_sq_norms, segmented_adamw_
 
@@ -34,6 +34,7 @@ __all__ = [
     "packed_lora_delta",
     "packed_lora_linear",
     "rank_bucket",
+    "scales_on_device",
     "segment_sq_norms",
     "segmented_adamw_",
 ]

@@ -43,6 +43,13 @@ def backend_for(t: torch.Tensor, backend: str | None = None) -> str:
     return "torch"
 
 
+def scales_on_device(device: torch.device | str) -> bool:
+    """Whether the packed LoRA ops on ``device`` read the adapters' scales from
+    `LoRAMeta.scales` on the device (Triton) rather than as host numbers (the torch path):
+    only then does a captured CUDA graph follow `LoRAMeta.set_scale`."""
+    return backend_for(torch.empty(0, device=device)) == "triton"
+
+
 def _ops(name: str):
     if name == "triton":
         from . import triton_ops

@@ -191,6 +191,16 @@ class LoRAMeta:
         packed = torch.tensor([list(c) for c in cols], dtype=torch.int32).to(self.device, non_blocking=True)
         return PairSchedule(packed[0], packed[1], packed[2], packed[3], packed[4], len(rows), split)
 
+    def set_scale(self, k: int, value: float) -> None:
+        """Adapter k's scale is now ``value`` (its slot holds another adapter of the same
+        rank): the host numbers and, in place, the device tensor, which a captured CUDA
+        graph reads at its address (the Triton kernels load it; the torch path multiplies by
+        the host number, which a capture bakes in)."""
+        scales = list(self.scales_host)
+        scales[k] = float(value)
+        self.scales_host = tuple(scales)
+        self.scales[k].fill_(float(value))
+
     def bucket_tokens(self, bucket: int) -> list[int]:
         """Segment lengths of the adapters in one bucket (for choosing chunk sizes)."""
         return [self.tokens_host[k] for k in self.buckets.get(bucket, ())]

@@ -348,6 +348,15 @@ class AdapterStream:
     adapters of a pack draw from the same bucket at the same step and the step pads to
     the longest row of one bucket instead of the longest of all. The order depends only
     on the adapter's own seed, batch size and data, so packed still equals alone.
+
+    An adapter that joins a running job starts at bucket 0 like any other, so while the
+    pack is on another bucket its steps pad to the longer of the two (its results do not
+    change). It cannot start on the pack's bucket instead: the bucket of a call is a
+    function of the adapter's own call count, and entering the cycle at bucket j makes its
+    first step train on bucket j's rows where alone it trains on bucket 0's, another order
+    (and one that would depend on when it joined). Holding a join back until the pack is
+    at bucket 0 would keep the order but leave the freed slot empty for up to
+    ``buckets`` - 1 steps.
     """
 
     def __init__(self, num_samples: int, seed: int, *, lengths: Sequence[int] | None = None, buckets: int = 1):

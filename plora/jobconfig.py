@@ -110,6 +110,11 @@ class JobTraining(_Section):
     cuda_graphs: Literal["auto"] | bool = "auto"
     row_layout: Literal["auto", "flat", "padded"] = "auto"
     length_buckets: Literal["auto"] | int = "auto"  # `plora.row_layout.length_buckets_for`
+    # a pack with a freed slot (or a slot refilled by a smaller batch) may replay a fuller
+    # pack's CUDA graph, padding rows where it has fewer, while that costs less than a capture
+    # (`plora.recipes.step_graph`); the job probe turns it off, so that each pack it runs is
+    # captured and the cost model sees what a capture costs
+    cover_vacant_slots: bool = True
     checkpoint_every_steps: int | None = Field(500, ge=1)  # None turns that trigger off
     checkpoint_every_minutes: float | None = Field(10.0, gt=0)
 

@@ -139,6 +139,8 @@ def fit_overheads(runs: Sequence[dict[str, Any]], batch_rows: int = EVAL_BATCH_R
     for r in runs:
         phases = r.get("phases", [])
         for i, p in enumerate(phases):
+            if i > 0 and p.get("reused"):  # replayed a held graph: no capture to measure
+                continue
             steady = _steady(p)
             if steady is None and i + 1 < len(phases):  # a one-step phase: the next one's rate
                 steady = _steady(phases[i + 1])

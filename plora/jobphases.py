@@ -2,7 +2,8 @@
 
 A job's optimizer steps are what the profiler's in-process probes measure; a real job also
 pays its process start, the model load, its set-up, the first step's one-time costs, a graph
-capture whenever the pack changes, and the eval and checkpoint of every adapter that leaves.
+capture whenever the pack changes to a composition it holds no graph for, and the eval and
+checkpoint of every adapter that leaves.
 The recipe records each of these (`PhaseClock`) into its summary.json under ``phases``; the
 cost model's job terms are fitted from them (`plora.jobcost.fit_overheads`).
 
@@ -80,8 +81,11 @@ class PhaseClock:
         self.eval_rows = 0
         self.eval_row_tokens = 0.0
         self.eval_prompt_tokens = 0.0
-        #: one per pack composition, in order: adapters in it, steps, first step's and the others' seconds
+        #: one per pack composition, in order: adapters in it, steps, first step's and the others'
+        #: seconds, and ``reused`` where its first step replayed a graph already held (no capture)
         self.phases: list[dict[str, Any]] = []
+        #: what the job's steps did with CUDA graphs (`plora.recipes.step_graph.GraphCounts`), or None
+        self.graphs: dict[str, int] | None = None
         self._pack: tuple[int, ...] | None = None
         self.evals: list[dict[str, Any]] = []
         self.saves: list[dict[str, Any]] = []
@@ -98,11 +102,15 @@ class PhaseClock:
             self.eval_row_tokens = sum(len(s.tokens) for s in eval_samples) / n
             self.eval_prompt_tokens = sum(sum(1 for x in s.labels if x < 0) for s in eval_samples) / n
 
-    def step(self, pack: Sequence[int], seconds: float) -> None:
+    def step(self, pack: Sequence[int], seconds: float, reused: bool = False) -> None:
+        """One step of the adapters in ``pack``; ``reused``: it replayed a graph already held."""
         key = tuple(pack)
         if key != self._pack:
             self._pack = key
-            self.phases.append({"adapters": len(key), "steps": 1, "first_s": float(seconds), "rest_s": 0.0})
+            phase = {"adapters": len(key), "steps": 1, "first_s": float(seconds), "rest_s": 0.0}
+            if reused:  # no eager step, no capture: not a sample of what a new composition costs
+                phase["reused"] = True
+            self.phases.append(phase)
         else:
             self.phases[-1]["steps"] += 1
             self.phases[-1]["rest_s"] += float(seconds)
@@ -138,6 +146,7 @@ class PhaseClock:
             "phases": self.phases,
             "evals": self.evals,
             "saves": self.saves,
+            "graphs": self.graphs,
             "finished_at": time.time(),
         }
 

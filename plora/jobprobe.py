@@ -63,7 +63,8 @@ def job_probe_config(model_dir: str | Path, work: Path, *, seq_len: int, dtype: 
                              batch_size=int(batch_size), seed=k, steps=int(s))
                   for k, (r, s) in enumerate(zip(ranks, steps))],
         training=JobTraining(scheduler="constant", grad_clip=1.0, weight_decay=0.0, divergence_loss=None,
-                             activation_checkpointing=bool(activation_checkpointing), cuda_graphs=cuda_graphs),
+                             activation_checkpointing=bool(activation_checkpointing), cuda_graphs=cuda_graphs,
+                             cover_vacant_slots=False),
         eval=JobEval(metrics=["loss", "exact_match"], max_new_tokens=int(max_new_tokens),
                      max_eval_samples=int(samples), every_steps=int(every_steps)),
         eval_base=False,

@@ -51,6 +51,20 @@ def test_terms_are_fitted_from_measured_phases():
         fit_overheads([])
 
 
+def test_a_phase_that_replayed_a_held_graph_is_not_a_capture_sample():
+    """A streaming job's pack returning to a composition it holds graphs for replays at once
+    (`PhaseClock.step(reused=True)`): its first step is no capture, and the fit ignores it."""
+    runs = [phases_of(TRUTH, (1, 2, 4))]
+    reused = dict(runs[0]["phases"][1], first_s=0.1, reused=True)
+    runs[0]["phases"].insert(2, reused)
+    assert fit_overheads(runs).capture_s == pytest.approx(TRUTH.capture_s, rel=1e-6)
+    clock = PhaseClock()
+    for pack, replayed in (([0, 1], False), ([0, 1], True), ([1], True), ([0, 1], True)):
+        clock.step(pack, 0.01, reused=replayed)
+    assert ["reused" in p for p in clock.to_dict()["phases"]] == [False, True, True]
+    assert clock.to_dict()["graphs"] is None  # a job without graphs
+
+
 def test_phase_clock_records_what_the_fit_reads():
     from plora.data import Sample
 

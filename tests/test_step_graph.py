@@ -84,7 +84,9 @@ def _losses(job_dir) -> dict[tuple[str, int], float]:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_path, monkeypatch):
-    """Adapters finish at different steps, so the job captures a graph per composition.
+    """Adapters finish at different steps: the pack's graph is captured once, and the
+    compositions left after b and then a leave replay it with their vacant slots padded
+    (3 steps each, wasting less than a capture would cost).
 
     The kernels' float32 atomics make two GPU runs differ in the last bits even in one
     mode, and AdamW's first steps turn a near-zero gradient's noise into a full ±lr move
@@ -105,8 +107,8 @@ def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_p
                          for a in ADAPTERS}
     graphs = recipes["on"].graphs
     assert recipes["off"].graphs is None
-    assert graphs is not None and graphs.enabled and graphs.captures == 3
-    assert graphs.replays == 12 - 3  # 12 steps, 3 compositions: the first step of each runs eagerly
+    assert graphs is not None and graphs.enabled and graphs.captures == 1
+    assert graphs.replays == 12 - 1 and graphs.counts.covered_steps == 6  # only the first step ran eagerly
     assert losses["on"].keys() == losses["off"].keys() and len(losses["on"]) == sum(a["steps"] for a in ADAPTERS)
     for key, value in losses["off"].items():
         assert losses["on"][key] == pytest.approx(value, rel=1e-4), key
@@ -145,6 +147,44 @@ def test_length_buckets_replay_a_graph_per_width_from_one_pool(tiny_model, tmp_p
     graphs = recipes["on"].graphs
     assert graphs is not None and graphs.enabled and graphs.replays > 0
     assert 2 <= graphs.captures <= 3 * 4 + 3  # a few widths per composition, not one per step
+    assert graphs.replays + graphs.counts.eager_steps == 24
+    for key, value in losses["off"].items():
+        assert losses["on"][key] == pytest.approx(value, rel=1e-4), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_refilled_slot_replays_the_packs_graph_and_reads_its_new_scale(tiny_model, reverse_data, tmp_path,
+                                                                         monkeypatch):
+    """c is pruned after step 3 and e (c's rank and batch size, another alpha) takes its
+    slot: the pack replays the graph captured before, e's scale read from the segment
+    metadata written in place, and every loss equals the eager job's."""
+    from plora import hooks
+    from plora.jobconfig import JobAdapter
+    from plora.jobcontrol import request
+
+    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
+    a = dict(id="a", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=21, steps=6, warmup_steps=2)
+    c = dict(id="c", rank=4, alpha=8.0, learning_rate=3e-3, batch_size=2, seed=22, steps=12, warmup_steps=2)
+    e = dict(id="e", rank=4, alpha=2.0, learning_rate=2e-3, batch_size=2, seed=24, steps=5, warmup_steps=1)
+
+    def swap(recipe, step):
+        if step == 3:
+            request(recipe.job_dir, prune=["c"], join=[JobAdapter(**e)])
+
+    recipes, losses = {}, {}
+    for mode in ("off", "on"):
+        cfg = job_config(tiny_model, reverse_data, tmp_path / mode, [a, c], device="cuda")
+        cfg["training"] = dict(cfg["training"], cuda_graphs=mode, length_buckets=1)
+        recipes[mode] = PackedLoRARecipe(cfg)
+        with hooks.installed("after_step", swap):
+            summary = recipes[mode].run()
+        assert summary["adapters"] == {"a": "done", "c": "pruned", "e": "done"} and summary["joined"] == {"e": 4}
+        losses[mode] = _losses(recipes[mode].job_dir)
+    graphs = recipes["on"].graphs
+    assert graphs.enabled and graphs.captures == 1 and graphs.counts.eager_steps == 1
+    assert graphs.counts.releases == 0  # the evals after a and c left kept the graph
+    assert losses["on"].keys() == losses["off"].keys()
     for key, value in losses["off"].items():
         assert losses["on"][key] == pytest.approx(value, rel=1e-4), key
 

@@ -39,8 +39,10 @@ from torchtune.config._errors import ConfigError
 
 from plora import hooks
 from plora.data import (
+    IGNORE_INDEX,
     AdapterStream,
     DataError,
+    Sample,
     TextTokenizer,
     prepare_data,
     synthetic_samples,
@@ -55,6 +57,7 @@ from plora.jobcontrol import (
     read_joins,
 )
 from plora.jobphases import PhaseClock
+from plora.kernels import scales_on_device
 from plora.metrics import generated_metrics, use_metric_paths
 from plora.models import ModelError, load_base_model
 from plora.packed.bank import LoRABank, PackedAdamW
@@ -68,7 +71,7 @@ from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
 from plora.recipes.checkpoint import JobCheckpointer
-from plora.recipes.step_graph import StepBuffers, StepGraph, step_inputs
+from plora.recipes.step_graph import Composition, StepBuffers, StepGraph, step_inputs
 from plora.row_layout import length_buckets_for, rows_flattened
 from plora.step_settings import graphs_wanted
 
@@ -202,6 +205,7 @@ class PackedLoRARecipe:
         self.dtype = self.pm.model.tok_embeddings.weight.dtype
         self.head_chunk = chunk_rows(int(self.info.vocab_size))
         self.real_tokens = 0  # non-padding tokens trained on (throughput)
+        self.stepped_tokens = 0  # tokens the steps ran, padding included (a covering graph's too)
 
         self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
         synthetic = c.data.synthetic
@@ -217,7 +221,10 @@ class PackedLoRARecipe:
         if graphs_wanted(t.cuda_graphs, self.device, tp=self.tp is not None,
                          activation_checkpointing=t.activation_checkpointing):
             self.graphs = StepGraph(self.device)
+            self.graphs.cover = t.cover_vacant_slots
         graphed = self.graphs is not None
+        # where a capture would bake the adapters' scales in, a graph is only for the scales it saw
+        self._scales_in_key = graphed and not scales_on_device(self.device)
         buckets = length_buckets_for(t.length_buckets, flattened=self._rows_flat(graphed), graphed=graphed)
         self._stream_lengths = [len(s.tokens) for s in self.train_samples]
         self._stream_buckets = buckets
@@ -278,7 +285,8 @@ class PackedLoRARecipe:
                 t_step = time.perf_counter()
                 self.train_step(active, step)
                 dt = time.perf_counter() - t_step
-                self.clock.step([r.index for r in active], dt)
+                self.clock.step([r.index for r in active], dt,
+                                reused=self.graphs is not None and self.graphs.last_run in ("replay", "cover"))
                 if step == self.checkpointer.job_step:
                     first_step_s = dt
                 else:
@@ -294,6 +302,7 @@ class PackedLoRARecipe:
                 self._write_progress(step)
         self.checkpointer.discard()
         self._write_progress(step, final=True)
+        self.clock.graphs = self.graphs.counts.to_dict() if self.graphs is not None else None
         summary = {
             "job_id": self.job_id,
             "steps": step,
@@ -303,6 +312,7 @@ class PackedLoRARecipe:
             "step_time_s": steps_s,  # steps 2..n
             "adapters": {r.id: r.status for r in self.runs},
             "joined": {r.id: r.joined_at for r in self.runs if r.joined_at is not None},
+            "tokens": {"real": self.real_tokens, "stepped": self.stepped_tokens},
             "phases": self.clock.to_dict(),
         }
         if self.is_main:
@@ -315,37 +325,49 @@ class PackedLoRARecipe:
         The step's decisions per adapter (a non-finite or too-large loss, a non-finite
         gradient norm, the clipping coefficient) are made on the device (`_device_step`);
         the host reads the losses and norms back once and keeps the books: so the same step
-        runs eagerly or replayed from a CUDA graph (`StepGraph`).
+        runs eagerly or replayed from a CUDA graph (`StepGraph`), its own or that of a held
+        composition covering it (the rows this step lacks fed padding, `_covered_batch`).
         """
-        samples, rows = [], []
+        parts, rows = [], []
         for r in active:
             idx = r.stream.next(r.cfg.batch_size)
-            samples.extend(self.train_samples[i] for i in idx)
+            parts.append([self.train_samples[i] for i in idx])
             rows.append(len(idx))
         ids = [r.index for r in active]
         graphed = self.graphs is not None and self.graphs.enabled
-        batch = self._step_batch(samples, rows, ids, graphed)
         for r in active:
             lr = r.cfg.learning_rate * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
             # lr / (1 - beta1) goes to the device as float32: a larger value would turn one
             # absurd adapter's step into inf before its weights could show it.
             self.optimizer.lrs[r.index] = min(lr, MAX_LR)
-        planned = self.optimizer.planned_hyperparams(ids)
-        key = (tuple(ids), tuple(rows), batch.shape)
+        planned = self.optimizer.planned_hyperparams(ids)  # a vacant slot's row says "leave alone"
+        own = self._composition(ids, rows)
+        use, batch = own, None
+        if graphed:
+            use = self.graphs.plan(own, lasts=self._steps_left(active))
+            if use != own:
+                batch = self._covered_batch(parts, own, use)
+                if batch is None:
+                    self.graphs.decline(own)
+                    use = own
+        if batch is None:
+            batch = self._step_batch([x for part in parts for x in part], rows, own, graphed)
+        slots = list(use.slots)
+        key = (use, batch.shape)
         inputs = step_inputs(batch)
 
         def make() -> StepBuffers:
-            buffers = StepBuffers.allocate(key, inputs, planned, ids, self.bank.num_adapters, self.device)
-            self.pm.state.set_batch(ids, batch.segment_tokens, self.device)
+            buffers = StepBuffers.allocate(key, inputs, planned, slots, self.bank.num_adapters, self.device)
+            self.pm.state.set_batch(slots, batch.segment_tokens, self.device)
             buffers.meta = self.pm.state.meta
             return buffers
 
         if graphed:
             def body(b: StepBuffers) -> None:
-                self.pm.state.use(ids, b.meta)  # an eval since the last step may have cleared it
+                self.pm.state.use(slots, b.meta)  # an eval since the last step may have cleared it
                 self._device_step(b, batch)
 
-            buffers = self.graphs.run(key, make, (inputs, planned), body)
+            buffers = self.graphs.run(use, batch.shape, make, (inputs, planned), body, own=own)
             self.pm.state.clear()
         else:
             buffers = make()
@@ -353,15 +375,47 @@ class PackedLoRARecipe:
                 self._device_step(buffers, batch)
             finally:
                 self.pm.state.clear()
-        self.real_tokens += batch.real_tokens
+        self.real_tokens += sum(len(x.tokens) for part in parts for x in part)
+        self.stepped_tokens += batch.num_tokens
         self._account(active, step, buffers.out.tolist())
 
-    def _step_batch(self, samples: list, rows: list[int], ids: list[int], graphed: bool) -> StepBatch:
+    def _composition(self, ids: list[int], rows: list[int]) -> Composition:
+        """What this step's graph is keyed on besides its batch shape (`Composition`): the
+        slots, their rows, and their scales only where a capture would bake them in."""
+        scales = tuple(self.pm.state.adapters[k].scale for k in ids) if self._scales_in_key else ()
+        return Composition(tuple(ids), tuple(rows), scales)
+
+    def _steps_left(self, active: list[AdapterRun]) -> int | None:
+        """How many more steps this pack runs as it is, where no join can change it first
+        (the next adapter to finish ends it); None where one may (a streaming job)."""
+        if self._pending_joins or (self.cfg.streaming.linger_s > 0 and not self._closed):
+            return None
+        return min(r.total_steps - r.step for r in active)
+
+    def _covered_batch(self, parts: list[list], own: Composition, cover: Composition) -> StepBatch | None:
+        """This step's rows laid out as ``cover``'s: each active slot its own rows, then
+        one-token padding rows up to its rows in ``cover`` (a vacant slot: only those), in a
+        shape ``cover`` has a graph of; None when the rows fit none of its shapes. Padding
+        rows have no labels (a vacant slot's loss is 0, and its optimizer row says "leave
+        alone"); every row is alone in its attention, a vacant slot's through its old
+        adapter's weights."""
+        mine = dict(zip(own.slots, parts))
+        pad = Sample([self.tok.pad_id], [IGNORE_INDEX])
+        samples: list = []
+        for k, n in zip(cover.slots, cover.rows):
+            part = mine.get(k, [])
+            samples.extend(part + [pad] * (n - len(part)))
+        held = self.graphs.held_shapes(cover, captured=True)
+        batch = build_step_batch(samples, list(cover.rows), self.tok.pad_id, flat=self._rows_flat(True), fixed=True,
+                                 held=held, max_width=self.max_seq_len)
+        return batch if batch.shape in held else None
+
+    def _step_batch(self, samples: list, rows: list[int], own: Composition, graphed: bool) -> StepBatch:
         """Flattened rows when attention can be confined to rows (and, for a CUDA graph,
         read its row boundaries from the device) and ``training.row_layout`` allows it
         ("auto": not in graph-replayed steps, see the spec); padded rows otherwise."""
         flat = self._rows_flat(graphed)
-        held = self.graphs.held_shapes(ids, rows) if graphed else ()
+        held = self.graphs.held_shapes(own) if graphed else ()
         return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,
                                 max_width=self.max_seq_len)
 
@@ -445,9 +499,18 @@ class PackedLoRARecipe:
             if not math.isfinite(weight_norms[r.index]):
                 self._diverge(r, f"non-finite weights after step {r.step}")
 
-    def _drop_graph(self) -> None:
+    def _drop_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.drop()
+
+    def _room_for_eval(self) -> None:
+        """An eval is next: the held graphs stay where the largest held step could still
+        run eagerly beside them (the pack will likely replay them after), else they go
+        first. The eval sizes its batches from half the free memory (`eval_token_budget`,
+        which also counts the pool's free blocks): with a step's room beside the pool, that
+        half is free."""
+        if self.graphs is not None:
+            self.graphs.make_room()
 
     def _sq_norms(self, of_weights: bool = False) -> torch.Tensor:
         """Every adapter's squared L2 norm (gradient, or weights) over the whole model: one
@@ -467,7 +530,7 @@ class PackedLoRARecipe:
         then drop their state. The weights are on disk before the eval runs, so an eval that
         fails cannot cost their training; one that runs out of memory retries in smaller
         pieces (`evaluate_adapters`)."""
-        self._drop_graph()  # its memory, for the eval's activations
+        self._room_for_eval()
         t_save = time.perf_counter()
         checkpoints = []
         for r in runs:
@@ -511,7 +574,7 @@ class PackedLoRARecipe:
         due = [r for r in stepped if r.active and r.step % every == 0 and r.step < r.total_steps]
         if not due:
             return
-        self._drop_graph()  # its memory, for the eval's activations
+        self._room_for_eval()
         eval_clock = self.clock.eval_event(len(due), 0, self.device)
         metrics = self._evaluate([r.index for r in due], metrics=["loss"], max_new_tokens=1)
         eval_clock.done()
@@ -524,7 +587,7 @@ class PackedLoRARecipe:
                                     "attempt": self.attempt}) + "\n")
 
     def _eval_base(self) -> None:
-        self._drop_graph()  # its memory, for the eval's activations
+        self._room_for_eval()
         metrics = self._evaluate([None], metrics=list(self.cfg.eval.metrics),
                                  max_new_tokens=self.cfg.eval.max_new_tokens)[0]
         if self.is_main:
@@ -637,7 +700,8 @@ class PackedLoRARecipe:
 
     # ------------------------------------------------------------------ joins
     def _stream(self, a: JobAdapter) -> AdapterStream:
-        """An adapter's own data order from its start (a joined adapter's too)."""
+        """An adapter's own data order from its start (a joined adapter's too, from length
+        bucket 0 whatever bucket the pack is on: `AdapterStream` says why)."""
         return AdapterStream(len(self.train_samples), a.seed, lengths=self._stream_lengths,
                              buckets=self._stream_buckets)
 
@@ -717,7 +781,6 @@ class PackedLoRARecipe:
             self._joined_before.add(a.id)
             if self.is_main:
                 append_join(self.job_dir, JoinRecord(adapter=a, job_step=step, attempt=self.attempt, time=time.time()))
-        self._drop_graph()  # captured with the old composition's scales (and, on a new layout, buffers)
         holder = {r.index: r for r in self.runs if r.index is not None}
         free: dict[int, list[int]] = {}  # rank -> free slots
         for k, spec in enumerate(self.pm.state.adapters):
@@ -733,8 +796,10 @@ class PackedLoRARecipe:
             if k in holder:
                 holder[k].index = None
             refill_slot(self.pm, self.bank, self.optimizer, k, self._newcomer(a))
+            self._refilled(k)
             self.runs.append(AdapterRun(k, a, self._stream(a), joined_at=step))
         if grow:
+            self._drop_graphs()  # every buffer a graph reads is laid out again
             keep = [r.index for r in self._active()]
             self.bank, self.optimizer = relayout(self.pm, self.bank, self.optimizer,
                                                  keep + [self._newcomer(a) for a in grow])
@@ -744,6 +809,17 @@ class PackedLoRARecipe:
                     r.index = new_index.get(r.index)
             for i, a in enumerate(grow):
                 self.runs.append(AdapterRun(len(keep) + i, a, self._stream(a), joined_at=step))
+
+    def _refilled(self, k: int) -> None:
+        """Slot ``k`` holds a new adapter of the same rank: the held graphs stay (they read
+        its weights, moments, learning rate and step count where the refill wrote them),
+        and read its scale from their segment metadata, written here in place."""
+        if self.graphs is None:
+            return
+        scale = self.pm.state.adapters[k].scale
+        for b in self.graphs.held_buffers():
+            if b.meta is not None:
+                b.meta.set_scale(k, scale)
 
     @staticmethod
     def _newcomer(a: JobAdapter) -> NewAdapter:

@@ -1,0 +1,368 @@
+"""Graphs kept across pack compositions (`plora.recipes.step_graph`), on a CPU with a fake
+graph backend (`fake_graphs`): a refilled slot and a composition that comes back replay
+what is held, a composition covered by a held one replays it with padding in its vacant
+slots while that is cheaper than a capture, what is held is bounded in count and memory,
+and a job run from these graphs trains every adapter as it would alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import job_config
+from fake_graphs import FakeGraphs
+from plora import hooks
+from plora.jobconfig import JobAdapter
+from plora.jobcontrol import request, request_join
+from plora.recipes import packed_lora
+from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.recipes.step_graph import Composition, StepBuffers, StepGraph
+
+CPU = torch.device("cpu")
+SHAPE = ("padded", 64, (16,))
+ATOL = 2e-6  # as test_join: packed against alone differs by float32 summation order only
+
+
+def _step(sg: StepGraph, comp: Composition, shape: tuple = SHAPE, tokens: int = 64, own: Composition | None = None,
+          ran: list | None = None) -> StepBuffers:
+    inputs = ({"tokens": torch.zeros(tokens, dtype=torch.long)}, torch.zeros(4, 8))
+
+    def make() -> StepBuffers:
+        return StepBuffers.allocate((comp, shape), inputs[0], inputs[1], comp.slots, 4, CPU)
+
+    def body(b: StepBuffers) -> None:
+        if ran is not None:
+            ran.append(b.key[0])
+
+    return sg.run(comp, shape, make, inputs, body, own=own)
+
+
+def _graphs(**fake) -> tuple[StepGraph, FakeGraphs]:
+    backend = FakeGraphs(**fake)
+    return StepGraph(CPU, backend=backend, log=lambda msg: None), backend
+
+
+X = Composition((0, 1, 2), (2, 2, 1))
+Y = Composition((0, 1, 2), (2, 3, 1))  # slot 1 refilled with another batch size: another composition
+Z = Composition((0, 2), (2, 1))  # slot 1 vacant
+
+
+def test_a_key_runs_eagerly_then_captures_then_replays():
+    sg, fake = _graphs()
+    for _ in range(4):
+        _step(sg, X)
+    assert [sg.last_run, sg.counts.eager_steps, sg.captures, sg.replays] == ["replay", 1, 1, 3]
+    assert len(fake.captured) == 1 and fake.eager_keys == [(X, SHAPE)]
+
+
+def test_a_composition_that_comes_back_replays_its_held_graphs():
+    sg, fake = _graphs()
+    for comp in (X, X, X, Y, Y, X, X, Y):
+        _step(sg, comp)
+    assert sg.captures == 2 and sg.counts.eager_steps == 2
+    assert sg.counts.reuses == 2  # X after Y, Y after X: no eager step, no capture
+    assert [k[0] for k in fake.captured] == [X, Y]
+    assert sg.held_shapes(X) == [SHAPE] and sg.held_shapes(Composition((0,), (1,))) == []
+
+
+def test_least_recently_used_graphs_leave_past_the_count_bound():
+    sg, fake = _graphs()
+    sg.MAX_GRAPHS = 3
+    comps = [Composition((k,), (1,)) for k in range(4)]
+    a, b, c, d = comps
+    for comp in (a, a, b, b, c, c, a, d, d):  # a was used after b and c: b is the oldest
+        _step(sg, comp)
+    assert sg.counts.evictions == 1 and sg.held_shapes(b) == [] and sg.held_shapes(a) == [SHAPE]
+    _step(sg, b)
+    assert sg.last_run == "eager" and sg.held_shapes(c) == []  # c went for b
+    assert sg.captures == 4 and fake.released == 0
+
+
+def test_held_graphs_go_when_an_eager_step_or_an_eval_would_not_fit_beside_them():
+    sg, fake = _graphs(room=10_000, bytes_per_token=100)
+    _step(sg, X, tokens=64)
+    _step(sg, X, tokens=64)  # captured: an eager step of 64 tokens took 6400 bytes
+    _step(sg, Y, tokens=64)  # 1.1 x 6400 fits in 10000: X stays
+    assert fake.released == 0 and sg.held_shapes(X) == [SHAPE]
+    _step(sg, Z, tokens=128)  # 1.1 x 12800 does not: everything goes first
+    assert fake.released == 1 and sg.held_shapes(X) == [] and sg.held_shapes(Z) == [SHAPE]
+    fake.free = 15_000
+    sg.make_room()
+    assert fake.released == 1  # Z's own eager step (1.1 x 12800) still fits beside it
+    fake.free = 1000
+    sg.make_room()
+    assert fake.released == 2 and sg.held_shapes(Z) == [] and sg.counts.releases == 2
+
+
+def test_a_covered_composition_replays_the_covering_graph_until_that_costs_a_capture():
+    assert Z.vacant_share(X) == pytest.approx(2 / 5)
+    assert Z.vacant_share(Y) == pytest.approx(3 / 6)
+    assert Composition((0, 2), (1, 1)).vacant_share(X) == pytest.approx(3 / 5)  # slot 0 padded to its 2 rows
+    assert Composition((0, 2), (3, 1)).vacant_share(X) is None  # more rows in slot 0 than X has
+    assert Composition((0, 3), (2, 1)).vacant_share(X) is None  # slot 3 is not in X
+    assert Composition((0, 2), (2, 1), (1.0, 2.0)).vacant_share(Composition((0, 1, 2), (2, 2, 1), (1.0, 5.0, 3.0))) \
+        is None  # a baked scale differs
+
+    sg, _ = _graphs()
+    assert sg.plan(Z) == Z  # nothing held
+    _step(sg, X)
+    assert sg.plan(Z) == Z  # X not captured yet
+    _step(sg, X)
+    _step(sg, Y)
+    _step(sg, Y)
+    assert sg.plan(Z) == X  # the fewest vacant rows of the two
+    assert sg.plan(Z, lasts=20) == X  # 20 x 2/5 = 8 steps' waste: what a capture costs, not more
+    assert sg.plan(Z, lasts=21) == Z and sg.plan(Z, lasts=5) == X
+    steps = 0
+    while sg.plan(Z) != Z:
+        _step(sg, X, own=Z)
+        steps += 1
+    assert steps == int(StepGraph.CAPTURE_COST_STEPS / (2 / 5))  # 20 steps of 2/5 wasted: 8
+    assert sg.counts.covered_steps == steps and sg.counts.reuses == 1 and sg.last_run == "cover"
+    _step(sg, Z)
+    assert sg.last_run == "eager" and sg.plan(Z) == Z  # its own graphs from now on
+    sg2, _ = _graphs()
+    _step(sg2, X)
+    _step(sg2, X)
+    sg2.decline(Z)  # its rows fit none of X's shapes
+    assert sg2.plan(Z) == Z
+    with pytest.raises(ValueError, match="covering"):
+        _step(sg2, X, shape=("padded", 128, (16,)), own=Z)
+
+
+def test_a_capture_failure_leaves_every_step_eager():
+    messages = []
+    backend = FakeGraphs(fail_capture=True)
+    sg = StepGraph(CPU, backend=backend, log=messages.append)
+    ran: list = []
+    for _ in range(3):
+        _step(sg, X, ran=ran)
+    assert not sg.enabled and sg.captures == 0 and len(ran) == 3 and "capture failed" in messages[0]
+    assert sg.plan(Z) == Z
+
+
+def test_held_shapes_come_oldest_first_and_captured_only_on_request():
+    sg, _ = _graphs()
+    wide = ("padded", 128, (16,))
+    _step(sg, X)
+    _step(sg, X, shape=wide)
+    _step(sg, X, shape=wide)  # captured
+    _step(sg, X)  # captured, and now the most recently used
+    assert sg.held_shapes(X) == [SHAPE, wide]
+    _step(sg, X, shape=("padded", 192, (16,)))
+    assert sg.held_shapes(X, captured=True) == [SHAPE, wide]
+
+
+def test_a_refilled_slots_scale_is_written_into_held_metadata_in_place():
+    from plora.kernels import build_lora_meta, packed_lora_delta
+
+    meta = build_lora_meta([3, 2], [2, 4], [2.0, 1.0], CPU)
+    scales = meta.scales
+    meta.set_scale(1, 0.25)
+    assert meta.scales is scales and meta.scales.tolist() == [2.0, 0.25] and meta.scales_host == (2.0, 0.25)
+    x, a, b = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6, 3)
+    fresh = build_lora_meta([3, 2], [2, 4], [2.0, 0.25], CPU)
+    torch.testing.assert_close(packed_lora_delta(x, a, b, meta), packed_lora_delta(x, a, b, fresh))
+
+
+# ------------------------------------------------------------------ a whole job, fake graphs
+
+A = dict(id="a", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=21, steps=6, warmup_steps=2)
+C = dict(id="c", rank=4, alpha=8.0, learning_rate=3e-3, batch_size=2, seed=22, steps=12, warmup_steps=2)
+E = dict(id="e", rank=4, alpha=8.0, learning_rate=2e-3, batch_size=2, seed=24, steps=5, warmup_steps=1)  # C's shape
+F = dict(id="f", rank=2, alpha=4.0, learning_rate=4e-3, batch_size=2, seed=25, steps=4, warmup_steps=0)  # A's shape
+
+
+def _fake_graphs_in(monkeypatch, made: list) -> None:
+    """Jobs built from here on replay their steps from `FakeGraphs` (their `StepGraph`s go
+    to ``made``, in order), with the scales read from the segment metadata as the Triton
+    kernels read them (on a CPU the torch path reads its host numbers, which
+    `LoRAMeta.set_scale` writes too)."""
+
+    def step_graph(device):
+        sg = StepGraph(device, backend=FakeGraphs())
+        made.append(sg)
+        return sg
+
+    monkeypatch.setattr(packed_lora, "graphs_wanted", lambda *a, **k: True)
+    monkeypatch.setattr(packed_lora, "scales_on_device", lambda device: True)
+    monkeypatch.setattr(packed_lora, "StepGraph", step_graph)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """The `StepGraph`s of the jobs built in this test, each on `FakeGraphs`."""
+    made: list[StepGraph] = []
+    _fake_graphs_in(monkeypatch, made)
+    return made
+
+
+def _weights(out: Path, adapter_id: str) -> dict:
+    return load_file(str(out / "adapters" / adapter_id / "adapter_model.safetensors"))
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model, reverse_data, tmp_path_factory):
+    """Each adapter trained alone as the packed jobs train (from fake graphs: padded rows of
+    the graphs' width, one length bucket), once per module."""
+    done: dict[str, Path] = {}
+
+    def get(adapter: dict) -> dict:
+        if adapter["id"] not in done:
+            out = tmp_path_factory.mktemp(f"alone-{adapter['id']}")
+            with pytest.MonkeyPatch.context() as mp:
+                _fake_graphs_in(mp, [])
+                PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, out, [adapter])).run()
+            done[adapter["id"]] = out
+        return _weights(done[adapter["id"]], adapter["id"])
+
+    return get
+
+
+def _graphed_config(tiny_model, reverse_data, out: Path, adapters: list[dict], **over) -> dict:
+    cfg = job_config(tiny_model, reverse_data, out, adapters, **over)
+    cfg["training"] = dict(cfg["training"], length_buckets=1)  # the order the adapters have alone
+    return cfg
+
+
+def _captured_compositions(sg: StepGraph) -> set:
+    return {key[0] for key in sg.backend.captured}
+
+
+def _prune_then_join(step_at: int, pruned: str, joining: dict):
+    """A hook: after step ``step_at``, prune one adapter and send another for its slot."""
+
+    def send(recipe, step):
+        if step == step_at:
+            request(recipe.job_dir, prune=[pruned], join=[JobAdapter(**joining)])
+
+    return send
+
+
+def test_a_slot_refilled_in_place_replays_the_packs_graphs(tiny_model, reverse_data, tmp_path, alone, fake_graphs):
+    """C is pruned after step 3 and E (C's rank, batch size and scale) takes its slot at
+    step 4: the pack keeps its key, nothing is captured again, and every adapter equals
+    itself alone."""
+    recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path, [A, C]))
+    with hooks.installed("after_step", _prune_then_join(3, "c", E)):
+        summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "pruned", "e": "done"} and summary["joined"] == {"e": 4}
+    [sg] = fake_graphs
+    one = Composition((0, 1), (2, 2))
+    assert _captured_compositions(sg) == {one}
+    assert {key[0] for key in sg.backend.eager_keys} <= {one, Composition((1,), (2,))}
+    assert sg.replays > 0 and sg.enabled
+    graphs = json.loads((recipe.job_dir / "summary.json").read_text())["phases"]["graphs"]
+    assert graphs == sg.counts.to_dict() and graphs["captures"] == sg.captures
+    for adapter in (A, E):
+        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
+def test_a_slot_refilled_with_a_smaller_batch_replays_the_packs_graph_padded(tiny_model, reverse_data, tmp_path,
+                                                                             alone, fake_graphs):
+    """A streaming job: E1 (C's rank, batch size 1 where C had 2) takes C's slot: the
+    pack's graph covers it (E1's second row is padding, a quarter of the step) for all of
+    E1's 5 steps, under a capture's cost; E1 equals itself alone."""
+    e1 = dict(E, id="e1", batch_size=1)
+    cfg = _graphed_config(tiny_model, reverse_data, tmp_path, [A, C], streaming={"linger_s": 0.05})
+    recipe = PackedLoRARecipe(cfg)
+    runs: list[str] = []
+    with hooks.installed("after_step", _prune_then_join(1, "c", e1)), \
+            hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "pruned", "e1": "done"} and summary["joined"] == {"e1": 2}
+    [sg] = fake_graphs
+    assert runs[:2] == ["eager", "capture"] and runs[2:7] == ["cover"] * 5
+    assert _captured_compositions(sg) == {Composition((0, 1), (2, 2))}
+    for adapter in (A, e1):
+        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_a_refill_of_another_scale_reuses_graphs_where_the_kernels_read_scales_on_the_device(
+        tiny_model, reverse_data, tmp_path, alone, fake_graphs, monkeypatch, on_device):
+    """E2 has C's rank and batch size but another alpha. Where the kernels read the scales
+    from the device, the refilled pack keeps its key and its graphs read E2's scale from the
+    metadata written in place; where a capture would bake them in, the scales are in the
+    key and the refilled pack is captured anew. Either way E2 equals itself alone."""
+    monkeypatch.setattr(packed_lora, "scales_on_device", lambda device: on_device)
+    e2 = dict(E, id="e2", alpha=2.0)
+    recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path, [A, C]))
+    with hooks.installed("after_step", _prune_then_join(3, "c", e2)):
+        summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "pruned", "e2": "done"}
+    [sg] = fake_graphs
+    slots_rows = {(c.slots, c.rows) for c in _captured_compositions(sg)}
+    captured = len(_captured_compositions(sg))
+    assert slots_rows == {((0, 1), (2, 2))} and captured == (1 if on_device else 2)
+    for adapter in (A, e2):
+        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
+def test_a_freed_slot_is_covered_until_its_replacement_comes(tiny_model, reverse_data, tmp_path, alone,
+                                                             fake_graphs):
+    """A streaming job: A finishes after step 5; C trains alone at steps 6 and 7 from the
+    pack's graph (A's slot fed padding), F (A's shape) is asked for after step 7 and takes
+    A's slot at step 8, where the pack's graph replays again. One composition captured;
+    everyone equals itself alone."""
+    cfg = _graphed_config(tiny_model, reverse_data, tmp_path, [A, C], streaming={"linger_s": 0.05})
+
+    def join(recipe, step):
+        if step == 7:
+            request_join(recipe.job_dir, [JobAdapter(**F)])
+
+    recipe = PackedLoRARecipe(cfg)
+    runs: list[str] = []
+    with hooks.installed("after_step", join), \
+            hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "done", "f": "done"} and summary["joined"] == {"f": 8}
+    [sg] = fake_graphs
+    assert _captured_compositions(sg) == {Composition((0, 1), (2, 2))}
+    assert runs[6:8] == ["cover", "cover"] and runs[8] in ("replay", "capture")
+    assert sg.counts.covered_steps >= 2 and sg.counts.reuses >= 2
+    phases = json.loads((recipe.job_dir / "summary.json").read_text())["phases"]["phases"]
+    assert [p["adapters"] for p in phases][:3] == [2, 1, 2] and phases[1]["reused"] and phases[2]["reused"]
+    for adapter in (A, C, F):
+        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
+def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_model, reverse_data, tmp_path,
+                                                                         alone, fake_graphs):
+    """No join can come: after A leaves (step 6), C's 6 steps waste half a step each in the
+    pack's graph, 3 steps in all, under a capture's cost: covered to the end. With 40 steps
+    left it would cost more, so the drained pack gets its own graph at once; and so it does
+    with ``training.cover_vacant_slots`` off."""
+    recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path, [A, C]))
+    runs: list[str] = []
+    with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        recipe.run()
+    [sg] = fake_graphs
+    assert runs[6:] == ["cover"] * 6 and _captured_compositions(sg) == {Composition((0, 1), (2, 2))}
+    for adapter in (A, C):
+        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+    long_c = dict(C, steps=6 + 40)
+    recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path / "long", [A, long_c]))
+    runs.clear()
+    with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        recipe.run()
+    assert runs[6:8] == ["eager", "capture"]
+    assert _captured_compositions(fake_graphs[1]) == {Composition((0, 1), (2, 2)), Composition((1,), (2,))}
+
+    cfg = _graphed_config(tiny_model, reverse_data, tmp_path / "probe", [A, C])
+    cfg["training"]["cover_vacant_slots"] = False  # as the job probe runs: every pack captured
+    recipe = PackedLoRARecipe(cfg)
+    runs.clear()
+    with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        recipe.run()
+    assert runs[6:8] == ["eager", "capture"] and fake_graphs[2].counts.covered_steps == 0
