@@ -700,8 +700,10 @@ class TrainingConfig(_Model):
     row_layout: Literal["auto", "flat", "padded"] = "auto"
     # padded rows: each adapter draws its rows from this many length buckets in turn (the
     # same bucket at the same step for every batch size), so a step pads to the longest row
-    # of one bucket, not of the whole data; "auto": 8 where rows are padded in CUDA-graph
-    # steps (one GPU), else 1 (a plain shuffle)
+    # of one bucket, not of the whole data; "auto": where rows are padded in CUDA-graph
+    # steps (one GPU), the count (1-8) that costs the sweep's jobs least for its rows and step
+    # budgets (`plora.row_layout.auto_length_buckets`; more buckets pad less, each is one more
+    # graph to capture), else 1 (a plain shuffle)
     length_buckets: Union[Literal["auto"], int] = "auto"
     # mid-job checkpoints (weights, AdamW state, schedule and data position of every adapter
     # in the pack), whichever comes first; null turns that trigger off
