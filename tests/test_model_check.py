@@ -119,6 +119,25 @@ def test_the_shipped_model_passes():
     assert info.family == "llama"
 
 
+def test_a_folder_that_passed_is_not_built_again_until_its_files_change(tmp_path, monkeypatch):
+    import plora.model_check as mc
+
+    folder = model_copy(tmp_path)
+    check_model(folder)
+    mc._check_folder.cache_clear()
+
+    def no_build(*_a, **_k):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(mc, "build_model", no_build)
+    assert check_model(folder).family == "llama"  # remembered: torchtune is not needed for it
+    config = folder / "config.json"
+    config.write_text(config.read_text() + "\n")  # a changed file is checked again
+    mc._check_folder.cache_clear()
+    with pytest.raises(AssertionError, match="built again"):
+        check_model(folder)
+
+
 @pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda f: f.__name__.strip("_"))
 def test_a_broken_folder_is_one_line_naming_the_problem(tmp_path, breakage):
     folder = model_copy(tmp_path)

@@ -28,7 +28,6 @@ from plora.families.base import (
     sliding_window,
     top_keys,
 )
-from plora.families.modules import SoftCappedOutput
 
 if TYPE_CHECKING:
     from plora.models import ModelInfo
@@ -60,6 +59,7 @@ def read_gemma2(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def build_gemma2(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from plora.families.modules import SoftCappedOutput  # torchtune: imported where a model is built
     from torchtune.models.gemma._component_builders import gemma_mlp
     from torchtune.models.gemma.gemma_norm_embedding import GemmaNormEmbeddings
     from torchtune.models.gemma.rms_norm import GemmaRMSNorm

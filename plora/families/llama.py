@@ -26,7 +26,6 @@ from plora.families.base import (
     sliding_window,
     top_keys,
 )
-from plora.families.modules import tie_output
 
 if TYPE_CHECKING:
     from plora.models import ModelInfo
@@ -72,6 +71,7 @@ def _common(info: "ModelInfo", max_seq_len: int) -> dict[str, Any]:
 
 
 def build_llama(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from plora.families.modules import tie_output  # torchtune: imported where a model is built
     from torchtune.models.llama3._component_builders import llama3
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 
@@ -95,6 +95,7 @@ def build_llama(info: "ModelInfo", max_seq_len: int) -> nn.Module:
 
 
 def build_mistral(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from plora.families.modules import tie_output  # torchtune: imported where a model is built
     from torchtune.models.mistral._component_builders import mistral
 
     model = mistral(rope_base=info.rope_base, **_common(info, max_seq_len))

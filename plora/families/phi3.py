@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from plora.families.base import ModelError, check_activation, head_dim_of, map_keys, refuse_if, rope_settings, sliding_window, top_keys
-from plora.families.modules import FusedGateUpMLP, HFOrderAttention, PartialRotaryEmbedding
 
 if TYPE_CHECKING:
     from plora.models import ModelInfo
@@ -62,6 +61,7 @@ def read_phi3(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def build_phi3(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from plora.families.modules import FusedGateUpMLP, HFOrderAttention, PartialRotaryEmbedding  # torchtune: imported where a model is built
     from torchtune.modules import RMSNorm, TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
 
     dim, hd, eps = info.embed_dim, info.head_dim, info.norm_eps

@@ -22,7 +22,6 @@ from plora.families.base import (
     sliding_window,
     top_keys,
 )
-from plora.families.modules import HFOrderAttention
 
 if TYPE_CHECKING:
     from plora.models import ModelInfo
@@ -59,6 +58,7 @@ def build_qwen2(info: "ModelInfo", max_seq_len: int) -> nn.Module:
 
 
 def build_qwen3(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from plora.families.modules import HFOrderAttention  # torchtune: imported where a model is built
     from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
     from torchtune.modules import FeedForward, RMSNorm, TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
 
