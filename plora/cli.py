@@ -93,13 +93,17 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
 
     spec = _load(space)
     _check_output(spec.run_dir(output))
-    if warm and spec.hardware.backend == "local":
-        spare.prime([0] if spec.hardware.device != "cpu" else [])  # the first job's GPU
+    warm = warm and spec.hardware.backend == "local"
+    if warm:
+        spare.prime(spare.first_gpus(spec.hardware.device))  # the first job's process imports meanwhile
     try:
-        return _plan(spec, output, probe=probe)
+        prep = _plan(spec, output, probe=probe)
     except BaseException:
         spare.discard()
         raise
+    if warm:  # (a profile's probe job may have taken the first one)
+        spare.prime(spare.first_gpus(spec.hardware.device))
+    return prep
 
 
 def _plan(spec, output: Optional[Path], *, probe: bool):
@@ -142,21 +146,25 @@ def sweep(
         console.print(f"[dim]dry run: nothing trained, nothing written (run directory would be {prep.run_dir})[/]")
         return
 
+    from plora.engine import spare
     from plora.engine.backends import BackendError
     from plora.sweep import base_metrics, run_prepared, write_run_files
 
-    write_run_files(prep, restart=restart)
-    console.print(f"[bold]plora[/] sweep [cyan]{prep.spec.name}[/]: {len(prep.configs)} adapters in "
-                  f"{len(prep.plan.jobs)} jobs → {prep.run_dir}")
-    console.print(f"[dim]{prep.plan.grouping}[/]")
     start = time.time()
     try:
+        write_run_files(prep, restart=restart)
+        console.print(f"[bold]plora[/] sweep [cyan]{prep.spec.name}[/]: {len(prep.configs)} adapters in "
+                      f"{len(prep.plan.jobs)} jobs → {prep.run_dir}")
+        console.print(f"[dim]{prep.plan.grouping}[/]")
+        start = time.time()
         with views.progress(console, lambda snap: len(prep.configs)) as on_snapshot:
             frame = run_prepared(prep, on_snapshot=on_snapshot)
     except BackendError as e:  # Ray missing or unreachable, a node that cannot write the run directory
         fail(str(e))
     except KeyboardInterrupt:
         _interrupted("running jobs stopped; finished adapters are kept. Run the same command again to resume.")
+    finally:
+        spare.discard()  # a job process started ahead that no job took
     console.print()
     console.print(views.results_table(frame, prep.spec, base_metrics(prep.run_dir)))
     console.print(views.status_line(frame, time.time() - start, prep.run_dir / "results.parquet"))

@@ -8,7 +8,8 @@ headers only, never tensor data; the builder runs on the meta device). Every pro
 one `ModelError` line that names the file or the field.
 
 A folder that passed is remembered in plora's cache (``model-checks/``), keyed by its
-files' names, sizes and times, the check's settings and plora's version: building the
+files' names, sizes and times, the check's settings, the checking code and torchtune's
+version: building the
 model on meta needs torchtune, whose import alone took 8 s of a sweep's start on an H100
 machine, so a sweep of a folder checked before skips it. A changed file is checked again.
 """
@@ -48,10 +49,29 @@ def _stamp(folder: Path) -> tuple:
     return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()))
 
 
-def _passed_marker(folder: Path, family: str, random_init: bool, max_seq_len: int, stamp: tuple) -> Path:
-    from plora import __version__
+@lru_cache(maxsize=1)
+def _checker_version() -> str:
+    """What a remembered pass depends on besides the folder: the checking and building code
+    (this module, `plora.models`, the families) and torchtune's version."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    ident = json.dumps([str(folder.resolve()), family, random_init, max_seq_len, stamp, __version__], default=str)
+    import plora.families
+    import plora.models
+
+    digest = hashlib.sha1()
+    sources = [Path(__file__), Path(plora.models.__file__), *sorted(Path(plora.families.__file__).parent.glob("*.py"))]
+    for path in sources:
+        digest.update(path.read_bytes())
+    try:
+        digest.update(version("torchtune").encode())
+    except PackageNotFoundError:
+        pass
+    return digest.hexdigest()[:16]
+
+
+def _passed_marker(folder: Path, family: str, random_init: bool, max_seq_len: int, stamp: tuple) -> Path:
+    ident = json.dumps([str(folder.resolve()), family, random_init, max_seq_len, stamp, _checker_version()],
+                       default=str)
     root = Path(os.environ.get("PLORA_CACHE_DIR", Path.home() / ".cache" / "plora")).expanduser()
     return root / "model-checks" / hashlib.sha1(ident.encode()).hexdigest()[:16]
 

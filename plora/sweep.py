@@ -264,7 +264,8 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
             divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
             cuda_graphs=t.cuda_graphs, row_layout=t.row_layout,
-            length_buckets=t.length_buckets if length_buckets is None else length_buckets,
+            # the sweep's count is for one-GPU graphed jobs; a TP job's steps run eagerly
+            length_buckets=t.length_buckets if length_buckets is None or job.tp > 1 else length_buckets,
             checkpoint_every_steps=t.checkpoint_every_steps,
             checkpoint_every_minutes=t.checkpoint_every_minutes,
         ),

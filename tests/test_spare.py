@@ -99,11 +99,23 @@ def test_a_job_clock_counts_from_its_launch_when_handed_to_a_spare(monkeypatch):
     assert os.environ.get("PLORA_HANDED_AT") is None
 
 
-def test_a_spare_whose_imports_started_cuda_takes_only_a_job_for_its_gpus():
+def test_a_spare_takes_only_a_job_for_its_gpus():
     s = spare.Spare.__new__(spare.Spare)  # no process: only the environment rule
     s.env, s.gpus, s.cuda = {"CUDA_VISIBLE_DEVICES": "0", "A": "1"}, (0,), True
     assert s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "PLORA_ATTEMPT": "2"})
+    # torchao's and torchtune's imports ask CUDA about the GPU: the GPUs a spare sees are fixed
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "1", "A": "1"})
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "2"})
-    s.cuda = False  # CUDA not started yet: the job's GPUs are read when it starts
-    assert s.compatible({"CUDA_VISIBLE_DEVICES": "1", "A": "1"})
+
+
+def test_a_spare_that_dies_before_it_is_ready_turns_spares_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(spare.ENV_SWITCH, "1")
+    monkeypatch.setattr(spare, "CHILD", "import sys; sys.exit(1)")
+    monkeypatch.setattr(spare, "_broken", False)
+    spare.prime()
+    proc = spare._spare.proc
+    proc.wait(timeout=30)
+    assert spare.take(tmp_path / "job.yaml", tmp_path, tmp_path / "log.txt", spare.spare_env(), 0.0) is None
+    assert not spare.enabled()
+    spare.prime()  # no respawning on every tick
+    assert spare._spare is None

@@ -9,11 +9,11 @@ while the previous job trains): it imports the recipe, says ``ready``, and waits
 job on stdin (`plora.recipes.spare`). Handing it a job takes milliseconds.
 
 A spare starts with the environment its job will have (`plora.engine.job_env`), for the GPU
-the next job is expected on. Only the variables in `ADJUSTABLE` may differ for the job it
-is handed; any other difference and the job starts the ordinary way. ``CUDA_VISIBLE_DEVICES``
-may differ only while CUDA has not started: torchao's import asks the GPU its compute
-capability, which starts CUDA on the GPUs the spare sees, so a spare says ``ready cuda``
-then and takes only a job for the same GPUs. A spare
+the next job is expected on: torchao's and torchtune's imports ask CUDA about the GPU, which
+fixes the GPUs a process sees, so a spare takes only a job for the same GPUs (the same
+``CUDA_VISIBLE_DEVICES``) and allocator settings. Only the variables in `ADJUSTABLE` may
+differ; any other difference and the job starts the ordinary way, at once. A spare that
+dies before it is ready (or cannot be started) turns spares off for this process. A spare
 that is never used is killed; one whose sweep dies dies with it (parent-death signal).
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
 """
@@ -42,10 +42,11 @@ HANDED_AT = "PLORA_HANDED_AT"
 #: what the child prints once it has imported the recipe (``ready cuda``: CUDA started)
 READY = "ready"
 #: variables a job may set differently from its spare's: read only once the job runs
-ADJUSTABLE = frozenset({
-    "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "OMP_NUM_THREADS",
-    "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED",
-})
+ADJUSTABLE = frozenset({"OMP_NUM_THREADS", "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED"})
+#: the child, with the sweep's working folder left off its import path (``python -m`` puts
+#: it first, where a stray module of the user's could shadow one the recipe imports)
+CHILD = ("import sys, runpy; del sys.path[0]; "
+         f"runpy.run_module({CHILD_MODULE!r}, run_name='__main__', alter_sys=True)")
 #: how long a hand-over waits for a spare still importing (a cold start would take as long)
 READY_WAIT_S = 180.0
 
@@ -78,14 +79,14 @@ class Spare:
         self.env, self.gpus = env, tuple(gpus)
         self.started = time.time()
         self.cuda: bool | None = None  # whether its imports started CUDA (known once it is ready)
+        self.ready = False
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=die_with_parent,
         )
 
     def compatible(self, env: dict[str, str]) -> bool:
-        fixed = set() if not self.cuda else {"CUDA_VISIBLE_DEVICES"}
-        keys = (set(env) | set(self.env)) - (ADJUSTABLE - fixed)
+        keys = (set(env) | set(self.env)) - ADJUSTABLE
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -98,7 +99,8 @@ class Spare:
             return False
         words = out.readline().decode(errors="replace").split()
         self.cuda = words[1:] == ["cuda"]
-        return bool(words) and words[0] == READY
+        self.ready = bool(words) and words[0] == READY
+        return self.ready
 
     def hand(self, order: SpareOrder) -> bool:
         try:
@@ -130,10 +132,31 @@ class Spare:
 
 
 _spare: Spare | None = None
+_broken = False  # a spare died before it was ready, or could not be started: no more here
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+    return not _broken and os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+
+
+def _give_up() -> None:
+    global _broken
+    _broken = True
+    discard()
+
+
+def first_gpus(device: str) -> list[int]:
+    """The GPUs a sweep's first job on ``device`` ("cpu", "cuda", "auto") is expected on."""
+    if device == "cpu":
+        return []
+    if device == "auto":
+        try:
+            import torch
+
+            return [0] if torch.cuda.is_available() else []
+        except Exception:  # noqa: BLE001 - a broken CUDA install: CPU jobs
+            return []
+    return [0]
 
 
 def spare_env(gpus: Sequence[int] = ()) -> dict[str, str]:
@@ -146,11 +169,17 @@ def prime(gpus: Sequence[int] = ()) -> None:
     global _spare
     if not enabled():
         return
-    if _spare is not None and _spare.proc.poll() is None:
+    if _spare is not None:
+        if _spare.proc.poll() is not None:  # died unused, before any job was handed to it
+            _give_up()
+            return
         if _spare.env.get("CUDA_VISIBLE_DEVICES") == spare_env(gpus).get("CUDA_VISIBLE_DEVICES"):
             return
-        discard()  # made for other GPUs: its CUDA may have started there
-    _spare = Spare(spare_env(gpus), gpus)
+        discard()  # made for other GPUs
+    try:
+        _spare = Spare(spare_env(gpus), gpus)
+    except OSError:  # no process to spare (memory, file handles): jobs start the ordinary way
+        _give_up()
 
 
 def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:
@@ -173,22 +202,28 @@ def discard() -> None:
 def take(job_yaml: Path, cwd: Path, log: Path, env: dict[str, str], launched: float) -> subprocess.Popen | None:
     """Hand a job launched at ``launched`` to the spare: its process (now the job's), or
     None when there is no usable spare and the job must start the ordinary way. The job
-    counts its start from ``launched`` (waiting for a spare still importing included). A new spare is started behind it
-    (`keep` lets it go when no job is left to come)."""
+    counts its start from ``launched`` (waiting for a spare still importing included). The
+    engine starts the next spare (`keep`)."""
     global _spare
     spare, _spare = _spare, None
-    if spare is None or not spare.compatible(env):  # (before ready: only what no import reads)
-        if spare is not None:
+    if spare is None:
+        return None
+    if not spare.compatible(env):  # another GPU or setting: the job starts the ordinary way, at once
+        spare.kill()
+        return None
+    try:
+        if spare.proc.poll() is not None or not spare.wait_ready(READY_WAIT_S):
             spare.kill()
-        return None
-    if spare.proc.poll() is not None or not spare.wait_ready(READY_WAIT_S) or not spare.compatible(env):
+            _give_up()  # it died (or hung) importing: the next would too
+            return None
+        order = SpareOrder(config=str(Path(job_yaml).resolve()), cwd=str(Path(cwd).resolve()),
+                           log=str(Path(log).resolve()), env={**env, HANDED_AT: repr(launched)})
+        if not spare.hand(order):
+            spare.kill()
+            return None
+    except BaseException:
         spare.kill()
-        return None
-    order = SpareOrder(config=str(job_yaml), cwd=str(cwd), log=str(log), env={**env, HANDED_AT: repr(launched)})
-    if not spare.hand(order):
-        spare.kill()
-        return None
-    prime(spare.gpus)  # the next job's, started behind it
+        raise
     return spare.proc
 
 

@@ -124,7 +124,7 @@ def profile_model(
     if job_probe:  # the probe job's process imports while the probes run, as a sweep's jobs do
         from plora.engine import spare
 
-        spare.prime([0] if str(device).startswith("cuda") or device == "auto" else [])
+        spare.prime([0] if str(device).startswith("cuda") else spare.first_gpus(str(device)))
     say(f"profiling {shape.name} at seq {seq_len}, {dtype}, on {device_name} ({key['backend']} kernels)")
     fit_set = [measure(p) for p in calibration_probes()]
     rows = _probe_rows(fit_set, gpu_memory_bytes * load_factor, seq_len, max_rows)
@@ -150,6 +150,9 @@ def profile_model(
         run = run_job_probe(model_dir, seq_len=seq_len, dtype=dtype, device=device, targets=names, family=family,
                             dropout=dropout, random_init=random_init,
                             activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
+        from plora.engine import spare
+
+        spare.discard()  # one the probe did not take (whoever runs jobs next starts their own)
         if run is None:
             say("  job probe did not finish: job start, load, eval and save are not in the model")
         else:

@@ -641,9 +641,9 @@ class PackedLoRARecipe:
             "adapter_steps_total": sum(r.total_steps for r in self.runs),
             "adapters_finished": sum(not r.active for r in self.runs),
             "adapters_total": len(self.runs),
-            # steps each adapter still in the pack has taken: what the engine's choice of joins
-            # counts a running job's remaining time from
-            "adapter_steps": {r.id: r.step for r in self.runs if r.active},
+            # steps each adapter has taken (one that left: its whole budget): what the engine's
+            # choice of joins counts a running job's remaining time from
+            "adapter_steps": {r.id: (r.step if r.active else r.total_steps) for r in self.runs},
             "adapters_joined": sum(r.joined_at is not None for r in self.runs),
             "joins_waiting": len(self._pending_joins),
             "lingering": lingering,

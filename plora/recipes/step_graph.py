@@ -437,6 +437,9 @@ class StepGraph:
         while len(self._held) >= self.MAX_GRAPHS:
             self._held.popitem(last=False)
             self.counts.evictions += 1
+        if self._pool is not None and not any(h.graph is not None for h in self._held.values()):
+            self._pool = None  # every graph of the pool evicted: the next capture starts a new one
+            self.backend.release()
         buffers = make()
         self._held[key] = _Held(buffers, None, self._made, tokens)
         self._made += 1
