@@ -98,6 +98,19 @@ def job_config(model: Path, data: dict, out: Path, adapters: list[dict], **over)
     return cfg
 
 
+def adapter_weights(out: Path, adapter_id: str) -> dict:
+    """An adapter's saved LoRA weights (its PEFT safetensors) under a job's output folder."""
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapters" / adapter_id / "adapter_model.safetensors"))
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    """The largest elementwise difference between two adapters' weights (same names)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
 #: hooks that make a job process fail on purpose (`plora.hooks`, PLORA_TEST_HOOKS)
 FAULT_HOOKS = Path(__file__).with_name("fault_hooks.py")
 

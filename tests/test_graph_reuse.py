@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import job_config
+from conftest import adapter_weights, job_config, max_weight_diff
 from fake_graphs import FakeGraphs
 from plora import hooks
 from plora.jobconfig import JobAdapter
@@ -201,15 +200,6 @@ def fake_graphs(monkeypatch):
     return made
 
 
-def _weights(out: Path, adapter_id: str) -> dict:
-    return load_file(str(out / "adapters" / adapter_id / "adapter_model.safetensors"))
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 @pytest.fixture(scope="module")
 def alone(tiny_model, reverse_data, tmp_path_factory):
     """Each adapter trained alone as the packed jobs train (from fake graphs: padded rows of
@@ -223,7 +213,7 @@ def alone(tiny_model, reverse_data, tmp_path_factory):
                 _fake_graphs_in(mp, [])
                 PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, out, [adapter])).run()
             done[adapter["id"]] = out
-        return _weights(done[adapter["id"]], adapter["id"])
+        return adapter_weights(done[adapter["id"]], adapter["id"])
 
     return get
 
@@ -264,7 +254,7 @@ def test_a_slot_refilled_in_place_replays_the_packs_graphs(tiny_model, reverse_d
     graphs = json.loads((recipe.job_dir / "summary.json").read_text())["phases"]["graphs"]
     assert graphs == sg.counts.to_dict() and graphs["captures"] == sg.captures
     for adapter in (A, E):
-        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
 
 def test_a_slot_refilled_with_a_smaller_batch_replays_the_packs_graph_padded(tiny_model, reverse_data, tmp_path,
@@ -284,7 +274,7 @@ def test_a_slot_refilled_with_a_smaller_batch_replays_the_packs_graph_padded(tin
     assert runs[:2] == ["eager", "capture"] and runs[2:7] == ["cover"] * 5
     assert _captured_compositions(sg) == {Composition((0, 1), (2, 2))}
     for adapter in (A, e1):
-        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
 
 @pytest.mark.parametrize("on_device", [True, False])
@@ -305,7 +295,7 @@ def test_a_refill_of_another_scale_reuses_graphs_where_the_kernels_read_scales_o
     captured = len(_captured_compositions(sg))
     assert slots_rows == {((0, 1), (2, 2))} and captured == (1 if on_device else 2)
     for adapter in (A, e2):
-        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
 
 def test_a_freed_slot_is_covered_until_its_replacement_comes(tiny_model, reverse_data, tmp_path, alone,
@@ -333,7 +323,7 @@ def test_a_freed_slot_is_covered_until_its_replacement_comes(tiny_model, reverse
     phases = json.loads((recipe.job_dir / "summary.json").read_text())["phases"]["phases"]
     assert [p["adapters"] for p in phases][:3] == [2, 1, 2] and phases[1]["reused"] and phases[2]["reused"]
     for adapter in (A, C, F):
-        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
 
 def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_model, reverse_data, tmp_path,
@@ -349,7 +339,7 @@ def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_mo
     [sg] = fake_graphs
     assert runs[6:] == ["cover"] * 6 and _captured_compositions(sg) == {Composition((0, 1), (2, 2))}
     for adapter in (A, C):
-        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
     long_c = dict(C, steps=6 + 40)
     recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path / "long", [A, long_c]))

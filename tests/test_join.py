@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from conftest import FAULT_HOOKS, cost_model_holding, job_config, run_streamed_sweep
+from conftest import FAULT_HOOKS, adapter_weights, cost_model_holding, job_config, max_weight_diff, run_streamed_sweep
 from plora import hooks
 from plora.jobconfig import JobAdapter
 from plora.jobcontrol import JobControl, read_joins, request_close, request_join, write_control
@@ -34,15 +33,6 @@ E = dict(id="e", rank=4, alpha=2.0, learning_rate=2e-3, batch_size=1, seed=24, s
 F = dict(id="f", rank=2, alpha=2.0, learning_rate=4e-3, batch_size=2, seed=25, steps=4, warmup_steps=0)
 
 
-def _weights(out: Path, adapter_id: str) -> dict:
-    return load_file(str(out / "adapters" / adapter_id / "adapter_model.safetensors"))
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 @pytest.fixture(scope="module")
 def alone(tiny_model, reverse_data, tmp_path_factory):
     """Each adapter trained alone, once per module."""
@@ -53,7 +43,7 @@ def alone(tiny_model, reverse_data, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"alone-{adapter['id']}")
             PackedLoRARecipe(job_config(tiny_model, reverse_data, out, [adapter])).run()
             done[adapter["id"]] = out
-        return _weights(done[adapter["id"]], adapter["id"])
+        return adapter_weights(done[adapter["id"]], adapter["id"])
 
     return get
 
@@ -87,9 +77,9 @@ def test_a_joined_adapter_equals_it_alone_and_the_pack_is_unchanged(tiny_model, 
     for adapter in (A, C, B):
         m = json.loads((tmp_path / "adapters" / adapter["id"] / "metrics.json").read_text())
         assert m["steps"] == adapter["steps"] and m["status"] == "done"
-        got = _weights(tmp_path, adapter["id"])
+        got = adapter_weights(tmp_path, adapter["id"])
         assert max(float(v.abs().max()) for v in got.values()) > 1e-3  # it trained
-        assert _max_diff(got, alone(adapter)) <= ATOL, adapter["id"]
+        assert max_weight_diff(got, alone(adapter)) <= ATOL, adapter["id"]
     records = read_joins(recipe.job_dir)
     assert [(r.adapter.id, r.job_step, r.refused) for r in records] == [("b", 4, None)]
     # B's metrics carry its own steps from 0
@@ -128,7 +118,7 @@ def test_a_pruned_adapters_slot_is_filled_by_a_waiting_join_at_the_next_step(tin
     m = json.loads((tmp_path / "adapters" / "c" / "metrics.json").read_text())
     assert m["status"] == "pruned" and m["steps"] == 4
     for adapter in (A, E, F):
-        assert _max_diff(_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
 
 def test_a_lingering_job_takes_a_join_after_its_pack_drained_and_leaves_on_close(tiny_model, reverse_data, tmp_path,
@@ -161,7 +151,7 @@ def test_a_lingering_job_takes_a_join_after_its_pack_drained_and_leaves_on_close
     t.join()
     assert time.time() - t0 < 60
     assert summary["adapters"] == {"f": "done", "a2": "done"} and summary["joined"] == {"a2": 4}
-    assert _max_diff(_weights(tmp_path, "a2"), alone(A)) <= ATOL  # the same adapter under another id
+    assert max_weight_diff(adapter_weights(tmp_path, "a2"), alone(A)) <= ATOL  # the same adapter under another id
 
 
 def test_linger_ends_without_a_join_and_a_bad_join_is_refused(tiny_model, reverse_data, tmp_path):
@@ -228,7 +218,7 @@ def test_sigkilled_job_resumes_with_the_adapters_that_joined_it(tiny_model, reve
         ref_summary = PackedLoRARecipe(ref_cfg).run()
     assert ref_summary["joined"] == {"b": 4, "e": 12}
     for adapter_id in ("a", "c", "b", "e"):
-        got, want = _weights(run, adapter_id), _weights(ref, adapter_id)
+        got, want = adapter_weights(run, adapter_id), adapter_weights(ref, adapter_id)
         for k in got:
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
         m = json.loads((run / "adapters" / adapter_id / "metrics.json").read_text())

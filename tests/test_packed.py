@@ -15,9 +15,8 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import job_config
+from conftest import adapter_weights, job_config, max_weight_diff
 from plora import hooks
 from plora.recipes.packed_lora import PackedLoRARecipe, lr_factor
 
@@ -29,15 +28,6 @@ ADAPTERS = [
     dict(id="r8", rank=8, alpha=16.0, learning_rate=1e-3, batch_size=5, seed=13, steps=6),
     dict(id="r1", rank=1, alpha=1.0, learning_rate=5e-3, batch_size=1, seed=14, steps=12),
 ]
-
-
-def _weights(out, adapter_id):
-    return load_file(str(out / "adapters" / adapter_id / "adapter_model.safetensors"))
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +43,16 @@ def test_packed_equals_alone(packed_run, tiny_model, reverse_data, tmp_path):
     for a in ADAPTERS:
         alone = tmp_path / a["id"]
         PackedLoRARecipe(job_config(tiny_model, reverse_data, alone, [a])).run()
-        packed_w, alone_w = _weights(out, a["id"]), _weights(alone, a["id"])
+        packed_w, alone_w = adapter_weights(out, a["id"]), adapter_weights(alone, a["id"])
         assert max(float(v.abs().max()) for v in packed_w.values()) > 1e-3  # it trained
-        assert _max_diff(packed_w, alone_w) <= ATOL, a["id"]
+        assert max_weight_diff(packed_w, alone_w) <= ATOL, a["id"]
 
 
 def test_tolerance_catches_a_real_difference(packed_run, tiny_model, reverse_data, tmp_path):
     out, _ = packed_run
     a = dict(ADAPTERS[0], learning_rate=ADAPTERS[0]["learning_rate"] * 1.01)
     PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path, [a])).run()
-    assert _max_diff(_weights(out, "r2"), _weights(tmp_path, "r2")) > 100 * ATOL
+    assert max_weight_diff(adapter_weights(out, "r2"), adapter_weights(tmp_path, "r2")) > 100 * ATOL
 
 
 def test_steps_run_with_the_heap_frozen_and_it_is_released_after(tiny_model, reverse_data, tmp_path):
@@ -106,7 +96,7 @@ def test_diverging_adapter_is_isolated(packed_run, tiny_model, reverse_data, tmp
     assert len(checked) == max(a["steps"] for a in ADAPTERS)
     for a in ADAPTERS:
         assert summary["adapters"][a["id"]] == "done"
-        assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
+        assert max_weight_diff(adapter_weights(out, a["id"]), adapter_weights(tmp_path, a["id"])) <= ATOL
     import json
 
     m = json.loads((tmp_path / "adapters" / "absurd" / "metrics.json").read_text())
@@ -137,7 +127,7 @@ def test_nan_loss_adapter_is_isolated_in_the_shared_backward(packed_run, tiny_mo
     assert m["reason"].startswith("loss nan") and m["steps"] == 3
     for a in ADAPTERS:
         assert summary["adapters"][a["id"]] == "done"
-        assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
+        assert max_weight_diff(adapter_weights(out, a["id"]), adapter_weights(tmp_path, a["id"])) <= ATOL
 
 
 def test_activation_checkpointing_changes_nothing(packed_run, tiny_model, reverse_data, tmp_path):
@@ -146,7 +136,7 @@ def test_activation_checkpointing_changes_nothing(packed_run, tiny_model, revers
     cfg["training"] = dict(cfg["training"], activation_checkpointing=True)
     PackedLoRARecipe(cfg).run()
     for a in ADAPTERS:
-        assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
+        assert max_weight_diff(adapter_weights(out, a["id"]), adapter_weights(tmp_path, a["id"])) <= ATOL
 
 
 @pytest.mark.parametrize(
@@ -173,7 +163,7 @@ def test_pruned_adapter_leaves_and_others_are_unchanged(packed_run, tiny_model, 
     m = json.loads((tmp_path / "adapters" / "r1" / "metrics.json").read_text())
     assert m["steps"] == 4
     for a in ADAPTERS[:3]:
-        assert _max_diff(_weights(out, a["id"]), _weights(tmp_path, a["id"])) <= ATOL
+        assert max_weight_diff(adapter_weights(out, a["id"]), adapter_weights(tmp_path, a["id"])) <= ATOL
 
 
 def test_job_warmup_is_the_space_files_warmup(tmp_path):

@@ -14,9 +14,8 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import job_config
+from conftest import adapter_weights, job_config
 from plora import evaluate as ev
 from plora import hooks
 from plora.data import IGNORE_INDEX, Sample, collate
@@ -56,10 +55,6 @@ def mixed_data(tmp_path_factory) -> dict:
     (d / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:180]))
     (d / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows[180:]))
     return {"train": d / "train.jsonl", "eval": d / "eval.jsonl"}
-
-
-def _weights(out, adapter_id):
-    return load_file(str(out / "adapters" / adapter_id / "adapter_model.safetensors"))
 
 
 def _metrics(out, adapter_id):
@@ -195,7 +190,7 @@ def test_packed_equals_alone_bit_for_bit_with_mixed_lengths(mixed_run, tiny_mode
     for a in (MIXED[0], MIXED[2]):  # the unstable one, and one of batch size 1
         alone = tmp_path / a["id"]
         PackedLoRARecipe(job_config(tiny_model, mixed_data, alone, [a])).run()
-        packed_w, alone_w = _weights(mixed_run, a["id"]), _weights(alone, a["id"])
+        packed_w, alone_w = adapter_weights(mixed_run, a["id"]), adapter_weights(alone, a["id"])
         assert max(float(v.abs().max()) for v in packed_w.values()) > 1e-3  # it trained
         for k in packed_w:
             assert torch.equal(packed_w[k], alone_w[k]), (a["id"], k, float((packed_w[k] - alone_w[k]).abs().max()))
@@ -212,7 +207,7 @@ def test_padding_free_steps_equal_padded_steps(mixed_run, tiny_model, mixed_data
         recipe.run()
     assert recipe.row_attn is None
     for a in stable:
-        flat_w, padded_w = _weights(mixed_run, a["id"]), _weights(tmp_path, a["id"])
+        flat_w, padded_w = adapter_weights(mixed_run, a["id"]), adapter_weights(tmp_path, a["id"])
         diff = max(float((flat_w[k] - padded_w[k]).abs().max()) for k in flat_w)
         assert diff <= PADDED_ATOL, (a["id"], diff)
         assert _metrics(tmp_path, a["id"])["eval_loss"] == pytest.approx(_metrics(mixed_run, a["id"])["eval_loss"],
@@ -251,7 +246,7 @@ def test_length_bucketed_padded_packs_equal_alone(tiny_model, mixed_data, tmp_pa
     for a in (stable[0], stable[1]):  # batch sizes 3 and 1
         alone = tmp_path / a["id"]
         _padded_run(tiny_model, mixed_data, alone, [a], 4)
-        packed_w, alone_w = _weights(tmp_path / "packed", a["id"]), _weights(alone, a["id"])
+        packed_w, alone_w = adapter_weights(tmp_path / "packed", a["id"]), adapter_weights(alone, a["id"])
         diff = max(float((packed_w[k] - alone_w[k]).abs().max()) for k in packed_w)
         assert diff <= PADDED_ATOL, (a["id"], diff)
 
@@ -299,8 +294,8 @@ def test_eval_out_of_memory_retries_with_fewer_adapters_and_loses_none(eval_run,
     for a in EVAL_ADAPTERS:
         got, want = _metrics(tmp_path, a["id"]), _metrics(eval_run, a["id"])
         assert got["status"] == "done" and got["eval_loss"] == want["eval_loss"], a["id"]  # the same sums
-        for k, v in _weights(eval_run, a["id"]).items():
-            assert torch.equal(_weights(tmp_path, a["id"])[k], v)
+        for k, v in adapter_weights(eval_run, a["id"]).items():
+            assert torch.equal(adapter_weights(tmp_path, a["id"])[k], v)
 
 
 def test_eval_out_of_memory_retries_down_to_single_rows(eval_run, tiny_model, mixed_data, tmp_path, monkeypatch):
