@@ -90,14 +90,11 @@ def real_tokens(spec) -> tuple[int, int]:
 
 
 def run_plora(args, variant: str, data_dir: Path) -> dict:
-    import yaml
-
     from plora.jobcost import measured_makespan
     from plora.planner.plan import Plan
     from plora.spec import load_spec
 
-    path = args.out / f"{variant}.yaml"
-    path.write_text(yaml.safe_dump(space(args, variant, data_dir), sort_keys=False))
+    path = args.out / f"{variant}.yaml"  # written by main() with the data
     plora = [sys.executable, "-m", "plora.cli"]
     t0 = time.time()
     if not args.no_profile:

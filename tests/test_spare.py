@@ -101,7 +101,7 @@ def test_a_job_clock_counts_from_its_launch_when_handed_to_a_spare(monkeypatch):
 
 def test_a_spare_takes_only_a_job_for_its_gpus():
     s = spare.Spare.__new__(spare.Spare)  # no process: only the environment rule
-    s.env, s.gpus, s.cuda = {"CUDA_VISIBLE_DEVICES": "0", "A": "1"}, (0,), True
+    s.env, s.gpus = {"CUDA_VISIBLE_DEVICES": "0", "A": "1"}, (0,)
     assert s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "PLORA_ATTEMPT": "2"})
     # torchao's and torchtune's imports ask CUDA about the GPU: the GPUs a spare sees are fixed
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "1", "A": "1"})

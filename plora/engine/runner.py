@@ -81,6 +81,11 @@ class RunningJob:
     slots: list[str]
 
 
+def _gpus_of(slots: Sequence[str]) -> list[int]:
+    """The GPU indices of pool slots ("cuda:N"; CPU slots have none)."""
+    return [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
+
+
 @dataclass
 class EngineSnapshot:
     """What the live view shows."""
@@ -286,7 +291,7 @@ class Engine:
         """The GPUs the next job to launch is expected on (a spare is started for them): the
         first queued job's planned GPUs, else the first free GPU slot, else the pool's first."""
         slots = (self._planned_slots(self.queue[0]) if self.queue else None) or self.free[:1] or self.slots[:1]
-        return [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
+        return _gpus_of(slots)
 
     def _launch_ready(self) -> None:
         wanted: set[str] = set()  # slots that planned jobs still waiting, earlier in the queue, want
@@ -313,7 +318,7 @@ class Engine:
             if self.streaming is not None:  # a relaunched job may take joins again
                 reopen(job_dir)
                 self.closed.discard(job.id)
-            gpus = [int(s.split(":")[1]) for s in slots if s.startswith("cuda:")]
+            gpus = _gpus_of(slots)
             proc = self.launch(job.id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
                                extra_env={"PLORA_ATTEMPT": str(attempt)})
             self.queue.remove(job)

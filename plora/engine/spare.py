@@ -25,7 +25,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,7 +38,7 @@ ENV_SWITCH = "PLORA_SPARE_JOBS"
 CHILD_MODULE = "plora.recipes.spare"
 #: when the job was handed to its spare (the job's clock counts its start from there)
 HANDED_AT = "PLORA_HANDED_AT"
-#: what the child prints once it has imported the recipe (``ready cuda``: CUDA started)
+#: what the child prints once it has imported the recipe
 READY = "ready"
 #: variables a job may set differently from its spare's: read only once the job runs
 ADJUSTABLE = frozenset({"OMP_NUM_THREADS", "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED"})
@@ -77,9 +76,6 @@ class Spare:
 
     def __init__(self, env: dict[str, str], gpus: Sequence[int] = ()):
         self.env, self.gpus = env, tuple(gpus)
-        self.started = time.time()
-        self.cuda: bool | None = None  # whether its imports started CUDA (known once it is ready)
-        self.ready = False
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=die_with_parent,
@@ -97,10 +93,7 @@ class Spare:
         ready, _, _ = select.select([out], [], [], timeout_s)
         if not ready:
             return False
-        words = out.readline().decode(errors="replace").split()
-        self.cuda = words[1:] == ["cuda"]
-        self.ready = bool(words) and words[0] == READY
-        return self.ready
+        return out.readline().decode(errors="replace").strip() == READY
 
     def hand(self, order: SpareOrder) -> bool:
         try:

@@ -1,8 +1,7 @@
 """A job process waiting for its job: imports the recipe first, then reads one `SpareOrder`.
 
 Started by `plora.engine.spare` ahead of a job, with that job's environment. Once its
-imports are done it prints ``ready`` (``ready cuda`` where they started CUDA) and blocks on
-stdin. Given its order it becomes the job exactly as
+imports are done it prints ``ready`` and blocks on stdin. Given its order it becomes the job exactly as
 ``tune run plora/recipes/packed_lora.py --config job.yaml`` would have run it: in the
 job's folder, with the job's environment, its output appended to the job's log.
 """
@@ -20,9 +19,9 @@ def main() -> int:
     from plora.engine.spare import READY, SpareOrder
     from plora.recipes.packed_lora import recipe_main
 
-    # torchao's import asks the GPU its compute capability, which starts CUDA: the spare then
-    # serves only a job for the GPUs it sees (`plora.engine.spare.Spare.compatible`)
-    print(READY + (" cuda" if torch.cuda.is_initialized() else ""), flush=True)
+    # the imports asked CUDA about the GPU: the spare serves only a job for the GPUs it sees
+    # (`plora.engine.spare.Spare.compatible`)
+    print(READY, flush=True)
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # let go unused
