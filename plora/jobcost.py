@@ -223,29 +223,33 @@ def train_row_lengths(spec: Any) -> list[int] | None:
         return None
 
 
-def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool) -> int | str:
+def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool,
+                         lengths: list[int] | None = None) -> int | str:
     """``training.length_buckets`` resolved once for a whole sweep: "auto" becomes the count
     that costs its graphed, padded jobs least (`plora.row_layout.auto_length_buckets`) for
-    its rows and step budgets. Every job of the sweep gets the same count, so an adapter's
-    row order depends on the sweep's data and budgets, never on its pack-mates."""
+    its rows (``lengths``, else `train_row_lengths`) and step budgets. Every job of the sweep
+    gets the same count, so an adapter's row order depends on the sweep's data and budgets,
+    never on its pack-mates."""
     from plora.row_layout import auto_length_buckets, rows_flattened
 
     setting = spec.training.length_buckets
     if setting != "auto" or not graphed or rows_flattened(spec.training.row_layout, graphed=graphed) or not steps:
         return setting
-    lengths = train_row_lengths(spec)
+    lengths = lengths if lengths is not None else train_row_lengths(spec)
     if not lengths:
         return setting
     budgets = list(steps.values())
     return auto_length_buckets(lengths, int(spec.model.max_seq_len), steps=max(budgets), compositions=len(set(budgets)))
 
 
-def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | str | None = None) -> float | None:
+def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | str | None = None,
+                     lengths: list[int] | None = None) -> float | None:
     """What a sweep's training row costs a step, in tokens (`plora.step_settings.priced_row_tokens`):
-    the mean real tokens of its rows (`train_row_lengths`) where jobs flatten them, the width
-    they are padded to where jobs pad them (``graphed``: steps replayed from CUDA graphs),
-    in ``length_buckets`` (default: the spec's). None where they cannot be tokenized here."""
-    lengths = train_row_lengths(spec)
+    the mean real tokens of its rows (``lengths``, else `train_row_lengths`) where jobs flatten
+    them, the width they are padded to where jobs pad them (``graphed``: steps replayed from
+    CUDA graphs), in ``length_buckets`` (default: the spec's). None where they cannot be
+    tokenized here."""
+    lengths = lengths if lengths is not None else train_row_lengths(spec)
     if not lengths:
         return None
     buckets = spec.training.length_buckets if length_buckets is None else length_buckets

@@ -175,26 +175,28 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     return cm, ANALYTIC_SOURCE
 
 
-def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buckets: int | str | None = None) -> Any:
-    """A cost model with measured job terms priced on this sweep's own rows (in its jobs'
-    ``length_buckets``) and eval (`CostModel.for_eval`, `CostModel.for_rows`), unless it
-    already is; any other as it is."""
+def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buckets: int | str | None = None,
+                     row_lengths: list[int] | None = None) -> Any:
+    """A cost model with measured job terms priced on this sweep's own rows (their
+    ``row_lengths`` when already tokenized, in its jobs' ``length_buckets``) and eval
+    (`CostModel.for_eval`, `CostModel.for_rows`), unless it already is; any other as it is."""
     if getattr(cost_model, "overheads", None) is None or cost_model.eval_load is not None:
         return cost_model
     from plora.jobcost import eval_load_for, train_row_tokens
 
-    rows = train_row_tokens(spec, graphed=graphed_steps(spec, hw), length_buckets=length_buckets)
+    rows = train_row_tokens(spec, graphed=graphed_steps(spec, hw), length_buckets=length_buckets, lengths=row_lengths)
     return cost_model.for_eval(eval_load_for(spec)).for_rows(rows)
 
 
 def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
-                     hardware: Hardware | None = None, length_buckets: int | str | None = None) -> Any:
+                     hardware: Hardware | None = None, length_buckets: int | str | None = None,
+                     row_lengths: list[int] | None = None) -> Any:
     """The cost model a sweep runs with: `cost_model_for`'s (its source in
     ``meta["plan_source"]``), priced on the sweep's rows (`priced_for_sweep`)."""
     hw = hardware or hardware_for(spec)
     cost_model, source = cost_model_for(spec, run_dir, probe=probe, hardware=hw)
     cost_model.meta["plan_source"] = source
-    return priced_for_sweep(spec, cost_model, hw, length_buckets)
+    return priced_for_sweep(spec, cost_model, hw, length_buckets, row_lengths)
 
 
 def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
@@ -329,13 +331,16 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
-    from plora.jobcost import sweep_length_buckets
+    from plora.jobcost import sweep_length_buckets, train_row_lengths
 
-    buckets = sweep_length_buckets(spec, steps, graphed=graphed_steps(spec, hw))
+    graphed = graphed_steps(spec, hw)
+    # tokenized once here for both: the bucket count and the rows' price need them on a GPU
+    lengths = train_row_lengths(spec) if graphed and spec.training.length_buckets == "auto" else None
+    buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths)
     if cost_model is None:
-        cost_model = sweep_cost_model(spec, run, probe=probe, hardware=hw, length_buckets=buckets)
+        cost_model = sweep_cost_model(spec, run, probe=probe, hardware=hw, length_buckets=buckets, row_lengths=lengths)
     else:
-        cost_model = priced_for_sweep(spec, cost_model, hw, buckets)
+        cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths)
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets)
 
