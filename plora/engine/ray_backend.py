@@ -46,7 +46,7 @@ FORWARDED_PREFIXES = ("PLORA_", "HF_", "TRITON_")
 def _run_job(job_dir: str, nproc: int, env_updates: dict[str, str], omp_threads: int, header: str) -> int:
     """On a worker: start the job in its own session, log to its log.txt, return its exit
     code. Cancelling the task (Ctrl-C on the driver) stops the job with SIGTERM first."""
-    from plora.engine.spare import die_with_parent as _die_with_parent
+    from plora.engine.spare import die_with_parent
 
     env = dict(os.environ)
     env.update(env_updates)
@@ -61,7 +61,7 @@ def _run_job(job_dir: str, nproc: int, env_updates: dict[str, str], omp_threads:
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {header} on ray node {node}{' GPUs ' + ','.join(gpus) if gpus else ''}\n")
         log.flush()
         proc = subprocess.Popen(tune_command(Path(job_dir) / "job.yaml", nproc), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=job_dir, start_new_session=True, preexec_fn=_die_with_parent)
+                                env=env, cwd=job_dir, start_new_session=True, preexec_fn=die_with_parent)
         try:
             return proc.wait()
         except KeyboardInterrupt:  # ray.cancel: stop the job as the local engine does

@@ -166,7 +166,7 @@ def prime(gpus: Sequence[int] = ()) -> None:
         if _spare.proc.poll() is not None:  # died unused, before any job was handed to it
             _give_up()
             return
-        if _spare.env.get("CUDA_VISIBLE_DEVICES") == spare_env(gpus).get("CUDA_VISIBLE_DEVICES"):
+        if _spare.gpus == tuple(gpus):
             return
         discard()  # made for other GPUs
     try:
