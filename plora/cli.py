@@ -49,15 +49,23 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
-def _load(space: Path, *, sampled: bool = False):
+def _load(space: Path, *, sampled: bool = False, warm: bool = False):
+    """The space, its model checked. With `warm`, the first job's process starts importing
+    as soon as the space says where it runs (`plora.engine.spare`), before this process
+    imports torch for the model check: on an H100 machine a job's imports take 12 s, which
+    the sweep's validation and planning hide only if they start first."""
+    from plora.engine import spare
     from plora.model_check import check_spec_model
     from plora.spec import SpecError, load_spec
 
     try:
         spec = load_spec(space, sampled=sampled)
+        if warm and spec.hardware.backend == "local":
+            spare.prime(spare.first_gpus(spec.hardware.device))
         check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
         return spec
     except SpecError as e:
+        spare.discard()
         fail(str(e))
 
 
@@ -91,12 +99,10 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`)."""
     from plora.engine import spare
 
-    spec = _load(space)
-    _check_output(spec.run_dir(output))
+    spec = _load(space, warm=warm)  # the first job's process imports meanwhile
     warm = warm and spec.hardware.backend == "local"
-    if warm:
-        spare.prime(spare.first_gpus(spec.hardware.device))  # the first job's process imports meanwhile
     try:
+        _check_output(spec.run_dir(output))
         prep = _plan(spec, output, probe=probe)
     except BaseException:
         spare.discard()
@@ -192,7 +198,7 @@ def tune(
     from plora.tuning.loop import check_tune_request, run_tune
     from plora.tuning.study import storage_url, study_name
 
-    spec = _load(space, sampled=True)
+    spec = _load(space, sampled=True, warm=True)  # the first job's process imports meanwhile
     run_dir = spec.run_dir(output)
     _check_output(run_dir)
     try:

@@ -66,11 +66,11 @@ __all__ = [
     "resolve_lora_targets",
 ]
 
-#: float32 bytes per vocabulary entry an eval token holds besides its logits: their float copy
-#: and the cross-entropy's log-probabilities (`plora.evaluate.segment_loss_sums`)
-EVAL_LOGIT_FLOAT_BYTES = 8
 #: hidden-size activations an eval token holds in the live layer (residual, norms, attention, MLP)
 EVAL_HIDDEN_COPIES = 16
+#: what the eval's LM head holds at once, whatever the batch: one chunk of float32 logits
+#: (`plora.packed.head_loss.HEAD_CHUNK_BYTES`; the head never makes a batch's full logits)
+EVAL_HEAD_BYTES = 256 * 2**20
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -323,10 +323,11 @@ class CostModel:
 
     def eval_memory(self, adapters: Sequence[AdapterLoad], d: int) -> float:
         """Peak bytes per GPU while adapters leaving together are evaluated: the weights, every
-        adapter's parameters and AdamW state, and one eval batch (training activations are
-        gone by then) of `eval_bytes_per_token` a token; the batch holds at most
-        ``batch_rows`` rows, and no more than the eval memory budget where one is set. 0 when
-        the sweep's eval is not known."""
+        adapter's parameters and AdamW state, one eval batch's activations (training
+        activations are gone by then) of `eval_bytes_per_token` a token, and one head chunk
+        (the loss and the next-token choice read the LM head chunk by chunk, never a
+        batch's full logits). The batch holds at most ``batch_rows`` rows, and no more than
+        the eval memory budget where one is set. 0 when the sweep's eval is not known."""
         ev = self.eval_load
         if ev is None or ev.samples <= 0 or not adapters:
             return 0.0
@@ -336,7 +337,7 @@ class CostModel:
         for a in adapters:
             groups[a.steps] = groups.get(a.steps, 0) + 1
         rows = min(ev.batch_rows, max(groups.values()) * ev.samples)
-        batch = self.eval_bytes_per_token(d) * rows * ev.row_tokens
+        batch = self.eval_bytes_per_token(d) * rows * ev.row_tokens + (EVAL_HEAD_BYTES if self._shaped else 0.0)
         if ev.budget_bytes is not None:
             batch = min(batch, float(ev.budget_bytes))
         return self.memory_base(d) + state + batch
@@ -386,16 +387,19 @@ class CostModel:
             total += sum(self.exit_time(n) for n in leaving.values())
         return total
 
-    def eval_bytes_per_token(self, d: int) -> float:
-        """Bytes an eval forward holds per token of its batch: the full-vocabulary logits in
-        the model dtype, their float copy and the loss's log-probabilities (vocab-parallel
-        under TP), and a few hidden-size activations of the live layer. Without the model's
-        shape in ``meta``, a training token's activations (an upper bound)."""
+    @property
+    def _shaped(self) -> bool:
         shape = self.meta.get("shape")
-        if not isinstance(shape, dict) or "vocab" not in shape:
+        return isinstance(shape, dict) and "hidden" in shape
+
+    def eval_bytes_per_token(self, d: int) -> float:
+        """Bytes an eval forward holds per token of its batch: a few hidden-size activations
+        of the live layer (the head's logits are a chunk apart, `eval_memory`). Without the
+        model's shape in ``meta``, a training token's activations (an upper bound)."""
+        if not self._shaped:
             return self.memory_coeffs[d].tok
-        dt = float(shape.get("dtype_bytes", 2))
-        return float(shape["vocab"]) * (dt + EVAL_LOGIT_FLOAT_BYTES) / d + EVAL_HIDDEN_COPIES * float(shape["hidden"]) * dt
+        shape = self.meta["shape"]
+        return EVAL_HIDDEN_COPIES * float(shape["hidden"]) * float(shape.get("dtype_bytes", 2))
 
     def exit_time(self, adapters: int) -> float:
         """Seconds ``adapters`` adapters leaving a pack together add to its job: their packed

@@ -15,6 +15,10 @@ only ever adds to its lists, so a request stays in the file until the job has en
     A joined adapter trains exactly as it would alone (its own init from its seed, fresh
     optimizer state, its own data stream and schedule from its step 0). An id the job
     already holds (or held) is not taken again.
+``after``
+    join id -> adapter ids: that join waits until those adapters have left the pack (the
+    sender chose it for the room they leave, before they had left, so that it enters at
+    the very step boundary where they do). An id the job does not hold counts as left.
 ``close``
     no more joins will come: a job lingering for joins (``streaming.linger_s``) leaves
     once its adapters have.
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -65,6 +69,7 @@ class JobControl(BaseModel):
 
     prune: list[str] = Field(default_factory=list)
     join: list[JobAdapter] = Field(default_factory=list)
+    after: dict[str, list[str]] = Field(default_factory=dict)
     close: bool = False
 
 
@@ -105,14 +110,20 @@ def write_control(job_dir: str | Path, control: JobControl) -> Path:
 
 
 def request(job_dir: str | Path, *, prune: Iterable[str] = (), join: Iterable[JobAdapter] = (),
-            close: bool = False) -> None:
-    """Add prunes, joins and a close to control.json in one write: a join sent with the
-    prune that frees its slot takes that slot at the same step boundary. Ids already
-    listed are left as they are."""
+            close: bool = False, after: Mapping[str, Iterable[str]] | None = None) -> None:
+    """Add prunes, joins (each new one waiting for the adapters ``after`` names for it)
+    and a close to control.json in one write: a join sent with the prune that frees its
+    slot takes that slot at the same step boundary. Ids already listed are left as they
+    are."""
     control = read_control(job_dir)
     control.prune.extend(a for a in dict.fromkeys(prune) if a not in control.prune)
     known = {a.id for a in control.join}
-    control.join.extend(a for a in join if a.id not in known)
+    new = [a for a in join if a.id not in known]
+    control.join.extend(new)
+    for a in new:
+        waits = list(dict.fromkeys((after or {}).get(a.id, ())))
+        if waits:
+            control.after[a.id] = waits
     control.close = control.close or close
     write_control(job_dir, control)
 

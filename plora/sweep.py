@@ -274,7 +274,8 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         eval=eval_config(spec),
         eval_base=eval_base,
         streaming=streaming if streaming is not None else (
-            JobStreaming(linger_s=STREAM_LINGER_S) if spec.planner.streaming and job.tp == 1 else JobStreaming()),
+            JobStreaming(linger_s=STREAM_LINGER_S, max_active=spec.planner.max_adapters_per_job)
+            if spec.planner.streaming and job.tp == 1 else JobStreaming()),
     )
 
 

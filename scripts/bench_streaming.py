@@ -69,7 +69,7 @@ from bench_rows import write_variant
 
 RESULT = "streaming_bench.json"
 SETTINGS = "streaming_settings.json"
-PARTS = ("profile", "sweep16-stream", "sweep16-static", "sweep64-stream", "tune-sync", "tune-async")
+PARTS = ("warmup", "profile", "sweep16-stream", "sweep16-static", "sweep64-stream", "tune-sync", "tune-async")
 GROUPS = {"sweep16": ["sweep16-stream", "sweep16-static"], "sweep64": ["sweep64-stream"],
           "tune": ["tune-sync", "tune-async"], "all": list(PARTS)}
 #: settings that change what is measured: a result of other settings is not merged with these
@@ -77,6 +77,8 @@ WORKLOAD = ("model", "device", "dtype", "seq", "rows", "row_chars", "answer_char
             "lrs16", "lrs64", "seeds64", "max_adapters", "trials", "in_flight", "every_steps", "tune_lr",
             "metrics", "smoke")
 RUNNING_TARGET, TOKEN_TARGET = 0.90, 1.15
+#: training rows of the warm-up sweep
+WARMUP_ROWS = 64
 
 
 # ------------------------------------------------------------------ the spaces
@@ -111,6 +113,9 @@ def space_for(part: str, s: dict[str, Any]) -> dict[str, Any]:
     sp = space(ns, "fixed", out / "data")
     sp["name"] = part if part != "profile" else "sweep16-stream"
     sp["planner"] = {"max_adapters_per_job": s["max_adapters"], "streaming": part.endswith("-stream")}
+    if part == "warmup":  # every rank once, a few rows: what the timed parts would compile first
+        sp["space"].update(learning_rate=[1e-4], batch_size=[2, 4])
+        sp["data"].update(num_train=WARMUP_ROWS, max_eval_samples=min(4, s["eval_samples"]))
     if part.startswith("sweep64"):
         sp["space"].update(learning_rate=s["lrs64"], seeds_per_config=s["seeds64"])
     elif part.startswith("tune"):
@@ -260,6 +265,17 @@ def profile_first(path: Path, s: dict[str, Any], part: str) -> float | None:
     return seconds
 
 
+def run_warmup(s: dict[str, Any]) -> dict[str, Any]:
+    """An untimed sweep of every rank and batch size on a few rows, so that no timed part
+    pays what a fresh machine pays once: Triton's kernel compilation (kept in its on-disk
+    cache), the random-init model's files and the model check (kept in PLORA_CACHE_DIR)."""
+    path = write_space("warmup", s)
+    code, seconds = plora_cmd(["sweep", str(path), "--restart", "--no-profile"], Path(s["out"]) / "warmup-sweep.log")
+    if code != 0:
+        raise RuntimeError(f"the warm-up sweep exited {code} (see warmup-sweep.log)")
+    return {"warmup_s": seconds}
+
+
 def run_profile(s: dict[str, Any]) -> dict[str, Any]:
     return {"profile_s": profile_first(write_space("profile", s), s, "profile"), "no_profile": s["no_profile"]}
 
@@ -361,7 +377,9 @@ def run_part(part: str, s: dict[str, Any]) -> dict[str, Any]:
 
         device = torch.cuda.get_device_name()
     t0 = time.time()
-    if part == "profile":
+    if part == "warmup":
+        res = run_warmup(s)
+    elif part == "profile":
         res = run_profile(s)
     elif part.startswith("sweep"):
         res = run_sweep(part, s)

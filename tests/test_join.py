@@ -121,6 +121,31 @@ def test_a_pruned_adapters_slot_is_filled_by_a_waiting_join_at_the_next_step(tin
         assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
 
 
+def test_a_join_sent_ahead_waits_for_the_adapter_it_replaces_and_lets_later_joins_pass(tiny_model, reverse_data,
+                                                                                       tmp_path, alone):
+    """control.json's ``after``: F, sent before A has left (a pack of three allowed), waits
+    for A and enters at step 6, the boundary where A leaves; E, sent after F with no wait,
+    passes it and enters at once. Everyone equals itself alone, and A's files are on disk
+    (written in the background) when the job ends."""
+    cfg = job_config(tiny_model, reverse_data, tmp_path, [A, C], streaming={"max_active": 3})
+    recipe = PackedLoRARecipe(cfg)
+    job_dir = tmp_path / "jobs" / "job-test"
+    job_dir.mkdir(parents=True)
+    write_control(job_dir, JobControl(join=[JobAdapter(**F), JobAdapter(**E)], after={"f": ["a"]}))
+    active = {}
+
+    def look(recipe, step):
+        active[step] = {r.id for r in recipe.runs if r.active}
+
+    with hooks.installed("after_step", look):
+        summary = recipe.run()
+    assert summary["joined"] == {"e": 0, "f": 6}
+    assert active[0] == active[4] == {"a", "c", "e"} and active[5] == {"a", "c"} and active[6] == {"c", "f"}
+    for adapter in (A, C, E, F):
+        assert (tmp_path / "adapters" / adapter["id"] / "adapter_model.safetensors").is_file()
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
 def test_a_lingering_job_takes_a_join_after_its_pack_drained_and_leaves_on_close(tiny_model, reverse_data, tmp_path,
                                                                                   alone):
     """streaming.linger_s: the job waits after A finishes; F joins then and trains as alone;

@@ -5,6 +5,7 @@ that the engine sends nothing, saying why."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -234,5 +235,56 @@ def test_the_engine_sends_a_tensor_parallel_job_nothing_and_says_so_once(tmp_pat
         refusals = [(s, d) for _, kind, s, d in journal.events() if kind == "no_joins"]
         assert refusals == [("job-000", jc.TP_JOIN_REFUSAL)]
         assert "job-000" not in engine.closed
+    finally:
+        journal.close()
+
+
+def test_adapters_about_to_leave_count_as_gone_when_joins_are_chosen():
+    """An adapter whose steps left take at most LEAVING_SOON_S at the pack's step time
+    (without a cost model: at most LEAVING_SOON_STEPS steps) counts as gone."""
+    cm = cost(admits=2, c0=jc.LEAVING_SOON_S / 4)  # a step of a quarter of the lookahead
+    soon, later = load("soon", 4), load("later", 5)
+    assert jc.staying([soon, later], cm) == [later]
+    n = jc.LEAVING_SOON_STEPS
+    assert [a.id for a in jc.staying([load("x", n), load("y", n + 1)], None)] == ["y"]
+
+
+def test_the_engine_sends_a_join_ahead_for_the_room_an_adapter_about_to_leave_frees(tmp_path: Path):
+    """A full running pack (two of two) whose adapter ``a`` has one step left: the queued
+    adapter ``c`` is sent now, waiting in control.json for ``a`` to leave (``after``), so
+    that it enters at the step boundary where ``a`` leaves; ``b`` (many steps left) stays,
+    and the job is not closed."""
+    run = tmp_path / "run"
+    (run / "jobs").mkdir(parents=True)
+    journal = Journal(run / "journal.sqlite")
+
+    def write_job(job: Job) -> Path:
+        d = run / "jobs" / job.id
+        d.mkdir(exist_ok=True)
+        return d
+
+    def launcher(job_id, job_dir, slot, *, gpus=(), nproc=1, extra_env=None):
+        return JobProcess(job_id, job_dir, slot, _Forever(), time.time())
+
+    def entry(adapter_id: str) -> JobAdapter:
+        return JobAdapter(id=adapter_id, rank=4, alpha=8.0, learning_rate=1e-3, batch_size=2, seed=0, steps=100)
+
+    model = cost(admits=2, c0=0.1)
+    policy = StreamPolicy(entry, lambda loads, tp: jc.pack_fits(loads, tp, model, max_adapters=2,
+                                                                load_factor=LOAD_FACTOR), model)
+    engine = Engine(run, journal, ["cpu:0"], write_job, launcher=launcher, streaming=policy)
+    try:
+        engine.submit([Job("job-000", ["a", "b"]), Job("job-001", ["c"])])
+        engine._launch_ready()
+        progress = run / "jobs" / "job-000" / "progress.json"
+        progress.write_text(json.dumps({"adapter_steps": {"a": 50, "b": 50}}))
+        engine._stream()
+        assert read_control(run / "jobs" / "job-000").join == []  # no room, none about to be made
+        progress.write_text(json.dumps({"adapter_steps": {"a": 99, "b": 50}}))
+        engine._stream()
+        control = read_control(run / "jobs" / "job-000")
+        assert [a.id for a in control.join] == ["c"] and control.after == {"c": ["a"]}
+        assert not control.close and "job-000" not in engine.closed
+        assert journal.job("job-001").status == "streamed"
     finally:
         journal.close()

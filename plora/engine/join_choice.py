@@ -58,6 +58,13 @@ JOIN_TP = 1
 #: why a running tensor-parallel job is sent no adapters (the engine's journal says it once)
 TP_JOIN_REFUSAL = "a tensor-parallel job takes no joins"
 
+#: an adapter whose steps left take at most this long counts as gone when joins are chosen
+#: (`staying`): twice the engine's view of a job can lag (progress every 0.5 s, a tick of
+#: 0.25 s, the job's next step boundary)
+LEAVING_SOON_S = 2.0
+#: the same without a cost model to time steps
+LEAVING_SOON_STEPS = 8
+
 #: whether a pack of these adapters fits one GPU (memory and the planner's adapter cap)
 Fits = Callable[[Sequence[AdapterLoad]], bool]
 
@@ -142,6 +149,20 @@ def held_back(pack: Sequence[AdapterLoad], a: AdapterLoad, cost: CostModel | Non
     """Whether a pack holds ``a`` back for now: it would lower the pack's tokens per second,
     and it can wait (its solo span is shorter than the pack's remaining time)."""
     return not keeps_throughput(pack, a, cost) and solo_span(a, cost) < remaining_seconds(pack, cost)
+
+
+def staying(loads: Sequence[AdapterLoad], cost: CostModel | None) -> list[AdapterLoad]:
+    """The adapters of a running pack that are not about to leave: an adapter leaves soon
+    when the steps it has left take at most `LEAVING_SOON_S` at the pack's step time
+    (without a cost model, at most `LEAVING_SOON_STEPS` steps). The engine reads a pack
+    from its progress.json, written every half second, and a join reaches the job at the
+    next step after the engine's tick: adapters chosen for the room these leave wait in the
+    job until it is there (``streaming.max_active``)."""
+    cost = _timed(cost)
+    if cost is None:
+        return [a for a in loads if a.steps > LEAVING_SOON_STEPS]
+    step = cost.step_time(loads, JOIN_TP) if loads else 0.0
+    return [a for a in loads if a.steps * step > LEAVING_SOON_S]
 
 
 def longest_first(waiting: Sequence[AdapterLoad], cost: CostModel | None,

@@ -34,7 +34,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from plora.engine.join_choice import (
     JOIN_TP,
     RunningPack,
     choose_joins,
+    staying,
     join_refusal,
     steps_left,
 )
@@ -348,16 +349,19 @@ class Engine:
             packs.append(self._running_pack(rj))
         if not packs:
             return
+        training = {p.job_id: p.training for p in packs}
+        packs = [self._staying(p) for p in packs]
+        leaving = {p.job_id: [a.id for a in training[p.job_id] if a not in p.training] for p in packs}
         queued = [j for j in self.queue if self._history(j.id).attempt == 0]
         waiting = [self.streaming.load(a) for j in queued for a in j.adapters]
         first = {a for j in queued if self._history(j.id).parent is not None for a in j.adapters}
         policy = self.streaming
         chosen = choose_joins(packs, waiting, lambda loads: policy.fits(loads, JOIN_TP), policy.cost, first)
         for job_id, taken in chosen.items():
-            self.join(job_id, [self.streaming.entry(a) for a in taken])
+            self.join(job_id, [self.streaming.entry(a) for a in taken], after={a: leaving[job_id] for a in taken})
             self._take_from_queue(set(taken), into=job_id)
         for pack in packs:
-            if not pack.training and pack.job_id not in chosen:
+            if not training[pack.job_id] and pack.job_id not in chosen:
                 self.close(pack.job_id)
 
     def _running_pack(self, rj: RunningJob) -> RunningPack:
@@ -368,6 +372,14 @@ class Engine:
         done = rj.proc.progress().get("adapter_steps")
         return RunningPack(rj.job.id, steps_left(training, done if isinstance(done, dict) else {}))
 
+    def _staying(self, pack: RunningPack) -> RunningPack:
+        """The pack as it will be once the adapters about to leave have left
+        (`join_choice.leaving_soon`): joins sent now wait in the job (``streaming.max_active``)
+        and take the slots at the very step boundary where those adapters leave, instead of
+        a few engine ticks after it, in pieces."""
+        policy = self.streaming
+        return RunningPack(pack.job_id, tuple(staying(pack.training, policy.cost if policy else None)))
+
     def _refuse_joins(self, job_id: str, why: str) -> None:
         if job_id in self.no_joins:
             return
@@ -375,13 +387,15 @@ class Engine:
         self.journal.event("no_joins", job_id, why)
         self._note(f"{job_id}: {why}")
 
-    def join(self, job_id: str, entries: Sequence[JobAdapter], prune: Sequence[str] = ()) -> None:
+    def join(self, job_id: str, entries: Sequence[JobAdapter], prune: Sequence[str] = (),
+             after: Mapping[str, Sequence[str]] | None = None) -> None:
         """Send adapters into a running job (its control.json) and record them under it;
         ``prune`` leave in the same write, so a join takes the slot a prune frees at the
-        same step boundary."""
+        same step boundary; a join waits in the job for the adapters ``after`` names for it
+        to leave."""
         rj = self.running[job_id]
         taken = [a.id for a in entries]
-        request(rj.proc.job_dir, prune=prune, join=entries)
+        request(rj.proc.job_dir, prune=prune, join=entries, after=after)
         if not taken:
             return
         self.journal.add_adapters(taken)

@@ -64,12 +64,12 @@ from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.head_loss import adapter_mean_losses, chunk_rows, final_hidden
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
-from plora.packed.peft_format import save_peft_adapter
 from plora.packed.rows import LabelParts
 from plora.packed.slots import NewAdapter, refill_slot, relayout
 from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
+from plora.recipes.adapter_writer import AdapterWriter
 from plora.recipes.checkpoint import JobCheckpointer
 from plora.recipes.step_graph import Composition, StepBuffers, StepGraph, step_inputs
 from plora.row_layout import length_buckets_for, rows_flattened
@@ -158,6 +158,7 @@ class PackedLoRARecipe:
         self.divergence_loss = c.training.divergence_loss
         self.scheduler = c.training.scheduler
         self._metrics_file = None  # what cleanup() closes, whether or not setup() got that far
+        self.writer: AdapterWriter | None = None  # likewise
 
     def setup(self) -> None:
         """Build the job: process group (TP), base model with the packed adapters, data,
@@ -234,9 +235,12 @@ class PackedLoRARecipe:
         self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
         self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in adapters], weight_decay=t.weight_decay)
         self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
+        # leaving adapters' files are written while the pack trains on (one process: no collectives)
+        self.writer = AdapterWriter(background=self.tp is None)
         self._last_progress = 0.0
         self._control_seen: tuple[int, int, int] | None = None  # control.json's (inode, mtime, size) last read
         self._pending_joins: list[JobAdapter] = []  # asked for, not taken yet (no room)
+        self._join_after: dict[str, set[str]] = {}  # join id -> adapters it waits for to leave
         self._closed = False  # control.json said no more joins will come
         self.checkpointer = JobCheckpointer(self, t.checkpoint_every_steps, t.checkpoint_every_minutes)
         self.resumed: dict[str, int] = {}  # adapter id -> the adapter step it resumed from
@@ -255,6 +259,9 @@ class PackedLoRARecipe:
     def cleanup(self) -> None:
         """Release what the job holds open: its metrics log (flushed and closed). Safe after
         a setup that failed part way, and twice."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
@@ -300,6 +307,7 @@ class PackedLoRARecipe:
                 if self.checkpointer.maybe_save(step) and self._metrics_file is not None:
                     self._metrics_file.flush()  # the log holds at least what the checkpoint does
                 self._write_progress(step)
+        self.writer.drain()  # every leaving adapter's files are on disk before the job says it is done
         self.checkpointer.discard()
         self._write_progress(step, final=True)
         self.clock.graphs = self.graphs.counts.to_dict() if self.graphs is not None else None
@@ -527,16 +535,17 @@ class PackedLoRARecipe:
 
     def _finish(self, runs: list[AdapterRun], status: str) -> None:
         """Save adapters leaving the pack in the PEFT format, then evaluate them (packed),
-        then drop their state. The weights are on disk before the eval runs, so an eval that
-        fails cannot cost their training; one that runs out of memory retries in smaller
-        pieces (`evaluate_adapters`)."""
+        then drop their state. The weights are copied to the host before the eval runs and
+        written while it runs (`AdapterWriter`), so an eval that fails cannot cost their
+        training; one that runs out of memory retries in smaller pieces
+        (`evaluate_adapters`). Each adapter's metrics.json follows its weights."""
         self._room_for_eval()
         t_save = time.perf_counter()
         checkpoints = []
         for r in runs:
             # under TP: gathered to full tensors (a collective, on every rank), saved by rank 0
             state = self.tp.adapter_state_dict(r.index) if self.tp else self.pm.adapter_state_dict(r.index)
-            checkpoints.append(save_peft_adapter(
+            checkpoints.append(self.writer.save(
                 self.output_dir / "adapters" / r.id,
                 state,
                 self.info,
@@ -598,7 +607,6 @@ class PackedLoRARecipe:
         if not self.is_main:
             return
         out = self.output_dir / "adapters" / r.id
-        out.mkdir(parents=True, exist_ok=True)
         tail = r.losses[-10:]
         row = {
             "adapter_id": r.id,
@@ -614,9 +622,7 @@ class PackedLoRARecipe:
             "checkpoint_path": str(checkpoint) if checkpoint else None,
             "config": r.cfg.hyperparameters(),
         }
-        tmp = out / "metrics.json.tmp"
-        tmp.write_text(json.dumps(row, indent=2))
-        tmp.replace(out / "metrics.json")
+        self.writer.metrics(out, row)  # after the adapter's checkpoint, if it has one
 
     def _log(self, row: dict[str, Any]) -> None:
         if self._metrics_file is None:
@@ -671,6 +677,8 @@ class PackedLoRARecipe:
                 self._write_adapter_metrics(r, {}, checkpoint=None)
         if control is not None:
             self._closed = self._closed or control.close
+            for a, waits in control.after.items():
+                self._join_after.setdefault(a, set()).update(waits)
             self._queue_joins(control.join, step)
         if self._pending_joins:
             self._take_joins(step)
@@ -755,7 +763,8 @@ class PackedLoRARecipe:
 
     def _take_joins(self, step: int) -> None:
         """Waiting joins, in the order asked, enter the pack while ``streaming.max_active``
-        and ``max_active_rank`` allow: each into the slot of an adapter of its rank that has
+        and ``max_active_rank`` allow (a join whose control.json ``after`` names adapters
+        still training waits for them, and lets later ones pass): each into the slot of an adapter of its rank that has
         left (in place), the rest into a pack laid out again (the free slots not reused are
         given back). Each is in joins.jsonl before its first step."""
         if self.tp is not None:
@@ -766,8 +775,11 @@ class PackedLoRARecipe:
         limits = self.cfg.streaming
         active = self._active()
         count, ranks = len(active), sum(r.cfg.rank for r in active)
+        training = {r.id for r in active}
         taking: list[JobAdapter] = []
         for a in self._pending_joins:
+            if self._join_after.get(a.id, set()) & training:
+                continue  # chosen for the room adapters still training leave: it waits for them
             if limits.max_active is not None and count + 1 > limits.max_active:
                 break
             if limits.max_active_rank is not None and ranks + a.rank > limits.max_active_rank:
@@ -776,7 +788,8 @@ class PackedLoRARecipe:
             count, ranks = count + 1, ranks + a.rank
         if not taking:
             return
-        self._pending_joins = self._pending_joins[len(taking):]
+        taken = {a.id for a in taking}
+        self._pending_joins = [a for a in self._pending_joins if a.id not in taken]
         for a in taking:
             self._joined_before.add(a.id)
             if self.is_main:
@@ -888,7 +901,20 @@ def _job_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg["job_dir"]) if "job_dir" in cfg else Path.cwd()
 
 
+def leave(code: int | None) -> None:
+    """End the job process once `recipe_main` has returned: every file it wrote is closed
+    and its summary printed, so a one-process job skips the interpreter's teardown (freeing
+    the CUDA context and every module's objects: a second or more on a GPU, during which
+    the engine cannot start the next job). A TP job leaves the ordinary way (its process
+    group is torchrun's)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
+
+
 if __name__ == "__main__":
     from torchtune import config as tune_config
 
-    sys.exit(tune_config.parse(recipe_main)())
+    leave(tune_config.parse(recipe_main)())

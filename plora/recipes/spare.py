@@ -17,7 +17,7 @@ def main() -> int:
     from torchtune import config as tune_config
 
     from plora.engine.spare import READY, SpareOrder
-    from plora.recipes.packed_lora import recipe_main
+    from plora.recipes.packed_lora import leave, recipe_main
 
     # the imports asked CUDA about the GPU: the spare serves only a job for the GPUs it sees
     # (`plora.engine.spare.Spare.compatible`)
@@ -38,7 +38,8 @@ def main() -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.argv = ["plora/recipes/packed_lora.py", "--config", order.config]
-    return tune_config.parse(recipe_main)() or 0
+    leave(tune_config.parse(recipe_main)())
+    return 0
 
 
 if __name__ == "__main__":

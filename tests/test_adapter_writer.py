@@ -1,0 +1,75 @@
+"""Leaving adapters' files written while the pack trains on (`AdapterWriter`): in the order
+asked, a host copy taken at once, a metrics.json only after its adapter's weights, and a
+failed write raised where the job waits for them."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from plora.models import load_base_model
+from plora.recipes import adapter_writer as aw
+from plora.recipes.adapter_writer import AdapterWriter
+
+
+@pytest.fixture()
+def info(tiny_model):
+    return load_base_model(tiny_model, max_seq_len=32, random_init=True)[1]
+
+
+def _state(info, value: float) -> dict[str, torch.Tensor]:
+    return {"layers.0.attn.q_proj.lora_a.weight": torch.full((2, info.embed_dim), value),
+            "layers.0.attn.q_proj.lora_b.weight": torch.full((info.num_heads * info.head_dim, 2), value)}
+
+
+PEFT = dict(rank=2, alpha=4.0, targets=["q_proj"], dropout=0.0)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_weights_then_metrics_and_a_host_copy_taken_at_once(tmp_path, info, monkeypatch, background):
+    gate = threading.Event()
+    order = []
+    real_save = aw.save_peft_adapter
+
+    def slow_save(out, state, *a, **k):
+        if background:
+            assert gate.wait(10)
+        order.append(("save", Path(out).name))
+        return real_save(out, state, *a, **k)
+
+    monkeypatch.setattr(aw, "save_peft_adapter", slow_save)
+    writer = AdapterWriter(background=background)
+    state = _state(info, 1.0)
+    writer.save(tmp_path / "x", state, info, **PEFT)
+    writer.metrics(tmp_path / "x", {"status": "done"})
+    for t in state.values():
+        t.fill_(7.0)  # the slot is refilled by the next adapter: the saved copy is the old one
+    if background:
+        assert not (tmp_path / "x" / "metrics.json").exists()  # not before its weights
+        gate.set()
+    writer.drain()
+    writer.close()
+    assert order == [("save", "x")]
+    assert json.loads((tmp_path / "x" / "metrics.json").read_text()) == {"status": "done"}
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "x" / "adapter_model.safetensors"))
+    assert saved and all(float(v.min()) == float(v.max()) == 1.0 for v in saved.values())
+
+
+def test_a_failed_save_is_raised_at_drain_and_its_adapter_gets_no_result(tmp_path, info):
+    writer = AdapterWriter(background=True)
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the adapter's folder should be")
+    writer.save(blocked, _state(info, 1.0), info, **PEFT)
+    writer.metrics(blocked, {"status": "done"})
+    writer.save(tmp_path / "ok", _state(info, 2.0), info, **PEFT)
+    writer.metrics(tmp_path / "ok", {"status": "done"})
+    with pytest.raises(OSError):
+        writer.drain()
+    writer.close()
+    assert blocked.is_file() and (tmp_path / "ok" / "metrics.json").is_file()
