@@ -115,7 +115,8 @@ def space_for(part: str, s: dict[str, Any]) -> dict[str, Any]:
     sp["planner"] = {"max_adapters_per_job": s["max_adapters"], "streaming": part.endswith("-stream")}
     if part == "warmup":  # every rank once, a few rows: what the timed parts would compile first
         sp["space"].update(learning_rate=[1e-4], batch_size=[2, 4])
-        sp["data"].update(num_train=WARMUP_ROWS, max_eval_samples=min(4, s["eval_samples"]))
+        sp["data"].update(train=str(out / "data-warmup" / "train-fixed.jsonl"),
+                          eval=str(out / "data-warmup" / "eval-fixed.jsonl"))
     if part.startswith("sweep64"):
         sp["space"].update(learning_rate=s["lrs64"], seeds_per_config=s["seeds64"])
     elif part.startswith("tune"):
@@ -269,6 +270,9 @@ def run_warmup(s: dict[str, Any]) -> dict[str, Any]:
     """An untimed sweep of every rank and batch size on a few rows, so that no timed part
     pays what a fresh machine pays once: Triton's kernel compilation (kept in its on-disk
     cache), the random-init model's files and the model check (kept in PLORA_CACHE_DIR)."""
+    (Path(s["out"]) / "data-warmup").mkdir(parents=True, exist_ok=True)
+    write_variant(Path(s["out"]) / "data-warmup", "fixed", rows=WARMUP_ROWS, eval_samples=min(4, s["eval_samples"]),
+                  row_chars=s["row_chars"], answer_chars=s["answer_chars"], seq=s["seq"])
     path = write_space("warmup", s)
     code, seconds = plora_cmd(["sweep", str(path), "--restart", "--no-profile"], Path(s["out"]) / "warmup-sweep.log")
     if code != 0:

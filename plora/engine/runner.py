@@ -255,7 +255,7 @@ class Engine:
             while self.queue or self.running:
                 self._launch_ready()
                 if self.launch is local_jobs.launch:  # local jobs: the next one's process starts ahead
-                    spare.keep(bool(self.queue), self._next_gpus())
+                    spare.keep(self._spare_wanted(), self._next_gpus())
                 self._stream()
                 self._reap()
                 if self.feed is not None:
@@ -287,6 +287,22 @@ class Engine:
             self.journal.update_job(job_id, status="stopped", ended=time.time())
             self.journal.event("stopped", job_id, why)
         self.running.clear()
+
+    def _spare_wanted(self) -> bool:
+        """Whether the next job's process should start ahead now (`plora.engine.spare`): a
+        job is queued, no running job is still starting (a spare's imports and CUDA set-up
+        beside a job's own set-up slowed that 15 s on an H100 machine), and, streaming, the
+        queued adapters have nowhere to go but a new job (a free slot, or a running job
+        that takes no joins): otherwise they join a running job and the spare would only
+        hold a CUDA context."""
+        if not self.queue:
+            return False
+        if any(not rj.proc.progress() for rj in self.running.values()):
+            return False
+        if self.streaming is None or self.free:
+            return True
+        return not any(join_refusal(rj.job.tp) is None and job_id not in self.closed
+                       for job_id, rj in self.running.items())
 
     def _next_gpus(self) -> list[int]:
         """The GPUs the next job to launch is expected on (a spare is started for them): the

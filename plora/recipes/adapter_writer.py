@@ -25,6 +25,23 @@ import torch
 from plora.packed.peft_format import save_peft_adapter
 
 
+def host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors copied to the host in one transfer per dtype (an adapter has a few
+    hundred small tensors: one copy each cost the GPU a synchronisation each)."""
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for k, v in state.items():
+        by_dtype.setdefault(v.dtype, []).append(k)
+    for names in by_dtype.values():
+        flat = torch.cat([state[k].detach().reshape(-1) for k in names]).to("cpu")
+        start = 0
+        for k in names:
+            n = state[k].numel()
+            out[k] = flat[start:start + n].view(state[k].shape).clone()  # own storage: safetensors refuses shared
+            start += n
+    return {k: out[k] for k in state}
+
+
 def write_metrics(out: Path, row: Mapping[str, Any]) -> None:
     """An adapter's metrics.json, whole or not at all (written aside, then renamed)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -52,7 +69,7 @@ class AdapterWriter:
     def save(self, out: Path, state: Mapping[str, torch.Tensor], info: Any, **peft: Any) -> Path:
         """Save an adapter's weights in the PEFT format to ``out`` (a host copy is taken now)."""
         if self._pool is not None:
-            state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            state = host_copy(state)
         self._do(self._save, Path(out), state, info, peft)
         return out
 
