@@ -68,10 +68,21 @@ class AdapterWriter:
 
     def save(self, out: Path, state: Mapping[str, torch.Tensor], info: Any, **peft: Any) -> Path:
         """Save an adapter's weights in the PEFT format to ``out`` (a host copy is taken now)."""
+        return self.save_all([(out, state, peft)], info)[0]
+
+    def save_all(self, items: list[tuple[Path, Mapping[str, torch.Tensor], dict[str, Any]]], info: Any) -> list[Path]:
+        """`save` for several adapters (out, state, PEFT settings): every host copy is taken
+        before the first write starts, so the copies do not wait on the writing thread."""
         if self._pool is not None:
-            state = host_copy(state)
-        self._do(self._save, Path(out), state, info, peft)
-        return out
+            items = [(out, host_copy(state), peft) for out, state, peft in items]
+        for out, state, peft in items:
+            self._do(self._save, Path(out), state, info, peft)
+        return [out for out, _, _ in items]
+
+    def later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn`` after every write asked so far (in the background when the writer is):
+        what must follow those files, or a write of the job's own (its mid-job checkpoint)."""
+        self._do(fn, *args, **kwargs)
 
     def _save(self, out: Path, state: Mapping[str, torch.Tensor], info: Any, peft: dict[str, Any]) -> None:
         try:

@@ -541,19 +541,13 @@ class PackedLoRARecipe:
         (`evaluate_adapters`). Each adapter's metrics.json follows its weights."""
         self._room_for_eval()
         t_save = time.perf_counter()
-        checkpoints = []
+        items = []
         for r in runs:
             # under TP: gathered to full tensors (a collective, on every rank), saved by rank 0
             state = self.tp.adapter_state_dict(r.index) if self.tp else self.pm.adapter_state_dict(r.index)
-            checkpoints.append(self.writer.save(
-                self.output_dir / "adapters" / r.id,
-                state,
-                self.info,
-                rank=r.cfg.rank,
-                alpha=r.cfg.alpha,
-                targets=self.targets,
-                dropout=self.dropout,
-            ) if self.is_main else None)
+            items.append((self.output_dir / "adapters" / r.id, state,
+                          dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=self.dropout)))
+        checkpoints = self.writer.save_all(items, self.info) if self.is_main else [None] * len(runs)
         self.clock.saved(len(runs), time.perf_counter() - t_save)
         max_new = self.cfg.eval.max_new_tokens
         eval_metrics = list(self.cfg.eval.metrics) if self.eval_examples else []
