@@ -73,3 +73,25 @@ def test_a_failed_save_is_raised_at_drain_and_its_adapter_gets_no_result(tmp_pat
         writer.drain()
     writer.close()
     assert blocked.is_file() and (tmp_path / "ok" / "metrics.json").is_file()
+
+
+def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own(tiny_model):
+    from plora.packed.bank import LoRABank
+    from plora.packed.inject import inject_packed_lora
+    from plora.packed.layer import AdapterSpec
+
+    model, _ = load_base_model(tiny_model, max_seq_len=32, random_init=True)
+    pm = inject_packed_lora(model, [AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 2, 2.0, 3)],
+                            ["q_proj", "v_proj"])
+    bank = LoRABank(pm)
+    with torch.no_grad():
+        bank.weights.copy_(torch.randn_like(bank.weights))
+    states = bank.host_states([2, 0])
+    for state, k in zip(states, [2, 0]):
+        want = pm.adapter_state_dict(k)
+        assert list(state) == list(want)
+        for name, t in want.items():
+            assert torch.equal(state[name], t), name
+    with torch.no_grad():
+        bank.weights.zero_()  # the slots change at the next step: the copies do not
+    assert all(float(t.abs().max()) > 0 for t in states[0].values())

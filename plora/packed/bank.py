@@ -65,6 +65,25 @@ class LoRABank:
     def device(self) -> torch.device:
         return self.weights.device
 
+    def host_states(self, ks: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Adapters ``ks`` in torchtune's LoRA naming (`PackedModel.adapter_state_dict`), as
+        views of one host copy of the whole buffer: one transfer for a leaving group instead
+        of one per tensor of each adapter (a few hundred each), and a copy of its own, so a
+        slot refilled at the next step does not change it. The views share that copy."""
+        host = self.weights.to("cpu", copy=True)
+        rows = self.pm.state.row_starts
+        out: list[dict[str, torch.Tensor]] = [{} for _ in ks]
+        names = [(name, which) for name in self.pm.layers for which in STACKED]
+        for (p, off), (name, which) in zip(self._views, names):
+            stacked = host[off : off + p.numel()].view(p.shape)
+            for state, k in zip(out, ks):
+                part = stacked[rows[k] : rows[k + 1]]
+                if which == "a_all":
+                    state[f"{name}.lora_a.weight"] = part
+                else:
+                    state[f"{name}.lora_b.weight"] = part.t()
+        return out
+
     def zero_grad(self) -> None:
         """One fill for the whole pack; the ``.grad`` views stay in place (autograd adds into them)."""
         self.grads.zero_()

@@ -70,10 +70,12 @@ class AdapterWriter:
         """Save an adapter's weights in the PEFT format to ``out`` (a host copy is taken now)."""
         return self.save_all([(out, state, peft)], info)[0]
 
-    def save_all(self, items: list[tuple[Path, Mapping[str, torch.Tensor], dict[str, Any]]], info: Any) -> list[Path]:
+    def save_all(self, items: list[tuple[Path, Mapping[str, torch.Tensor], dict[str, Any]]], info: Any, *,
+                 on_host: bool = False) -> list[Path]:
         """`save` for several adapters (out, state, PEFT settings): every host copy is taken
-        before the first write starts, so the copies do not wait on the writing thread."""
-        if self._pool is not None:
+        before the first write starts, so the copies do not wait on the writing thread.
+        ``on_host``: the states are already a private host copy (`LoRABank.host_states`)."""
+        if self._pool is not None and not on_host:
             items = [(out, host_copy(state), peft) for out, state, peft in items]
         for out, state, peft in items:
             self._do(self._save, Path(out), state, info, peft)
@@ -86,6 +88,8 @@ class AdapterWriter:
 
     def _save(self, out: Path, state: Mapping[str, torch.Tensor], info: Any, peft: dict[str, Any]) -> None:
         try:
+            if any(not v.is_cuda for v in state.values()):  # views of one host copy: each its own storage
+                state = {k: v.contiguous().clone() if not v.is_cuda else v for k, v in state.items()}
             save_peft_adapter(out, state, info, **peft)
         except BaseException:
             self._unsaved.add(out)

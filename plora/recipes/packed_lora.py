@@ -541,13 +541,15 @@ class PackedLoRARecipe:
         (`evaluate_adapters`). Each adapter's metrics.json follows its weights."""
         self._room_for_eval()
         t_save = time.perf_counter()
-        items = []
-        for r in runs:
-            # under TP: gathered to full tensors (a collective, on every rank), saved by rank 0
-            state = self.tp.adapter_state_dict(r.index) if self.tp else self.pm.adapter_state_dict(r.index)
-            items.append((self.output_dir / "adapters" / r.id, state,
-                          dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=self.dropout)))
-        checkpoints = self.writer.save_all(items, self.info) if self.is_main else [None] * len(runs)
+        if self.tp is None:  # one host copy of the bank for the whole leaving group
+            states = self.bank.host_states([r.index for r in runs])
+        else:  # gathered to full tensors (a collective, on every rank), saved by rank 0
+            states = [self.tp.adapter_state_dict(r.index) for r in runs]
+        items = [(self.output_dir / "adapters" / r.id, state,
+                  dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=self.dropout))
+                 for r, state in zip(runs, states)]
+        checkpoints = (self.writer.save_all(items, self.info, on_host=self.tp is None) if self.is_main
+                       else [None] * len(runs))
         self.clock.saved(len(runs), time.perf_counter() - t_save)
         max_new = self.cfg.eval.max_new_tokens
         eval_metrics = list(self.cfg.eval.metrics) if self.eval_examples else []
