@@ -75,7 +75,7 @@ GROUPS = {"sweep16": ["sweep16-stream", "sweep16-static"], "sweep64": ["sweep64-
 #: settings that change what is measured: a result of other settings is not merged with these
 WORKLOAD = ("model", "device", "dtype", "seq", "rows", "row_chars", "answer_chars", "eval_samples", "ranks",
             "lrs16", "lrs64", "seeds64", "max_adapters", "trials", "in_flight", "every_steps", "tune_lr",
-            "metrics", "smoke")
+            "tune_seed", "metrics", "smoke")
 RUNNING_TARGET, TOKEN_TARGET = 0.90, 1.15
 #: training rows of the warm-up sweep
 WARMUP_ROWS = 64
@@ -90,7 +90,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
          "row_chars": args.row_chars, "answer_chars": args.answer_chars, "eval_samples": args.eval_samples,
          "ranks": [8, 16, 32, 64], "lrs16": [1e-4, 3e-4], "lrs64": [5e-5, 1e-4, 2e-4, 4e-4], "seeds64": 2,
          "max_adapters": 16, "trials": args.trials, "in_flight": args.in_flight, "every_steps": args.every_steps,
-         "tune_lr": [3e-5, 1e-3], "metrics": ["loss"], "max_new_tokens": 16, "no_profile": args.no_profile,
+         "tune_lr": [3e-5, 1e-3], "tune_seed": args.tune_seed, "metrics": ["loss"], "max_new_tokens": 16, "no_profile": args.no_profile,
          "smoke": args.smoke, "out": str(args.out)}
     if args.smoke:
         from bench_real_data import smoke_model
@@ -365,6 +365,8 @@ def run_tune(part: str, s: dict[str, Any]) -> dict[str, Any]:
     profile_s = profile_first(write_space("profile", s), s, part)  # a tune's ranges are no grid to profile
     cmd = ["tune", str(path), "--sampler", "tpe", "--trials", str(s["trials"]), "--batch", str(s["in_flight"]),
            "--pruner", "hyperband"] + (["--async"] if part == "tune-async" else [])
+    if s.get("tune_seed") is not None:
+        cmd += ["--seed", str(s["tune_seed"])]
     t0 = time.time()
     code, wall = plora_cmd(cmd, Path(s["out"]) / f"{part}.log")
     jobs = job_rows(run_dir)
@@ -585,6 +587,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=64)
     ap.add_argument("--in-flight", type=int, default=16, help="tune: trials training at once (the --batch)")
     ap.add_argument("--every-steps", type=int, default=32, help="tune: an intermediate eval every N adapter steps")
+    ap.add_argument("--tune-seed", type=int, default=None, help="tune: the sampler's seed (default: the space's)")
     ap.add_argument("--no-profile", action="store_true",
                     help="plan with a cached profile or the analytic cost model (no `plora profile` first)")
     ap.add_argument("--part-timeout", type=float, default=None, help="seconds a part may run")
