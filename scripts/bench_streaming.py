@@ -30,18 +30,19 @@ fraction (packed-step seconds / wall). Times are the study's trial completion ti
 
 Every part runs in a subprocess of its own; its result is merged into DIR/streaming_bench.json
 at once, so an interrupted call keeps the parts before it, and a later call (``--parts``, or
-``--missing``) adds the rest. Parts: profile, sweep16 (= sweep16-stream sweep16-static),
+``--missing``) adds the rest. Parts: warmup (an untimed sweep of the 16 configurations on 64
+rows: Triton's compilation, the model check and the random-init model's files are paid
+there, not by the first timed part), profile, sweep16 (= sweep16-stream sweep16-static),
 sweep64 (= sweep64-stream), tune (= tune-sync tune-async), or any of those names.
+``--tune-seed`` sets the sampler's seed of both tune parts.
 
-Time on one H100 (0.5B shape), estimated from the real-data benchmark's 60-70 s sweep:
-profile ~3 min the first time (cached in PLORA_CACHE_DIR after), sweep16 ~2 min (both
-sweeps), sweep64 ~3-4 min, tune-sync ~5 min, tune-async ~4 min; so four calls under 600 s:
+Time on one H100 (0.5B shape), with the profile cached: warmup 45-65 s, sweep16 ~1 min per
+sweep, sweep64 ~2.5 min, tune-sync ~2.5 min, tune-async ~1.7 min (the profile ~3 min the
+first time, cached in PLORA_CACHE_DIR after); so two calls under 600 s:
 
     export PLORA_CACHE_DIR=$PWD/runs/plora-cache
-    python scripts/bench_streaming.py --out runs/bench-streaming --parts profile sweep16
-    python scripts/bench_streaming.py --out runs/bench-streaming --parts sweep64
-    python scripts/bench_streaming.py --out runs/bench-streaming --parts tune-sync
-    python scripts/bench_streaming.py --out runs/bench-streaming --parts tune-async
+    python scripts/bench_streaming.py --out runs/bench-streaming --no-profile --parts warmup sweep16 sweep64
+    python scripts/bench_streaming.py --out runs/bench-streaming --no-profile --parts tune
 
     python scripts/bench_streaming.py --smoke --out DIR    # tiny Qwen2, CPU: ~3.5 minutes on 2 cores
 
