@@ -317,18 +317,33 @@ def test_an_eval_that_cannot_fit_one_row_still_leaves_the_weights(tiny_model, mi
     assert (tmp_path / "adapters" / first["id"] / "adapter_model.safetensors").is_file()
 
 
-def test_weights_are_saved_before_the_eval(tiny_model, mixed_data, tmp_path, monkeypatch):
-    seen = []
+def test_weights_are_copied_before_the_eval_and_written_before_their_result(tiny_model, mixed_data, tmp_path,
+                                                                           monkeypatch):
+    """A leaving group's weights are copied to the host before its eval runs and written
+    while it runs (`AdapterWriter`): what the pack's weights become meanwhile (here the
+    eval zeroes them, as a refilled slot would) does not reach the files, and no adapter's
+    metrics.json is there before its weights."""
+    results_seen = []
     adapters = [dict(a, steps=2) for a in MIXED[1:3]]
 
     def evaluate(pm, indices, *a, **k):
-        for idx in indices:  # each adapter's weights are on disk when its eval starts
-            seen.append((tmp_path / "adapters" / adapters[idx]["id"] / "adapter_model.safetensors").is_file())
+        for idx in indices:
+            results_seen.append((tmp_path / "adapters" / adapters[idx]["id"] / "metrics.json").is_file())
+        with torch.no_grad():
+            for layer in pm.layers.values():
+                layer.a_all.zero_()
+                layer.bt_all.zero_()
         return [{"eval_loss": 1.0} for _ in indices]
 
     monkeypatch.setattr(packed_lora, "evaluate_adapters", evaluate)
     PackedLoRARecipe(job_config(tiny_model, mixed_data, tmp_path, adapters)).run()
-    assert seen == [True, True]
+    assert results_seen == [False, False]
+    for a in adapters:
+        folder = tmp_path / "adapters" / a["id"]
+        weights = adapter_weights(tmp_path, a["id"])
+        assert all(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_A" in k)  # the copy, not the zeros
+        assert any(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_B" in k)  # trained 2 steps
+        assert (folder / "metrics.json").stat().st_mtime_ns >= (folder / "adapter_model.safetensors").stat().st_mtime_ns
 
 
 def test_generation_flattened_equals_padded(tiny_model, mixed_data, tmp_path):
