@@ -44,8 +44,8 @@ from plora.engine.join_choice import (
     JOIN_TP,
     RunningPack,
     choose_joins,
-    staying,
     join_refusal,
+    staying,
     steps_left,
 )
 from plora.engine.journal import FINAL_ADAPTER, Journal
@@ -390,7 +390,7 @@ class Engine:
 
     def _staying(self, pack: RunningPack) -> RunningPack:
         """The pack as it will be once the adapters about to leave have left
-        (`join_choice.leaving_soon`): joins sent now wait in the job (``streaming.max_active``)
+        (`join_choice.staying`): joins sent now wait in the job (``streaming.max_active``)
         and take the slots at the very step boundary where those adapters leave, instead of
         a few engine ticks after it, in pieces."""
         policy = self.streaming

@@ -760,9 +760,10 @@ class PackedLoRARecipe:
     def _take_joins(self, step: int) -> None:
         """Waiting joins, in the order asked, enter the pack while ``streaming.max_active``
         and ``max_active_rank`` allow (a join whose control.json ``after`` names adapters
-        still training waits for them, and lets later ones pass): each into the slot of an adapter of its rank that has
-        left (in place), the rest into a pack laid out again (the free slots not reused are
-        given back). Each is in joins.jsonl before its first step."""
+        still training waits for them, and lets later ones pass): each into the slot of an
+        adapter of its rank that has left (in place), the rest into a pack laid out again
+        (the free slots not reused are given back). Each is in joins.jsonl before its first
+        step."""
         if self.tp is not None:
             for a in self._pending_joins:
                 self._refuse(a, step, "adapters cannot join a tensor-parallel job")
