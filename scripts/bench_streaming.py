@@ -91,7 +91,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
          "row_chars": args.row_chars, "answer_chars": args.answer_chars, "eval_samples": args.eval_samples,
          "ranks": [8, 16, 32, 64], "lrs16": [1e-4, 3e-4], "lrs64": [5e-5, 1e-4, 2e-4, 4e-4], "seeds64": 2,
          "max_adapters": 16, "trials": args.trials, "in_flight": args.in_flight, "every_steps": args.every_steps,
-         "tune_lr": [3e-5, 1e-3], "tune_seed": args.tune_seed, "metrics": ["loss"], "max_new_tokens": 16, "no_profile": args.no_profile,
+         "tune_lr": [3e-5, 1e-3], "tune_seed": args.tune_seed, "metrics": ["loss"], "max_new_tokens": 16,
+         "no_profile": args.no_profile,
          "smoke": args.smoke, "out": str(args.out)}
     if args.smoke:
         from bench_real_data import smoke_model

@@ -81,8 +81,8 @@ def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own
     from plora.packed.layer import AdapterSpec
 
     model, _ = load_base_model(tiny_model, max_seq_len=32, random_init=True)
-    pm = inject_packed_lora(model, [AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 2, 2.0, 3)],
-                            ["q_proj", "v_proj"])
+    specs = [AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 2, 2.0, 3)]
+    pm = inject_packed_lora(model, specs, ["q_proj", "v_proj"])
     bank = LoRABank(pm)
     with torch.no_grad():
         bank.weights.copy_(torch.randn_like(bank.weights))
