@@ -206,7 +206,10 @@ class _Forever:
         pass
 
 
-def test_the_engine_sends_a_tensor_parallel_job_nothing_and_says_so_once(tmp_path: Path):
+def _streaming_engine(tmp_path: Path, slots: list[str], fits, model: CostModel,
+                      steps: int) -> tuple[Engine, Journal, Path]:
+    """An engine whose jobs run forever (`_Forever`) and whose adapters are all rank 4,
+    batch 2, ``steps`` steps: (engine, its journal, the run directory)."""
     run = tmp_path / "run"
     (run / "jobs").mkdir(parents=True)
     journal = Journal(run / "journal.sqlite")
@@ -220,10 +223,14 @@ def test_the_engine_sends_a_tensor_parallel_job_nothing_and_says_so_once(tmp_pat
         return JobProcess(job_id, job_dir, slot, _Forever(), time.time())
 
     def entry(adapter_id: str) -> JobAdapter:
-        return JobAdapter(id=adapter_id, rank=4, alpha=8.0, learning_rate=1e-3, batch_size=2, seed=0, steps=10)
+        return JobAdapter(id=adapter_id, rank=4, alpha=8.0, learning_rate=1e-3, batch_size=2, seed=0, steps=steps)
 
-    policy = StreamPolicy(entry, lambda loads, tp: True, cost())
-    engine = Engine(run, journal, ["cpu:0", "cpu:1"], write_job, launcher=launcher, streaming=policy)
+    policy = StreamPolicy(entry, fits, model)
+    return Engine(run, journal, slots, write_job, launcher=launcher, streaming=policy), journal, run
+
+
+def test_the_engine_sends_a_tensor_parallel_job_nothing_and_says_so_once(tmp_path: Path):
+    engine, journal, run = _streaming_engine(tmp_path, ["cpu:0", "cpu:1"], lambda loads, tp: True, cost(), 10)
     try:
         engine.submit([Job("job-000", ["a"], tp=2), Job("job-001", ["b"])])
         engine._launch_ready()
@@ -254,25 +261,9 @@ def test_the_engine_sends_a_join_ahead_for_the_room_an_adapter_about_to_leave_fr
     adapter ``c`` is sent now, waiting in control.json for ``a`` to leave (``after``), so
     that it enters at the step boundary where ``a`` leaves; ``b`` (many steps left) stays,
     and the job is not closed."""
-    run = tmp_path / "run"
-    (run / "jobs").mkdir(parents=True)
-    journal = Journal(run / "journal.sqlite")
-
-    def write_job(job: Job) -> Path:
-        d = run / "jobs" / job.id
-        d.mkdir(exist_ok=True)
-        return d
-
-    def launcher(job_id, job_dir, slot, *, gpus=(), nproc=1, extra_env=None):
-        return JobProcess(job_id, job_dir, slot, _Forever(), time.time())
-
-    def entry(adapter_id: str) -> JobAdapter:
-        return JobAdapter(id=adapter_id, rank=4, alpha=8.0, learning_rate=1e-3, batch_size=2, seed=0, steps=100)
-
     model = cost(admits=2, c0=0.1)
-    policy = StreamPolicy(entry, lambda loads, tp: jc.pack_fits(loads, tp, model, max_adapters=2,
-                                                                load_factor=LOAD_FACTOR), model)
-    engine = Engine(run, journal, ["cpu:0"], write_job, launcher=launcher, streaming=policy)
+    fits = lambda loads, tp: jc.pack_fits(loads, tp, model, max_adapters=2, load_factor=LOAD_FACTOR)  # noqa: E731
+    engine, journal, run = _streaming_engine(tmp_path, ["cpu:0"], fits, model, 100)
     try:
         engine.submit([Job("job-000", ["a", "b"]), Job("job-001", ["c"])])
         engine._launch_ready()
