@@ -69,7 +69,8 @@ __all__ = [
 #: hidden-size activations an eval token holds in the live layer (residual, norms, attention, MLP)
 EVAL_HIDDEN_COPIES = 16
 #: what the eval's LM head holds at once, whatever the batch: one chunk of float32 logits
-#: (`plora.packed.head_loss.HEAD_CHUNK_BYTES`; the head never makes a batch's full logits)
+#: (`plora.packed.head_loss` cuts its chunks by this bound; the head never makes a batch's
+#: full logits)
 EVAL_HEAD_BYTES = 256 * 2**20
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -22,11 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plora.costmodel import EVAL_HEAD_BYTES
 from plora.data import IGNORE_INDEX
 from plora.packed.rows import LabelParts
 
-#: the float32 logits of one chunk (and their gradient) stay under this many bytes
-HEAD_CHUNK_BYTES = 256 * 2**20
+#: the float32 logits of one chunk (and their gradient) stay under this many bytes (the cost
+#: model prices an eval's head by the same bound, without importing torch)
+HEAD_CHUNK_BYTES = EVAL_HEAD_BYTES
 #: and a chunk has at most this many positions
 MAX_CHUNK = 8192
 
