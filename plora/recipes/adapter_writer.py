@@ -27,7 +27,8 @@ from plora.packed.peft_format import save_peft_adapter
 
 def host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors copied to the host in one transfer per dtype (an adapter has a few
-    hundred small tensors: one copy each cost the GPU a synchronisation each)."""
+    hundred small tensors: one copy each cost the GPU a synchronisation each), as views of
+    that private copy (the writing thread gives each its own storage, `_save`)."""
     out: dict[str, torch.Tensor] = {}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for k, v in state.items():
@@ -37,7 +38,7 @@ def host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         start = 0
         for k in names:
             n = state[k].numel()
-            out[k] = flat[start:start + n].view(state[k].shape).clone()  # own storage: safetensors refuses shared
+            out[k] = flat[start:start + n].view(state[k].shape)
             start += n
     return {k: out[k] for k in state}
 
@@ -88,8 +89,9 @@ class AdapterWriter:
 
     def _save(self, out: Path, state: Mapping[str, torch.Tensor], info: Any, peft: dict[str, Any]) -> None:
         try:
-            if any(not v.is_cuda for v in state.values()):  # views of one host copy: each its own storage
-                state = {k: v.contiguous().clone() if not v.is_cuda else v for k, v in state.items()}
+            # views of one host copy (`host_copy`, `LoRABank.host_states`): each its own storage,
+            # as safetensors wants
+            state = {k: v.contiguous().clone() if not v.is_cuda else v for k, v in state.items()}
             save_peft_adapter(out, state, info, **peft)
         except BaseException:
             self._unsaved.add(out)
