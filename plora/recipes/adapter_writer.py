@@ -82,11 +82,6 @@ class AdapterWriter:
             self._do(self._save, Path(out), state, info, peft)
         return [out for out, _, _ in items]
 
-    def later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Run ``fn`` after every write asked so far (in the background when the writer is):
-        what must follow those files, or a write of the job's own (its mid-job checkpoint)."""
-        self._do(fn, *args, **kwargs)
-
     def _save(self, out: Path, state: Mapping[str, torch.Tensor], info: Any, peft: dict[str, Any]) -> None:
         try:
             # views of one host copy (`host_copy`, `LoRABank.host_states`): each its own storage,

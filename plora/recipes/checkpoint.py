@@ -13,9 +13,6 @@ puts them back in its pack before it restores.
 
 One file per tensor-parallel rank, ``jobs/<job-id>/checkpoint/state.rank<r>.pt``, written
 atomically (temporary file, fsync, rename): a kill mid-write leaves the previous one.
-The states are copied to the host at the step they belong to and the file is written on
-the job's writing thread while it trains on (`plora.recipes.adapter_writer`); a job that
-is stopped or ends waits for it.
 A checkpoint is used only by a job of the same model, data, LoRA targets and training
 settings (a fingerprint of those sections) and the same TP degree; anything else trains
 from the start, as without checkpoints.
@@ -150,24 +147,14 @@ class JobCheckpointer:
             "adapters": adapters,
         }
         path = self.dir / f"state.rank{self.rank}.pt"
-        self._write(atomic_torch_save, state, path)  # the host copies are taken: training goes on
+        atomic_torch_save(state, path)
         self.saves += 1
         return path
-
-    def _write(self, fn, *args, **kwargs) -> None:
-        """File work in the order asked, behind the adapters' own writes: on the job's
-        writing thread where it has one (`AdapterWriter`: a job that is stopped or ends
-        waits for it), else now."""
-        writer = getattr(self.recipe, "writer", None)
-        if writer is None:
-            fn(*args, **kwargs)
-        else:
-            writer.later(fn, *args, **kwargs)
 
     def drop(self) -> None:
         """Delete this rank's checkpoint file (a job whose adapters have all left, waiting
         for joins, has nothing in it to resume)."""
-        self._write((self.dir / f"state.rank{self.rank}.pt").unlink, missing_ok=True)
+        (self.dir / f"state.rank{self.rank}.pt").unlink(missing_ok=True)
 
     def discard(self) -> None:
         """Drop this job's checkpoint once none of its adapters trains any more (every one
