@@ -95,7 +95,8 @@ def _note_hardware(spec, hw) -> None:
 
 
 def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False):
-    """Expand and plan; with `probe`, profile the model first on a GPU that has no profile.
+    """Expand and plan; with `probe`, a GPU with nothing measured of the model may first
+    measure two short packs (`plora.sweep.prepare`).
     With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`)."""
     from plora.engine import spare
 
@@ -121,10 +122,8 @@ def _plan(spec, output: Optional[Path], *, probe: bool):
     try:
         hw = hardware_for(spec)
         _note_hardware(spec, hw)
-        if probe and hw.gpu:
-            console.print("[dim]planning needs a cost model: profiling the model if this machine has no profile "
-                          "of it yet (a few real training steps; cached)…[/]")
-        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw)
+        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw,
+                       log=lambda line: console.print(f"[dim]{escape(line)}[/]", highlight=False))
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     for note in prep.data.notes if prep.data else []:
@@ -139,7 +138,8 @@ def sweep(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the configurations and jobs; train nothing."),
     restart: bool = typer.Option(False, "--restart", help="Delete the run directory first and start over."),
     no_profile: bool = typer.Option(False, "--no-profile",
-                                    help="Plan with a cached profile or the analytic model; never profile first."),
+                                    help="Plan with a cached profile or calibration, or the analytic model with its "
+                                         "safe memory margin; never measure before the first job."),
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
     prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run)

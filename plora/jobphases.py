@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["PhaseClock", "process_started_at", "read_phases"]
+__all__ = ["PhaseClock", "device_footprint", "process_started_at", "read_phases"]
 
 
 def process_started_at() -> float | None:
@@ -102,18 +102,44 @@ class PhaseClock:
             self.eval_row_tokens = sum(len(s.tokens) for s in eval_samples) / n
             self.eval_prompt_tokens = sum(sum(1 for x in s.labels if x < 0) for s in eval_samples) / n
 
-    def step(self, pack: Sequence[int], seconds: float, reused: bool = False) -> None:
-        """One step of the adapters in ``pack``; ``reused``: it replayed a graph already held."""
+    def step(self, pack: Sequence[int], seconds: float, reused: bool = False, *,
+             ranks: Sequence[int] | None = None, rows: Sequence[int] | None = None, tokens: int | None = None,
+             device: Any = None) -> None:
+        """One step of the adapters in ``pack``; ``reused``: it replayed a graph already held.
+
+        ``ranks`` and ``rows`` (per adapter of the pack) and ``tokens`` (what the step ran,
+        padding included) let a sweep calibrate its cost model from the job while it runs
+        (`plora.profiling.calibrate`): each phase keeps its pack, the tokens of its steady
+        steps, and, on a GPU, the job's device footprint once it has run a steady step."""
         key = tuple(pack)
         if key != self._pack:
             self._pack = key
-            phase = {"adapters": len(key), "steps": 1, "first_s": float(seconds), "rest_s": 0.0}
+            phase: dict[str, Any] = {"adapters": len(key), "steps": 1, "first_s": float(seconds), "rest_s": 0.0}
             if reused:  # no eager step, no capture: not a sample of what a new composition costs
                 phase["reused"] = True
+            if ranks is not None and rows is not None:
+                phase["ranks"] = [int(r) for r in ranks]
+                phase["rows"] = [int(n) for n in rows]
+                phase["rest_tokens"] = 0
+                if tokens is not None and sum(rows) > 0:
+                    phase["max_row_tokens"] = tokens / sum(rows)
             self.phases.append(phase)
-        else:
-            self.phases[-1]["steps"] += 1
-            self.phases[-1]["rest_s"] += float(seconds)
+            return
+        phase = self.phases[-1]
+        phase["steps"] += 1
+        phase["rest_s"] += float(seconds)
+        wider = False
+        if tokens is not None and "rest_tokens" in phase:
+            phase["rest_tokens"] += int(tokens)
+            row_tokens = tokens / max(1, sum(phase["rows"]))
+            wider = row_tokens > phase.get("max_row_tokens", 0.0)
+            phase["max_row_tokens"] = max(phase.get("max_row_tokens", 0.0), row_tokens)
+        if "ranks" in phase and ("device_bytes" not in phase or wider):
+            # after a steady step (the first also holds what a capture or compilation left), and
+            # again whenever wider rows came: the footprint at the phase's widest rows
+            footprint = device_footprint(device)
+            if footprint is not None:
+                phase["device_bytes"] = footprint
 
     def eval_event(self, adapters: int, max_new_tokens: int, device: Any) -> _EvalEvent:
         """Start timing one eval of ``adapters`` adapters (``max_new_tokens`` 0: no generation);
@@ -149,6 +175,19 @@ class PhaseClock:
             "graphs": self.graphs,
             "finished_at": time.time(),
         }
+
+
+def device_footprint(device: Any) -> float | None:
+    """What this process holds on its GPU: the caching allocator's reserved peak plus what
+    lies outside it (CUDA context, loaded kernels), as the profiler's probes measure a pack
+    (`plora.profiling.measure`). None off a GPU."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    import torch
+
+    free, whole = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return float(torch.cuda.max_memory_reserved(device) + max(0, (whole - free) - reserved))
 
 
 def read_phases(job_dir: Any, exited_at: float | None = None) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ from plora.jobconfig import (
     JobStreaming,
     JobTraining,
 )
+from plora.profiling.calibrate import CALIBRATED_SOURCE
 from plora.spec import AdapterConfig, SweepSpec
 
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
@@ -142,45 +143,90 @@ def within_node(cost_model: Any, max_tp: int | None) -> Any:
 CPU_PRIOR = dict(device_flops=1e11, device_bandwidth=5e10, mfu=0.5, lora_efficiency=0.5, kernel_launch_s=2e-5,
                  step_overhead_s=2e-3, overhead_bytes=0.5 * 2**30, tp_degrees=[1])
 ANALYTIC_SOURCE = "the analytic cost model (no profile yet: `plora profile` fits one)"
+#: where the plan's model came from after a sweep's quick calibration
+CALIBRATED_SOURCE_NOW = "the analytic cost model calibrated on this GPU just now (two short packs)"
 #: seconds a CPU job spends before its first step (interpreter, torchtune import, model load)
 CPU_JOB_OVERHEAD_S = 6.0
 
 
-def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
+#: the analytic prior's device numbers by GPU name (dense bf16 FLOP/s, HBM bytes/s); others
+#: get the H100's. Only a starting point: a sweep calibrates its model from its own jobs.
+GPU_PRIORS = {
+    "H200": dict(device_flops=989e12, device_bandwidth=4.8e12),
+    "H100": dict(device_flops=989e12, device_bandwidth=3.35e12),
+    "A100": dict(device_flops=312e12, device_bandwidth=2.0e12),
+}
+
+
+def gpu_prior(device_name: str | None) -> dict[str, float]:
+    for key, numbers in GPU_PRIORS.items():
+        if device_name and key in device_name:
+            return dict(numbers)
+    return dict(GPU_PRIORS["H100"])
+
+
+def analytic_prior(spec: SweepSpec, hw: Hardware) -> Any:
+    """The analytic cost model of the sweep's model on ``hw``: FLOPs and bytes from the model's
+    shape, the step as the sweep's jobs run it (activation checkpointing or not)."""
+    from plora.costmodel import CostModel
+    from plora.profiling.cache import shape_from_model
+
+    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
+    targets = list(spec.lora.resolved_targets())
+    seq = spec.model.max_seq_len
+    if hw.gpu:
+        name = None
+        if hw.local:
+            import torch
+
+            name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        return CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots,
+                                  activation_checkpointing=bool(spec.training.activation_checkpointing),
+                                  **gpu_prior(name))
+    cm = CostModel.analytic(shape, seq, 64 * 2**30, targets, **CPU_PRIOR)
+    cm.job_overhead_s = CPU_JOB_OVERHEAD_S
+    return cm
+
+
+def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
                    hardware: Hardware | None = None) -> tuple[Any, str]:
     """The cost model a sweep plans with, and where it came from.
 
     In order: the run directory's profile.json; a cached profile of this model on this
-    machine; a fresh profile (only when `probe`); else the analytic prior from the model's
-    shape (FLOPs and bytes), which `plora profile` replaces with measurements.
+    machine (`plora profile`); on a GPU here, the analytic prior corrected by the cached
+    calibration of this model here (`plora.profiling.calibrate`, what earlier sweeps
+    measured); else the analytic prior from the model's shape (FLOPs and bytes), on a GPU
+    with its memory per adapter counted `MEMORY_MARGIN` times until something is measured.
+    A sweep never waits for a profile: ``probe`` is accepted for callers of earlier versions
+    and means nothing here (`prepare` measures a few seconds where memory decides the plan).
     """
     from plora.costmodel import CostModel
-    from plora.profiling.cache import shape_from_model
+    from plora.profiling.calibrate import conservative
+    from plora.profiling.cache import load_calibration
     from plora.profiling.profile import profile_sweep
 
     hw = hardware or hardware_for(spec)
     if run_dir is not None and (run_dir / "profile.json").is_file():
         return CostModel.load(run_dir / "profile.json"), "the run's profile.json"
-    cm = profile_sweep(spec, None, cached_only=not probe) if hw.local else None
+    cm = profile_sweep(spec, None, cached_only=True) if hw.local else None
     if cm is not None:
         return cm, "a profile measured on this machine"
-    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
-    targets = list(spec.lora.resolved_targets())
-    seq = spec.model.max_seq_len
-    if hw.gpu:
-        cm = CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots)
-    else:
-        cm = CostModel.analytic(shape, seq, 64 * 2**30, targets, **CPU_PRIOR)
-        cm.job_overhead_s = CPU_JOB_OVERHEAD_S
-    return cm, ANALYTIC_SOURCE
+    prior = analytic_prior(spec, hw)
+    if not hw.gpu:
+        return prior, ANALYTIC_SOURCE
+    calibration = load_calibration(spec) if hw.local else None
+    if calibration is not None and not calibration.empty:
+        return calibration.apply(prior), CALIBRATED_SOURCE
+    return conservative(prior), ANALYTIC_SOURCE
 
 
 def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buckets: int | str | None = None,
                      row_lengths: list[int] | None = None) -> Any:
-    """A cost model with measured job terms priced on this sweep's own rows (their
-    ``row_lengths`` when already tokenized, in its jobs' ``length_buckets``) and eval
-    (`CostModel.for_eval`, `CostModel.for_rows`), unless it already is; any other as it is."""
-    if getattr(cost_model, "overheads", None) is None or cost_model.eval_load is not None:
+    """A cost model priced on this sweep's own rows (their ``row_lengths`` when already
+    tokenized, in its jobs' ``length_buckets``) and eval (`CostModel.for_eval`,
+    `CostModel.for_rows`), unless it already is: any model of a GPU sweep, and one with
+    measured job terms on a CPU (the CPU's analytic prior stays as it is)."""
+    if cost_model.eval_load is not None or (getattr(cost_model, "overheads", None) is None and not hw.gpu):
         return cost_model
     from plora.jobcost import eval_load_for, train_row_tokens
 
@@ -193,10 +239,42 @@ def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = Fal
                      row_lengths: list[int] | None = None) -> Any:
     """The cost model a sweep runs with: `cost_model_for`'s (its source in
     ``meta["plan_source"]``), priced on the sweep's rows (`priced_for_sweep`)."""
+    return sweep_models(spec, run_dir, hardware=hardware, length_buckets=length_buckets,
+                        row_lengths=row_lengths).model
+
+
+@dataclass
+class SweepModels:
+    """A sweep's cost model and what it was made of: the model measurements correct
+    (``prior``: the analytic prior, or a profile, priced on the sweep's rows) and the
+    measurements so far (``calibration``; `plora.profiling.calibrate`)."""
+
+    model: Any
+    prior: Any
+    calibration: Any
+    source: str
+
+
+def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | None = None,
+                 length_buckets: int | str | None = None, row_lengths: list[int] | None = None) -> SweepModels:
+    """`cost_model_for`'s model priced for the sweep, with its prior and calibration."""
+    from plora.profiling.cache import load_calibration
+    from plora.profiling.calibrate import Calibration
+
     hw = hardware or hardware_for(spec)
-    cost_model, source = cost_model_for(spec, run_dir, probe=probe, hardware=hw)
+    cost_model, source = cost_model_for(spec, run_dir, hardware=hw)
     cost_model.meta["plan_source"] = source
-    return priced_for_sweep(spec, cost_model, hw, length_buckets, row_lengths)
+    model = priced_for_sweep(spec, cost_model, hw, length_buckets, row_lengths)
+    calibration = Calibration()
+    if hw.gpu and source in (ANALYTIC_SOURCE, CALIBRATED_SOURCE):
+        prior = analytic_prior(spec, hw)
+        prior.meta["plan_source"] = source
+        prior = priced_for_sweep(spec, prior, hw, length_buckets, row_lengths)
+        if source == CALIBRATED_SOURCE:
+            calibration = (load_calibration(spec) if hw.local else None) or Calibration()
+    else:
+        prior = model
+    return SweepModels(model, prior, calibration, source)
 
 
 def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
@@ -293,6 +371,10 @@ class PreparedSweep:
     streaming: JobStreaming | None = None
     #: ``training.length_buckets`` as every job of the sweep gets it (`plora.jobcost.sweep_length_buckets`)
     length_buckets: int | str = "auto"
+    #: what measurements correct while the sweep runs (the priced analytic prior, or a profile)
+    #: and the measurements so far (`plora.profiling.calibrate`); None: the cost model as it is
+    prior: Any = None
+    calibration: Any = None
 
 
 def stream_policy(prep: PreparedSweep) -> StreamPolicy:
@@ -317,11 +399,16 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
 
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
-            hardware: Hardware | None = None, cost_model: Any | None = None) -> PreparedSweep:
+            hardware: Hardware | None = None, cost_model: Any | None = None,
+            log: Callable[[str], None] | None = None) -> PreparedSweep:
     """Everything a sweep decides before training: configurations, step budgets, the plan.
 
-    Writes nothing to the run directory; `probe` lets it profile the model first (a few
-    real training steps, cached per machine) when no profile exists yet.
+    Writes nothing to the run directory (a quick calibration goes to plora's cache). On a GPU
+    of this machine with nothing measured of the model yet, the plan counts the analytic
+    prior's memory per adapter `MEMORY_MARGIN` times; where that margin alone would keep the
+    largest pack the sweep may form off the GPU, `probe` lets it first measure two short packs
+    (`plora.profiling.profile.quick_calibration`, a few seconds, reported through ``log``) and
+    plan on them. The sweep's own jobs calibrate the model further while they run.
     """
     from plora.model_check import check_spec_model
 
@@ -338,12 +425,67 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     # tokenized once here for both: the bucket count and the rows' price need them on a GPU
     lengths = train_row_lengths(spec) if graphed and spec.training.length_buckets == "auto" else None
     buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths)
+    prior = calibration = None
     if cost_model is None:
-        cost_model = sweep_cost_model(spec, run, probe=probe, hardware=hw, length_buckets=buckets, row_lengths=lengths)
+        models = sweep_models(spec, run, hardware=hw, length_buckets=buckets, row_lengths=lengths)
+        cost_model, prior, calibration = models.model, models.prior, models.calibration
+        if hw.gpu and models.source in (ANALYTIC_SOURCE, CALIBRATED_SOURCE):
+            from plora.profiling.calibrate import conservative
+
+            # the memory margin where nothing is measured, cut where one of the sweep's adapters
+            # would fit no GPU with it
+            loads = sweep_loads(configs, steps)
+            if calibration.empty:
+                cost_model = conservative(prior, loads=loads, load_factor=spec.planner.memory_load_factor)
+            else:
+                cost_model = calibration.apply(prior, loads=loads)
+            cost_model.meta["plan_source"] = models.source
+            if probe and hw.local and calibration.empty:
+                cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
     else:
         cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths)
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
-    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets)
+    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
+                         prior=prior, calibration=calibration)
+
+
+def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
+    """What the planner knows of each of the sweep's adapters."""
+    from plora.costmodel import AdapterLoad
+
+    return [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
+
+
+def largest_pack(spec: Any, configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
+    """The heaviest pack the sweep may form: its `max_adapters_per_job` adapters of most rows
+    and rank."""
+    loads = sweep_loads(configs, steps)
+    loads.sort(key=lambda a: (a.batch_size, a.rank), reverse=True)
+    return loads[: max(1, int(spec.planner.max_adapters_per_job))]
+
+
+def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int], prior: Any,
+                    conservative_model: Any, hw: Hardware, log: Callable[[str], None] | None) -> tuple[Any, Any]:
+    """The model to plan on before any job runs: the conservative prior where even then the
+    sweep's largest pack fits one GPU (memory cannot decide the plan), else the prior
+    corrected by a quick calibration (kept in plora's cache for the next sweep)."""
+    from plora.profiling.cache import remember_calibration
+    from plora.profiling.calibrate import Calibration
+    from plora.profiling.profile import quick_calibration
+
+    pack = largest_pack(spec, configs, steps)
+    if conservative_model.fits(pack, 1, spec.planner.memory_load_factor):
+        return conservative_model, Calibration()
+    calibration = quick_calibration(spec, prior, pack, log=log)
+    if calibration.empty:
+        return conservative_model, calibration
+    try:
+        remember_calibration(spec, calibration)
+    except OSError:
+        pass
+    model = calibration.apply(prior, loads=sweep_loads(configs, steps))
+    model.meta["plan_source"] = CALIBRATED_SOURCE_NOW
+    return model, calibration
 
 
 def write_plan(prep: PreparedSweep) -> Path:
@@ -436,7 +578,11 @@ def run_prepared(
 
         loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
         spec = prep.spec
-        cost_model = within_node(recalibrated(prep.cost_model, drift), prep.hardware and prep.hardware.max_tp)
+        if calibrator is not None and calibrator.measured:  # measured steps, memory and job terms
+            corrected = calibrator.model()
+        else:
+            corrected = recalibrated(prep.cost_model, drift)
+        cost_model = within_node(corrected, prep.hardware and prep.hardware.max_tp)
         plan = plan_sweep(loads, cost_model, len(slots), solver=spec.planner.solver,
                           load_factor=spec.planner.memory_load_factor,
                           max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
@@ -445,13 +591,18 @@ def run_prepared(
         return [replace(j, id=f"{prefix}job-{i:03d}", start=now + j.start, end=now + j.end)
                 for i, j in enumerate(plan.jobs)]
 
+    calibrator = sweep_calibrator(prep)
+
+    def use_model(model: Any) -> None:  # joins fit, and re-plans plan, by the corrected model
+        prep.cost_model = model
+
     engine = Engine(
         prep.run_dir, journal, slots, write_job,
         max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
         replan=replan_waiting if replan and prep.cost_model is not None else None,
         launcher=backend.launcher,
         streaming=stream_policy(prep) if prep.spec.planner.streaming and feed is None else None,
-        feed=feed,
+        feed=feed, calibrator=calibrator, on_model=use_model,
     )
     try:
         engine.reconcile()
@@ -460,6 +611,15 @@ def run_prepared(
     finally:
         journal.close()
         backend.close()
+    from plora.profiling.calibrate import is_analytic
+
+    if calibrator is not None and prep.hardware is not None and prep.hardware.local and is_analytic(prep.prior):
+        from plora.profiling.cache import remember_calibration
+
+        try:  # the next sweep of this model here starts calibrated; losing it costs nothing else
+            remember_calibration(prep.spec, calibrator.calibration())
+        except OSError:
+            pass
     if engine.drift.overhead_s is not None and (prep.hardware is None or prep.hardware.local):
         from plora.profiling.cache import remember_job_overhead
         from plora.profiling.errors import ProfileError
@@ -484,6 +644,25 @@ def run_prepared(
 
     record_sweep(prep, frame)
     return frame
+
+
+def sweep_calibrator(prep: PreparedSweep) -> Any:
+    """The calibration a GPU sweep keeps while it runs (`plora.profiling.calibrate`), or None
+    (a CPU sweep, or a prepared sweep without a prior)."""
+    if prep.prior is None or prep.hardware is None or not prep.hardware.gpu:
+        return None
+    from plora.costmodel import AdapterLoad
+    from plora.engine.runner import DRIFT_THRESHOLD
+    from plora.profiling.calibrate import Calibration, SweepCalibrator
+
+    def load(adapter_id: str) -> AdapterLoad:
+        c = next(c for c in prep.configs if c.id == adapter_id)
+        return AdapterLoad(c.id, c.rank, c.batch_size, prep.steps[c.id])
+
+    return SweepCalibrator(prep.prior, prep.calibration or Calibration(), planned=prep.cost_model, load=load,
+                           loads=sweep_loads(prep.configs, prep.steps),
+                           seq_len=int(prep.spec.model.max_seq_len), threshold=DRIFT_THRESHOLD,
+                           load_factor=prep.spec.planner.memory_load_factor)
 
 
 RESULT_COLUMNS = [

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 from plora.engine import local as local_jobs
 from plora.engine import spare
@@ -135,12 +136,30 @@ class Drift:
         self.step_s = None if self.step_s is None or step_s is None else self.step_s + step_s
 
 
+class Calibrator(Protocol):
+    """What the engine asks of a sweep's calibration (`plora.profiling.calibrate.SweepCalibrator`)."""
+
+    def observe(self, job_id: str, phases: Any) -> bool: ...
+
+    def job_finished(self, job_id: str, run: dict[str, Any] | None) -> None: ...
+
+    def drift(self, jobs: Sequence[tuple[Sequence[str], int]]) -> str | None: ...
+
+    def model(self) -> Any: ...
+
+    def planned_with(self, model: Any) -> None: ...
+
+    def describe(self) -> str: ...
+
+
 WriteJob = Callable[[Job], Path]  # writes jobs/<id>/job.yaml for the job's adapters, returns the job dir
 #: (adapters of the jobs not started yet, finished jobs against the plan, seconds since the start,
 #: free slots now) -> new jobs for those adapters
 Replan = Callable[[list[str], Drift, float, int], list[Job]]
 #: re-plan when measured job times drift this far (relative) from the plan's
 DRIFT_THRESHOLD = 0.25
+#: how often running jobs' measurements are read for the calibration (seconds)
+CALIBRATE_EVERY_S = 1.0
 
 
 class Engine:
@@ -160,6 +179,8 @@ class Engine:
         launcher: Callable[..., JobProcess] | None = None,
         streaming: StreamPolicy | None = None,
         feed: Callable[[Engine], None] | None = None,
+        calibrator: Calibrator | None = None,
+        on_model: Callable[[Any], None] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.journal = journal
@@ -188,6 +209,11 @@ class Engine:
         #: called at each tick, after finished jobs are reaped, by a caller that steers the
         #: running jobs itself (the asynchronous tuner: `join`, `close`, `submit`)
         self.feed = feed
+        #: the sweep's calibration: running jobs' measurements correct the cost model, and the
+        #: jobs not started yet are planned again once it has drifted from their plan
+        self.calibrator = calibrator
+        self.on_model = on_model  # told each corrected model (the sweep's joins fit by it)
+        self._calibrated_at = 0.0
 
     # ------------------------------------------------------------------ resume
     def reconcile(self) -> None:
@@ -256,6 +282,7 @@ class Engine:
                 self._launch_ready()
                 if self.launch is local_jobs.launch:  # local jobs: the next one's process starts ahead
                     spare.keep(self._spare_wanted(), self._next_gpus())
+                self._calibrate()
                 self._stream()
                 self._reap()
                 if self.feed is not None:
@@ -461,7 +488,44 @@ class Engine:
             self._collect(rj)
             self._after_exit(rj.job, rc, lost=rj.proc.lost)
             if rc == 0:
+                if self.calibrator is not None:
+                    from plora.jobphases import read_phases
+
+                    self.calibrator.job_finished(job_id, read_phases(rj.proc.job_dir, rj.proc.ended))
+                    self._model_changed()
                 self._track_drift(rj)
+
+    def _calibrate(self) -> None:
+        """Read the running jobs' measurements (their progress.json ``phases``) into the
+        calibration; where they moved the cost model, the streaming choice uses the new one,
+        and the jobs not started yet are planned again once it has drifted from their plan."""
+        cal = self.calibrator
+        if cal is None or time.time() - self._calibrated_at < CALIBRATE_EVERY_S:
+            return
+        self._calibrated_at = time.time()
+        changed = False
+        for job_id, rj in self.running.items():
+            changed |= cal.observe(job_id, rj.proc.progress().get("phases"))
+        if changed:
+            self._model_changed()
+
+    def _model_changed(self) -> None:
+        cal = self.calibrator
+        if cal is None:
+            return
+        model = cal.model()
+        if self.streaming is not None:
+            self.streaming.cost = model
+        if self.on_model is not None:
+            self.on_model(model)
+        note = cal.describe()
+        if note and note != getattr(self, "_last_calibration_note", None):
+            self._last_calibration_note = note
+            self._note(note)
+        waiting = self._waiting()
+        reason = cal.drift([(j.adapters, j.tp) for j in waiting])
+        if reason is not None and self.replan is not None:
+            self._replan_waiting(waiting, reason, {"reason": reason})
 
     def _track_drift(self, rj: RunningJob) -> None:
         """Compare finished jobs' measured times with the plan's; past the threshold, the
@@ -475,29 +539,43 @@ class Engine:
         drift = self.drift.factor
         if self.replan is None or abs(drift / self.drift_at_last_plan - 1) <= self.drift_threshold:
             return
-        waiting = [j for j in self.queue if self._history(j.id).attempt == 0 and self._history(j.id).parent is None]
+        waiting = self._waiting()
         if not waiting:
             return
+        if self._replan_waiting(waiting, f"measured/predicted {drift:.2f}",
+                                {"drift": drift, "overhead_s": self.drift.overhead_s}):
+            self.drift_at_last_plan = drift
+
+    def _waiting(self) -> list[Job]:
+        """Planned jobs not started yet (never launched, not the halves of a split)."""
+        return [j for j in self.queue if self._history(j.id).attempt == 0 and self._history(j.id).parent is None]
+
+    def _replan_waiting(self, waiting: list[Job], why: str, event: dict[str, Any]) -> bool:
+        """Plan the adapters of the ``waiting`` jobs again (the sweep's `Replan`); whether the
+        new jobs took their place."""
+        if not waiting or self.replan is None:
+            return False
         adapters = [a for j in waiting for a in j.adapters]
         new_jobs = self.replan(adapters, self.drift, time.time() - self.start, len(self.free))
         if sorted(a for j in new_jobs for a in j.adapters) != sorted(adapters):
             self._note("re-plan ignored: it did not cover the waiting adapters exactly once")
-            return
+            return False
         for j in waiting:
             self.queue.remove(j)
             self.journal.update_job(j.id, status="replanned")
-        self.drift_at_last_plan = drift
         self.replans += 1
         ends = [j.end for j in new_jobs if j.end is not None]
         if ends and self.predicted_makespan_s is not None:  # the live view compares with the new plan
             self.predicted_makespan_s = max(ends)
-        self.journal.event("replan", "", {"drift": drift, "overhead_s": self.drift.overhead_s, "adapters": adapters,
+        self.journal.event("replan", "", {**event, "adapters": adapters,
                                           "old": [j.id for j in waiting], "new": [j.id for j in new_jobs]})
-        self._note(f"measured/predicted {drift:.2f}: re-planned {len(adapters)} waiting adapters "
-                   f"into {len(new_jobs)} jobs")
+        self._note(f"{why}: re-planned {len(adapters)} waiting adapters into {len(new_jobs)} jobs")
+        if self.calibrator is not None:
+            self.calibrator.planned_with(self.calibrator.model())
         for j in new_jobs:  # planned as if every slot were free now, which the running jobs contradict:
             j.gpus = []  # they take any free slots, in the new plan's order
         self.submit(new_jobs)
+        return True
 
     def _collect(self, rj: RunningJob) -> None:
         rj.proc.returncode = rj.proc.proc.poll()

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 
 from plora.costmodel import ModelShape
 from plora.jobcost import fit_overheads
+from plora.profiling.calibrate import Calibration
 from plora.profiling.errors import ProfileError
 from plora.profiling.record import Profile
 from plora.step_settings import graphs_wanted
@@ -154,3 +155,35 @@ def remember_job_phases(spec, runs: Sequence[dict[str, Any]]) -> Path | None:
     prof.job_runs = (prof.job_runs + list(runs))[-64:]
     prof.cost_model = prof.cost_model.with_overheads(fit_overheads(prof.job_runs))
     return prof.save(path)
+
+
+def calibration_path(spec) -> Path:
+    """Where the calibration of a sweep's model on this machine is kept: beside its profile's
+    place in the cache, under the same key (`plora.profiling.calibrate`)."""
+    path = sweep_cache_path(spec)
+    return path.with_name("calibration-" + path.name)
+
+
+def load_calibration(spec) -> Calibration | None:
+    """The cached calibration of a sweep's model on this machine, or None (none, or unreadable:
+    a calibration is only ever a head start)."""
+    try:
+        path = calibration_path(spec)
+        if not path.is_file():
+            return None
+        return Calibration.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, ProfileError):
+        return None
+
+
+def remember_calibration(spec, calibration: Calibration) -> Path | None:
+    """Keep a sweep's calibration samples for the next sweep of its model here (written
+    atomically); None where nothing was measured."""
+    if calibration.empty:
+        return None
+    path = calibration_path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(calibration.to_dict()) + "\n")
+    tmp.replace(path)
+    return path

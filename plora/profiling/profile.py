@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Sequence
 
-from plora.costmodel import CostModel, ModelShape, resolve_lora_targets
+from plora.costmodel import AdapterLoad, CostModel, ModelShape, resolve_lora_targets
 from plora.jobcost import fit_overheads
 from plora.jobprobe import run_job_probe
+from plora.profiling.calibrate import Calibration, PackFootprint, PackTiming
 from plora.profiling.cache import _backend, _device_info, _sweep_cache_path, profile_key, shape_from_model
 from plora.profiling.errors import ProfileError
 from plora.profiling.fit import fit_cost_model
@@ -252,3 +254,67 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         prof.save(Path(run_dir) / "profile.json")
     return prof.cost_model
+
+
+#: the quick calibration's probes: warm-up steps (the first compiles kernels and captures),
+#: then timed steps for at most this long each
+QUICK_WARMUP = 2
+QUICK_ITERS = 4
+QUICK_PROBE_S = 1.0
+#: its sweep-like probe is cut until the prior (no margin) puts it at this share of the usable
+#: memory: the prior has been up to 2.7x short, and a probe that runs out of memory says little
+QUICK_PROBE_SHARE = 0.35
+
+
+def quick_probe(prior: CostModel, loads: Sequence[AdapterLoad], load_factor: float, d: int = 1) -> Probe:
+    """A pack like the sweep's own (``loads``: the adapters of its largest planned job), cut
+    (fewer adapters, then fewer rows each) until the prior puts it within `QUICK_PROBE_SHARE` of
+    the usable memory."""
+    pack = sorted(loads, key=lambda a: (-a.batch_size, -a.rank))[:16] or [AdapterLoad("q", 16, 1, 1)]
+    budget = QUICK_PROBE_SHARE * load_factor * prior.gpu_memory_bytes
+    bare = replace(prior, eval_load=None)
+
+    def fits(p: list[AdapterLoad]) -> bool:
+        return bare.memory(p, d) <= budget
+
+    while len(pack) > 1 and not fits(pack):
+        pack = pack[: max(1, len(pack) // 2)]
+    while not fits(pack) and max(a.batch_size for a in pack) > 1:
+        pack = [replace(a, batch_size=max(1, a.batch_size // 2)) for a in pack]
+    return Probe("cal-sweep", tuple(a.rank for a in pack), tuple(a.batch_size for a in pack))
+
+
+def quick_calibration(spec, prior: CostModel, loads: Sequence[AdapterLoad], *, log: Log | None = None) -> Calibration:
+    """Two short packs of the sweep's model measured on this GPU, in a few seconds: a small
+    one (mostly per-step cost) and one like the sweep's largest (``loads``), for
+    `plora.profiling.calibrate` to correct the prior with. Each probe's kernels compile into
+    Triton's cache, where the sweep's jobs find them."""
+    say = log or (lambda _msg: None)
+    model_dir = spec.model.resolved_path()
+    device, device_name, _ = _device_info(spec.hardware.device)
+    targets = list(spec.lora.resolved_targets())
+    seq = int(spec.model.max_seq_len)
+    probes = [Probe("cal-small", (16,), (1,)), quick_probe(prior, loads, spec.planner.memory_load_factor)]
+    if device.startswith("cuda"):
+        _match_job_allocator(say)
+    cal = Calibration()
+    for i, p in enumerate(probes, 1):
+        t0 = time.time()
+        say(f"calibrating on {device_name}: pack {i}/{len(probes)} ({p.label()})…")
+        try:
+            m = run_probe(model_dir, p, seq_len=seq, dtype=spec.model.dtype, device=device, targets=targets,
+                          family=spec.model.family, dropout=spec.lora.dropout, warmup=QUICK_WARMUP,
+                          iters=QUICK_ITERS, max_probe_s=QUICK_PROBE_S, min_timed_s=0.0,
+                          activation_checkpointing=bool(spec.training.activation_checkpointing),
+                          cuda_graphs=spec.training.cuda_graphs)
+        except Exception as e:  # noqa: BLE001 - a calibration that fails leaves the prior's safe memory
+            say(f"  pack {i} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                "planning on the analytic model")
+            continue
+        if m.oom or not m.step_times:
+            say(f"  pack {i} {'ran out of memory' if m.oom else 'took no timed step'}")
+            continue
+        cal.add([PackTiming(p.ranks, p.batch_sizes, float(seq), m.step_time, len(m.step_times))],
+                [PackFootprint(p.ranks, p.batch_sizes, float(seq), m.peak_bytes)])
+        say(f"  pack {i}: {m.step_time * 1e3:.1f} ms a step, {m.peak_bytes / 2**30:.1f} GiB ({time.time() - t0:.1f} s)")
+    return cal

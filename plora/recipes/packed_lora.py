@@ -290,10 +290,13 @@ class PackedLoRARecipe:
                         continue
                     break
                 t_step = time.perf_counter()
+                stepped_before = self.stepped_tokens
                 self.train_step(active, step)
                 dt = time.perf_counter() - t_step
                 self.clock.step([r.index for r in active], dt,
-                                reused=self.graphs is not None and self.graphs.last_run in ("replay", "cover"))
+                                reused=self.graphs is not None and self.graphs.last_run in ("replay", "cover"),
+                                ranks=[r.cfg.rank for r in active], rows=[r.cfg.batch_size for r in active],
+                                tokens=self.stepped_tokens - stepped_before, device=self.device)
                 if step == self.checkpointer.job_step:
                     first_step_s = dt
                 else:
@@ -654,6 +657,9 @@ class PackedLoRARecipe:
             "attempt": self.attempt,
             "resumed_step": self.checkpointer.job_step if self.resumed else None,
             "resumed": self.resumed,
+            # each pack composition so far (ranks, rows, steady steps, their seconds and tokens,
+            # the device footprint): what the sweep calibrates its cost model from meanwhile
+            "phases": self.clock.phases,
         }
         tmp = self.job_dir / "progress.json.tmp"
         tmp.write_text(json.dumps(progress))
