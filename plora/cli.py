@@ -24,6 +24,7 @@ console = PlainWidthConsole()
 err = PlainWidthConsole(stderr=True)
 
 EXIT_USAGE = 2
+_IMPORTED_AT = time.time()
 
 
 def _print_version(value: bool) -> None:
@@ -41,6 +42,23 @@ def _root(
                                  callback=_print_version, expose_value=False),
 ) -> None:
     """plora: packed LoRA hyperparameter sweeps."""
+
+
+def write_timings(run_dir: Path, **moments: float) -> None:
+    """timings.json: where the wait of this command went (seconds since the process started:
+    planned, engine started, engine ended with the results written). A file to look at,
+    never needed to resume."""
+    import json
+
+    from plora.jobphases import process_started_at
+
+    origin = process_started_at() or _IMPORTED_AT
+    row = {"process_started_at": origin, **{k.removesuffix("_at") + "_s": round(v - origin, 3)
+                                             for k, v in moments.items()}}
+    try:
+        (Path(run_dir) / "timings.json").write_text(json.dumps(row, indent=2) + "\n")
+    except OSError:
+        pass
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -63,6 +81,10 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False):
         if warm and spec.hardware.backend == "local":
             spare.prime(spare.first_gpus(spec.hardware.device))
         check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
+        if warm and spec.hardware.backend == "local":  # the first job's model, loaded while this plans
+            m = spec.model
+            spare.preload(spare.PreloadOrder(path=str(m.resolved_path()), family=m.family, max_seq_len=m.max_seq_len,
+                                             dtype=m.dtype, device=spec.hardware.device, random_init=m.random_init))
         return spec
     except SpecError as e:
         spare.discard()
@@ -143,6 +165,7 @@ def sweep(
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
     prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run)
+    planned_at = time.time()
     if dry_run:
         console.print(views.configs_table(prep))
         console.print(views.jobs_table(prep))
@@ -174,6 +197,7 @@ def sweep(
     console.print()
     console.print(views.results_table(frame, prep.spec, base_metrics(prep.run_dir)))
     console.print(views.status_line(frame, time.time() - start, prep.run_dir / "results.parquet"))
+    write_timings(prep.run_dir, planned_at=planned_at, started_at=start, ended_at=time.time())
     failed = frame[frame["status"] == "failed"]
     if len(failed):
         for _, r in failed.iterrows():

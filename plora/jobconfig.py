@@ -108,7 +108,7 @@ class JobTraining(_Section):
     # "auto": on one CUDA device without activation checkpointing (`plora.recipes.step_graph`);
     # YAML's and the space file's on/off arrive as booleans
     cuda_graphs: Literal["auto"] | bool = "auto"
-    row_layout: Literal["auto", "flat", "padded"] = "auto"
+    row_layout: Literal["auto", "flat", "padded", "balanced"] = "auto"
     length_buckets: Literal["auto"] | int = "auto"  # `plora.row_layout.length_buckets_for`
     # a pack with a freed slot (or a slot refilled by a smaller batch) may replay a fuller
     # pack's CUDA graph, padding rows where it has fewer, while that costs less than a capture

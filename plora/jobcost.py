@@ -223,8 +223,25 @@ def train_row_lengths(spec: Any) -> list[int] | None:
         return None
 
 
+def sweep_row_layout(spec: Any, *, graphed: bool, lengths: list[int] | None = None) -> str:
+    """``training.row_layout`` resolved once for a whole sweep: "auto" becomes "balanced"
+    where its jobs replay graphed steps and its rows vary so much in length that padding them
+    (in their best length buckets) would cost `BALANCE_WHEN_PADDED_OVER` times their real
+    tokens; the rows then come in batches of nearly equal tokens, flattened
+    (`plora.balanced_stream`). Every job of the sweep gets the same layout, so an adapter's
+    row order never depends on its pack-mates."""
+    from plora.row_layout import AUTO_LENGTH_BUCKETS, BALANCE_WHEN_PADDED_OVER, bucketed_row_tokens
+
+    setting = spec.training.row_layout
+    if setting != "auto" or not graphed or not lengths:
+        return setting
+    mean = sum(lengths) / len(lengths)
+    padded = bucketed_row_tokens(list(lengths), AUTO_LENGTH_BUCKETS, int(spec.model.max_seq_len))
+    return "balanced" if mean > 0 and padded / mean >= BALANCE_WHEN_PADDED_OVER else setting
+
+
 def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool,
-                         lengths: list[int] | None = None) -> int | str:
+                         lengths: list[int] | None = None, row_layout: str | None = None) -> int | str:
     """``training.length_buckets`` resolved once for a whole sweep: "auto" becomes the count
     that costs its graphed, padded jobs least (`plora.row_layout.auto_length_buckets`) for
     its rows (``lengths``, else `train_row_lengths`) and step budgets. Every job of the sweep
@@ -233,7 +250,8 @@ def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool,
     from plora.row_layout import auto_length_buckets, rows_flattened
 
     setting = spec.training.length_buckets
-    if setting != "auto" or not graphed or rows_flattened(spec.training.row_layout, graphed=graphed) or not steps:
+    layout = row_layout or spec.training.row_layout
+    if setting != "auto" or not graphed or rows_flattened(layout, graphed=graphed) or not steps:
         return setting
     lengths = lengths if lengths is not None else train_row_lengths(spec)
     if not lengths:
@@ -243,7 +261,7 @@ def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool,
 
 
 def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | str | None = None,
-                     lengths: list[int] | None = None) -> float | None:
+                     lengths: list[int] | None = None, row_layout: str | None = None) -> float | None:
     """What a sweep's training row costs a step, in tokens (`plora.step_settings.priced_row_tokens`):
     the mean real tokens of its rows (``lengths``, else `train_row_lengths`) where jobs flatten
     them, the width they are padded to where jobs pad them (``graphed``: steps replayed from
@@ -253,7 +271,7 @@ def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | 
     if not lengths:
         return None
     buckets = spec.training.length_buckets if length_buckets is None else length_buckets
-    return priced_row_tokens(spec.training.row_layout, graphed=graphed, lengths=lengths,
+    return priced_row_tokens(row_layout or spec.training.row_layout, graphed=graphed, lengths=lengths,
                              max_seq_len=int(spec.model.max_seq_len), length_buckets=buckets)
 
 

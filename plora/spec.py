@@ -694,10 +694,13 @@ class TrainingConfig(_Model):
     # steps replayed from CUDA graphs: "auto" = on one GPU without activation checkpointing
     cuda_graphs: Any = "auto"
     # rows of a packed step: "flat" (no padding: one token stream, attention confined to each
-    # row), "padded" (each row padded to the pack's widest), or "auto": flat, except in steps
-    # replayed from CUDA graphs, where padded measured faster (H100, 16 adapters of varied rows:
-    # 57 ms padded against 427 ms flat, whose per-adapter sizes keep growing and recapturing)
-    row_layout: Literal["auto", "flat", "padded"] = "auto"
+    # row), "padded" (each row padded to the pack's widest), "balanced" (flat, each adapter's
+    # rows dealt into batches of nearly equal tokens, so one segment size holds every step of
+    # a CUDA graph: `plora.balanced_stream`), or "auto": flat, except in steps replayed from
+    # CUDA graphs, where it is padded, or balanced where rows vary so much in length that
+    # padding them would cost 8% or more (H100, 16 adapters of varied rows: 57 ms padded
+    # against 427 ms plain flat, whose per-adapter sizes keep growing and recapturing)
+    row_layout: Literal["auto", "flat", "padded", "balanced"] = "auto"
     # padded rows: each adapter draws its rows from this many length buckets in turn (the
     # same bucket at the same step for every batch size), so a step pads to the longest row
     # of one bucket, not of the whole data; "auto": where rows are padded in CUDA-graph

@@ -221,7 +221,7 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False
 
 
 def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buckets: int | str | None = None,
-                     row_lengths: list[int] | None = None) -> Any:
+                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> Any:
     """A cost model priced on this sweep's own rows (their ``row_lengths`` when already
     tokenized, in its jobs' ``length_buckets``) and eval (`CostModel.for_eval`,
     `CostModel.for_rows`), unless it already is: any model of a GPU sweep, and one with
@@ -230,17 +230,18 @@ def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buck
         return cost_model
     from plora.jobcost import eval_load_for, train_row_tokens
 
-    rows = train_row_tokens(spec, graphed=graphed_steps(spec, hw), length_buckets=length_buckets, lengths=row_lengths)
+    rows = train_row_tokens(spec, graphed=graphed_steps(spec, hw), length_buckets=length_buckets, lengths=row_lengths,
+                            row_layout=row_layout)
     return cost_model.for_eval(eval_load_for(spec)).for_rows(rows)
 
 
 def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
                      hardware: Hardware | None = None, length_buckets: int | str | None = None,
-                     row_lengths: list[int] | None = None) -> Any:
+                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> Any:
     """The cost model a sweep runs with: `cost_model_for`'s (its source in
     ``meta["plan_source"]``), priced on the sweep's rows (`priced_for_sweep`)."""
     return sweep_models(spec, run_dir, hardware=hardware, length_buckets=length_buckets,
-                        row_lengths=row_lengths).model
+                        row_lengths=row_lengths, row_layout=row_layout).model
 
 
 @dataclass
@@ -256,7 +257,8 @@ class SweepModels:
 
 
 def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | None = None,
-                 length_buckets: int | str | None = None, row_lengths: list[int] | None = None) -> SweepModels:
+                 length_buckets: int | str | None = None, row_lengths: list[int] | None = None,
+                 row_layout: str | None = None) -> SweepModels:
     """`cost_model_for`'s model priced for the sweep, with its prior and calibration."""
     from plora.profiling.cache import load_calibration
     from plora.profiling.calibrate import Calibration
@@ -264,12 +266,12 @@ def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | 
     hw = hardware or hardware_for(spec)
     cost_model, source = cost_model_for(spec, run_dir, hardware=hw)
     cost_model.meta["plan_source"] = source
-    model = priced_for_sweep(spec, cost_model, hw, length_buckets, row_lengths)
+    model = priced_for_sweep(spec, cost_model, hw, length_buckets, row_lengths, row_layout)
     calibration = Calibration()
     if hw.gpu and source in (ANALYTIC_SOURCE, CALIBRATED_SOURCE):
         prior = analytic_prior(spec, hw)
         prior.meta["plan_source"] = source
-        prior = priced_for_sweep(spec, prior, hw, length_buckets, row_lengths)
+        prior = priced_for_sweep(spec, prior, hw, length_buckets, row_lengths, row_layout)
         if source == CALIBRATED_SOURCE:
             calibration = (load_calibration(spec) if hw.local else None) or Calibration()
     else:
@@ -319,7 +321,7 @@ def model_targets(spec: SweepSpec) -> list[str]:
 
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
                run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
-               length_buckets: int | str | None = None) -> JobConfig:
+               length_buckets: int | str | None = None, row_layout: str | None = None) -> JobConfig:
     """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
     settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
     in its order): step budgets, warm-ups, resolved targets. ``streaming``: the job's
@@ -343,7 +345,7 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         training=JobTraining(
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
             divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
-            cuda_graphs=t.cuda_graphs, row_layout=t.row_layout,
+            cuda_graphs=t.cuda_graphs, row_layout=row_layout or t.row_layout,
             # the sweep's count is for one-GPU graphed jobs; a TP job's steps run eagerly
             length_buckets=t.length_buckets if length_buckets is None or job.tp > 1 else length_buckets,
             checkpoint_every_steps=t.checkpoint_every_steps,
@@ -371,6 +373,8 @@ class PreparedSweep:
     streaming: JobStreaming | None = None
     #: ``training.length_buckets`` as every job of the sweep gets it (`plora.jobcost.sweep_length_buckets`)
     length_buckets: int | str = "auto"
+    #: ``training.row_layout`` as every job of the sweep gets it (`plora.jobcost.sweep_row_layout`)
+    row_layout: str = "auto"
     #: what measurements correct while the sweep runs (the priced analytic prior, or a profile)
     #: and the measurements so far (`plora.profiling.calibrate`); None: the cost model as it is
     prior: Any = None
@@ -419,15 +423,17 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
-    from plora.jobcost import sweep_length_buckets, train_row_lengths
+    from plora.jobcost import sweep_length_buckets, sweep_row_layout, train_row_lengths
 
     graphed = graphed_steps(spec, hw)
-    # tokenized once here for both: the bucket count and the rows' price need them on a GPU
-    lengths = train_row_lengths(spec) if graphed and spec.training.length_buckets == "auto" else None
-    buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths)
+    # tokenized once here for all three: the layout, the bucket count and the rows' price
+    wanted = graphed and (spec.training.length_buckets == "auto" or spec.training.row_layout == "auto")
+    lengths = train_row_lengths(spec) if wanted else None
+    layout = sweep_row_layout(spec, graphed=graphed, lengths=lengths)
+    buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths, row_layout=layout)
     prior = calibration = None
     if cost_model is None:
-        models = sweep_models(spec, run, hardware=hw, length_buckets=buckets, row_lengths=lengths)
+        models = sweep_models(spec, run, hardware=hw, length_buckets=buckets, row_lengths=lengths, row_layout=layout)
         cost_model, prior, calibration = models.model, models.prior, models.calibration
         if hw.gpu and models.source in (ANALYTIC_SOURCE, CALIBRATED_SOURCE):
             from plora.profiling.calibrate import conservative
@@ -443,10 +449,10 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
             if probe and hw.local and calibration.empty:
                 cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
     else:
-        cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths)
+        cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths, layout)
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
-                         prior=prior, calibration=calibration)
+                         row_layout=layout, prior=prior, calibration=calibration)
 
 
 def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
@@ -563,7 +569,7 @@ def run_prepared(
         eval_base = job.id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
         job_config(prep.spec, job, [by_id[a] for a in job.adapters], prep.steps, prep.run_dir,
                    eval_base=eval_base, streaming=prep.streaming,
-                   length_buckets=prep.length_buckets).write(job_dir / "job.yaml")
+                   length_buckets=prep.length_buckets, row_layout=prep.row_layout).write(job_dir / "job.yaml")
         return job_dir
 
     def tick(snapshot) -> None:

@@ -222,8 +222,8 @@ def _padded_run(tiny_model, mixed_data, out, adapters, buckets):
     recipe = PackedLoRARecipe(job_config(tiny_model, mixed_data, out, adapters, training=training))
     original, padded = recipe._step_batch, []
 
-    def spy(samples, rows, ids, graphed):
-        batch = original(samples, rows, ids, graphed)
+    def spy(samples, rows, ids, graphed, *rest):
+        batch = original(samples, rows, ids, graphed, *rest)
         assert batch.tokens.shape[1] == max(len(s.tokens) for s in samples)  # the step's longest row
         padded.append(batch.tokens.numel())
         return batch
@@ -385,22 +385,27 @@ def test_varlen_kernel_equals_per_row_attention_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_replayed_flattened_steps_equal_eager_ones_in_bf16(tiny_model, mixed_data, tmp_path):
+@pytest.mark.parametrize("layout", ["flat", "balanced"])
+def test_graph_replayed_flattened_steps_equal_eager_ones_in_bf16(tiny_model, mixed_data, tmp_path, layout):
     """Rows of varied length in bf16: flattened, through the varlen kernel, replayed from
-    CUDA graphs whose segment sizes only grow; the losses follow the eager run's."""
+    CUDA graphs whose segment sizes only grow (balanced: sized once for every step, one
+    capture a pack composition); the losses follow the eager run's."""
     adapters = [dict(a, learning_rate=1e-3) for a in MIXED[1:4]]
     losses = {}
     for mode in ("off", "on"):
         cfg = job_config(tiny_model, mixed_data, tmp_path / mode, adapters, device="cuda")
         cfg["model"] = dict(cfg["model"], dtype="bfloat16")
         # one data order in both modes: "auto" length buckets are on only in graph steps
-        cfg["training"] = dict(cfg["training"], cuda_graphs=mode, length_buckets=1)
+        cfg["training"] = dict(cfg["training"], cuda_graphs=mode, length_buckets=1, row_layout=layout)
         recipe = PackedLoRARecipe(cfg)
         assert set(recipe.run()["adapters"].values()) == {"done"}
         rows = [json.loads(line) for line in (recipe.job_dir / "metrics.jsonl").read_text().splitlines()]
         losses[mode] = {(r["adapter"], r["adapter_step"]): r["loss"] for r in rows if "loss" in r}
         if mode == "on":
             assert recipe.graphs is not None and recipe.graphs.replays > 0
+            if layout == "balanced":  # one shape a composition: its first step eager, then one capture
+                compositions = len(recipe.clock.phases)
+                assert recipe.graphs.captures <= compositions, (recipe.graphs.captures, compositions)
     assert losses["on"].keys() == losses["off"].keys()
     for key, value in losses["off"].items():
         assert losses["on"][key] == pytest.approx(value, rel=5e-2, abs=5e-2), key

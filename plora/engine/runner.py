@@ -480,12 +480,14 @@ class Engine:
         for job_id, rj in list(self.running.items()):
             rc = rj.proc.proc.poll()
             if rc is None:
-                continue
+                if not self._done_by_its_files(rj):
+                    continue
+                rc = 0  # its process is exiting (freeing its CUDA context): nothing waits for that
             del self.running[job_id]
             self.finished.append(rj.proc)
             self.free.extend(rj.slots)
             self.free.sort(key=self.slots.index)
-            self._collect(rj)
+            self._collect(rj, rc)
             self._after_exit(rj.job, rc, lost=rj.proc.lost)
             if rc == 0:
                 if self.calibrator is not None:
@@ -577,8 +579,17 @@ class Engine:
         self.submit(new_jobs)
         return True
 
-    def _collect(self, rj: RunningJob) -> None:
-        rj.proc.returncode = rj.proc.proc.poll()
+    def _done_by_its_files(self, rj: RunningJob) -> bool:
+        """Whether a local job whose process has not exited yet is done all the same: nothing is
+        queued behind it, its progress is final and its summary written (every adapter's files
+        are on disk before that). Its process then only frees its CUDA context (a second or
+        more on a GPU), which the sweep's last job need not be waited for."""
+        if self.queue or self.launch is not local_jobs.launch:
+            return False
+        return bool(rj.proc.progress().get("final")) and (rj.proc.job_dir / "summary.json").is_file()
+
+    def _collect(self, rj: RunningJob, rc: int | None = None) -> None:
+        rj.proc.returncode = rj.proc.proc.poll() if rc is None else rc
         rj.proc.ended = time.time()
         if rj.proc.log and not rj.proc.log.closed:
             rj.proc.log.close()

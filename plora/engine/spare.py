@@ -15,6 +15,9 @@ fixes the GPUs a process sees, so a spare takes only a job for the same GPUs (th
 differ; any other difference and the job starts the ordinary way, at once. A spare that
 dies before it is ready (or cannot be started) turns spares off for this process. A spare
 that is never used is killed; one whose sweep dies dies with it (parent-death signal).
+The sweep's first spare is also told its base model (`preload`, a `PreloadOrder` line ahead
+of the job's): it loads it once its imports are done, while the sweep plans, and the job
+takes it (`plora.recipes.preload`).
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
 """
 
@@ -51,7 +54,7 @@ READY_WAIT_S = 180.0
 
 
 class SpareOrder(BaseModel):
-    """The one line a spare reads on stdin: its job (what `tune run` would have been given)."""
+    """The last line a spare reads on stdin: its job (what `tune run` would have been given)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -59,6 +62,20 @@ class SpareOrder(BaseModel):
     cwd: str  #: the job's folder
     log: str  #: the job's log.txt (stdout and stderr go there, appended)
     env: dict[str, str]  #: the job's whole environment
+
+
+class PreloadOrder(BaseModel):
+    """A line a spare may read before its job: load this base model now
+    (`plora.recipes.preload`); its job takes it if it asks for the same one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    family: str
+    max_seq_len: int
+    dtype: str
+    device: str  #: the job config's device ("cuda", "auto", "cpu")
+    random_init: bool
 
 
 def die_with_parent() -> None:
@@ -94,6 +111,16 @@ class Spare:
         if not ready:
             return False
         return out.readline().decode(errors="replace").strip() == READY
+
+    def tell(self, order: PreloadOrder) -> bool:
+        """Send a preload order ahead of the job (read once the child has imported)."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((order.model_dump_json() + "\n").encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError, AssertionError):
+            return False
+        return True
 
     def hand(self, order: SpareOrder) -> bool:
         try:
@@ -173,6 +200,14 @@ def prime(gpus: Sequence[int] = ()) -> None:
         _spare = Spare(spare_env(gpus), gpus)
     except OSError:  # no process to spare (memory, file handles): jobs start the ordinary way
         _give_up()
+
+
+def preload(order: PreloadOrder) -> bool:
+    """Have the spare there is load the sweep's base model before its job comes (only for a
+    GPU no job is running on: the first job's). Whether the order went out."""
+    if _spare is None or _spare.proc.poll() is not None:
+        return False
+    return _spare.tell(order)
 
 
 def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:

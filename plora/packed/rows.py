@@ -37,12 +37,13 @@ def round_up(n: int, multiple: int = SIZE_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
 
 
-def held_sizes(needed: Sequence[int], held: Sequence[int] | None, *, extra: int = 0) -> list[int]:
-    """Fixed sizes for these needs: each ``needed + extra`` rounded up to `SIZE_MULTIPLE`;
+def held_sizes(needed: Sequence[int], held: Sequence[int] | None, *, extra: int = 0,
+               multiple: int = SIZE_MULTIPLE) -> list[int]:
+    """Fixed sizes for these needs: each ``needed + extra`` rounded up to ``multiple``;
     the held sizes are kept when every need fits in them, so sizes only grow."""
     if held is not None and len(held) == len(needed) and all(n + extra <= h for n, h in zip(needed, held)):
         return list(held)
-    grown = [round_up(n + extra) for n in needed]
+    grown = [round_up(n + extra, multiple) for n in needed]
     if held is not None and len(held) == len(needed):
         grown = [max(g, h) for g, h in zip(grown, held)]
     return grown

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from plora.data import IGNORE_INDEX, Sample, collate
-from plora.packed.rows import LabelParts, cu_seqlens, flatten_rows, held_sizes, padded_label_parts
-from plora.row_layout import padded_width
+from plora.packed.rows import SIZE_MULTIPLE, LabelParts, cu_seqlens, flatten_rows, held_sizes, padded_label_parts
+from plora.row_layout import BALANCED_MULTIPLE, padded_width
 
 
 @dataclass
@@ -71,6 +71,7 @@ def build_step_batch(
     fixed: bool = False,
     held: Sequence[tuple] | tuple | None = (),
     max_width: int | None = None,
+    floors: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> StepBatch:
     """Rows of each adapter (adapter-contiguous) as a flattened or padded batch.
 
@@ -79,7 +80,9 @@ def build_step_batch(
     the newest held shape only when the rows do not fit it; padded rows take the narrowest
     held width they fit, else a new width of their own (length-bucketed rows come in a few
     widths, each with its graph). ``max_width``: the padded layout's width cap (the model's
-    context).
+    context). ``floors``: flattened fixed shapes at least this large per adapter (tokens,
+    labels), e.g. the largest batch each adapter's balanced stream will draw
+    (`plora.balanced_stream`): one shape then holds every step, at a finer size multiple.
     """
     layout = "flat" if flat else "padded"
     shapes = [held] if held and isinstance(held[0], str) else list(held or ())
@@ -87,7 +90,10 @@ def build_step_batch(
     counts = label_counts(samples, rows_per_adapter) if fixed else None
     if flat:
         newest = shapes[-1] if shapes else None
-        labels_sizes = held_sizes(counts, newest[2] if newest else None) if fixed else None
+        multiple = BALANCED_MULTIPLE if floors is not None else SIZE_MULTIPLE
+        if fixed and floors is not None:
+            counts = [max(c, int(f)) for c, f in zip(counts, floors[1])]
+        labels_sizes = held_sizes(counts, newest[2] if newest else None, multiple=multiple) if fixed else None
         seg_sizes = None
         if fixed:
             real: list[int] = []
@@ -95,7 +101,9 @@ def build_step_batch(
             for n in rows_per_adapter:
                 real.append(sum(len(s.tokens) for s in samples[i : i + n]))
                 i += n
-            seg_sizes = held_sizes(real, newest[1] if newest else None, extra=1)
+            if floors is not None:
+                real = [max(r, int(f)) for r, f in zip(real, floors[0])]
+            seg_sizes = held_sizes(real, newest[1] if newest else None, extra=1, multiple=multiple)
         rows = flatten_rows(samples, rows_per_adapter, pad_id, segment_sizes=seg_sizes, label_sizes=labels_sizes)
         max_len = rows.max_row
         if fixed:  # a graph replays with other rows: a bound that holds for any of them

@@ -47,6 +47,7 @@ from plora.data import (
     prepare_data,
     synthetic_samples,
 )
+from plora.balanced_stream import BalancedStream
 from plora.evaluate import evaluate_adapters
 from plora.heap import frozen_heap
 from plora.jobconfig import JobAdapter, JobConfig
@@ -59,7 +60,7 @@ from plora.jobcontrol import (
 from plora.jobphases import PhaseClock
 from plora.kernels import scales_on_device
 from plora.metrics import generated_metrics, use_metric_paths
-from plora.models import ModelError, load_base_model
+from plora.models import ModelError
 from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.head_loss import adapter_mean_losses, chunk_rows, final_hidden
 from plora.packed.inject import inject_packed_lora
@@ -69,6 +70,7 @@ from plora.packed.slots import NewAdapter, refill_slot, relayout
 from plora.packed.step_batch import StepBatch, build_step_batch
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
+from plora.recipes import preload
 from plora.recipes.adapter_writer import AdapterWriter
 from plora.recipes.checkpoint import JobCheckpointer
 from plora.recipes.step_graph import Composition, StepBuffers, StepGraph, step_inputs
@@ -120,6 +122,8 @@ class AdapterRun:
     reason: str = ""
     finished_at: float | None = None
     joined_at: int | None = None
+    #: the largest batch its stream draws from here on (tokens, labels), for a balanced step's shape
+    floor: tuple[int, int] | None = None
 
     @property
     def id(self) -> str:
@@ -177,14 +181,9 @@ class PackedLoRARecipe:
         self.job_dir.mkdir(parents=True, exist_ok=True)
 
         t_load = time.perf_counter()
-        model, self.info = load_base_model(
-            c.model.path,
-            family=c.model.family,
-            max_seq_len=c.model.max_seq_len,
-            dtype=c.model.dtype,
-            device=self.device,
-            random_init=c.model.random_init,
-        )
+        # a model this process loaded before the job was handed to it (`plora.recipes.preload`)
+        model, self.info = preload.load(preload.ModelKey.of(c.model.path, c.model.family, c.model.max_seq_len,
+                                                            c.model.dtype, self.device, c.model.random_init))
         self.clock.loaded(time.perf_counter() - t_load)
         rejoined = self._rejoined()  # adapters that joined an earlier attempt and did not finish
         adapters = list(c.adapters) + [a for a, _ in rejoined]
@@ -228,6 +227,7 @@ class PackedLoRARecipe:
         self._scales_in_key = graphed and not scales_on_device(self.device)
         buckets = length_buckets_for(t.length_buckets, flattened=self._rows_flat(graphed), graphed=graphed)
         self._stream_lengths = [len(s.tokens) for s in self.train_samples]
+        self._label_counts = [sum(1 for t in s.labels[1:] if t != IGNORE_INDEX) for s in self.train_samples]
         self._stream_buckets = buckets
         joined_at = {a.id: s for a, s in rejoined}
         self.runs = [AdapterRun(i, a, self._stream(a), joined_at=joined_at.get(a.id)) for i, a in enumerate(adapters)]
@@ -362,7 +362,8 @@ class PackedLoRARecipe:
                     self.graphs.decline(own)
                     use = own
         if batch is None:
-            batch = self._step_batch([x for part in parts for x in part], rows, own, graphed)
+            batch = self._step_batch([x for part in parts for x in part], rows, own, graphed,
+                                     self._floors(active) if graphed else None)
         slots = list(use.slots)
         key = (use, batch.shape)
         inputs = step_inputs(batch)
@@ -421,14 +422,16 @@ class PackedLoRARecipe:
                                  held=held, max_width=self.max_seq_len)
         return batch if batch.shape in held else None
 
-    def _step_batch(self, samples: list, rows: list[int], own: Composition, graphed: bool) -> StepBatch:
+    def _step_batch(self, samples: list, rows: list[int], own: Composition, graphed: bool,
+                    floors: tuple[list[int], list[int]] | None = None) -> StepBatch:
         """Flattened rows when attention can be confined to rows (and, for a CUDA graph,
         read its row boundaries from the device) and ``training.row_layout`` allows it
-        ("auto": not in graph-replayed steps, see the spec); padded rows otherwise."""
+        ("auto": not in graph-replayed steps, see the spec); padded rows otherwise.
+        ``floors``: a balanced step's sizes (`_floors`)."""
         flat = self._rows_flat(graphed)
         held = self.graphs.held_shapes(own) if graphed else ()
         return build_step_batch(samples, rows, self.tok.pad_id, flat=flat, fixed=graphed, held=held,
-                                max_width=self.max_seq_len)
+                                max_width=self.max_seq_len, floors=floors if flat else None)
 
     def _rows_flat(self, graphed: bool) -> bool:
         return (self.row_attn is not None and rows_flattened(self.cfg.training.row_layout, graphed=graphed)
@@ -709,11 +712,32 @@ class PackedLoRARecipe:
             return None
 
     # ------------------------------------------------------------------ joins
-    def _stream(self, a: JobAdapter) -> AdapterStream:
+    def _stream(self, a: JobAdapter) -> AdapterStream | BalancedStream:
         """An adapter's own data order from its start (a joined adapter's too, from length
-        bucket 0 whatever bucket the pack is on: `AdapterStream` says why)."""
+        bucket 0 whatever bucket the pack is on: `AdapterStream` says why); in balanced
+        batches where the sweep's rows are laid out so (`plora.balanced_stream`)."""
+        if self.cfg.training.row_layout == "balanced":
+            return BalancedStream(len(self.train_samples), a.seed, lengths=self._stream_lengths,
+                                  batch_size=a.batch_size)
         return AdapterStream(len(self.train_samples), a.seed, lengths=self._stream_lengths,
                              buckets=self._stream_buckets)
+
+    def _floors(self, active: list[AdapterRun]) -> tuple[list[int], list[int]] | None:
+        """For a replayed step of balanced rows, each adapter's largest batch to come (tokens,
+        labels): the step's shape holds every one of its steps (one capture a composition)."""
+        if self.cfg.training.row_layout != "balanced":
+            return None
+        tokens, labels = [], []
+        for r in active:
+            if r.floor is None:
+                left = max(1, r.total_steps - r.step)
+                if isinstance(r.stream, BalancedStream):
+                    r.floor = (r.stream.max_batch_tokens(left), r.stream.max_batch_tokens(left, self._label_counts))
+                else:
+                    r.floor = (0, 0)
+            tokens.append(r.floor[0])
+            labels.append(r.floor[1])
+        return tokens, labels
 
     def _active(self) -> list[AdapterRun]:
         """The adapters training now, in slot order (the order of their rows in a step)."""

@@ -1,4 +1,5 @@
-"""A job process waiting for its job: imports the recipe first, then reads one `SpareOrder`.
+"""A job process waiting for its job: imports the recipe first, then reads one `SpareOrder`
+(after, perhaps, a `PreloadOrder`: the sweep's base model, loaded while it waits).
 
 Started by `plora.engine.spare` ahead of a job, with that job's environment. Once its
 imports are done it prints ``ready`` and blocks on stdin. Given its order it becomes the job exactly as
@@ -8,6 +9,7 @@ job's folder, with the job's environment, its output appended to the job's log.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -16,15 +18,29 @@ def main() -> int:
     import torch
     from torchtune import config as tune_config
 
-    from plora.engine.spare import READY, SpareOrder
-    from plora.recipes.packed_lora import leave, recipe_main
+    from plora.engine.spare import READY, PreloadOrder, SpareOrder
+    from plora.recipes import preload
+    from plora.recipes.packed_lora import _pick_device, leave, recipe_main
 
     # the imports asked CUDA about the GPU: the spare serves only a job for the GPUs it sees
     # (`plora.engine.spare.Spare.compatible`)
     print(READY, flush=True)
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0  # let go unused
+    while True:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0  # let go unused
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            fields = {}
+        if not isinstance(fields, dict) or "config" in fields:
+            break
+        try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
+            ahead = PreloadOrder.model_validate(fields)
+            preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
+                                             _pick_device(ahead.device), ahead.random_init))
+        except Exception:  # noqa: BLE001 - the job loads its own model then
+            pass
     order = SpareOrder.model_validate_json(line)
     os.chdir(order.cwd)
     os.environ.clear()

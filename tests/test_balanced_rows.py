@@ -1,0 +1,130 @@
+"""Rows of varied length in batches of nearly equal tokens (`plora.balanced_stream`): every row
+once an epoch, an order of the adapter's own, one step shape for all of an adapter's steps,
+packed still equal to alone."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+import torch
+
+from conftest import adapter_weights, job_config
+from plora.balanced_stream import BalancedStream, balanced_batches
+from plora.data import AdapterStream, Sample
+from plora.packed.step_batch import build_step_batch
+from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.row_layout import bucketed_row_tokens, rows_flattened
+
+_RNG = random.Random(3)
+LENGTHS = [_RNG.randint(66, 440) for _ in range(512)]
+
+
+def test_batches_have_nearly_equal_tokens_and_every_row_once():
+    rows = list(range(40))
+    batches = balanced_batches(rows, LENGTHS, 4)
+    assert sorted(i for b in batches for i in b) == rows and all(len(b) == 4 for b in batches)
+    sums = [sum(LENGTHS[i] for i in b) for b in batches]
+    assert max(sums) - min(sums) <= max(LENGTHS[:40])  # a random split is far wider
+    short = balanced_batches(list(range(10)), LENGTHS, 4)
+    assert [len(b) for b in short].count(2) == 1 and sorted(i for b in short for i in b) == list(range(10))
+
+
+@pytest.mark.parametrize("bs", [2, 4, 8])
+def test_a_stream_sees_every_row_each_epoch_in_balanced_batches(bs):
+    stream = BalancedStream(len(LENGTHS), seed=7, lengths=LENGTHS, batch_size=bs)
+    steps = len(LENGTHS) // bs
+    epoch = [stream.next(bs) for _ in range(steps)]
+    assert all(len(b) == bs for b in epoch)
+    assert sorted(i for b in epoch for i in b) == list(range(len(LENGTHS)))  # each row once
+    sums = [sum(LENGTHS[i] for i in b) for b in epoch]
+    mean = statistics.fmean(sums)
+    plain = AdapterStream(len(LENGTHS), seed=7)
+    random_sums = [sum(LENGTHS[i] for i in plain.next(bs)) for _ in range(steps)]
+    assert max(sums) <= 1.08 * mean < max(random_sums)
+    # a segment sized for the largest batch wastes a few percent, not what padding does
+    assert max(sums) / mean < bucketed_row_tokens(LENGTHS, 8, 512) / statistics.fmean(LENGTHS)
+
+
+def test_the_order_is_the_adapters_own_and_resumes_mid_group():
+    a = BalancedStream(len(LENGTHS), seed=5, lengths=LENGTHS, batch_size=4)
+    b = BalancedStream(len(LENGTHS), seed=5, lengths=LENGTHS, batch_size=4)
+    other = BalancedStream(len(LENGTHS), seed=6, lengths=LENGTHS, batch_size=4)
+    first = [a.next(4) for _ in range(70)]
+    assert first == [b.next(4) for _ in range(70)] and first != [other.next(4) for _ in range(70)]
+    state = a.state_dict()
+    ahead = a.max_batch_tokens(300)
+    after = [a.next(4) for _ in range(300)]
+    assert ahead == max(sum(LENGTHS[i] for i in batch) for batch in after)
+    resumed = BalancedStream(len(LENGTHS), seed=5, lengths=LENGTHS, batch_size=4)
+    resumed.load_state_dict(state)
+    assert [resumed.next(4) for _ in range(300)] == after
+    with pytest.raises(ValueError, match="asked for 3 rows"):
+        a.next(3)
+
+
+def test_one_step_shape_holds_every_batch_of_a_balanced_pack():
+    """With each adapter's largest batch to come as floors, every step of the pack takes the
+    same flattened shape: one capture a composition."""
+    samples = [Sample(list(range(n)), [-100] * (n - 8) + list(range(8))) for n in LENGTHS]
+    streams = [BalancedStream(len(samples), seed=s, lengths=LENGTHS, batch_size=bs) for s, bs in ((1, 2), (2, 4), (3, 2))]
+    steps = 60
+    label_counts = [sum(1 for t in s.labels[1:] if t != -100) for s in samples]
+    floors = ([st.max_batch_tokens(steps) for st in streams], [st.max_batch_tokens(steps, label_counts) for st in streams])
+    shapes, real, stepped = set(), 0, 0
+    held = ()
+    for _ in range(steps):
+        rows = [st.next(st.batch_size) for st in streams]
+        batch = build_step_batch([samples[i] for r in rows for i in r], [len(r) for r in rows], 0, flat=True,
+                                 fixed=True, held=held, max_width=512, floors=floors)
+        shapes.add(batch.shape)
+        held = (batch.shape,)
+        real += batch.real_tokens
+        stepped += batch.num_tokens
+    assert len(shapes) == 1
+    assert stepped / real < 1.08
+
+
+def test_balanced_rows_are_flattened_everywhere():
+    assert rows_flattened("balanced", graphed=True) and rows_flattened("balanced", graphed=False)
+    assert not rows_flattened("auto", graphed=True)
+
+
+BALANCED = [  # batch sizes 1..4, one unstable: each trains as it would alone
+    dict(id="unstable", rank=1, alpha=32.0, learning_rate=2e-2, batch_size=3, seed=31, steps=8),
+    dict(id="r8", rank=8, alpha=16.0, learning_rate=1e-3, batch_size=2, seed=32, steps=9),
+    dict(id="r2", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=1, seed=33, steps=7),
+    dict(id="r4", rank=4, alpha=8.0, learning_rate=3e-3, batch_size=4, seed=34, steps=6),
+]
+
+
+def test_balanced_packs_equal_alone_bit_for_bit(tiny_model, reverse_data, tmp_path):
+    training = {"scheduler": "cosine", "grad_clip": 1.0, "weight_decay": 0.01, "row_layout": "balanced"}
+    packed = PackedLoRARecipe(job_config(tiny_model, reverse_data, tmp_path / "packed", BALANCED, training=training))
+    summary = packed.run()
+    assert set(summary["adapters"].values()) <= {"done", "diverged"}
+    assert all(isinstance(r.stream, BalancedStream) for r in packed.runs)
+    for a in (BALANCED[0], BALANCED[3]):
+        alone = tmp_path / a["id"]
+        PackedLoRARecipe(job_config(tiny_model, reverse_data, alone, [a], training=training)).run()
+        pw, aw = adapter_weights(tmp_path / "packed", a["id"]), adapter_weights(alone, a["id"])
+        assert max(float(v.abs().max()) for v in pw.values()) > 1e-3
+        for k in pw:
+            assert torch.equal(pw[k], aw[k]), (a["id"], k)
+
+
+def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
+    from types import SimpleNamespace
+
+    from plora.jobcost import sweep_row_layout
+    from plora.row_layout import priced_row_tokens
+
+    spec = SimpleNamespace(training=SimpleNamespace(row_layout="auto"), model=SimpleNamespace(max_seq_len=512))
+    assert sweep_row_layout(spec, graphed=True, lengths=LENGTHS) == "balanced"
+    assert sweep_row_layout(spec, graphed=True, lengths=[250, 251, 252] * 50) == "auto"  # fixed rows: padded
+    assert sweep_row_layout(spec, graphed=False, lengths=LENGTHS) == "auto"  # eager steps: flat already
+    mean = statistics.fmean(LENGTHS)
+    price = priced_row_tokens("balanced", graphed=True, lengths=LENGTHS, max_seq_len=512)
+    assert mean < price < 1.08 * mean
+    assert price < priced_row_tokens("auto", graphed=True, lengths=LENGTHS, max_seq_len=512, length_buckets=8)
