@@ -116,7 +116,7 @@ def _note_hardware(spec, hw) -> None:
         err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
 
 
-def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False):
+def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False, fresh: bool = False):
     """Expand and plan; with `probe`, a GPU with nothing measured of the model may first
     measure two short packs (`plora.sweep.prepare`).
     With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`)."""
@@ -126,7 +126,7 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     warm = warm and spec.hardware.backend == "local"
     try:
         _check_output(spec.run_dir(output))
-        prep = _plan(spec, output, probe=probe)
+        prep = _plan(spec, output, probe=probe, fresh=fresh)
     except BaseException:
         spare.discard()
         raise
@@ -135,7 +135,7 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     return prep
 
 
-def _plan(spec, output: Optional[Path], *, probe: bool):
+def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
     from plora.data import DataError
     from plora.models import ModelError
     from plora.planner import PlannerError
@@ -144,7 +144,7 @@ def _plan(spec, output: Optional[Path], *, probe: bool):
     try:
         hw = hardware_for(spec)
         _note_hardware(spec, hw)
-        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw,
+        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw, fresh=fresh,
                        log=lambda line: console.print(f"[dim]{escape(line)}[/]", highlight=False))
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -164,7 +164,7 @@ def sweep(
                                          "safe memory margin; never measure before the first job."),
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
-    prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run)
+    prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run, fresh=restart)
     planned_at = time.time()
     if dry_run:
         console.print(views.configs_table(prep))

@@ -283,6 +283,10 @@ class CostModel:
     #: without padding costs per row; None: every row costs ``seq_len`` (the probes' rows).
     #: Memory keeps ``seq_len``: a step may draw the longest rows.
     row_tokens: float | None = None
+    #: the most tokens a row takes in a step of the sweep (its longest row, padded as its
+    #: steps pad; in balanced batches, a row's share of the largest segment), set per sweep
+    #: (`for_rows`): what memory counts a row at; None: ``seq_len``
+    memory_row_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if set(self.time) != set(self.memory_coeffs):
@@ -304,8 +308,15 @@ class CostModel:
 
     def memory_per_adapter(self, a: AdapterLoad, d: int) -> float:
         """Bytes per GPU that adapter ``a`` adds to any job at degree ``d``."""
-        m, tok = self.memory_coeffs[d], a.batch_size * self.seq_len
+        m, tok = self.memory_coeffs[d], a.batch_size * self.memory_tokens
         return m.adapter + m.rank * a.rank + m.tok * tok + m.rank_tok * a.rank * tok
+
+    @property
+    def memory_tokens(self) -> float:
+        """Tokens memory counts a row at (`memory_row_tokens`, at most ``seq_len``)."""
+        if self.memory_row_tokens is None:
+            return float(self.seq_len)
+        return min(float(self.memory_row_tokens), float(self.seq_len))
 
     def step_base(self, d: int) -> float:
         """Seconds of a packed step that do not depend on the adapters in it."""
@@ -415,11 +426,13 @@ class CostModel:
         return replace(self, overheads=overheads, job_overhead_s=overheads.fixed_s,
                        meta={**self.meta, "job_terms": overheads.to_dict()})
 
-    def for_rows(self, row_tokens: float | None) -> "CostModel":
-        """The same model timing steps by a sweep's mean real tokens per row (`row_tokens`)."""
+    def for_rows(self, row_tokens: float | None, memory_row_tokens: float | None = None) -> "CostModel":
+        """The same model timing steps by a sweep's mean real tokens per row (`row_tokens`)
+        and, given ``memory_row_tokens``, counting each row's memory at that many tokens."""
         if row_tokens is not None:
             row_tokens = min(float(row_tokens), float(self.seq_len))
-        return replace(self, row_tokens=row_tokens, meta=dict(self.meta))
+        widest = self.memory_row_tokens if memory_row_tokens is None else float(memory_row_tokens)
+        return replace(self, row_tokens=row_tokens, memory_row_tokens=widest, meta=dict(self.meta))
 
     def for_eval(self, load: EvalLoad | None) -> "CostModel":
         """The same model pricing a sweep's eval (`eval_load`)."""
@@ -440,7 +453,8 @@ class CostModel:
                          job_overhead_s=self.job_overhead_s * factor,
                          host_time={d: scale(c) for d, c in self.host_time.items()},
                          overheads=self.overheads.scaled(factor) if self.overheads is not None else None,
-                         eval_load=self.eval_load, row_tokens=self.row_tokens)
+                         eval_load=self.eval_load, row_tokens=self.row_tokens,
+                         memory_row_tokens=self.memory_row_tokens)
 
     # ---- serialization ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -456,6 +470,7 @@ class CostModel:
             **({"overheads": self.overheads.to_dict()} if self.overheads is not None else {}),
             **({"eval_load": self.eval_load.to_dict()} if self.eval_load is not None else {}),
             **({"row_tokens": self.row_tokens} if self.row_tokens is not None else {}),
+            **({"memory_row_tokens": self.memory_row_tokens} if self.memory_row_tokens is not None else {}),
             "meta": self.meta,
         }
 
@@ -473,6 +488,8 @@ class CostModel:
             overheads=JobOverheads.from_dict(data["overheads"]) if data.get("overheads") else None,
             eval_load=EvalLoad.from_dict(data["eval_load"]) if data.get("eval_load") else None,
             row_tokens=float(data["row_tokens"]) if data.get("row_tokens") is not None else None,
+            memory_row_tokens=(float(data["memory_row_tokens"]) if data.get("memory_row_tokens") is not None
+                               else None),
         )
 
     def save(self, path: str | Path) -> None:

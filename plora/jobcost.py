@@ -275,6 +275,20 @@ def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | 
                              max_seq_len=int(spec.model.max_seq_len), length_buckets=buckets)
 
 
+def widest_train_row(spec: Any, *, graphed: bool = False, lengths: list[int] | None = None,
+                     row_layout: str | None = None) -> float | None:
+    """The most tokens a training row of the sweep takes in a step
+    (`plora.row_layout.widest_row_tokens`): what its memory counts a row at. None where the
+    rows cannot be tokenized here (then ``max_seq_len``)."""
+    from plora.row_layout import widest_row_tokens
+
+    lengths = lengths if lengths is not None else train_row_lengths(spec)
+    if not lengths:
+        return None
+    return widest_row_tokens(row_layout or spec.training.row_layout, graphed=graphed, lengths=lengths,
+                             max_seq_len=int(spec.model.max_seq_len))
+
+
 def eval_load_for(spec: Any) -> EvalLoad | None:
     """The eval one adapter of a sweep gets: its eval rows (at most ``max_eval_samples``), their
     mean tokens and prompt tokens under the model's tokenizer, and the tokens generated per

@@ -33,6 +33,18 @@ BALANCE_WHEN_PADDED_OVER = 1.08
 BALANCED_MULTIPLE = 16
 
 
+def widest_row_tokens(layout: str, *, graphed: bool, lengths: list[int], max_seq_len: int) -> float:
+    """The most tokens one row of these ``lengths`` takes in a step: the longest row (padded
+    as padded steps pad it). What a sweep's memory counts every row at: any step may draw
+    its longest rows together."""
+    if not lengths:
+        return float(max_seq_len)
+    longest = min(max(lengths), int(max_seq_len))
+    if rows_flattened(layout, graphed=graphed):
+        return float(longest)
+    return float(padded_width(longest, int(max_seq_len)))
+
+
 def balanced_row_tokens(lengths: list[int], batch_size: int = 2, steps: int = 1024) -> float:
     """What a row costs a graphed step in balanced batches: the segment size that holds
     ``steps`` batches of ``batch_size`` (one per adapter, `plora.balanced_stream`), per row."""

@@ -844,8 +844,14 @@ class PlannerConfig(_Model):
     #: adapters of jobs not started yet join running one-GPU jobs that have room for them (by
     #: the cost model's memory and max_adapters_per_job) instead of waiting for a job of their
     #: own: the longest first, each where the cost model predicts the pack ends soonest
-    #: (`plora.engine.join_choice`)
-    streaming: bool = False
+    #: (`plora.engine.join_choice`). "auto": on a GPU (a job process, its imports and its
+    #: model are then paid once per GPU, and packs never drain while adapters wait), off on
+    #: a CPU (the demo's one-core jobs gain nothing from it)
+    streaming: Union[bool, Literal["auto"]] = "auto"
+
+    def streams(self, gpu: bool) -> bool:
+        """Whether a sweep on a GPU (``gpu``) or CPU slots streams adapters into running jobs."""
+        return self.streaming is True or (self.streaming == "auto" and gpu)
 
 
 class OptunaConfig(_Model):

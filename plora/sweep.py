@@ -228,11 +228,14 @@ def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buck
     measured job terms on a CPU (the CPU's analytic prior stays as it is)."""
     if cost_model.eval_load is not None or (getattr(cost_model, "overheads", None) is None and not hw.gpu):
         return cost_model
-    from plora.jobcost import eval_load_for, train_row_tokens
+    from plora.jobcost import eval_load_for, train_row_lengths, train_row_tokens, widest_train_row
 
-    rows = train_row_tokens(spec, graphed=graphed_steps(spec, hw), length_buckets=length_buckets, lengths=row_lengths,
+    graphed = graphed_steps(spec, hw)
+    lengths = row_lengths if row_lengths is not None else train_row_lengths(spec)
+    rows = train_row_tokens(spec, graphed=graphed, length_buckets=length_buckets, lengths=lengths,
                             row_layout=row_layout)
-    return cost_model.for_eval(eval_load_for(spec)).for_rows(rows)
+    widest = widest_train_row(spec, graphed=graphed, lengths=lengths, row_layout=row_layout) if hw.gpu else None
+    return cost_model.for_eval(eval_load_for(spec)).for_rows(rows, widest)
 
 
 def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
@@ -319,6 +322,18 @@ def model_targets(spec: SweepSpec) -> list[str]:
     return resolve_targets(spec.lora.targets, family)
 
 
+def spec_on_gpu(spec: SweepSpec) -> bool:
+    """Whether the sweep's jobs run on GPUs (what ``planner.streaming: auto`` turns on for),
+    as the job config must say without asking CUDA: its device, or "auto" where CUDA is here."""
+    if spec.hardware.device == "cpu":
+        return False
+    if spec.hardware.device == "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
                run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
                length_buckets: int | str | None = None, row_layout: str | None = None) -> JobConfig:
@@ -355,7 +370,7 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         eval_base=eval_base,
         streaming=streaming if streaming is not None else (
             JobStreaming(linger_s=STREAM_LINGER_S, max_active=spec.planner.max_adapters_per_job)
-            if spec.planner.streaming and job.tp == 1 else JobStreaming()),
+            if spec.planner.streams(spec_on_gpu(spec)) and job.tp == 1 else JobStreaming()),
     )
 
 
@@ -404,7 +419,7 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
             hardware: Hardware | None = None, cost_model: Any | None = None,
-            log: Callable[[str], None] | None = None) -> PreparedSweep:
+            log: Callable[[str], None] | None = None, fresh: bool = False) -> PreparedSweep:
     """Everything a sweep decides before training: configurations, step budgets, the plan.
 
     Writes nothing to the run directory (a quick calibration goes to plora's cache). On a GPU
@@ -412,7 +427,8 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     prior's memory per adapter `MEMORY_MARGIN` times; where that margin alone would keep the
     largest pack the sweep may form off the GPU, `probe` lets it first measure two short packs
     (`plora.profiling.profile.quick_calibration`, a few seconds, reported through ``log``) and
-    plan on them. The sweep's own jobs calibrate the model further while they run.
+    plan on them. The sweep's own jobs calibrate the model further while they run. ``fresh``:
+    the run directory is started over, its profile.json is not this sweep's.
     """
     from plora.model_check import check_spec_model
 
@@ -433,7 +449,8 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths, row_layout=layout)
     prior = calibration = None
     if cost_model is None:
-        models = sweep_models(spec, run, hardware=hw, length_buckets=buckets, row_lengths=lengths, row_layout=layout)
+        models = sweep_models(spec, None if fresh else run, hardware=hw, length_buckets=buckets, row_lengths=lengths,
+                              row_layout=layout)
         cost_model, prior, calibration = models.model, models.prior, models.calibration
         if hw.gpu and models.source in (ANALYTIC_SOURCE, CALIBRATED_SOURCE):
             from plora.profiling.calibrate import conservative
@@ -607,7 +624,8 @@ def run_prepared(
         max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
         replan=replan_waiting if replan and prep.cost_model is not None else None,
         launcher=backend.launcher,
-        streaming=stream_policy(prep) if prep.spec.planner.streaming and feed is None else None,
+        streaming=(stream_policy(prep) if prep.spec.planner.streams(bool(prep.hardware and prep.hardware.gpu))
+                   and feed is None else None),
         feed=feed, calibrator=calibrator, on_model=use_model,
     )
     try:

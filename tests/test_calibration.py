@@ -63,6 +63,20 @@ def test_a_job_clock_records_each_pack_its_tokens_and_steady_steps():
     assert t.row_tokens == pytest.approx((512 + 512 + 640) / 3 / 5)
 
 
+def test_a_footprint_counts_only_for_the_largest_pack_so_far():
+    """Reserved memory only grows: the footprint read after a smaller pack still holds the
+    larger one's blocks, and would make the smaller one look expensive."""
+    phases = [{"steps": 5, "first_s": 1, "rest_s": 1, "ranks": [8] * 4, "rows": [4] * 4, "rest_tokens": 4 * 16 * 256,
+               "max_row_tokens": 256.0, "device_bytes": 20e9},
+              {"steps": 5, "first_s": 1, "rest_s": 1, "ranks": [8] * 2, "rows": [4] * 2, "rest_tokens": 4 * 8 * 256,
+               "max_row_tokens": 256.0, "device_bytes": 26e9},
+              {"steps": 5, "first_s": 1, "rest_s": 1, "ranks": [8] * 6, "rows": [4] * 6, "rest_tokens": 4 * 24 * 256,
+               "max_row_tokens": 256.0, "device_bytes": 30e9}]
+    _, footprints = samples_from_phases(phases, SEQ)
+    assert [f.device_bytes for f in footprints] == [20e9, 30e9]
+    assert all(f.row_tokens == 256.0 for f in footprints)
+
+
 def test_phases_without_packs_or_garbage_give_no_samples():
     assert samples_from_phases([{"adapters": 2, "steps": 9, "first_s": 1, "rest_s": 2}, "x", {}], SEQ) == ([], [])
 
@@ -152,7 +166,7 @@ def test_calibrator_says_when_the_waiting_jobs_should_be_planned_again():
     assert cal.observe("job-000", phases) is True
     assert cal.observe("job-000", phases) is False  # nothing new
     assert "3.00x" in cal.drift(waiting)
-    assert "steps 3.00x/3.00x" in cal.describe()
+    assert "steps 3.0x/3.0x" in cal.describe()
     cal.planned_with(cal.model())
     assert cal.drift(waiting) is None
 
@@ -233,7 +247,7 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
         "lora": {"targets": ["q_proj", "v_proj"]},
         "space": {"strategy": "list", "configs": configs},
         "training": {"epochs": 2}, "eval": {"metrics": ["loss"]},
-        "hardware": {"device": "cpu"}, "planner": {"max_adapters_per_job": 1},
+        "hardware": {"device": "cpu"}, "planner": {"max_adapters_per_job": 1, "streaming": False},
         "output": {"dir": str(tmp_path / "runs")},
     }
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(data))

@@ -121,6 +121,7 @@ def samples_from_phases(phases: Iterable[dict[str, Any]], seq_len: int) -> tuple
     job did not say)."""
     timings: list[PackTiming] = []
     footprints: list[PackFootprint] = []
+    largest = 0.0  # the most tokens a step of the job has held so far
     for p in phases:
         if not isinstance(p, dict) or "ranks" not in p or "rows" not in p:
             continue
@@ -132,9 +133,13 @@ def samples_from_phases(phases: Iterable[dict[str, Any]], seq_len: int) -> tuple
         row_tokens = tokens / steady / sum(rows) if steady > 0 and tokens > 0 else float(seq_len)
         if steady >= MIN_STEADY_STEPS and float(p.get("rest_s", 0.0)) > 0:
             timings.append(PackTiming(ranks, rows, row_tokens, float(p["rest_s"]) / steady, steady))
-        if p.get("device_bytes"):
-            widest = float(p.get("max_row_tokens") or seq_len)
-            footprints.append(PackFootprint(ranks, rows, min(widest, float(seq_len)), float(p["device_bytes"])))
+        widest = min(float(p.get("max_row_tokens") or seq_len), float(seq_len))
+        held = widest * sum(rows)
+        # a job's reserved memory only grows (the allocator keeps its blocks, the graphs their
+        # pool): a footprint tells of the largest pack so far, not of a smaller one after it
+        if p.get("device_bytes") and held >= largest:
+            footprints.append(PackFootprint(ranks, rows, widest, float(p["device_bytes"])))
+        largest = max(largest, held)
     return timings, footprints
 
 
@@ -221,7 +226,7 @@ def fit_memory_scale(model: CostModel, footprints: Sequence[PackFootprint], d: i
     ratios = []
     m = model.memory_coeffs[d]
     for f in footprints:
-        priced = replace(model, seq_len=max(1, int(round(f.row_tokens))), eval_load=None)
+        priced = replace(model, memory_row_tokens=float(f.row_tokens), eval_load=None)
         adapters = priced.memory(f.loads(), d) - m.base
         if adapters > 0:
             ratios.append((f.device_bytes - m.base) / adapters)
@@ -386,11 +391,11 @@ class SweepCalibrator:
             return ""
         info = self.model().meta.get("calibration", {})
         parts = []
-        if "time_scales" in info:
+        if "time_scales" in info:  # rounded to a tenth: the line changes when the model does
             a, b = info["time_scales"]
-            parts.append(f"steps {a:.2f}x/{b:.2f}x the prior's (per step/per token)")
+            parts.append(f"steps {a:.1f}x/{b:.1f}x the prior's (per step/per token)")
         if "memory_scale" in info:
-            parts.append(f"memory {info['memory_scale']:.2f}x")
+            parts.append(f"memory {info['memory_scale']:.1f}x")
         return "calibrated from this sweep's jobs: " + ", ".join(parts) if parts else ""
 
     def drift(self, jobs: Sequence[tuple[Sequence[Any], int]]) -> str | None:

@@ -295,6 +295,19 @@ def quick_calibration(spec, prior: CostModel, loads: Sequence[AdapterLoad], *, l
     targets = list(spec.lora.resolved_targets())
     seq = int(spec.model.max_seq_len)
     probes = [Probe("cal-small", (16,), (1,)), quick_probe(prior, loads, spec.planner.memory_load_factor)]
+    # what importing and running a job here sets in this process's environment (the allocator,
+    # torch's and torchtune's own variables) must not reach the jobs it starts: the job process
+    # started ahead of the first job has the environment from before (`plora.engine.spare`)
+    saved = dict(os.environ)
+    try:
+        return _measure_quickly(spec, probes, model_dir, device, device_name, targets, seq, say)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _measure_quickly(spec, probes: list[Probe], model_dir, device: str, device_name: str, targets: list[str],
+                     seq: int, say: Log) -> Calibration:
     if device.startswith("cuda"):
         _match_job_allocator(say)
     cal = Calibration()
