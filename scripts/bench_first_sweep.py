@@ -15,8 +15,10 @@ Parts (each a subprocess of its own; results merge into DIR/first_sweep.json):
   where the wait went (the CLI's timings.json, the jobs' phases), the packed step's real
   tokens/s (the steady steps of the full pack), the sweep's real tokens, makespan over
   real tokens / step tokens/s, out-of-memory splits, and whether any adapter was trained twice.
-* ``plora-varied``: the same sweep on the varied rows, warm (the calibration the fixed
-  rows' sweeps left); real tokens/s against the fixed rows'.
+* ``plora-varied``: the same sweep on the varied rows, after the fixed rows' sweeps: once
+  with the caches they left (the varied rows' own kernel shapes compile then), then warm;
+  real tokens/s against the fixed rows'.
+* ``imports``: where a job process's start goes on this machine (``-X importtime``).
 * ``peft``: the same configurations, rows, batch sizes, steps, schedule and eval with
   transformers + PEFT (`bench_real_data.peft_worker`: one fresh process a configuration, as
   users run one job a configuration), ``--peft-n`` of them at once on the GPU (a new one
@@ -190,13 +192,36 @@ def mean_real_row(spec) -> float:
 
 
 def part_plora(args, variant: str) -> dict:
+    """Fixed rows: first use, then warm. Varied rows, after the fixed rows' runs: once with the
+    caches those left (its own kernels' shapes compile there), then warm."""
     space = write_space(args, f"first-{variant}", space_0p5b(args, variant))
     caches = args.out / "caches-0p5b"
     out = {}
-    if variant == "fixed":
-        out["first"] = run_sweep(args, space, caches, f"{variant}-first", fresh=True)
+    out["first"] = run_sweep(args, space, caches, f"{variant}-first", fresh=variant == "fixed")
     out["warm"] = run_sweep(args, space, caches, f"{variant}-warm", fresh=False)
     return out
+
+
+def part_imports(args) -> dict:
+    """Where a job process's start goes on this machine: a fresh interpreter importing what a
+    job imports (torch with a CUDA context, torchtune, the recipe), timed by ``-X importtime``."""
+    device = "cpu" if args.smoke else "cuda"
+    code = (f"import time, torch; t=time.time(); torch.zeros(1, device='{device}'); "
+            "print('cuda_context_s', time.time() - t, flush=True); import plora.recipes.spare, plora.recipes.packed_lora")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=str(REPO))
+    wall = time.time() - t0
+    tops: dict[str, float] = {}
+    for line in proc.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[0].startswith("import time:") and parts[1].strip().isdigit():
+            name = parts[2].rstrip()
+            depth = len(name) - len(name.lstrip())
+            if depth <= 3:
+                tops[name.strip()] = max(tops.get(name.strip(), 0.0), int(parts[1]) / 1e6)
+    context = next((float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("cuda_context_s")), None)
+    top = dict(sorted(tops.items(), key=lambda kv: -kv[1])[:12])
+    return {"wall_s": wall, "cuda_context_s": context, "top_imports_s": top}
 
 
 def part_smollm2(args) -> dict:
@@ -317,6 +342,11 @@ def table(result: dict) -> list[str]:
                 lines.append(f"best PEFT / plora {kind}: {best / fixed[kind]['wall_s']:.2f}x")
         if fixed.get("first", {}).get("wall_s") and fixed.get("warm", {}).get("wall_s"):
             lines.append(f"first / warm: {fixed['first']['wall_s'] / fixed['warm']['wall_s']:.2f}x")
+    imports = result.get("imports")
+    if imports:
+        lines.append(f"a job process's imports: {imports['wall_s']:.1f} s (CUDA context "
+                     f"{imports.get('cuda_context_s') or 0:.1f} s; " + ", ".join(
+                         f"{k} {v:.1f}" for k, v in list(imports["top_imports_s"].items())[:4]) + ")")
     varied = (result.get("plora-varied") or {}).get("warm", {})
     if varied.get("makespan_s") and fixed.get("warm", {}).get("makespan_s"):
         per_tok = (varied["makespan_s"] / varied["real_tokens"]) / (fixed["warm"]["makespan_s"] / fixed["warm"]["real_tokens"])
@@ -328,7 +358,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench-first-sweep"))
     ap.add_argument("--parts", nargs="+", default=["plora-fixed", "plora-varied"],
-                    choices=["plora-fixed", "plora-varied", "peft", "smollm2"])
+                    choices=["imports", "plora-fixed", "plora-varied", "peft", "smollm2"])
     ap.add_argument("--smoke", action="store_true", help="tiny model, few rows, CPU")
     ap.add_argument("--model", default="shape:qwen2.5-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
@@ -357,7 +387,9 @@ def main() -> None:
     result = json.loads(path.read_text()) if path.is_file() else {}
     for part in args.parts:
         t0 = time.time()
-        if part == "peft":
+        if part == "imports":
+            value = part_imports(args)
+        elif part == "peft":
             value = part_peft(args)
         elif part == "smollm2":
             value = part_smollm2(args)

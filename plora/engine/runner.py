@@ -396,6 +396,12 @@ class Engine:
         packs = [self._staying(p) for p in packs]
         leaving = {p.job_id: [a.id for a in training[p.job_id] if a not in p.training] for p in packs}
         queued = [j for j in self.queue if self._history(j.id).attempt == 0]
+        if not queued and self.feed is None:
+            # nothing waits to join: the running jobs know that no join will come, so each
+            # ends as its adapters do and plans its last packs' graphs knowing how long they last
+            for pack in packs:
+                self.close(pack.job_id)
+            return
         waiting = [self.streaming.load(a) for j in queued for a in j.adapters]
         first = {a for j in queued if self._history(j.id).parent is not None for a in j.adapters}
         policy = self.streaming
@@ -451,6 +457,8 @@ class Engine:
 
     def close(self, job_id: str) -> None:
         """Tell a running job that no join will come (it leaves once its adapters have)."""
+        if job_id in self.closed:
+            return
         request(self.running[job_id].proc.job_dir, close=True)
         self.closed.add(job_id)
 
