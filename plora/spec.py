@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
@@ -1044,10 +1045,11 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_spec(path: str | Path, *, sampled: bool = False) -> SweepSpec:
+def load_spec(path: str | Path, *, sampled: bool = False, overrides: Sequence[str] = ()) -> SweepSpec:
     """Read and validate a space file. Raises :class:`SpecError` (missing file, bad YAML,
     bad field), with relative paths resolved against the file's folder; ``sampled`` as in
-    :func:`parse_spec`."""
+    :func:`parse_spec`. ``overrides`` (``key=value``, `plora.overrides`) change the file's
+    values before validation, so they are checked as if written in it."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise SpecError(str(path), "file not found" if not path.exists() else "not a file")
@@ -1065,4 +1067,11 @@ def load_spec(path: str | Path, *, sampled: bool = False) -> SweepSpec:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else type(data).__name__
         raise SpecError(str(path), f"top level must be a mapping, got {got}")
+    if overrides:
+        from plora.overrides import OverrideError, apply_overrides
+
+        try:
+            data = apply_overrides(data, overrides)
+        except OverrideError as e:
+            raise SpecError(e.field, e.message) from None
     return parse_spec(data, base_dir=path.resolve().parent, sampled=sampled)

@@ -174,3 +174,46 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
                      grouping="fixed for the test")
     write_run_files(prep)
     return prep, run_prepared(prep, slots=list(slots))
+
+
+#: the swept run's command-line overrides (`plora.overrides`): what its spec.yaml must show
+SWEPT_OVERRIDES = ["training.steps=6", "training.epochs=null", "eval.every_steps=3", "planner.max_adapters_per_job=2"]
+
+
+@pytest.fixture(scope="session")
+def swept_run(tmp_path_factory):
+    """One small finished sweep, run through `plora sweep` with `SWEPT_OVERRIDES`, shared by
+    the tests of what a finished run offers: the overrides in its spec.yaml.
+
+    A namespace: ``run`` (the run directory), ``model`` (the base model's folder), ``space``
+    (the space file), ``output`` (what the command printed)."""
+    from types import SimpleNamespace
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from plora.cli import app
+    from plora.spec import ASSETS_DIR
+
+    tmp = tmp_path_factory.mktemp("swept")
+    model = ASSETS_DIR / "tiny-llama"
+    space = {
+        "name": "swept",
+        "model": {"path": str(model), "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 32, "num_eval": 8},
+        "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+            {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8}]},
+        "training": {"epochs": 1},
+        "eval": {"max_new_tokens": 6},
+        "hardware": {"device": "cpu"},
+        "output": {"dir": str(tmp / "runs")},
+    }
+    path = tmp / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLORA_CACHE_DIR", str(tmp / "cache"))  # profiles and job overheads stay here
+        result = CliRunner().invoke(app, ["sweep", str(path), *SWEPT_OVERRIDES], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return SimpleNamespace(run=tmp / "runs" / "swept", model=model, space=path, output=result.output)
