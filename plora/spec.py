@@ -53,7 +53,6 @@ ASSETS_DIR: Path = Path(__file__).parent / "assets"
 KNOWN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".csv", ".parquet")
-METRICS: tuple[str, ...] = ("loss", "exact_match", "choice_accuracy")  # and user metrics "module:function"
 HYPERPARAMETERS: tuple[str, ...] = ("rank", "alpha", "learning_rate", "batch_size")
 #: A sweep larger than this is almost certainly a typo (a grid with one axis too many).
 MAX_ADAPTERS = 100_000
@@ -741,11 +740,11 @@ class TrainingConfig(_Model):
 
 
 class EvalConfig(_Model):
-    # loss, exact_match, choice_accuracy, or a user metric "module:function"
+    # plora.metrics.BUILTIN_METRICS, or a user metric "module:function"
     metrics: list[str] = Field(default_factory=lambda: ["loss", "exact_match"])
     max_new_tokens: int = Field(16, ge=1)
     objective: Optional[str] = None  # exact_match if measured, else the first metric
-    greater_is_better: Optional[bool] = None  # default: false for loss, true for every other metric
+    greater_is_better: Optional[bool] = None  # default: false for loss and perplexity, true for every other metric
     every_steps: Optional[int] = Field(None, ge=1)  # intermediate eval loss every N adapter steps (pruning, curves)
     choices: Optional[list[str]] = None  # choice_accuracy: the label choices of every row
     choices_column: Optional[str] = Field(None, min_length=1)  # or: a column with each row's own choices
@@ -808,10 +807,10 @@ class EvalConfig(_Model):
 
     @property
     def minimize(self) -> bool:
-        """Whether a lower objective is better (loss, or ``greater_is_better: false``)."""
-        if self.greater_is_better is not None:
-            return not self.greater_is_better
-        return self.objective == "loss"
+        """Whether a lower objective is better (loss, perplexity, or ``greater_is_better: false``)."""
+        from plora.metrics import minimize
+
+        return minimize(self.objective, self.greater_is_better)
 
 
 class RayConfig(_Model):

@@ -543,7 +543,7 @@ def write_unmeasured_base_metrics(prep: PreparedSweep) -> None:
     """base_metrics.json for a sweep without eval data: every metric null, so that nothing
     reads an eval loss of 0.0 that was never measured."""
     prep.run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = {f"eval_{m}": None for m in prep.spec.eval.metrics}
+    metrics = {f"eval_{m}": None for m in prep.spec.eval.metric_names}
     (prep.run_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
 
 

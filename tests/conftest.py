@@ -183,7 +183,8 @@ SWEPT_OVERRIDES = ["training.steps=6", "training.epochs=null", "eval.every_steps
 @pytest.fixture(scope="session")
 def swept_run(tmp_path_factory):
     """One small finished sweep, run through `plora sweep` with `SWEPT_OVERRIDES`, shared by
-    the tests of what a finished run offers: the overrides in its spec.yaml.
+    the tests of what a finished run offers: the overrides in its spec.yaml; the perplexity,
+    ROUGE-L and BLEU metrics, ranked by perplexity.
 
     A namespace: ``run`` (the run directory), ``model`` (the base model's folder), ``space``
     (the space file), ``output`` (what the command printed)."""
@@ -206,7 +207,8 @@ def swept_run(tmp_path_factory):
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8}]},
         "training": {"epochs": 1},
-        "eval": {"max_new_tokens": 6},
+        "eval": {"max_new_tokens": 6, "metrics": ["loss", "exact_match", "perplexity", "rouge_l", "bleu"],
+                 "objective": "perplexity"},
         "hardware": {"device": "cpu"},
         "output": {"dir": str(tmp / "runs")},
     }
