@@ -850,6 +850,42 @@ class OptunaConfig(_Model):
     study_name: Optional[str] = None  # default: the sweep's name
 
 
+class WandbConfig(_Model):
+    """A Weights & Biases run per adapter (`plora.tracking`)."""
+
+    project: str = Field("plora", min_length=1)
+    entity: Optional[str] = None  # default: the account's own
+    mode: Optional[Literal["online", "offline", "disabled"]] = None  # default: WANDB_MODE, else online
+    group: Optional[str] = None  # default: the sweep's name
+    tags: list[str] = Field(default_factory=list)
+
+
+class LoggingConfig(_Model):
+    """Experiment trackers each adapter's curves, eval metrics and hyperparameters go to
+    (`plora.tracking`); each needs its optional extra, checked here."""
+
+    tensorboard: bool = False  # event files under <run>/tensorboard/<adapter-id>/
+    wandb: Optional[WandbConfig] = None  # true: every default; a mapping: its settings
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _switch(cls, v: Any) -> Any:
+        if v is True:
+            return {}
+        return None if v is False else v
+
+    @field_validator("tensorboard", "wandb")
+    @classmethod
+    def _package(cls, v: Any, info: ValidationInfo) -> Any:
+        from plora.tracking.packages import missing_package
+
+        if v:
+            problem = missing_package(info.field_name)
+            if problem:
+                raise _Issue(problem)
+        return v
+
+
 class OutputConfig(_Model):
     dir: Path = Path("runs")
 
@@ -860,7 +896,7 @@ class OutputConfig(_Model):
         return Path(v).expanduser().resolve()
 
 
-_SECTIONS = ("model", "data", "lora", "space", "training", "eval", "hardware", "planner", "optuna", "output")
+_SECTIONS = ("model", "data", "lora", "space", "training", "eval", "hardware", "planner", "optuna", "logging", "output")
 
 
 class SweepSpec(_Model):
@@ -879,6 +915,7 @@ class SweepSpec(_Model):
     hardware: HardwareConfig = Field(default_factory=dict)
     planner: PlannerConfig = Field(default_factory=dict)
     optuna: OptunaConfig = Field(default_factory=dict)
+    logging: LoggingConfig = Field(default_factory=dict)
     output: OutputConfig = Field(default_factory=dict)
 
     @model_validator(mode="before")

@@ -402,6 +402,7 @@ def run_prepared(
     from plora.engine.journal import Journal
     from plora.engine.local import default_slots
     from plora.engine.runner import Drift, Engine
+    from plora.tracking.forward import Tracker
 
     if slots is None:
         slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
@@ -412,6 +413,7 @@ def run_prepared(
         write_unmeasured_base_metrics(prep)  # no job evaluates the base model on nothing
     journal = Journal(prep.run_dir / "journal.sqlite")
     journal.add_adapters(by_id)
+    tracker = Tracker.for_spec(prep.spec, prep.run_dir)  # TensorBoard, W&B: each adapter as it finishes
     first_job = prep.plan.jobs[0].id if prep.plan.jobs else None
 
     def write_job(job: Job) -> Path:
@@ -425,6 +427,7 @@ def run_prepared(
         return job_dir
 
     def tick(snapshot) -> None:
+        tracker.poll(by_id)
         if on_snapshot is not None:
             on_snapshot(snapshot)
         if on_tick is not None:
@@ -460,6 +463,7 @@ def run_prepared(
     finally:
         journal.close()
         backend.close()
+        tracker.close(by_id)
     if engine.drift.overhead_s is not None and (prep.hardware is None or prep.hardware.local):
         from plora.profiling.cache import remember_job_overhead
         from plora.profiling.errors import ProfileError

@@ -184,10 +184,11 @@ SWEPT_OVERRIDES = ["training.steps=6", "training.epochs=null", "eval.every_steps
 def swept_run(tmp_path_factory):
     """One small finished sweep, run through `plora sweep` with `SWEPT_OVERRIDES`, shared by
     the tests of what a finished run offers: the overrides in its spec.yaml; the perplexity,
-    ROUGE-L and BLEU metrics, ranked by perplexity.
+    ROUGE-L and BLEU metrics, ranked by perplexity; TensorBoard and W&B (offline) tracking.
 
     A namespace: ``run`` (the run directory), ``model`` (the base model's folder), ``space``
     (the space file), ``output`` (what the command printed)."""
+    import importlib.util
     from types import SimpleNamespace
 
     import yaml
@@ -198,6 +199,9 @@ def swept_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("swept")
     model = ASSETS_DIR / "tiny-llama"
+    logging = {"tensorboard": True}
+    if importlib.util.find_spec("wandb") is not None:
+        logging["wandb"] = {"project": "plora-tests", "mode": "offline"}
     space = {
         "name": "swept",
         "model": {"path": str(model), "max_seq_len": 48},
@@ -210,12 +214,14 @@ def swept_run(tmp_path_factory):
         "eval": {"max_new_tokens": 6, "metrics": ["loss", "exact_match", "perplexity", "rouge_l", "bleu"],
                  "objective": "perplexity"},
         "hardware": {"device": "cpu"},
+        "logging": logging,
         "output": {"dir": str(tmp / "runs")},
     }
     path = tmp / "space.yaml"
     path.write_text(yaml.safe_dump(space))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PLORA_CACHE_DIR", str(tmp / "cache"))  # profiles and job overheads stay here
+        mp.setenv("WANDB_SILENT", "true")
         result = CliRunner().invoke(app, ["sweep", str(path), *SWEPT_OVERRIDES], terminal_width=200)
     assert result.exit_code == 0, result.output
     return SimpleNamespace(run=tmp / "runs" / "swept", model=model, space=path, output=result.output)
