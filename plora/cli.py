@@ -316,6 +316,29 @@ def plan(
 
 
 @app.command()
+def export(
+    run: Path = typer.Argument(..., help="A run directory (<output.dir>/<name>)."),
+    adapter_id: Optional[str] = typer.Argument(None, help="The adapter to export (its id, a-...)."),
+    best: bool = typer.Option(False, "--best", help="The best finished adapter by the sweep's objective."),
+    every: bool = typer.Option(False, "--all", help="Every adapter that has saved weights, a folder each."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Folder to write (with --all: a folder per adapter in it); default RUN/exports/<id>."),
+    merge: bool = typer.Option(False, "--merge", help="A whole Hugging Face model with the adapter merged into its weights."),
+) -> None:
+    """Export adapters of RUN: a PEFT folder with the base model's tokenizer, or with --merge a merged model."""
+    from plora.export import ExportError, export_adapters, select_adapters
+
+    try:
+        ids = select_adapters(run, adapter_id, best=best, every=every)
+        exported = export_adapters(run, ids, output, merge=merge, nested=every)
+    except ExportError as e:
+        fail(str(e))
+    for item in exported:
+        kind = "merged model" if item.merged else "PEFT adapter"
+        console.print(f"{item.adapter_id}: {kind} → {escape(str(item.path))}", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def status(run: Path = typer.Argument(..., help="A run directory (runs/<name>).")) -> None:
     """Where a sweep stands: adapters by state and every job, from the run's journal."""
     if not (run / "journal.sqlite").is_file():

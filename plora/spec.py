@@ -41,6 +41,7 @@ __all__ = [
     "SweepSpec",
     "available_models",
     "load_spec",
+    "parse_model_section",
     "parse_spec",
     "resolve_targets",
 ]
@@ -1050,6 +1051,18 @@ def parse_spec(data: dict, base_dir: Path | None = None, *, sampled: bool = Fals
         return SweepSpec.model_validate(data, context={"base_dir": base, "sampled": sampled})
     except ValidationError as err:
         raise _from_validation_error(err) from None
+
+
+def parse_model_section(data: Any, base_dir: Path | None = None) -> ModelConfig:
+    """A space's ``model`` section alone, validated as in the whole file (errors named
+    ``model.<field>``): what reads a run's base model back (`plora.export`) needs it
+    without the rest of the spec, whose data files may have moved since the run."""
+    base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
+    try:
+        return ModelConfig.model_validate({} if data is None else data, context={"base_dir": base})
+    except ValidationError as err:
+        e = _from_validation_error(err)
+        raise SpecError(f"model.{e.field}" if e.field != "spec" else "model", e.message) from None
 
 
 class _SpecDumper(yaml.SafeDumper):

@@ -176,15 +176,31 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
     return prep, run_prepared(prep, slots=list(slots))
 
 
+
+#: a chat template for the swept run's model (the shipped tiny Llama has none)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 #: the swept run's command-line overrides (`plora.overrides`): what its spec.yaml must show
 SWEPT_OVERRIDES = ["training.steps=6", "training.epochs=null", "eval.every_steps=3", "planner.max_adapters_per_job=2"]
+
+
+def _model_with_chat_template(out: Path) -> Path:
+    """The shipped tiny Llama with `CHAT_TEMPLATE` in its tokenizer_config.json."""
+    import shutil
+
+    from plora.spec import ASSETS_DIR
+
+    shutil.copytree(ASSETS_DIR / "tiny-llama", out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}, indent=2))
+    return out
 
 
 @pytest.fixture(scope="session")
 def swept_run(tmp_path_factory):
     """One small finished sweep, run through `plora sweep` with `SWEPT_OVERRIDES`, shared by
     the tests of what a finished run offers: the overrides in its spec.yaml; the perplexity,
-    ROUGE-L and BLEU metrics, ranked by perplexity; TensorBoard and W&B (offline) tracking.
+    ROUGE-L and BLEU metrics, ranked by perplexity; TensorBoard and W&B (offline) tracking;
+    `plora export`, whose tests need a base model with a chat template.
 
     A namespace: ``run`` (the run directory), ``model`` (the base model's folder), ``space``
     (the space file), ``output`` (what the command printed)."""
@@ -195,10 +211,9 @@ def swept_run(tmp_path_factory):
     from typer.testing import CliRunner
 
     from plora.cli import app
-    from plora.spec import ASSETS_DIR
 
     tmp = tmp_path_factory.mktemp("swept")
-    model = ASSETS_DIR / "tiny-llama"
+    model = _model_with_chat_template(tmp / "model")
     logging = {"tensorboard": True}
     if importlib.util.find_spec("wandb") is not None:
         logging["wandb"] = {"project": "plora-tests", "mode": "offline"}
