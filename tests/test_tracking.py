@@ -3,6 +3,7 @@ run and a W&B run per adapter, with its loss curve, eval metrics and hyperparame
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -115,12 +116,14 @@ def test_wandb_offline_run_per_adapter_with_its_config_and_curve(swept_run):
 def test_each_adapter_is_sent_once(swept_run):
     """A resumed sweep, or the next batch of `plora tune`, sends only what is new."""
     sent = read_jsonl(swept_run.run / TRACKED_FILE)
-    trackers = {"tensorboard", "wandb"} if "wandb" in {r["tracker"] for r in sent} else {"tensorboard"}
+    trackers = {t for t in ("tensorboard", "wandb") if importlib.util.find_spec(t) is not None}  # as swept_run
+    if not trackers:
+        pytest.skip("neither tensorboard nor wandb is installed")
     ids = sorted(pd.read_parquet(swept_run.run / "results.parquet").adapter_id)
     assert sorted((r["tracker"], r["adapter"]) for r in sent) == sorted((t, a) for t in trackers for a in ids)
 
     class Counting:
-        name = "tensorboard"
+        name = sorted(trackers)[0]
         calls: list = []
 
         def log_adapter(self, record) -> None:
