@@ -58,10 +58,11 @@ def _overrides() -> Optional[list[str]]:
 
 
 def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: Optional[list[str]] = None):
-    """The space (with its command-line `overrides`), its model checked. With `warm`, the first job's process starts importing
-    as soon as the space says where it runs (`plora.engine.spare`), before this process
-    imports torch for the model check: on an H100 machine a job's imports take 12 s, which
-    the sweep's validation and planning hide only if they start first."""
+    """The space (with its command-line `overrides`), its model checked. With `warm`, the
+    first job's process starts importing as soon as the space says where it runs
+    (`plora.engine.spare`), before this process imports torch for the model check: on an
+    H100 machine a job's imports take 12 s, which the sweep's validation and planning hide
+    only if they start first."""
     from plora.engine import spare
     from plora.model_check import check_spec_model
     from plora.spec import SpecError, load_spec
