@@ -67,17 +67,26 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
-def _load(space: Path, *, sampled: bool = False, warm: bool = False):
-    """The space, its model checked. With `warm`, the first job's process starts importing
-    as soon as the space says where it runs (`plora.engine.spare`), before this process
-    imports torch for the model check: on an H100 machine a job's imports take 12 s, which
-    the sweep's validation and planning hide only if they start first."""
+#: the space file's values changed on the command line (`plora.overrides`)
+OVERRIDES_HELP = "Overrides of the space file's values, KEY=VALUE (a dotted field, a YAML value): training.epochs=2 space.rank=[8,16]."
+
+
+def _overrides() -> Optional[list[str]]:
+    return typer.Argument(None, metavar="KEY=VALUE", help=OVERRIDES_HELP, show_default=False)
+
+
+def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: Optional[list[str]] = None):
+    """The space (with its command-line `overrides`), its model checked. With `warm`, the
+    first job's process starts importing as soon as the space says where it runs
+    (`plora.engine.spare`), before this process imports torch for the model check: on an
+    H100 machine a job's imports take 12 s, which the sweep's validation and planning hide
+    only if they start first."""
     from plora.engine import spare
     from plora.model_check import check_spec_model
     from plora.spec import SpecError, load_spec
 
     try:
-        spec = load_spec(space, sampled=sampled)
+        spec = load_spec(space, sampled=sampled, overrides=overrides or ())
         if warm and spec.hardware.backend == "local":
             spare.prime(spare.first_gpus(spec.hardware.device))
         check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
@@ -116,13 +125,14 @@ def _note_hardware(spec, hw) -> None:
         err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
 
 
-def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False, fresh: bool = False):
+def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False, fresh: bool = False,
+             overrides: Optional[list[str]] = None):
     """Expand and plan; with `probe`, a GPU with nothing measured of the model may first
     measure two short packs (`plora.sweep.prepare`).
     With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`)."""
     from plora.engine import spare
 
-    spec = _load(space, warm=warm)  # the first job's process imports meanwhile
+    spec = _load(space, warm=warm, overrides=overrides)  # the first job's process imports meanwhile
     warm = warm and spec.hardware.backend == "local"
     try:
         _check_output(spec.run_dir(output))
@@ -156,6 +166,7 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
 @app.command()
 def sweep(
     space: Path = typer.Argument(..., help="The space file (YAML)."),
+    overrides: Optional[list[str]] = _overrides(),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the configurations and jobs; train nothing."),
     restart: bool = typer.Option(False, "--restart", help="Delete the run directory first and start over."),
@@ -164,7 +175,8 @@ def sweep(
                                          "safe memory margin; never measure before the first job."),
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
-    prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run, fresh=restart)
+    prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run, fresh=restart,
+                    overrides=overrides)
     planned_at = time.time()
     if dry_run:
         console.print(views.configs_table(prep))
@@ -208,6 +220,7 @@ def sweep(
 @app.command()
 def tune(
     space: Path = typer.Argument(..., help="The space file (YAML)."),
+    overrides: Optional[list[str]] = _overrides(),
     sampler: str = typer.Option("tpe", "--sampler", help="Optuna sampler: tpe, random, grid, cmaes, gp, qmc, nsgaii, bruteforce."),
     trials: Optional[int] = typer.Option(None, "--trials", "-n", help="Trials to run (default: the space's number of configurations)."),
     batch: Optional[int] = typer.Option(None, "--batch", "-k", help="Trials trained packed together per batch (default: max_adapters_per_job × slots)."),
@@ -222,7 +235,7 @@ def tune(
     from plora.tuning.loop import check_tune_request, run_tune
     from plora.tuning.study import storage_url, study_name
 
-    spec = _load(space, sampled=True, warm=True)  # the first job's process imports meanwhile
+    spec = _load(space, sampled=True, warm=True, overrides=overrides)  # the first job's process imports meanwhile
     run_dir = spec.run_dir(output)
     _check_output(run_dir)
     try:
@@ -288,6 +301,7 @@ def report(
 @app.command()
 def plan(
     space: Path = typer.Argument(..., help="The space file (YAML)."),
+    overrides: Optional[list[str]] = _overrides(),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="A profile.json to plan with (default: the run's, a cached one, or the analytic prior)."),
     here: bool = typer.Option(False, "--here", help="Plan for this machine's GPUs/cores instead of the space file's hardware."),
@@ -298,7 +312,7 @@ def plan(
     """
     from plora.sweep import hardware_for, prepare, write_plan
 
-    spec = _load(space)
+    spec = _load(space, overrides=overrides)
     _check_output(spec.run_dir(output))
     cm = None
     if profile is not None:
@@ -328,6 +342,29 @@ def plan(
 
 
 @app.command()
+def export(
+    run: Path = typer.Argument(..., help="A run directory (<output.dir>/<name>)."),
+    adapter_id: Optional[str] = typer.Argument(None, help="The adapter to export (its id, a-...)."),
+    best: bool = typer.Option(False, "--best", help="The best finished adapter by the sweep's objective."),
+    every: bool = typer.Option(False, "--all", help="Every adapter that has saved weights, a folder each."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Folder to write (with --all: a folder per adapter in it); default RUN/exports/<id>."),
+    merge: bool = typer.Option(False, "--merge", help="A whole Hugging Face model with the adapter merged into its weights."),
+) -> None:
+    """Export adapters of RUN: a PEFT folder with the base model's tokenizer, or with --merge a merged model."""
+    from plora.export import ExportError, export_adapters, select_adapters
+
+    try:
+        ids = select_adapters(run, adapter_id, best=best, every=every)
+        exported = export_adapters(run, ids, output, merge=merge, nested=every)
+    except ExportError as e:
+        fail(str(e))
+    for item in exported:
+        kind = "merged model" if item.merged else "PEFT adapter"
+        console.print(f"{item.adapter_id}: {kind} → {escape(str(item.path))}", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def status(run: Path = typer.Argument(..., help="A run directory (runs/<name>).")) -> None:
     """Where a sweep stands: adapters by state and every job, from the run's journal."""
     if not (run / "journal.sqlite").is_file():
@@ -339,6 +376,7 @@ def status(run: Path = typer.Argument(..., help="A run directory (runs/<name>)."
 @app.command()
 def profile(
     space: Path = typer.Argument(..., help="The space file (YAML)."),
+    overrides: Optional[list[str]] = _overrides(),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
     force: bool = typer.Option(False, "--force", help="Probe again even when a cached profile matches."),
 ) -> None:
@@ -348,7 +386,7 @@ def profile(
     from plora.profiling.profile import profile_sweep
     from plora.profiling.record import load_profile
 
-    spec = _load(space)
+    spec = _load(space, overrides=overrides)
     run_dir = spec.run_dir(output)
     _check_output(run_dir)
     with console.status("profiling") as st:

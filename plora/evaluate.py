@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from plora.data import IGNORE_INDEX, Sample, TextTokenizer
-from plora.metrics import choice_accuracy, generated_metrics, score_predictions
+from plora.metrics import choice_accuracy, generated_metrics, needs_eval_loss, perplexity, score_predictions
 from plora.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to, last_position_logits
 from plora.packed.inject import PackedModel
 from plora.packed.rows import LabelParts
@@ -188,9 +188,12 @@ def evaluate_adapters(
     try:
         results: list[dict[str, float]] = [{} for _ in adapters]
         budget = eval_token_budget(pm, device, token_budget)
-        if "loss" in metrics and samples:
+        if needs_eval_loss(metrics) and samples:
             for i, loss in enumerate(_eval_loss(pm, list(adapters), samples, device, budget, batch_rows, tok.pad_id)):
-                results[i]["eval_loss"] = loss
+                if "loss" in metrics:
+                    results[i]["eval_loss"] = loss
+                if "perplexity" in metrics:
+                    results[i]["eval_perplexity"] = perplexity(loss)
         generated = generated_metrics(metrics)
         if generated and (samples or examples):
             prompts, references = _prompts(samples, examples, tok, max_seq_len)

@@ -26,6 +26,7 @@ import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
+from plora.metrics import generated_metrics
 from plora.row_layout import priced_row_tokens
 
 __all__ = ["EvalLoad", "JobOverheads", "eval_features", "fit_overheads"]
@@ -193,10 +194,6 @@ def _fit_eval(X: list[list[float]], y: list[float]) -> list[float]:
     return [float(v) for v in out]
 
 
-#: metrics that need no generated text (every other one decodes answers)
-NO_GENERATION = ("loss", "choice_accuracy", "choice")
-
-
 #: training rows tokenized to price a sweep's steps (a sample of larger sets)
 ROWS_SAMPLED = 2000
 
@@ -271,8 +268,13 @@ def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | 
     if not lengths:
         return None
     buckets = spec.training.length_buckets if length_buckets is None else length_buckets
-    return priced_row_tokens(row_layout or spec.training.row_layout, graphed=graphed, lengths=lengths,
-                             max_seq_len=int(spec.model.max_seq_len), length_buckets=buckets)
+    layout = row_layout or spec.training.row_layout
+    if layout == "balanced" and graphed:  # a segment sized for every batch (`plora.balanced_stream`)
+        from plora.balanced_stream import balanced_row_tokens
+
+        return balanced_row_tokens(list(lengths))
+    return priced_row_tokens(layout, graphed=graphed, lengths=lengths, max_seq_len=int(spec.model.max_seq_len),
+                             length_buckets=buckets)
 
 
 def widest_train_row(spec: Any, *, graphed: bool = False, lengths: list[int] | None = None,
@@ -305,7 +307,7 @@ def eval_load_for(spec: Any) -> EvalLoad | None:
         return None
     seq = int(spec.model.max_seq_len)
     metrics = [str(m) for m in spec.eval.metrics]
-    generates = any(m not in NO_GENERATION for m in metrics)
+    generates = bool(generated_metrics(metrics))
     new = int(spec.eval.max_new_tokens) if generates else 0
     try:
         from plora.data import tokenize_examples

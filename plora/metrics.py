@@ -1,16 +1,21 @@
 """Eval metrics by name: the built-in ones and a user's ``module:function``.
 
 A metric is named in the space file (``eval.metrics``) and lands in results as
-``eval_<name>``: ``loss``, ``exact_match`` (the greedy answer equals the reference),
-``choice_accuracy`` (the label choice with the highest log-likelihood is the reference: no
-generation) and user metrics, called with the generated predictions and the references and
-returning a float (named after the function: ``mymetrics:f1`` gives ``eval_f1``). A user
-metric is imported when the space file is validated, so a typo fails there, not in a job.
+``eval_<name>``: ``loss``, ``perplexity`` (exp of the eval loss), ``exact_match`` (the
+greedy answer equals the reference), ``rouge_l`` and ``bleu`` (the greedy answers against
+the references, by the maintained ``rouge-score`` and ``sacrebleu`` packages: the
+``plora[metrics]`` extra), ``choice_accuracy`` (the label choice with the highest
+log-likelihood is the reference: no generation) and user metrics, called with the generated
+predictions and the references and returning a float (named after the function:
+``mymetrics:f1`` gives ``eval_f1``). A user metric is imported, and a metric's package
+looked for, when the space file is validated, so a typo or a missing package fails there,
+not in a job.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -18,18 +23,32 @@ from pathlib import Path
 
 __all__ = [
     "BUILTIN_METRICS",
+    "LOWER_IS_BETTER",
     "MetricError",
+    "bleu",
     "check_metric",
     "choice_accuracy",
     "exact_match",
     "generated_metrics",
     "load_metric",
+    "lower_is_better",
     "metric_name",
     "metric_paths",
+    "minimize",
+    "needs_eval_loss",
+    "perplexity",
+    "rouge_l",
     "score_predictions",
 ]
 
-BUILTIN_METRICS: tuple[str, ...] = ("loss", "exact_match", "choice_accuracy")
+BUILTIN_METRICS: tuple[str, ...] = ("loss", "perplexity", "exact_match", "rouge_l", "bleu", "choice_accuracy")
+#: metrics where lower is better (every other one, a user's too, is higher-is-better by default)
+LOWER_IS_BETTER: tuple[str, ...] = ("loss", "perplexity")
+#: metrics scored from the greedy answers by a built-in function
+_GENERATED: tuple[str, ...] = ("exact_match", "rouge_l", "bleu")
+#: metrics computed by a package of the ``plora[metrics]`` extra: (import name, PyPI name)
+_PACKAGES: dict[str, tuple[str, str]] = {"rouge_l": ("rouge_score", "rouge-score"), "bleu": ("sacrebleu", "sacrebleu")}
+METRICS_EXTRA = "plora[metrics]"
 
 
 class MetricError(ValueError):
@@ -48,8 +67,27 @@ def metric_name(name: str) -> str:
 
 
 def generated_metrics(names: Sequence[str]) -> list[str]:
-    """The metrics that need generated answers: exact match and user metrics."""
-    return [n for n in names if n == "exact_match" or is_user_metric(n)]
+    """The metrics that need generated answers: exact match, ROUGE-L, BLEU and user metrics."""
+    return [n for n in names if n in _GENERATED or is_user_metric(n)]
+
+
+def needs_eval_loss(names: Sequence[str]) -> bool:
+    """Whether these metrics need the eval loss (perplexity is its exponential)."""
+    return any(n in LOWER_IS_BETTER for n in names)
+
+
+def lower_is_better(name: str) -> bool:
+    """A metric's own direction (`LOWER_IS_BETTER`), by its results name."""
+    return metric_name(name) in LOWER_IS_BETTER
+
+
+def minimize(objective: str, greater_is_better: bool | None = None) -> bool:
+    """Whether a lower ``objective`` ranks first: ``eval.greater_is_better`` when the space
+    file sets it, else the metric's own direction. The one rule every ranking follows (the
+    results table, the Optuna study, the report, ``plora export --best``)."""
+    if greater_is_better is not None:
+        return not greater_is_better
+    return lower_is_better(objective)
 
 
 def _resolve(name: str) -> Callable:
@@ -79,6 +117,10 @@ def check_metric(name: str, base_dir: Path | None = None) -> None:
         if name not in BUILTIN_METRICS:
             raise MetricError(f"unknown metric {name!r}; expected one of {', '.join(BUILTIN_METRICS)} "
                               "or a user metric module:function")
+        if name in _PACKAGES:
+            module, package = _PACKAGES[name]
+            if importlib.util.find_spec(module) is None:
+                raise MetricError(f"{name} needs the {package} package: pip install \"{METRICS_EXTRA}\"")
         return
     if base_dir is not None and str(base_dir) not in sys.path:
         try:
@@ -134,13 +176,45 @@ def choice_accuracy(scores: Sequence[Sequence[float]], gold: Sequence[int]) -> f
     return hits / max(1, len(gold))
 
 
+def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> float:
+    """Mean ROUGE-L F1 of each answer against its reference, by ``rouge-score`` (its own
+    tokenization: lowercased letters and digits, no stemming), in [0, 1]."""
+    from rouge_score.rouge_scorer import RougeScorer
+
+    scorer = RougeScorer(["rougeL"], use_stemmer=False)
+    scores = [scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)]
+    return sum(scores) / max(1, len(references))
+
+
+def bleu(predictions: Sequence[str], references: Sequence[str]) -> float:
+    """Corpus BLEU of the answers against one reference each, by ``sacrebleu`` with its
+    defaults (13a tokenization, exponential smoothing), on sacrebleu's 0-100 scale: the
+    number papers report."""
+    import sacrebleu
+
+    return float(sacrebleu.corpus_bleu(list(predictions), [list(references)]).score)
+
+
+def perplexity(eval_loss: float) -> float:
+    """exp of the token-weighted mean eval loss (inf where that overflows)."""
+    try:
+        return math.exp(eval_loss)
+    except OverflowError:
+        return math.inf
+
+
+_SCORERS: dict[str, Callable[[Sequence[str], Sequence[str]], float]] = {
+    "exact_match": exact_match, "rouge_l": rouge_l, "bleu": bleu,
+}
+
+
 def score_predictions(names: Sequence[str], predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
     """``eval_<name>`` of every generated metric. A user metric that raises or returns no
     number scores NaN, with a line on stderr: a metric never costs the training."""
     out: dict[str, float] = {}
     for name in names:
-        if name == "exact_match":
-            out["eval_exact_match"] = exact_match(predictions, references)
+        if name in _SCORERS:
+            out[f"eval_{name}"] = _SCORERS[name](predictions, references)
             continue
         try:
             value = float(load_metric(name)(list(predictions), list(references)))

@@ -41,6 +41,7 @@ import yaml
 
 from plora.adapter_spans import SPAN_COLUMNS, JobRun, adapter_spans, planned_adapters, read_json, read_jsonl
 from plora.jobcontrol import read_joins
+from plora.metrics import minimize as minimize_objective
 
 if TYPE_CHECKING:
     from plora.costmodel import AdapterLoad
@@ -278,7 +279,7 @@ def load_run(run_dir: Path | str) -> RunData:
         run_dir=run_dir,
         name=str(spec.get("name") or run_dir.name),
         objective=str(objective),
-        minimize=str(objective) == "loss",
+        minimize=minimize_objective(str(objective), ev.get("greater_is_better")),
         spec=spec,
         results=results,
         base={k: v for k, v in base.items() if isinstance(v, (int, float))},

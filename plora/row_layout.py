@@ -29,8 +29,6 @@ def rows_flattened(layout: str, *, graphed: bool) -> bool:
 #: a graphed sweep whose rows, padded in their best length buckets, would cost at least this
 #: many times their real tokens draws balanced batches instead (`sweep_row_layout`)
 BALANCE_WHEN_PADDED_OVER = 1.08
-#: a balanced segment's size is a multiple of this (`plora.packed.rows.held_sizes`)
-BALANCED_MULTIPLE = 16
 
 
 def widest_row_tokens(layout: str, *, graphed: bool, lengths: list[int], max_seq_len: int) -> float:
@@ -45,30 +43,16 @@ def widest_row_tokens(layout: str, *, graphed: bool, lengths: list[int], max_seq
     return float(padded_width(longest, int(max_seq_len)))
 
 
-def balanced_row_tokens(lengths: list[int], batch_size: int = 2, steps: int = 1024) -> float:
-    """What a row costs a graphed step in balanced batches: the segment size that holds
-    ``steps`` batches of ``batch_size`` (one per adapter, `plora.balanced_stream`), per row."""
-    from plora.balanced_stream import BalancedStream
-
-    if not lengths:
-        return 0.0
-    stream = BalancedStream(len(lengths), 0, lengths=lengths, batch_size=batch_size)
-    most = stream.max_batch_tokens(min(steps, max(1, 4 * len(lengths) // batch_size)))
-    size = -(-(most + 1) // BALANCED_MULTIPLE) * BALANCED_MULTIPLE
-    return size / batch_size
-
-
 def priced_row_tokens(layout: str, *, graphed: bool, lengths: list[int], max_seq_len: int,
                       length_buckets: int | str = "auto") -> float:
     """What one training row of these ``lengths`` costs a step, in tokens: its real tokens
-    where rows are flattened (in balanced batches of a graphed step, its share of a segment
-    sized for every batch: `balanced_row_tokens`); right-padded, the width its step pads to: the longest row of
+    where rows are flattened (in balanced batches of a graphed step, a segment sized for
+    every batch costs a little more: `plora.balanced_stream.balanced_row_tokens`, which its
+    callers ask); right-padded, the width its step pads to: the longest row of
     its length bucket (`bucketed_row_tokens`; one bucket: of all rows), rounded up to
     `WIDTH_MULTIPLE`, at most ``max_seq_len``."""
     if not lengths:
         return 0.0
-    if layout == "balanced" and graphed:
-        return balanced_row_tokens(list(lengths))
     flattened = rows_flattened(layout, graphed=graphed)
     if flattened:
         return sum(lengths) / len(lengths)

@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
@@ -40,6 +41,7 @@ __all__ = [
     "SweepSpec",
     "available_models",
     "load_spec",
+    "parse_model_section",
     "parse_spec",
     "resolve_targets",
 ]
@@ -52,7 +54,6 @@ ASSETS_DIR: Path = Path(__file__).parent / "assets"
 KNOWN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".csv", ".parquet")
-METRICS: tuple[str, ...] = ("loss", "exact_match", "choice_accuracy")  # and user metrics "module:function"
 HYPERPARAMETERS: tuple[str, ...] = ("rank", "alpha", "learning_rate", "batch_size")
 #: A sweep larger than this is almost certainly a typo (a grid with one axis too many).
 MAX_ADAPTERS = 100_000
@@ -743,11 +744,11 @@ class TrainingConfig(_Model):
 
 
 class EvalConfig(_Model):
-    # loss, exact_match, choice_accuracy, or a user metric "module:function"
+    # plora.metrics.BUILTIN_METRICS, or a user metric "module:function"
     metrics: list[str] = Field(default_factory=lambda: ["loss", "exact_match"])
     max_new_tokens: int = Field(16, ge=1)
     objective: Optional[str] = None  # exact_match if measured, else the first metric
-    greater_is_better: Optional[bool] = None  # default: false for loss, true for every other metric
+    greater_is_better: Optional[bool] = None  # default: false for loss and perplexity, true for every other metric
     every_steps: Optional[int] = Field(None, ge=1)  # intermediate eval loss every N adapter steps (pruning, curves)
     choices: Optional[list[str]] = None  # choice_accuracy: the label choices of every row
     choices_column: Optional[str] = Field(None, min_length=1)  # or: a column with each row's own choices
@@ -810,10 +811,10 @@ class EvalConfig(_Model):
 
     @property
     def minimize(self) -> bool:
-        """Whether a lower objective is better (loss, or ``greater_is_better: false``)."""
-        if self.greater_is_better is not None:
-            return not self.greater_is_better
-        return self.objective == "loss"
+        """Whether a lower objective is better (loss, perplexity, or ``greater_is_better: false``)."""
+        from plora.metrics import minimize
+
+        return minimize(self.objective, self.greater_is_better)
 
 
 class RayConfig(_Model):
@@ -859,6 +860,42 @@ class OptunaConfig(_Model):
     study_name: Optional[str] = None  # default: the sweep's name
 
 
+class WandbConfig(_Model):
+    """A Weights & Biases run per adapter (`plora.tracking`)."""
+
+    project: str = Field("plora", min_length=1)
+    entity: Optional[str] = None  # default: the account's own
+    mode: Optional[Literal["online", "offline", "disabled"]] = None  # default: WANDB_MODE, else online
+    group: Optional[str] = None  # default: the sweep's name
+    tags: list[str] = Field(default_factory=list)
+
+
+class LoggingConfig(_Model):
+    """Experiment trackers each adapter's curves, eval metrics and hyperparameters go to
+    (`plora.tracking`); each needs its optional extra, checked here."""
+
+    tensorboard: bool = False  # event files under <run>/tensorboard/<adapter-id>/
+    wandb: Optional[WandbConfig] = None  # true: every default; a mapping: its settings
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _switch(cls, v: Any) -> Any:
+        if v is True:
+            return {}
+        return None if v is False else v
+
+    @field_validator("tensorboard", "wandb")
+    @classmethod
+    def _package(cls, v: Any, info: ValidationInfo) -> Any:
+        from plora.tracking.packages import missing_package
+
+        if v:
+            problem = missing_package(info.field_name)
+            if problem:
+                raise _Issue(problem)
+        return v
+
+
 class OutputConfig(_Model):
     dir: Path = Path("runs")
 
@@ -869,7 +906,7 @@ class OutputConfig(_Model):
         return Path(v).expanduser().resolve()
 
 
-_SECTIONS = ("model", "data", "lora", "space", "training", "eval", "hardware", "planner", "optuna", "output")
+_SECTIONS = ("model", "data", "lora", "space", "training", "eval", "hardware", "planner", "optuna", "logging", "output")
 
 
 class SweepSpec(_Model):
@@ -888,6 +925,7 @@ class SweepSpec(_Model):
     hardware: HardwareConfig = Field(default_factory=dict)
     planner: PlannerConfig = Field(default_factory=dict)
     optuna: OptunaConfig = Field(default_factory=dict)
+    logging: LoggingConfig = Field(default_factory=dict)
     output: OutputConfig = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -1024,6 +1062,18 @@ def parse_spec(data: dict, base_dir: Path | None = None, *, sampled: bool = Fals
         raise _from_validation_error(err) from None
 
 
+def parse_model_section(data: Any, base_dir: Path | None = None) -> ModelConfig:
+    """A space's ``model`` section alone, validated as in the whole file (errors named
+    ``model.<field>``): what reads a run's base model back (`plora.export`) needs it
+    without the rest of the spec, whose data files may have moved since the run."""
+    base = Path(base_dir).expanduser().resolve() if base_dir is not None else Path.cwd()
+    try:
+        return ModelConfig.model_validate({} if data is None else data, context={"base_dir": base})
+    except ValidationError as err:
+        e = _from_validation_error(err)
+        raise SpecError(f"model.{e.field}" if e.field != "spec" else "model", e.message) from None
+
+
 class _SpecDumper(yaml.SafeDumper):
     """Block mappings, one-line lists of scalars: reads like a hand-written space file."""
 
@@ -1053,10 +1103,11 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_spec(path: str | Path, *, sampled: bool = False) -> SweepSpec:
+def load_spec(path: str | Path, *, sampled: bool = False, overrides: Sequence[str] = ()) -> SweepSpec:
     """Read and validate a space file. Raises :class:`SpecError` (missing file, bad YAML,
     bad field), with relative paths resolved against the file's folder; ``sampled`` as in
-    :func:`parse_spec`."""
+    :func:`parse_spec`. ``overrides`` (``key=value``, `plora.overrides`) change the file's
+    values before validation, so they are checked as if written in it."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise SpecError(str(path), "file not found" if not path.exists() else "not a file")
@@ -1074,4 +1125,11 @@ def load_spec(path: str | Path, *, sampled: bool = False) -> SweepSpec:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else type(data).__name__
         raise SpecError(str(path), f"top level must be a mapping, got {got}")
+    if overrides:
+        from plora.overrides import OverrideError, apply_overrides
+
+        try:
+            data = apply_overrides(data, overrides)
+        except OverrideError as e:
+            raise SpecError(e.field, e.message) from None
     return parse_spec(data, base_dir=path.resolve().parent, sampled=sampled)

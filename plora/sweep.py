@@ -567,6 +567,7 @@ def run_prepared(
     from plora.engine.journal import Journal
     from plora.engine.local import default_slots
     from plora.engine.runner import Drift, Engine
+    from plora.tracking.forward import Tracker
 
     if slots is None:
         slots = prep.hardware.slot_names() if prep.hardware else default_slots(prep.spec.hardware.device)
@@ -577,6 +578,7 @@ def run_prepared(
         write_unmeasured_base_metrics(prep)  # no job evaluates the base model on nothing
     journal = Journal(prep.run_dir / "journal.sqlite")
     journal.add_adapters(by_id)
+    tracker = Tracker.for_spec(prep.spec, prep.run_dir)  # TensorBoard, W&B: each adapter as it finishes
     first_job = prep.plan.jobs[0].id if prep.plan.jobs else None
 
     def write_job(job: Job) -> Path:
@@ -590,6 +592,7 @@ def run_prepared(
         return job_dir
 
     def tick(snapshot) -> None:
+        tracker.poll(by_id)
         if on_snapshot is not None:
             on_snapshot(snapshot)
         if on_tick is not None:
@@ -635,6 +638,7 @@ def run_prepared(
     finally:
         journal.close()
         backend.close()
+        tracker.close(by_id)
     from plora.profiling.calibrate import is_analytic
 
     if calibrator is not None and prep.hardware is not None and prep.hardware.local and is_analytic(prep.prior):
@@ -746,7 +750,7 @@ def write_unmeasured_base_metrics(prep: PreparedSweep) -> None:
     """base_metrics.json for a sweep without eval data: every metric null, so that nothing
     reads an eval loss of 0.0 that was never measured."""
     prep.run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = {f"eval_{m}": None for m in prep.spec.eval.metrics}
+    metrics = {f"eval_{m}": None for m in prep.spec.eval.metric_names}
     (prep.run_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
 
 

@@ -174,3 +174,71 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
                      grouping="fixed for the test")
     write_run_files(prep)
     return prep, run_prepared(prep, slots=list(slots))
+
+
+
+#: a chat template for the swept run's model (the shipped tiny Llama has none)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+#: the swept run's command-line overrides (`plora.overrides`): what its spec.yaml must show
+SWEPT_OVERRIDES = ["training.steps=6", "training.epochs=null", "eval.every_steps=3", "planner.max_adapters_per_job=2"]
+
+
+def _model_with_chat_template(out: Path) -> Path:
+    """The shipped tiny Llama with `CHAT_TEMPLATE` in its tokenizer_config.json."""
+    import shutil
+
+    from plora.spec import ASSETS_DIR
+
+    shutil.copytree(ASSETS_DIR / "tiny-llama", out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def swept_run(tmp_path_factory):
+    """One small finished sweep, run through `plora sweep` with `SWEPT_OVERRIDES`, shared by
+    the tests of what a finished run offers: the overrides in its spec.yaml; the perplexity,
+    ROUGE-L and BLEU metrics, ranked by perplexity; TensorBoard and W&B (offline) tracking;
+    `plora export`, whose tests need a base model with a chat template.
+
+    A namespace: ``run`` (the run directory), ``model`` (the base model's folder), ``space``
+    (the space file), ``output`` (what the command printed)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from plora.cli import app
+
+    tmp = tmp_path_factory.mktemp("swept")
+    model = _model_with_chat_template(tmp / "model")
+    logging = {}  # each tracker whose extra is installed (its tests skip otherwise)
+    if importlib.util.find_spec("tensorboard") is not None:
+        logging["tensorboard"] = True
+    if importlib.util.find_spec("wandb") is not None:
+        logging["wandb"] = {"project": "plora-tests", "mode": "offline"}
+    space = {
+        "name": "swept",
+        "model": {"path": str(model), "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 32, "num_eval": 8},
+        "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+            {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8}]},
+        "training": {"epochs": 1},
+        "eval": {"max_new_tokens": 6, "metrics": ["loss", "exact_match", "perplexity", "rouge_l", "bleu"],
+                 "objective": "perplexity"},
+        "hardware": {"device": "cpu"},
+        "logging": logging,
+        "output": {"dir": str(tmp / "runs")},
+    }
+    path = tmp / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLORA_CACHE_DIR", str(tmp / "cache"))  # profiles and job overheads stay here
+        mp.setenv("WANDB_SILENT", "true")
+        result = CliRunner().invoke(app, ["sweep", str(path), *SWEPT_OVERRIDES], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return SimpleNamespace(run=tmp / "runs" / "swept", model=model, space=path, output=result.output)

@@ -175,7 +175,7 @@ def test_bad_chat_rows(tmp_path, messages, pieces):
     ({}, {"metrics": ["loss", "no_such_module_here:f"]}, "eval.metrics[1]"),
     ({}, {"metrics": ["loss", "json:no_such_function"]}, "eval.metrics[1]"),
     ({}, {"metrics": ["loss", "json:__doc__"]}, "eval.metrics[1]"),
-    ({}, {"metrics": ["loss", "bleu"]}, "eval.metrics[1]"),
+    ({}, {"metrics": ["loss", "meteor"]}, "eval.metrics[1]"),
     ({}, {"metrics": ["loss"], "objective": "exact_match"}, "eval.objective"),
 ])
 def test_bad_data_and_eval_fields(tmp_path, data, eval, field):

@@ -117,6 +117,7 @@ def test_balanced_packs_equal_alone_bit_for_bit(tiny_model, reverse_data, tmp_pa
 def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
     from types import SimpleNamespace
 
+    from plora.balanced_stream import balanced_row_tokens
     from plora.jobcost import sweep_row_layout
     from plora.row_layout import priced_row_tokens
 
@@ -125,6 +126,6 @@ def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
     assert sweep_row_layout(spec, graphed=True, lengths=[250, 251, 252] * 50) == "auto"  # fixed rows: padded
     assert sweep_row_layout(spec, graphed=False, lengths=LENGTHS) == "auto"  # eager steps: flat already
     mean = statistics.fmean(LENGTHS)
-    price = priced_row_tokens("balanced", graphed=True, lengths=LENGTHS, max_seq_len=512)
+    price = balanced_row_tokens(LENGTHS)
     assert mean < price < 1.08 * mean
     assert price < priced_row_tokens("auto", graphed=True, lengths=LENGTHS, max_seq_len=512, length_buckets=8)

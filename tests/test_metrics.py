@@ -65,8 +65,8 @@ def test_metric_names_and_scores():
     assert metric_name("loss") == "loss" and metric_name("pkg.mod:f1") == "f1" and metric_name("m:C.score") == "C_score"
     assert exact_match(["ab ", "x"], ["ab", "y"]) == 0.5
     assert choice_accuracy([[-1.0, -2.0], [-3.0, -0.5], [0.0, -1.0]], [0, 1, 1]) == pytest.approx(2 / 3)
-    with pytest.raises(MetricError, match="unknown metric 'bleu'"):
-        check_metric("bleu")
+    with pytest.raises(MetricError, match="unknown metric 'meteor'"):
+        check_metric("meteor")
     with pytest.raises(MetricError, match="cannot import 'no_such_mod_xyz'"):
         check_metric("no_such_mod_xyz:f")
     with pytest.raises(MetricError, match="is not callable"):
@@ -148,3 +148,77 @@ def test_choice_accuracy_and_a_user_metric_through_the_cli(label_data, tmp_path)
     assert frame.eval_choice_accuracy.between(0, 1).all() and frame.eval_first_letter.between(0, 1).all()
     assert frame.eval_exact_match.isna().all()  # not measured
     assert "best configurations by choice_accuracy" in result.output and "accuracy" in result.output
+
+
+# ------------------------------------------------------------------ ROUGE-L, BLEU, perplexity
+
+ANSWERS = ["the cat sat on the mat", "a quick brown fox", "It wasn't surprising.", ""]
+REFERENCES = ["the cat is on the mat", "the quick brown fox jumps", "It was not unexpected.", "nothing"]
+
+
+def test_rouge_l_and_bleu_are_the_packages_own_scores():
+    from rouge_score.rouge_scorer import RougeScorer
+    from sacrebleu.metrics import BLEU
+
+    from plora.metrics import bleu, rouge_l
+
+    # ROUGE-L F1 by hand: a common subsequence of 5 words of 6 and 6; 3 of 4 and 5; 1 ("it")
+    # of 4 and 4 (rouge-score reads letters and digits: "wasn't" is "wasn t"); nothing
+    by_hand = [5 / 6, 2 * (3 / 4) * (3 / 5) / (3 / 4 + 3 / 5), 1 / 4, 0.0]
+    scorer = RougeScorer(["rougeL"])
+    assert [scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(ANSWERS, REFERENCES)] == pytest.approx(by_hand)
+    assert rouge_l(ANSWERS, REFERENCES) == pytest.approx(sum(by_hand) / 4)
+    assert bleu(ANSWERS, REFERENCES) == pytest.approx(BLEU().corpus_score(ANSWERS, [REFERENCES]).score)
+    assert bleu(REFERENCES, REFERENCES) == pytest.approx(100.0) and bleu(["x y z w"] * 2, ["a b c d"] * 2) == 0.0
+    out = score_predictions(["exact_match", "rouge_l", "bleu"], ANSWERS, REFERENCES)
+    assert out == {"eval_exact_match": 0.0, "eval_rouge_l": pytest.approx(sum(by_hand) / 4),
+                   "eval_bleu": pytest.approx(bleu(ANSWERS, REFERENCES))}
+
+
+def test_perplexity_and_the_direction_of_each_metric():
+    from plora.metrics import lower_is_better, minimize, perplexity
+    from plora.spec import parse_spec
+
+    assert perplexity(0.0) == 1.0 and perplexity(math.log(7.5)) == pytest.approx(7.5)
+    assert perplexity(1e6) == math.inf and math.isnan(perplexity(math.nan))
+    assert [lower_is_better(m) for m in ("loss", "perplexity", "exact_match", "rouge_l", "bleu", "m:f")] == \
+        [True, True, False, False, False, False]
+    assert minimize("perplexity") and not minimize("bleu") and minimize("bleu", False) and not minimize("loss", True)
+
+    def spec(**ev):
+        return parse_spec({"name": "t", "eval": {"metrics": ["loss", "perplexity", "rouge_l", "bleu"], **ev}})
+
+    assert spec(objective="perplexity").eval.minimize and not spec(objective="rouge_l").eval.minimize
+    assert not spec(objective="perplexity", greater_is_better=True).eval.minimize
+    assert spec().eval.objective == "loss"  # no exact match measured: the first metric
+
+
+@pytest.mark.parametrize("metric, module, package", [("rouge_l", "rouge_score", "rouge-score"),
+                                                     ("bleu", "sacrebleu", "sacrebleu")])
+def test_a_missing_metric_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, metric, module, package):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    space = {"name": "t", "model": {"path": "builtin:tiny-llama"}, "eval": {"metrics": ["loss", metric]},
+             "hardware": {"device": "cpu"}, "output": {"dir": str(tmp_path / "runs")}}
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    result = CliRunner().invoke(__import__("plora.cli", fromlist=["app"]).app, ["sweep", str(tmp_path / "space.yaml")])
+    assert result.exit_code == 2
+    assert result.output.strip() == f'error: eval.metrics[1]: {metric} needs the {package} package: pip install "plora[metrics]"'
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_measures_and_ranks_by_them(swept_run):
+    """The swept run measures loss, exact match, perplexity, ROUGE-L and BLEU and ranks by
+    perplexity, lower first."""
+    frame = pd.read_parquet(swept_run.run / "results.parquet")
+    assert {"eval_perplexity", "eval_rouge_l", "eval_bleu"} <= set(frame.columns)
+    assert frame.eval_perplexity.tolist() == pytest.approx([math.exp(x) for x in frame.eval_loss])
+    assert frame.eval_rouge_l.between(0, 1).all() and frame.eval_bleu.between(0, 100).all()
+    for a in frame.adapter_id:
+        m = json.loads((swept_run.run / "adapters" / a / "metrics.json").read_text())
+        assert {"eval_loss", "eval_exact_match", "eval_perplexity", "eval_rouge_l", "eval_bleu"} <= set(m)
+    base = json.loads((swept_run.run / "base_metrics.json").read_text())
+    assert base["eval_perplexity"] == pytest.approx(math.exp(base["eval_loss"])) and "eval_bleu" in base
+    assert "best configurations by perplexity" in swept_run.output
+    best = frame.sort_values("eval_perplexity").adapter_id.tolist()
+    lines = [line for line in swept_run.output.splitlines() if any(a in line for a in best)]
+    assert [next(a for a in best if a in line) for line in lines[-2:]] == best

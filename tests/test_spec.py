@@ -176,7 +176,7 @@ BAD = [
     ({"training": {"grad_clip": 0}}, "training.grad_clip"),
     ({"training": {"weight_decay": -1}}, "training.weight_decay"),
     ({"training": {"divergence_loss": 0}}, "training.divergence_loss"),
-    ({"eval": {"metrics": ["bleu"]}}, "eval.metrics[0]"),
+    ({"eval": {"metrics": ["meteor"]}}, "eval.metrics[0]"),
     ({"eval": {"metrics": []}}, "eval.metrics"),
     ({"eval": {"metrics": ["loss", "loss"]}}, "eval.metrics"),
     ({"eval": {"metrics": ["loss"], "objective": "exact_match"}}, "eval.objective"),

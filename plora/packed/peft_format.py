@@ -96,6 +96,11 @@ def save_peft_adapter(
     return out
 
 
+#: weight files of a model folder: the merged folder gets its own safetensors, and never the
+#: base's unmerged weights in another format beside them
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
 def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face model folder whose weights have the adapter merged in (W + s·B·A)."""
     import shutil
@@ -105,8 +110,8 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     scale = float(cfg["lora_alpha"]) / int(cfg["r"])
     lora = load_file(str(adapter_dir / "adapter_model.safetensors"))
     out.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
+    for f in model_dir.iterdir():  # config, tokenizer, generation config, the shards' index
+        if f.is_file() and f.suffix not in WEIGHT_SUFFIXES:
             shutil.copy2(f, out / f.name)
     merged_keys = 0
     for shard in sorted(model_dir.glob("*.safetensors")):

@@ -16,7 +16,8 @@ import torch
 
 from plora.data import IGNORE_INDEX, Sample, collate
 from plora.packed.rows import SIZE_MULTIPLE, LabelParts, cu_seqlens, flatten_rows, held_sizes, padded_label_parts
-from plora.row_layout import BALANCED_MULTIPLE, padded_width
+from plora.balanced_stream import BALANCED_MULTIPLE
+from plora.row_layout import padded_width
 
 
 @dataclass
