@@ -288,7 +288,7 @@ class ModelConfig(_Model):
         if self.path.endswith(".gguf") or self.path.removeprefix("builtin:") in _gguf_builtins():
             from plora.models import resolve_model_path
 
-            return resolve_model_path(self.path)  # converted once into plora's cache
+            return resolve_model_path(self.path, self.dtype)  # converted once (per dtype) into plora's cache
         if self.path.startswith("builtin:"):
             return ASSETS_DIR / self.path.removeprefix("builtin:")
         if self.path.startswith("shape:"):
