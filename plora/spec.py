@@ -185,10 +185,19 @@ def _base_dir(info: ValidationInfo) -> Path:
 
 
 def _resolve(path: Path | str, info: ValidationInfo) -> Path:
+    """An input path: a relative one is read from the space file's folder (wherever plora
+    runs from), so that a space file and the data beside it travel together."""
     p = Path(path).expanduser()
     if not p.is_absolute():
         p = _base_dir(info) / p
     return Path(p).resolve()
+
+
+def _where_relative(path: Path | str, info: ValidationInfo) -> str:
+    """What to add to "not found" for a relative path: where it was looked for, and why."""
+    if Path(path).expanduser().is_absolute():
+        return ""
+    return f" (a relative path is read from the space file's folder, {_base_dir(info)})"
 
 
 def _gguf_builtins() -> tuple[str, ...]:
@@ -274,10 +283,10 @@ class ModelConfig(_Model):
         p = _resolve(v, info)
         if p.suffix.lower() == ".gguf":
             if not p.is_file():
-                raise _Issue(f"GGUF file not found: {p}")
+                raise _Issue(f"GGUF file not found: {p}{_where_relative(v, info)}")
             return str(p)
         if not p.is_dir():
-            raise _Issue(f"directory not found: {p}")
+            raise _Issue(f"directory not found: {p}{_where_relative(v, info)}")
         if not (p / "config.json").is_file():
             raise _Issue(f"no config.json in {p} (expected a Hugging Face model folder)")
         return str(p)
@@ -346,7 +355,7 @@ class DataConfig(_Model):
             kind = p.suffix or "(none)"
             raise _Issue(f"unsupported file type {kind!r} in {p}; use one of {', '.join(DATA_SUFFIXES)}")
         if not p.is_file():
-            raise _Issue(f"file not found: {p}")
+            raise _Issue(f"file not found: {p}{_where_relative(v, info)}")
         return p
 
     @field_validator("prompt_template")
@@ -856,7 +865,8 @@ class OutputConfig(_Model):
     @field_validator("dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
-        # Runs land where the user runs plora, not next to the space file.
+        # An output, unlike the inputs: runs land where the user runs plora (`plora sweep
+        # sweeps/demo.yaml` writes runs/demo here), not next to the space file.
         return Path(v).expanduser().resolve()
 
 
