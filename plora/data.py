@@ -72,8 +72,9 @@ def load_split(data: JobData, split: str, *, choices_column: str | None = None,
             if split == "eval":
                 return []
             raise DataError(f"data.{split}: no file given")
-        rows, columns = read_rows(path, f"data.{split}")
-        examples, bad = rows_to_examples(rows, columns, fmt, f"data.{split}: {path}", on_bad)
+        part = data.train_split if split == "train" else data.eval_split
+        rows, columns = read_rows(path, f"data.{split}", part)
+        examples, bad = rows_to_examples(rows, columns, fmt, _split_label(data, split), on_bad)
     if dropped is not None:
         dropped.extend(bad)
     return examples
@@ -350,7 +351,9 @@ def prepare_data(data: JobData, evals: JobEval, tok: TextTokenizer, max_seq_len:
 def _split_label(data: JobData, split: str) -> str:
     if data.task:
         return f"data.task ({split})"
-    return f"data.{split}: {data.train if split == 'train' else data.eval}"
+    part = data.train_split if split == "train" else data.eval_split
+    label = f"data.{split}: {data.train if split == 'train' else data.eval}"
+    return f"{label} (split {part})" if part else label
 
 
 class AdapterStream:

@@ -285,6 +285,14 @@ class ModelConfig(_Model):
             if not p.is_file():
                 raise _Issue(f"GGUF file not found: {p}{_where_relative(v, info)}")
             return str(p)
+        if not p.exists():
+            from plora.hub_cache import HubCacheError, cached_model, looks_like_repo_id
+
+            if looks_like_repo_id(v):  # a Hub id, where no folder of that name is beside the space file
+                try:
+                    return str(cached_model(v))
+                except HubCacheError as e:
+                    raise _Issue(f"no folder {p}, and {e}") from None
         if not p.is_dir():
             raise _Issue(f"directory not found: {p}{_where_relative(v, info)}")
         if not (p / "config.json").is_file():
@@ -316,13 +324,16 @@ class ModelConfig(_Model):
 
 class DataConfig(_Model):
     task: Optional[str] = None  # defaults to builtin:shift when no train file is given
-    train: Optional[Path] = None
+    train: Optional[Path] = None  # a file, or a folder written by datasets' save_to_disk
     eval: Optional[Path] = None
-    format: Literal["auto", "plain", "instruction", "chat"] = "auto"  # auto: from the columns
+    train_split: Optional[str] = Field(None, min_length=1)  # a folder of splits: the one to read
+    eval_split: Optional[str] = Field(None, min_length=1)
+    format: Literal["auto", "plain", "instruction", "chat", "sharegpt"] = "auto"  # auto: from the columns
     input_column: str = Field("input", min_length=1)
     output_column: str = Field("output", min_length=1)
     instruction_column: str = Field("instruction", min_length=1)
     messages_column: str = Field("messages", min_length=1)
+    conversations_column: str = Field("conversations", min_length=1)  # ShareGPT rows
     prompt_template: Optional[str] = None  # e.g. "Question: {input}\nAnswer:" (plain and instruction rows)
     on_bad_rows: Literal["error", "drop"] = "error"  # rows without an answer (or cut away by max_seq_len)
     num_train: Optional[int] = Field(None, ge=1)
@@ -351,6 +362,14 @@ class DataConfig(_Model):
         if v is None:
             return v
         p = _resolve(v, info)
+        if p.is_dir():
+            from plora.dataset_folders import DatasetFolderError, splits_of
+
+            try:
+                splits_of(p)
+            except DatasetFolderError as e:
+                raise _Issue(str(e)) from None
+            return p
         if p.suffix.lower() not in DATA_SUFFIXES:
             kind = p.suffix or "(none)"
             raise _Issue(f"unsupported file type {kind!r} in {p}; use one of {', '.join(DATA_SUFFIXES)}")
@@ -373,8 +392,9 @@ class DataConfig(_Model):
 
     @model_validator(mode="after")
     def _check_source(self) -> "DataConfig":
-        if self.format == "chat" and self.prompt_template is not None:
-            raise _Issue("not used with format chat (the model's chat template renders chat rows)", "prompt_template")
+        if self.format in ("chat", "sharegpt") and self.prompt_template is not None:
+            raise _Issue(f"not used with format {self.format} (the model's chat template renders its rows)",
+                         "prompt_template")
         if self.task is not None and self.format not in ("auto", "plain"):
             raise _Issue(f"a built-in task has plain rows, not {self.format}", "format")
         if self.task is not None and self.train is not None:
@@ -388,7 +408,25 @@ class DataConfig(_Model):
             for name in ("num_train", "num_eval"):
                 if getattr(self, name) is not None:
                     raise _Issue("only used with a built-in task, not with train files", name)
+        self._pick_splits()
         return self
+
+    def _pick_splits(self) -> None:
+        """The split each saved-dataset folder is read from (`plora.dataset_folders`)."""
+        from plora.dataset_folders import DatasetFolderError, pick_split
+
+        for role in ("train", "eval"):
+            path, field = getattr(self, role), f"{role}_split"
+            wanted = getattr(self, field)
+            if path is None or not path.is_dir():
+                if wanted is not None:
+                    raise _Issue(f"only for a folder of splits written by datasets' save_to_disk "
+                                 f"(data.{role} is {path or 'not given'})", field)
+                continue
+            try:
+                setattr(self, field, pick_split(path, role, wanted))
+            except DatasetFolderError as e:
+                raise _Issue(str(e), field) from None
 
     @property
     def task_name(self) -> Optional[str]:
