@@ -72,8 +72,9 @@ def load_split(data: JobData, split: str, *, choices_column: str | None = None,
             if split == "eval":
                 return []
             raise DataError(f"data.{split}: no file given")
-        rows, columns = read_rows(path, f"data.{split}")
-        examples, bad = rows_to_examples(rows, columns, fmt, f"data.{split}: {path}", on_bad)
+        part = data.train_split if split == "train" else data.eval_split
+        rows, columns = read_rows(path, f"data.{split}", part)
+        examples, bad = rows_to_examples(rows, columns, fmt, _split_label(data, split), on_bad)
     if dropped is not None:
         dropped.extend(bad)
     return examples
@@ -94,11 +95,14 @@ def char_tokenizer(chars: str):
 
 
 class TextTokenizer:
-    """A `tokenizer.json` tokenizer with the model's bos/eos/pad ids (from config.json) and
-    its chat template, when the folder has one."""
+    """A `tokenizer.json` tokenizer with the model's eos/pad ids (from config.json), the
+    special tokens its own tokenizer puts around a text (`plora.special_tokens`) and its chat
+    template, when the folder has one."""
 
-    def __init__(self, model_dir: str | Path, bos_id: int | None, eos_id: int | None, pad_id: int | None):
+    def __init__(self, model_dir: str | Path, eos_id: int | None, pad_id: int | None):
         from tokenizers import Tokenizer
+
+        from plora.special_tokens import framing, stop_ids
 
         self.model_dir = Path(model_dir)
         path = self.model_dir / "tokenizer.json"
@@ -107,9 +111,11 @@ class TextTokenizer:
         self._tok = Tokenizer.from_file(str(path))
         if eos_id is None:
             raise DataError(f"{model_dir}: config.json gives no eos_token_id")
-        self.bos_id = bos_id
         self.eos_id = eos_id
         self.pad_id = pad_id if pad_id is not None else eos_id
+        self.framing = framing(self._tok)
+        #: the ids that end a generated answer (generation_config.json's end tokens)
+        self.stop_ids = stop_ids(self.model_dir, eos_id)
         self._chat_template: Any = False  # not looked up yet
 
     @property
@@ -139,7 +145,16 @@ class TextTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def prompt_ids(self, text: str) -> list[int]:
-        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+        """A plain row's prompt as ``tokenizer(text)`` gives it, less any special tokens the
+        tokenizer puts after a text: the answer follows there."""
+        return list(self.framing.prefix) + self.encode(text)
+
+    @property
+    def answer_end(self) -> list[int]:
+        """What closes a plain row after its answer: the tokenizer's own closing tokens, and
+        eos, so that the model learns to stop."""
+        suffix = list(self.framing.suffix)
+        return suffix if self.eos_id in suffix else suffix + [self.eos_id]
 
 
 @dataclass(frozen=True)
@@ -216,7 +231,7 @@ def _full_row(ex: dict, tok: TextTokenizer) -> tuple[list[int], list[int], int, 
         tokens, labels, turns = _chat_tokens(ex, tok)
         return tokens, labels, turns[-1][0] if turns else len(tokens), turns[0][0] if turns else len(tokens)
     prompt = tok.prompt_ids(ex["input"])
-    answer = tok.encode(ex["output"]) + [tok.eos_id]
+    answer = tok.encode(ex["output"]) + tok.answer_end
     return prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt), len(prompt)
 
 
@@ -238,7 +253,7 @@ def _eval_parts(ex: dict, tok: TextTokenizer, choices: Sequence[str] | None, whe
         prompt = tok.prompt_ids(ex["input"])
 
         def choice_row(text: str) -> Sample:
-            answer = tok.encode(text) + [tok.eos_id]
+            answer = tok.encode(text) + tok.answer_end
             return Sample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer)
 
     parts: dict = {"prompt": prompt, "reference": reference}
@@ -255,8 +270,9 @@ def _eval_parts(ex: dict, tok: TextTokenizer, choices: Sequence[str] | None, whe
 def tokenize_split(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: int, *, label: str = "data",
                    eval: bool = False, choices: Sequence[str] | None = None,
                    on_bad_rows: str = "error") -> tuple[list[Sample], SplitReport]:
-    """The one place rows become tokens: prompt + answer + eos (plain), or the chat template's
-    rendering (chat); the loss is on the answers only.
+    """The one place rows become tokens: prompt + answer + eos (plain), framed by the special
+    tokens the model's tokenizer puts around a text (`plora.special_tokens`), or the chat
+    template's rendering (chat); the loss is on the answers only.
 
     Rows longer than ``max_seq_len`` are cut and counted. A row whose answer is cut away
     entirely (or, for eval, whose prompt leaves no room to answer) would train as zero loss:
@@ -335,7 +351,9 @@ def prepare_data(data: JobData, evals: JobEval, tok: TextTokenizer, max_seq_len:
 def _split_label(data: JobData, split: str) -> str:
     if data.task:
         return f"data.task ({split})"
-    return f"data.{split}: {data.train if split == 'train' else data.eval}"
+    part = data.train_split if split == "train" else data.eval_split
+    label = f"data.{split}: {data.train if split == 'train' else data.eval}"
+    return f"{label} (split {part})" if part else label
 
 
 class AdapterStream:

@@ -57,7 +57,7 @@ def check_data(spec: "SweepSpec") -> DataReport:
     from plora.models import read_model_info
 
     info = read_model_info(spec.model.resolved_path(), spec.model.family)
-    tok = TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
+    tok = TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)
     max_len = spec.model.max_seq_len
     data = prepare_data(data_config(spec), eval_config(spec), tok, max_len)
     if spec.data.eval is not None and not data.eval:

@@ -348,7 +348,7 @@ def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters:
             start += n
         still = []
         for i, t in zip(live, nxt):
-            if t == tok.eos_id:
+            if t in tok.stop_ids:
                 continue
             out[i].append(t)
             seqs[i].append(t)

@@ -9,7 +9,9 @@ line naming the file, the line and the column, before anything runs. A row then 
   column, the prompt optionally rendered through ``data.prompt_template``) and instruction
   rows (an instruction, an optional input and an output, rendered through a prompt template);
 * ``{"messages": [{"role", "content"}, ...]}``: chat rows, rendered later with the model's
-  own chat template, loss on the assistant turns.
+  own chat template, loss on the assistant turns. ShareGPT rows (a ``conversations`` list of
+  ``{"from", "value"}`` turns, ``from`` one of human/gpt/system, or user/assistant) are chat
+  rows too, their turns read as the ``{role, content}`` messages they stand for.
 
 Every example also carries ``where`` (file and line) for later messages.
 """
@@ -40,9 +42,12 @@ __all__ = [
 ]
 
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
-FORMATS = ("auto", "plain", "instruction", "chat")
+FORMATS = ("auto", "plain", "instruction", "chat", "sharegpt")
 ON_BAD_ROWS = ("error", "drop")
 ROLES = ("system", "user", "assistant", "tool")
+#: a ShareGPT turn's ``from`` -> the chat role it stands for
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
+                  "tool": "tool"}
 
 #: The prompt of an instruction row (Alpaca's layout) when no ``data.prompt_template`` is given.
 INSTRUCTION_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -74,6 +79,7 @@ class RowFormat:
     output_column: str = "output"
     instruction_column: str = "instruction"
     messages_column: str = "messages"
+    conversations_column: str = "conversations"
     prompt_template: str | None = None
     choices_column: str | None = None
 
@@ -86,22 +92,26 @@ class RowFormat:
             output_column=data.output_column,
             instruction_column=data.instruction_column,
             messages_column=data.messages_column,
+            conversations_column=data.conversations_column,
             prompt_template=data.prompt_template,
             choices_column=choices_column,
         )
 
     def resolve(self, columns: Sequence[str], where: str) -> str:
-        """The format of a file with these columns (``auto``: chat, else instruction, else plain)."""
+        """The format of a file with these columns (``auto``: chat, else ShareGPT, else
+        instruction, else plain)."""
         fmt = self.format
         if fmt == "auto":
             if self.messages_column in columns:
                 fmt = "chat"
+            elif self.conversations_column in columns:
+                fmt = "sharegpt"
             elif self.instruction_column in columns:
                 fmt = "instruction"
             else:
                 fmt = "plain"
-        if fmt == "chat":
-            needed = [self.messages_column]
+        if fmt in ("chat", "sharegpt"):
+            needed = [self.conversation_column(fmt)]
         else:
             needed = [self.instruction_column] if fmt == "instruction" else []
             if self.prompt_template:
@@ -117,6 +127,10 @@ class RowFormat:
                 shown = ", ".join(map(str, columns)) or "none"
                 raise DataError(f"{where}: no column {column!r} for the {fmt} format (columns: {shown})")
         return fmt
+
+    def conversation_column(self, fmt: str) -> str:
+        """The column of a chat (``messages_column``) or ShareGPT (``conversations_column``) row."""
+        return self.conversations_column if fmt == "sharegpt" else self.messages_column
 
     def _column_of(self, field: str) -> str:
         return {"input": self.input_column, "instruction": self.instruction_column,
@@ -140,14 +154,17 @@ def template_fields(template: str) -> list[str]:
 # --------------------------------------------------------------------------- files
 
 
-def read_rows(path: str | Path, label: str = "data") -> tuple[list[Row], list[str]]:
-    """Every row of a JSON/JSONL/CSV/parquet file and the file's columns.
+def read_rows(path: str | Path, label: str = "data", split: str | None = None) -> tuple[list[Row], list[str]]:
+    """Every row of a JSON/JSONL/CSV/parquet file, or of a folder written by `datasets`'
+    ``save_to_disk`` (its ``split``, for a folder of splits), and the columns.
 
     JSONL is parsed line by line so that a broken line is named; blank lines are skipped.
     Raises `DataError` naming ``label`` and the file.
     """
     path = Path(path)
     where = f"{label}: {path}"
+    if path.is_dir():
+        return _folder_rows(path, split, where)
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
         raise DataError(f"{where}: unsupported file type {suffix or '(none)'!r} (use {', '.join(SUPPORTED_SUFFIXES)})")
@@ -171,6 +188,20 @@ def read_rows(path: str | Path, label: str = "data") -> tuple[list[Row], list[st
     for row in rows:
         columns.update(dict.fromkeys(row.cells))
     return rows, list(columns)
+
+
+def _folder_rows(path: Path, split: str | None, where: str) -> tuple[list[Row], list[str]]:
+    from plora.dataset_folders import DatasetFolderError, dataset_rows
+
+    if split is not None:
+        where = f"{where} (split {split})"
+    try:
+        records, columns = dataset_rows(path, split, where)
+    except DatasetFolderError as e:
+        raise DataError(str(e)) from None
+    if not records:
+        raise DataError(f"{where}: has no rows")
+    return [Row(f"row {n}", cells) for n, cells in enumerate(records, start=1)], columns
 
 
 def _jsonl_rows(text: str, where: str) -> list[Row]:
@@ -280,6 +311,22 @@ def _fill(template: str, row: Row, fmt: RowFormat, resolved: str, where: str) ->
     return template.format_map(values)
 
 
+def _message(m: Any, i: int, at: str) -> tuple[Any, Any]:
+    """A message's role and content: a ``{role, content}`` message, or a ShareGPT
+    ``{from, value}`` turn read as the message it stands for."""
+    if isinstance(m, dict) and "role" in m and "content" in m:
+        role = m["role"]
+        if role not in ROLES:
+            raise DataError(f"{at}: message {i} has role {role!r} (expected one of {', '.join(ROLES)})")
+        return role, m["content"]
+    if isinstance(m, dict) and "from" in m and "value" in m:
+        sender = m["from"]
+        if not isinstance(sender, str) or sender not in SHAREGPT_ROLES:
+            raise DataError(f"{at}: message {i} is from {sender!r} (expected one of {', '.join(SHAREGPT_ROLES)})")
+        return SHAREGPT_ROLES[sender], m["value"]
+    raise DataError(f"{at}: message {i} is not a {{role, content}} or {{from, value}} object")
+
+
 def _messages(row: Row, column: str, where: str) -> list[dict[str, str]]:
     at = f"{where} {row.where}, column {column!r}"
     value = row.cells.get(column)
@@ -294,11 +341,7 @@ def _messages(row: Row, column: str, where: str) -> list[dict[str, str]]:
         raise DataError(f"{at}: expected a list of {{role, content}} messages, got {_kind(value)}")
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{at}: message {i} is not a {{role, content}} object")
-        role, content = m["role"], m["content"]
-        if role not in ROLES:
-            raise DataError(f"{at}: message {i} has role {role!r} (expected one of {', '.join(ROLES)})")
+        role, content = _message(m, i, at)
         if content is None or isinstance(content, (dict, list, tuple)) or (isinstance(content, float) and math.isnan(content)):
             if role == "assistant":
                 raise BadRow(f"{at}: message {i} (assistant) has {_kind(content)} content: no answer")
@@ -333,8 +376,8 @@ def _choices(row: Row, column: str, where: str) -> list[str]:
 def row_to_example(row: Row, fmt: RowFormat, resolved: str, where: str) -> dict[str, Any]:
     """One row as an example (see the module's doc); raises `BadRow` or `DataError`."""
     ex: dict[str, Any] = {"where": f"{where} {row.where}"}
-    if resolved == "chat":
-        ex["messages"] = _messages(row, fmt.messages_column, where)
+    if resolved in ("chat", "sharegpt"):
+        ex["messages"] = _messages(row, fmt.conversation_column(resolved), where)
     else:
         output = _text(row, fmt.output_column, where, answer=True)
         if resolved == "instruction":

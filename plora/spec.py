@@ -186,10 +186,19 @@ def _base_dir(info: ValidationInfo) -> Path:
 
 
 def _resolve(path: Path | str, info: ValidationInfo) -> Path:
+    """An input path: a relative one is read from the space file's folder (wherever plora
+    runs from), so that a space file and the data beside it travel together."""
     p = Path(path).expanduser()
     if not p.is_absolute():
         p = _base_dir(info) / p
     return Path(p).resolve()
+
+
+def _where_relative(path: Path | str, info: ValidationInfo) -> str:
+    """What to add to "not found" for a relative path: where it was looked for, and why."""
+    if Path(path).expanduser().is_absolute():
+        return ""
+    return f" (a relative path is read from the space file's folder, {_base_dir(info)})"
 
 
 def _gguf_builtins() -> tuple[str, ...]:
@@ -275,10 +284,18 @@ class ModelConfig(_Model):
         p = _resolve(v, info)
         if p.suffix.lower() == ".gguf":
             if not p.is_file():
-                raise _Issue(f"GGUF file not found: {p}")
+                raise _Issue(f"GGUF file not found: {p}{_where_relative(v, info)}")
             return str(p)
+        if not p.exists():
+            from plora.hub_cache import HubCacheError, cached_model, looks_like_repo_id
+
+            if looks_like_repo_id(v):  # a Hub id, where no folder of that name is beside the space file
+                try:
+                    return str(cached_model(v))
+                except HubCacheError as e:
+                    raise _Issue(f"no folder {p}, and {e}") from None
         if not p.is_dir():
-            raise _Issue(f"directory not found: {p}")
+            raise _Issue(f"directory not found: {p}{_where_relative(v, info)}")
         if not (p / "config.json").is_file():
             raise _Issue(f"no config.json in {p} (expected a Hugging Face model folder)")
         return str(p)
@@ -289,7 +306,7 @@ class ModelConfig(_Model):
         if self.path.endswith(".gguf") or self.path.removeprefix("builtin:") in _gguf_builtins():
             from plora.models import resolve_model_path
 
-            return resolve_model_path(self.path)  # converted once into plora's cache
+            return resolve_model_path(self.path, self.dtype)  # converted once (per dtype) into plora's cache
         if self.path.startswith("builtin:"):
             return ASSETS_DIR / self.path.removeprefix("builtin:")
         if self.path.startswith("shape:"):
@@ -308,13 +325,16 @@ class ModelConfig(_Model):
 
 class DataConfig(_Model):
     task: Optional[str] = None  # defaults to builtin:shift when no train file is given
-    train: Optional[Path] = None
+    train: Optional[Path] = None  # a file, or a folder written by datasets' save_to_disk
     eval: Optional[Path] = None
-    format: Literal["auto", "plain", "instruction", "chat"] = "auto"  # auto: from the columns
+    train_split: Optional[str] = Field(None, min_length=1)  # a folder of splits: the one to read
+    eval_split: Optional[str] = Field(None, min_length=1)
+    format: Literal["auto", "plain", "instruction", "chat", "sharegpt"] = "auto"  # auto: from the columns
     input_column: str = Field("input", min_length=1)
     output_column: str = Field("output", min_length=1)
     instruction_column: str = Field("instruction", min_length=1)
     messages_column: str = Field("messages", min_length=1)
+    conversations_column: str = Field("conversations", min_length=1)  # ShareGPT rows
     prompt_template: Optional[str] = None  # e.g. "Question: {input}\nAnswer:" (plain and instruction rows)
     on_bad_rows: Literal["error", "drop"] = "error"  # rows without an answer (or cut away by max_seq_len)
     num_train: Optional[int] = Field(None, ge=1)
@@ -343,11 +363,19 @@ class DataConfig(_Model):
         if v is None:
             return v
         p = _resolve(v, info)
+        if p.is_dir():
+            from plora.dataset_folders import DatasetFolderError, splits_of
+
+            try:
+                splits_of(p)
+            except DatasetFolderError as e:
+                raise _Issue(str(e)) from None
+            return p
         if p.suffix.lower() not in DATA_SUFFIXES:
             kind = p.suffix or "(none)"
             raise _Issue(f"unsupported file type {kind!r} in {p}; use one of {', '.join(DATA_SUFFIXES)}")
         if not p.is_file():
-            raise _Issue(f"file not found: {p}")
+            raise _Issue(f"file not found: {p}{_where_relative(v, info)}")
         return p
 
     @field_validator("prompt_template")
@@ -365,8 +393,9 @@ class DataConfig(_Model):
 
     @model_validator(mode="after")
     def _check_source(self) -> "DataConfig":
-        if self.format == "chat" and self.prompt_template is not None:
-            raise _Issue("not used with format chat (the model's chat template renders chat rows)", "prompt_template")
+        if self.format in ("chat", "sharegpt") and self.prompt_template is not None:
+            raise _Issue(f"not used with format {self.format} (the model's chat template renders its rows)",
+                         "prompt_template")
         if self.task is not None and self.format not in ("auto", "plain"):
             raise _Issue(f"a built-in task has plain rows, not {self.format}", "format")
         if self.task is not None and self.train is not None:
@@ -380,7 +409,25 @@ class DataConfig(_Model):
             for name in ("num_train", "num_eval"):
                 if getattr(self, name) is not None:
                     raise _Issue("only used with a built-in task, not with train files", name)
+        self._pick_splits()
         return self
+
+    def _pick_splits(self) -> None:
+        """The split each saved-dataset folder is read from (`plora.dataset_folders`)."""
+        from plora.dataset_folders import DatasetFolderError, pick_split
+
+        for role in ("train", "eval"):
+            path, field = getattr(self, role), f"{role}_split"
+            wanted = getattr(self, field)
+            if path is None or not path.is_dir():
+                if wanted is not None:
+                    raise _Issue(f"only for a folder of splits written by datasets' save_to_disk "
+                                 f"(data.{role} is {path or 'not given'})", field)
+                continue
+            try:
+                setattr(self, field, pick_split(path, role, wanted))
+            except DatasetFolderError as e:
+                raise _Issue(str(e), field) from None
 
     @property
     def task_name(self) -> Optional[str]:
@@ -902,7 +949,8 @@ class OutputConfig(_Model):
     @field_validator("dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
-        # Runs land where the user runs plora, not next to the space file.
+        # An output, unlike the inputs: runs land where the user runs plora (`plora sweep
+        # sweeps/demo.yaml` writes runs/demo here), not next to the space file.
         return Path(v).expanduser().resolve()
 
 

@@ -84,7 +84,7 @@ def real_tokens(spec) -> tuple[int, int]:
     from plora.sweep import data_config
 
     info = read_model_info(spec.model.resolved_path(), spec.model.family)
-    tok = TextTokenizer(info.path, info.bos_token_id, info.eos_token_id, info.pad_token_id)
+    tok = TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)
     samples = tokenize_examples(load_split(data_config(spec), "train"), tok, int(spec.model.max_seq_len))
     return sum(len(s.tokens) for s in samples), len(samples)
 
@@ -232,15 +232,15 @@ def peft_worker(spec_path: Path, config: int | None, out: Path | None, save_base
         model.save_pretrained(job["base"])
         return
     cfg = json.loads((folder / "config.json").read_text())
-    bos, eos, pad = cfg.get("bos_token_id"), cfg.get("eos_token_id"), cfg.get("pad_token_id")
+    eos, pad = cfg.get("eos_token_id"), cfg.get("pad_token_id")
     pad = eos if pad is None else pad
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     seq = int(job["seq"])
 
-    def encode(rows):  # as plora: bos + prompt, answer + eos, loss on the answer and eos
+    def encode(rows):  # as plora: the prompt as the tokenizer encodes it, answer + eos, loss on the answer and eos
         out_rows = []
         for r in rows:
-            prompt = ([bos] if bos is not None else []) + tok.encode(r["input"], add_special_tokens=False).ids
+            prompt = tok.encode(r["input"]).ids
             answer = tok.encode(r["output"], add_special_tokens=False).ids + [eos]
             ids = (prompt + answer)[:seq]
             labels = ([-100] * len(prompt) + answer)[:seq]

@@ -275,7 +275,7 @@ def main() -> None:
     from plora.gguf import gguf_folder
 
     t0 = time.time()
-    folder = gguf_folder(args.model)  # converted once, before anything is timed
+    folder = gguf_folder(args.model, args.dtype)  # converted once, before anything is timed
     convert_s = time.time() - t0
     print(f"model folder: {folder} ({convert_s:.0f} s)", flush=True)
     profile_s = 0.0

@@ -10,8 +10,9 @@ Recipe (the defaults of this script; about 2-3 minutes on 2 idle CPU cores):
 * Tokenizer: character level, built with ``tokenizers`` (a BPE model with an empty merge
   list, so every character is one token; ``Fuse`` decoder). Special tokens ``<pad>``=0,
   ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, then a-z, 0-9, space and some punctuation
-  (57 tokens). Encoding adds no special tokens: callers build
-  ``[bos] + enc(input) + enc(output) + [eos]``.
+  (57 tokens). Its post-processor puts ``<bos>`` before a text, as Llama tokenizers do, so
+  that ``tokenizer(prompt)`` gives what the model was trained on, ``[bos] + enc(input)``
+  (``tokenizer_config.json`` says ``add_bos_token: true`` to match).
 * Model: ``LlamaForCausalLM``, hidden 128, 2 layers, 4 heads of 32, 2 KV heads,
   intermediate 256, RoPE (theta 10000, no scaling), 64 positions, untied embeddings,
   fp32: 310k parameters, 1.2 MB.
@@ -58,14 +59,23 @@ CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789") + list(" =<>^#+-*/:?!.,@_")
 
 
 def build_tokenizer():
-    """Character-level tokenizer: one token per character, no added special tokens."""
+    """Character-level tokenizer: one token per character, ``<bos>`` put before a text."""
     from tokenizers import Tokenizer, decoders, models
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.add_special_tokens(SPECIALS)
     tok.decoder = decoders.Fuse()
+    tok.post_processor = bos_first()
     return tok
+
+
+def bos_first():
+    """The post-processor that puts ``<bos>`` before each text (Llama's layout)."""
+    from tokenizers import processors
+
+    return processors.TemplateProcessing(single="<bos>:0 $A:0", pair="<bos>:0 $A:0 <bos>:1 $B:1",
+                                         special_tokens=[("<bos>", BOS)])
 
 
 def build_config(args: argparse.Namespace, vocab_size: int):
@@ -162,7 +172,7 @@ def write_assets(out: Path, model, tok, args: argparse.Namespace) -> None:
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
-        "add_bos_token": False,
+        "add_bos_token": True,  # what tokenizer.json's post-processor does
         "add_eos_token": False,
         "model_max_length": args.max_pos,
         "padding_side": "right",

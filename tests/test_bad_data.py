@@ -121,13 +121,13 @@ def test_every_example_cut_away_by_max_seq_len(tmp_path):
 def test_answer_cut_away_refused_with_line_or_dropped(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text(jsonl([*GOOD, {"input": "abcdefghijklmnop+", "output": "x"}]))
-    refused(tmp_path, space_for(tmp_path, train, max_seq_len=12), f"{train} line 4", "1 of 4 rows",
+    refused(tmp_path, space_for(tmp_path, train, max_seq_len=11), f"{train} line 4", "1 of 4 rows",
             "on_bad_rows: drop")
-    space = space_for(tmp_path, train, max_seq_len=12, data={"on_bad_rows": "drop"})
+    space = space_for(tmp_path, train, max_seq_len=11, data={"on_bad_rows": "drop"})
     result = runner.invoke(app, ["sweep", str(space), "--dry-run"], terminal_width=400)
     assert result.exit_code == 0, result.output
     assert "1 rows dropped (data.on_bad_rows: drop)" in result.output
-    assert "rows are longer than model.max_seq_len 12" in result.output  # "hello+" + answer is cut
+    assert "rows are longer than model.max_seq_len 11" in result.output  # "hello+" + answer is cut
 
 
 def test_dropped_rows_do_not_count_in_the_epoch(tmp_path):

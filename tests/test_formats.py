@@ -29,7 +29,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 @pytest.fixture
 def tiny_tok(tiny_model) -> TextTokenizer:
-    return TextTokenizer(tiny_model, 1, 2, 0)
+    return TextTokenizer(tiny_model, 2, 0)
 
 
 def tiny_chat_model(tmp_path: Path, tiny_model: Path, template: str) -> TextTokenizer:
@@ -43,7 +43,7 @@ def tiny_chat_model(tmp_path: Path, tiny_model: Path, template: str) -> TextToke
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
     (folder / "chat_template.jinja").write_text(template)
-    return TextTokenizer(folder, 1, 2, 0)
+    return TextTokenizer(folder, 2, 0)
 
 
 def answer_tokens(sample) -> list[int]:
@@ -51,12 +51,80 @@ def answer_tokens(sample) -> list[int]:
 
 
 def test_plain_rows_train_on_the_answer_and_eos(tiny_tok):
+    """The tiny model's tokenizer adds no special tokens to a text: neither does plora."""
     [s], rep = tokenize_split([{"input": "abc>", "output": "cba"}], tiny_tok, 64, eval=True)
-    assert s.tokens == [1] + tiny_tok.encode("abc>") + tiny_tok.encode("cba") + [2]
+    assert s.tokens == tiny_tok.encode("abc>") + tiny_tok.encode("cba") + [2]
     assert answer_tokens(s) == tiny_tok.encode("cba") + [2]
-    assert s.labels[:5] == [IGNORE_INDEX] * 5
-    assert s.prompt == [1] + tiny_tok.encode("abc>") and s.reference == "cba"
+    assert s.labels[:4] == [IGNORE_INDEX] * 4
+    assert s.prompt == tiny_tok.encode("abc>") and s.reference == "cba"
     assert rep.rows == 1 and rep.truncated == 0 and not rep.dropped
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "plora" / "assets" / "tiny-llama"
+
+
+def _framed_model(tmp_path: Path, config: dict | None, template: str | None) -> Path:
+    """The shipped tiny model with another tokenizer_config.json (None: none at all) and
+    tokenizer.json post-processor (a TemplateProcessing ``single``, or None: none)."""
+    from tokenizers import processors
+
+    folder = tmp_path / "framed"
+    shutil.copytree(SHIPPED, folder)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "special_tokens_map.json").unlink()
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+             "pad_token": "<pad>", "unk_token": "<unk>", **config}))
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = None if template is None else json.loads(processors.TemplateProcessing(
+        single=template, special_tokens=[("<bos>", 1), ("<eos>", 2)]).__getstate__())
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+@pytest.mark.parametrize("config, template", [
+    ({"add_bos_token": True}, "<bos> $A"),  # the shipped demo model
+    ({"add_bos_token": False, "add_eos_token": False}, None),
+    ({"add_bos_token": True}, None),
+    ({"add_bos_token": True, "add_eos_token": True}, None),
+    ({}, "<bos> $A"),  # tokenizer.json's post-processor (Llama 3's way)
+    ({}, "$A <eos>"),
+    ({"add_bos_token": False}, "<bos> $A"),  # transformers 5 goes by tokenizer.json
+    ({}, None),
+    (None, None),  # no tokenizer_config.json at all
+], ids=["shipped", "flags-off", "add-bos", "add-bos-and-eos", "post-processor-bos", "post-processor-eos", "flag-and-processor",
+        "no-flags", "no-config"])
+def test_plain_rows_are_framed_as_the_model_tokenizer_frames_a_text(tmp_path, config, template):
+    """A prompt is what ``tokenizer(prompt)`` gives (less closing tokens, where the answer
+    goes), a row what ``tokenizer(prompt + answer)`` gives, closed by eos: so transformers
+    code prompts an adapter as plora trained and scored it (issue 46: plora put <bos> before
+    every row where the demo model's tokenizer added none, and a 0.955 adapter scored 0 exact
+    match in transformers)."""
+    from transformers import AutoTokenizer
+
+    folder = _framed_model(tmp_path, config, template)
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    tok = TextTokenizer(folder, 2, 0)
+    [s], _ = tokenize_split([{"input": "abc+", "output": "bca"}], tok, 64, eval=True)
+    closing = list(tok.framing.suffix)
+    assert s.prompt + closing == hf("abc+").input_ids
+    full = hf("abc+bca").input_ids
+    assert s.tokens == (full if closing else full + [2])
+    assert answer_tokens(s) == tok.encode("bca") + (closing or [2])
+
+
+def test_generation_stops_at_every_end_token_of_the_model(tmp_path):
+    from plora.special_tokens import stop_ids
+
+    folder = _framed_model(tmp_path, {}, None)
+    assert stop_ids(folder, 2) == {2}  # generation_config.json: eos 2
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    assert stop_ids(folder, 2) == {2, 5}
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 7]}))
+    assert stop_ids(folder, 2) == {2, 7}
 
 
 def test_prompt_template_for_plain_rows(tmp_path, tiny_tok):
@@ -65,7 +133,7 @@ def test_prompt_template_for_plain_rows(tmp_path, tiny_tok):
     [ex] = load_split(cfg, "train")
     assert ex["input"] == "abc > " and ex["output"] == "cba" and ex["where"].endswith("d.jsonl line 1")
     [s] = tokenize_split([ex], tiny_tok, 64)[0]
-    assert s.tokens[: len(s.tokens) - 4] == [1] + tiny_tok.encode("abc > ")
+    assert s.tokens[: len(s.tokens) - 4] == tiny_tok.encode("abc > ")
 
 
 def test_prompt_template_names_other_columns(tmp_path):
@@ -145,7 +213,7 @@ def test_chat_template_raise_exception_is_one_line():
 def test_long_rows_are_cut_and_counted(tiny_tok):
     rows = [{"input": "ab", "output": "cdefghij", "where": "f line 1"}, {"input": "ab", "output": "c"}]
     samples, rep = tokenize_split(rows, tiny_tok, 8)
-    assert [len(s.tokens) for s in samples] == [8, 5] and rep.truncated == 1 and rep.rows == 2
+    assert [len(s.tokens) for s in samples] == [8, 4] and rep.truncated == 1 and rep.rows == 2
     assert "1 of 2 rows are longer than model.max_seq_len 8" in rep.notes(8)[0]
 
 
@@ -225,7 +293,7 @@ def test_smollm2_chat_matches_apply_chat_template(smollm2_tokenizer, messages):
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer))
-    tok = TextTokenizer(smollm2_tokenizer, hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+    tok = TextTokenizer(smollm2_tokenizer, hf.eos_token_id, hf.pad_token_id)
     [s], _ = tokenize_split([{"messages": messages}], tok, 4096, eval=True)
     assert s.tokens == _hf_ids(hf.apply_chat_template(messages, tokenize=True))
     # the labels cover exactly the assistant turns: content, <|im_end|> and the newline after it
@@ -235,6 +303,19 @@ def test_smollm2_chat_matches_apply_chat_template(smollm2_tokenizer, messages):
     head = messages[:-1]
     assert s.prompt == _hf_ids(hf.apply_chat_template(head, tokenize=True, add_generation_prompt=True))
     assert s.reference == messages[-1]["content"]
+
+
+def test_smollm2_plain_rows_match_its_tokenizer(smollm2_tokenizer):
+    """SmolLM2's tokenizer adds no bos to a text (its bos, <|im_start|>, opens chat turns)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer))
+    tok = TextTokenizer(smollm2_tokenizer, hf.eos_token_id, hf.pad_token_id)
+    prompt, answer = "Tom has 12 apples, buys 7 more and then gives away 5. How many apples does he have?\n", "14"
+    [s], _ = tokenize_split([{"input": prompt, "output": answer}], tok, 4096, eval=True)
+    assert s.prompt == hf(prompt).input_ids
+    assert s.tokens == hf(prompt).input_ids + hf(answer).input_ids + [hf.eos_token_id]
+    assert tok.stop_ids == {hf.eos_token_id}
 
 
 def test_smollm2_generation_blocks_match_the_assistant_mask(smollm2_tokenizer, tmp_path):
@@ -251,7 +332,7 @@ def test_smollm2_generation_blocks_match_the_assistant_mask(smollm2_tokenizer, t
     shutil.copytree(smollm2_tokenizer, folder)
     (folder / "chat_template.jinja").write_text(marked)
     hf = AutoTokenizer.from_pretrained(str(folder))
-    tok = TextTokenizer(folder, hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+    tok = TextTokenizer(folder, hf.eos_token_id, hf.pad_token_id)
     messages = CONVERSATIONS[1]
     [s], _ = tokenize_split([{"messages": messages}], tok, 4096)
     out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)

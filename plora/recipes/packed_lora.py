@@ -207,7 +207,7 @@ class PackedLoRARecipe:
         self.real_tokens = 0  # non-padding tokens trained on (throughput)
         self.stepped_tokens = 0  # tokens the steps ran, padding included (a covering graph's too)
 
-        self.tok = TextTokenizer(self.info.path, self.info.bos_token_id, self.info.eos_token_id, self.info.pad_token_id)
+        self.tok = TextTokenizer(self.info.path, self.info.eos_token_id, self.info.pad_token_id)
         synthetic = c.data.synthetic
         if synthetic is not None:  # profiling and benchmarks: fixed-length random rows, no eval
             self.train_samples = synthetic_samples(synthetic.num_samples, synthetic.seq_len, self.info.vocab_size)
