@@ -86,6 +86,17 @@ def _check_output(run_dir: Path) -> None:
         fail(str(e))
 
 
+def _check_resumable(spec, output: Optional[Path]) -> None:
+    """A run directory holds one space: another one's sweep is refused, before profiling or
+    planning, with what differs and what to do."""
+    from plora.preflight import RunDirError, check_resumable
+
+    try:
+        check_resumable(spec.run_dir(output), spec, (c.id for c in spec.expand()))
+    except RunDirError as e:
+        fail(f"{e}; start over there with --restart, or choose another run directory with -o")
+
+
 def _note_hardware(spec, hw) -> None:
     from plora.preflight import hardware_note
 
@@ -94,15 +105,19 @@ def _note_hardware(spec, hw) -> None:
         err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
 
 
-def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False):
+def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: bool = False,
+             resume: bool = False):
     """Expand and plan; with `probe`, profile the model first on a GPU that has no profile.
-    With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`)."""
+    With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`).
+    With `resume`, a run directory that holds a sweep of another space is refused first."""
     from plora.engine import spare
 
     spec = _load(space, warm=warm)  # the first job's process imports meanwhile
     warm = warm and spec.hardware.backend == "local"
     try:
         _check_output(spec.run_dir(output))
+        if resume:
+            _check_resumable(spec, output)
         prep = _plan(spec, output, probe=probe)
     except BaseException:
         spare.discard()
@@ -142,7 +157,7 @@ def sweep(
                                     help="Plan with a cached profile or the analytic model; never profile first."),
 ) -> None:
     """Train every configuration of SPACE as packed LoRA adapters and collect the results."""
-    prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run)
+    prep = _prepare(space, output, probe=not (dry_run or no_profile), warm=not dry_run, resume=not restart)
     if dry_run:
         console.print(views.configs_table(prep))
         console.print(views.jobs_table(prep))

@@ -359,10 +359,15 @@ def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
     """spec.yaml, configs.parquet, plan.json (and profile.json when one was measured).
 
     Each job's job.yaml is written by the engine when the job starts, with the adapters it
-    still has to train (a resumed, retried or split job trains fewer than planned)."""
+    still has to train (a resumed, retried or split job trains fewer than planned). A run
+    directory that holds a sweep of another space is left as it is (`RunDirError`) unless
+    ``restart`` starts it over."""
+    from plora.preflight import check_resumable
+
     run_dir = prep.run_dir
     if restart and run_dir.exists():
         shutil.rmtree(run_dir)
+    check_resumable(run_dir, prep.spec, (c.id for c in prep.configs))
     (run_dir / "jobs").mkdir(parents=True, exist_ok=True)
     (run_dir / "adapters").mkdir(exist_ok=True)
     (run_dir / "spec.yaml").write_text(prep.spec.to_yaml())

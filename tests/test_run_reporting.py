@@ -33,3 +33,35 @@ def test_json_errors_name_the_position_once(tmp_path, tiny_model):
     space = write_space(tmp_path, "m.yaml", model={"path": str(model), "max_seq_len": 48})
     text = one_error_line(runner.invoke(app, ["sweep", str(space)]))
     assert "config.json: not valid JSON (Unterminated string starting at line 1 column 33)" in text, text
+
+
+# --------------------------------------------------------------------------- one space per run directory
+
+
+def test_a_run_directory_resumes_only_its_own_space(tmp_path):
+    """Another space into the same run directory is refused (what differs, what to do), and
+    nothing of the run changes; the same space, its configurations in another order,
+    resumes and trains nothing again."""
+    configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+               {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4}]
+    space = write_space(tmp_path, training={"steps": 2}, eval={"metrics": ["loss"]})
+    assert runner.invoke(app, ["sweep", str(space)]).exit_code == 0
+    run = tmp_path / "runs" / "t"
+    before = {p: p.read_bytes() for p in (run / "spec.yaml", run / "configs.parquet", run / "results.parquet")}
+
+    ranks = write_space(tmp_path, "ranks.yaml", training={"steps": 2}, eval={"metrics": ["loss"]},
+                        space={"strategy": "list", "configs": [{**c, "rank": 8} for c in configs]})
+    text = one_error_line(runner.invoke(app, ["sweep", str(ranks)]))
+    assert f"{run} holds a sweep of another space (space.configs: " in text, text
+    assert text.endswith("start over there with --restart, or choose another run directory with -o"), text
+    steps = write_space(tmp_path, "steps.yaml", training={"steps": 3}, eval={"metrics": ["loss"]})
+    assert "(training.steps: 2 there, 3 here)" in one_error_line(runner.invoke(app, ["sweep", str(steps)]))
+    assert {p: p.read_bytes() for p in before} == before
+    status = runner.invoke(app, ["status", str(run)])
+    assert status.exit_code == 0 and "adapters: done 2" in status.output, status.output
+
+    reordered = write_space(tmp_path, "reordered.yaml", training={"steps": 2}, eval={"metrics": ["loss"]},
+                            space={"strategy": "list", "configs": configs[::-1]})
+    again = runner.invoke(app, ["sweep", str(reordered)])
+    assert again.exit_code == 0, again.output
+    assert "started" not in again.output and "adapters 2/2 finished (done 2, diverged 0, failed 0)" in again.output

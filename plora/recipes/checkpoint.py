@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plora.jobconfig import NEUTRAL_TRAINING  # left out of the fingerprint
+
 if TYPE_CHECKING:
     from plora.jobconfig import JobConfig
 
 VERSION = 1
-#: training settings that do not change what an adapter learns (left out of the fingerprint)
-NEUTRAL_TRAINING = ("checkpoint_every_steps", "checkpoint_every_minutes", "cuda_graphs", "activation_checkpointing")
 
 
 def checkpoint_dir(job_dir: Path) -> Path:
