@@ -8,6 +8,8 @@ Library code that only builds rich renderables; the CLI decides where they go.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,21 +57,47 @@ def new_events(seen: list[str], events: list[str]) -> list[str]:
     return list(events)
 
 
+#: seconds between two progress lines of a running job in a log (`EventLog`); the
+#: environment variable of that name sets another interval
+LOG_PROGRESS_ENV = "PLORA_LOG_PROGRESS_S"
+LOG_PROGRESS_S = 30.0
+
+
+def log_progress_interval() -> float:
+    """`LOG_PROGRESS_S`, or what ``PLORA_LOG_PROGRESS_S`` says (a number of seconds)."""
+    try:
+        return max(0.0, float(os.environ.get(LOG_PROGRESS_ENV, LOG_PROGRESS_S)))
+    except ValueError:
+        return LOG_PROGRESS_S
+
+
 class EventLog:
     """Progress for output that is not a terminal: each engine event (a job started,
-    finished, retried...) as its own line, and a line whenever more adapters finish. A
-    live view there would print only its last frame, without the events before it."""
+    finished, retried...) as its own line, a line whenever more adapters finish, and every
+    ``every_s`` seconds a line per running job (`job_progress_line`), so that a log of a
+    job that trains for minutes is not silent until it ends. A live view there would print
+    only its last frame, without the events before it."""
 
-    def __init__(self, console: Console, total_adapters: Callable[[Any], int]) -> None:
+    def __init__(self, console: Console, total_adapters: Callable[[Any], int], every_s: float | None = None) -> None:
         self.console = console
         self.total_adapters = total_adapters
+        self.every_s = log_progress_interval() if every_s is None else every_s
         self.seen: list[str] = []
         self.finished = -1
+        self.last_line: dict[str, float] = {}  # running job -> when its last progress line was printed
 
     def __call__(self, snapshot: Any) -> None:
         for event in new_events(self.seen, list(snapshot.events)):
             self.console.print(event, highlight=False, markup=False)
         self.seen = list(snapshot.events)
+        now = time.monotonic()
+        running = {rj.job.id: rj for rj in snapshot.running}
+        self.last_line = {j: t for j, t in self.last_line.items() if j in running}
+        for job_id, rj in running.items():
+            if now - self.last_line.setdefault(job_id, now) >= self.every_s:
+                self.last_line[job_id] = now
+                self.console.print(f"{time.strftime('%H:%M:%S')} {job_progress_line(job_id, rj.proc.progress())}",
+                                   highlight=False, markup=False)
         counts = snapshot.adapter_status
         finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
         if finished != self.finished and (finished or self.finished >= 0):
@@ -106,6 +134,30 @@ def _fmt_s(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def job_eta(progress: dict) -> float | None:
+    """Seconds a running job has left, from its progress.json: its elapsed time per adapter
+    step done so far, over the adapter steps left (None before its first step)."""
+    done, total = progress.get("adapter_steps_done", 0), progress.get("adapter_steps_total") or 0
+    elapsed = progress.get("elapsed_s")
+    return elapsed * (total - done) / done if elapsed and done else None
+
+
+def job_progress_line(job_id: str, progress: dict) -> str:
+    """A running job in one line, from its progress.json: adapter steps done of its total,
+    adapters finished, the range of its training adapters' recent losses, elapsed and ETA."""
+    done, total = progress.get("adapter_steps_done", 0), progress.get("adapter_steps_total") or 0
+    if not total:
+        return f"{job_id}: starting"
+    parts = [f"adapter steps {done}/{total} ({100 * done / total:.0f}%)",
+             f"adapters {progress.get('adapters_finished', 0)}/{progress.get('adapters_total', 0)} finished"]
+    losses = [v for v in (progress.get("train_loss") or {}).values() if isinstance(v, (int, float)) and v == v]
+    if losses:
+        low, high = f"{min(losses):.4g}", f"{max(losses):.4g}"
+        parts.append(f"loss {low}" if low == high else f"loss {low}–{high}")
+    parts.append(f"{_fmt_s(progress.get('elapsed_s'))} elapsed, ETA {_fmt_s(job_eta(progress))}")
+    return f"{job_id}: " + ", ".join(parts)
+
+
 def live_view(snapshot, total_adapters: int) -> Group:
     """Running jobs with their progress and ETA, adapters done, predicted vs actual makespan."""
     jobs = Table(title="running jobs", title_justify="left", expand=False)
@@ -115,11 +167,9 @@ def live_view(snapshot, total_adapters: int) -> Group:
     for rj in snapshot.running:
         p = rj.proc.progress()
         done, total = p.get("adapter_steps_done", 0), p.get("adapter_steps_total") or 0
-        elapsed = p.get("elapsed_s")
-        eta = elapsed * (total - done) / done if elapsed and done else None
         jobs.add_row(rj.job.id, ",".join(rj.slots), str(len(rj.job.adapters)),
                      f"{done}/{total}" if total else "starting", f"{p.get('adapters_finished', 0)}",
-                     joins_note(p, running=True), _fmt_s(elapsed), _fmt_s(eta))
+                     joins_note(p, running=True), _fmt_s(p.get("elapsed_s")), _fmt_s(job_eta(p)))
     counts = snapshot.adapter_status
     finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
     line = Text.assemble(

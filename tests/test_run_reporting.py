@@ -8,6 +8,7 @@ a terminal), or the function that renders a line where a real run would be too s
 
 from __future__ import annotations
 
+import re
 import shutil
 
 from typer.testing import CliRunner
@@ -65,3 +66,24 @@ def test_a_run_directory_resumes_only_its_own_space(tmp_path):
     again = runner.invoke(app, ["sweep", str(reordered)])
     assert again.exit_code == 0, again.output
     assert "started" not in again.output and "adapters 2/2 finished (done 2, diverged 0, failed 0)" in again.output
+
+
+# --------------------------------------------------------------------------- progress in a log
+
+
+def test_a_log_shows_each_job_progressing(tmp_path, monkeypatch):
+    """Off a terminal, a running job gets a progress line every PLORA_LOG_PROGRESS_S seconds
+    between its start and finish lines (a SmolLM2 job on CPU said nothing for 4 minutes)."""
+    monkeypatch.setenv("PLORA_LOG_PROGRESS_S", "0")  # at every engine tick
+    space = write_space(tmp_path, space={"strategy": "list", "configs": [
+        {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}]}, training={"steps": 300},
+        eval={"metrics": ["loss"]})
+    result = runner.invoke(app, ["sweep", str(space)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    started = next(i for i, ln in enumerate(lines) if re.fullmatch(r"\d\d:\d\d:\d\d started job-000 .*", ln))
+    finished = next(i for i, ln in enumerate(lines) if re.fullmatch(r"\d\d:\d\d:\d\d finished job-000", ln))
+    progress = re.compile(r"\d\d:\d\d:\d\d job-000: adapter steps (\d+)/300 \(\d+%\), adapters 0/1 finished, "
+                          r"loss [\d.]+, \S+ elapsed, ETA \S+")
+    steps = [int(m.group(1)) for ln in lines[started + 1:finished] if (m := progress.fullmatch(ln))]
+    assert steps and 0 < steps[0] < 300, result.output

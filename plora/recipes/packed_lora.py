@@ -646,6 +646,9 @@ class PackedLoRARecipe:
             # steps each adapter has taken (one that left: its whole budget): what the engine's
             # choice of joins counts a running job's remaining time from
             "adapter_steps": {r.id: (r.step if r.active else r.total_steps) for r in self.runs},
+            # the mean loss of each training adapter's last steps: a log's progress line shows their range
+            "train_loss": {r.id: sum(r.losses[-10:]) / len(r.losses[-10:]) for r in self.runs
+                           if r.active and r.losses},
             "adapters_joined": sum(r.joined_at is not None for r in self.runs),
             "joins_waiting": len(self._pending_joins),
             "lingering": lingering,
