@@ -8,6 +8,7 @@ a terminal), or the function that renders a line where a real run would be too s
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 
@@ -87,3 +88,24 @@ def test_a_log_shows_each_job_progressing(tmp_path, monkeypatch):
                           r"loss [\d.]+, \S+ elapsed, ETA \S+")
     steps = [int(m.group(1)) for ln in lines[started + 1:finished] if (m := progress.fullmatch(ln))]
     assert steps and 0 < steps[0] < 300, result.output
+
+
+# --------------------------------------------------------------------------- numbers that agree
+
+
+def test_adapters_finished_inside_a_running_job_are_counted_at_once(tmp_path, monkeypatch):
+    """The adapters line counts an adapter when its job has written its result, as the
+    job's own progress does, not when the whole job exits ("adapters 0/16 finished" while
+    the jobs table showed 8 done)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one slot: both adapters in one job
+    space = write_space(tmp_path, data={"task": "builtin:shift", "num_train": 400, "num_eval": 4},
+                        space={"strategy": "list", "configs": [
+                            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 16},
+                            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 1}]},
+                        training={"epochs": 1}, eval={"metrics": ["loss"]})
+    result = runner.invoke(app, ["sweep", str(space)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert sum(bool(re.fullmatch(r"\d\d:\d\d:\d\d started job-\d+ .*", ln)) for ln in lines) == 1, result.output
+    one = lines.index("adapters 1/2 finished (done 1, diverged 0, failed 0)")
+    assert one < next(i for i, ln in enumerate(lines) if re.fullmatch(r"\d\d:\d\d:\d\d finished job-000", ln))
