@@ -231,7 +231,7 @@ def tune(
     failed: list[str] = []
 
     def on_batch(rep) -> None:
-        console.print(views.batch_line(rep, spec.eval.minimize))
+        console.print(views.batch_line(rep, spec))
         failed.extend(f"trial {t.number} ({t.user_attrs.get('adapter_id')}): {t.user_attrs.get('reason') or 'failed'}"
                       for t in rep.trials if t.user_attrs.get("status") == "failed")
 
@@ -242,13 +242,13 @@ def tune(
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             study = run_tune(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner, run_dir=output,
                              seed=seed, on_batch=on_batch, on_snapshot=on_snapshot, asynchronous=asynchronous,
-                             on_trial=lambda t: console.print(views.trial_line(t)))
+                             on_trial=lambda t: console.print(views.trial_line(t, spec)))
     except (DataError, ModelError, ValueError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         _interrupted("running jobs stopped; finished trials are kept in the study.")
 
-    console.print(views.trials_table(study, spec))
+    console.print(views.trials_table(study, spec, batches=not asynchronous))
     url = storage_url(spec, output)
     console.print(views.trials_line(study, time.time() - start, study_name(spec), url))
     console.print(f"[dim]dashboard: optuna-dashboard {url} · report: plora report {run_dir}[/]")

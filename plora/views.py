@@ -19,6 +19,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from plora.engine.journal import FINAL_ADAPTER
+
 if TYPE_CHECKING:
     import optuna
     import pandas as pd
@@ -71,6 +73,12 @@ def log_progress_interval() -> float:
         return LOG_PROGRESS_S
 
 
+def finished_counts(counts: dict[str, int]) -> str:
+    """Finished adapters by state: "done 7, diverged 0, pruned 3, failed 0" (pruned only
+    where some were: a sweep without a pruner has none)."""
+    return ", ".join(f"{k} {counts.get(k, 0)}" for k in FINAL_ADAPTER if k != "pruned" or counts.get(k))
+
+
 class EventLog:
     """Progress for output that is not a terminal: each engine event (a job started,
     finished, retried...) as its own line, a line whenever more adapters finish, and every
@@ -99,11 +107,10 @@ class EventLog:
                 self.console.print(f"{time.strftime('%H:%M:%S')} {job_progress_line(job_id, rj.proc.progress())}",
                                    highlight=False, markup=False)
         counts = snapshot.adapter_status
-        finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
+        finished = sum(counts.get(k, 0) for k in FINAL_ADAPTER)
         if finished != self.finished and (finished or self.finished >= 0):
             self.console.print(f"adapters {finished}/{self.total_adapters(snapshot)} finished "
-                               f"(done {counts.get('done', 0)}, diverged {counts.get('diverged', 0)}, "
-                               f"failed {counts.get('failed', 0)})", highlight=False)
+                               f"({finished_counts(counts)})", highlight=False)
         self.finished = finished
         self.console.file.flush()
 
@@ -171,10 +178,9 @@ def live_view(snapshot, total_adapters: int) -> Group:
                      f"{done}/{total}" if total else "starting", f"{p.get('adapters_finished', 0)}",
                      joins_note(p, running=True), _fmt_s(p.get("elapsed_s")), _fmt_s(job_eta(p)))
     counts = snapshot.adapter_status
-    finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
+    finished = sum(counts.get(k, 0) for k in FINAL_ADAPTER)
     line = Text.assemble(
-        ("adapters ", "bold"), f"{finished}/{total_adapters} finished",
-        f" (done {counts.get('done', 0)}, diverged {counts.get('diverged', 0)}, failed {counts.get('failed', 0)})",
+        ("adapters ", "bold"), f"{finished}/{total_adapters} finished", f" ({finished_counts(counts)})",
         "   ", ("jobs ", "bold"), f"{len(snapshot.running)} running, {len(snapshot.queued)} queued",
         "   ", ("makespan ", "bold"), f"{_fmt_s(snapshot.elapsed_s)} so far",
         f" / {_fmt_s(snapshot.predicted_makespan_s)} predicted" if snapshot.predicted_makespan_s else "",
@@ -358,41 +364,58 @@ def status_line(frame: pd.DataFrame, seconds: float, results: Path) -> str:
             + f" — {seconds:.0f} s — results: {results}")
 
 
-def batch_line(rep: Any, minimize: bool) -> str:
+def batch_line(rep: Any, spec: SweepSpec) -> str:
     """One line per tune batch (a `plora.tuning.loop.BatchReport`): trained, reused, pruned,
-    the batch's best value and the best so far."""
+    the batch's best objective and the best so far, by the objective's name. An asynchronous
+    run has no batches: its one report says what the whole run did."""
+    objective = f"eval_{spec.eval.objective}"
     values = [t.value for t in rep.trials if t.value is not None and t.state.name == "COMPLETE"]
-    line = (f"batch {rep.index}: {len(rep.trials)} trials, {len(rep.trained)} adapters trained in "
+    line = (f"{len(rep.trials)} trials, {len(rep.trained)} adapters trained in "
             f"{len(rep.jobs)} job{'s' if len(rep.jobs) != 1 else ''}"
             + (f", {len(rep.reused)} reused" if rep.reused else "")
             + (f", {len(rep.pruned)} pruned" if rep.pruned else ""))
-    if values:
-        line += f"; batch best {max(values) if not minimize else min(values):.4g}"
+    line = f"asynchronous run: {line}" if rep.asynchronous else f"batch {rep.index}: {line}"
+    if values and not rep.asynchronous:
+        line += f"; batch best {objective} {max(values) if not spec.eval.minimize else min(values):.4g}"
     if rep.best is not None:
-        line += f"; best so far {rep.best.value:.4g} (trial {rep.best.number})"
+        line += f"; best so far {objective} {rep.best.value:.4g} (trial {rep.best.number})"
     return line + f" — {rep.wall_time_s:.0f} s"
 
 
-def trial_line(trial: optuna.trial.FrozenTrial) -> str:
-    """One line per trial an asynchronous tune tells: its state, value and adapter."""
+#: how a tune's lines name a trial's state
+TRIAL_STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running"}
+
+
+def trial_line(trial: optuna.trial.FrozenTrial, spec: SweepSpec) -> str:
+    """One line per trial an asynchronous tune tells: its state, its objective by name (a
+    pruned trial: the eval loss it was pruned on, not Optuna's signed intermediate value)
+    and its adapter."""
+    from plora.tuning.study import intermediate_sign
+
     a = trial.user_attrs
-    value = f" {trial.value:.4g}" if trial.value is not None else ""
-    return (f"trial {trial.number}: {trial.state.name.lower()}{value} ({a.get('adapter_id')}, "
-            f"{a.get('steps')} steps in {a.get('job_id')})")
+    state = TRIAL_STATES.get(trial.state.name, trial.state.name.lower())
+    if trial.state.name == "PRUNED" and trial.last_step is not None:
+        step = trial.last_step
+        state += f", eval_loss {intermediate_sign(spec) * trial.intermediate_values[step]:.4g} at step {step}"
+    elif trial.value is not None:
+        state += f", eval_{spec.eval.objective} {trial.value:.4g}"
+    return f"trial {trial.number}: {state} ({a.get('adapter_id')}, {a.get('steps')} steps in {a.get('job_id')})"
 
 
-def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10) -> Table:
-    """A tune's best finished trials by the objective."""
+def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10, *, batches: bool = True) -> Table:
+    """A tune's best finished trials by the objective (with the batch of each, unless the
+    tune had none: ``batches`` off for an asynchronous one)."""
+    objective = f"eval_{spec.eval.objective}"
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
     done.sort(key=lambda t: t.value, reverse=not spec.eval.minimize)
-    t = Table(title=f"best trials by eval_{spec.eval.objective}", title_justify="left")
-    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", "value", "batch #"):
+    t = Table(title=f"best trials by {objective}", title_justify="left")
+    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", objective, *(["batch #"] if batches else [])):
         t.add_column(col, justify="left" if col == "adapter" else "right")
     for tr in done[:top]:
         a = tr.user_attrs
         t.add_row(str(tr.number), str(a.get("adapter_id")), str(tr.params.get("rank")), f"{a.get('alpha', 0):g}",
                   f"{tr.params.get('learning_rate', 0):.3g}", str(tr.params.get("batch_size")), f"{tr.value:.4g}",
-                  str(a.get("batch", "")))
+                  *([str(a.get("batch", ""))] if batches else []))
     return t
 
 
@@ -400,8 +423,11 @@ def trials_line(study: optuna.Study, seconds: float, name: str, url: str) -> str
     """Trials by state, the tune's wall time and where its study is."""
     counts: dict[str, int] = {}
     for tr in study.get_trials(deepcopy=False):
-        counts[tr.state.name] = counts.get(tr.state.name, 0) + 1
-    return ("trials: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        state = TRIAL_STATES.get(tr.state.name, tr.state.name.lower())
+        counts[state] = counts.get(state, 0) + 1
+    order = list(TRIAL_STATES.values())
+    return ("trials: " + ", ".join(f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: (k not in order,
+                                                                                            order.index(k) if k in order else 0, k)))
             + f" — {seconds:.0f} s — study {name!r} in {url}")
 
 

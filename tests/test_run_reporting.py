@@ -12,6 +12,8 @@ import os
 import re
 import shutil
 
+import optuna
+
 from typer.testing import CliRunner
 
 from plora.cli import app
@@ -109,3 +111,60 @@ def test_adapters_finished_inside_a_running_job_are_counted_at_once(tmp_path, mo
     assert sum(bool(re.fullmatch(r"\d\d:\d\d:\d\d started job-\d+ .*", ln)) for ln in lines) == 1, result.output
     one = lines.index("adapters 1/2 finished (done 1, diverged 0, failed 0)")
     assert one < next(i for i, ln in enumerate(lines) if re.fullmatch(r"\d\d:\d\d:\d\d finished job-000", ln))
+
+
+# --------------------------------------------------------------------------- a tune's numbers, named
+
+
+def test_an_asynchronous_tune_has_no_batches_and_names_its_objective(tmp_path):
+    space = write_space(tmp_path, training={"steps": 2}, eval={"metrics": ["loss"]})
+    result = runner.invoke(app, ["tune", str(space), "--sampler", "random", "--trials", "2", "--batch", "2",
+                                 "--async"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert not [ln for ln in lines if ln.startswith("batch ")] and "batch #" not in result.output, result.output
+    assert any(ln.startswith("asynchronous run: 2 trials, 2 adapters trained in ") for ln in lines), result.output
+    told = [ln for ln in lines if ln.startswith("trial ")]
+    assert len(told) == 2 and all(re.fullmatch(r"trial \d: complete, eval_loss [\d.]+ \(a-\w+, 2 steps in b01-job-\d+\)",
+                                               ln) for ln in told), told
+    assert "┃ eval_loss ┃" in result.output and "trials: complete 2 — " in result.output
+
+
+def test_a_pruned_trial_shows_the_eval_loss_it_was_pruned_on(tmp_path):
+    """Optuna keeps a pruned trial's last intermediate value, which is -eval_loss in a study
+    that maximizes (exact match): the line shows the loss itself, named, and its step."""
+    from plora import views
+    from plora.spec import load_spec
+    from plora.tuning.loop import BatchReport
+
+    spec = load_spec(write_space(tmp_path))  # eval.objective: exact_match
+    study = optuna.create_study(direction="maximize")
+    trial = study.ask()
+    for k, v in {"adapter_id": "a-1", "steps": 17, "job_id": "b01-job-000"}.items():
+        trial.set_user_attr(k, v)
+    trial.report(-2.768, 15)
+    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    done = study.ask()
+    done.set_user_attr("adapter_id", "a-2")
+    study.tell(done, 0.25)
+    pruned, complete = study.get_trials(deepcopy=False)
+    assert pruned.value == -2.768
+    assert views.trial_line(pruned, spec) == "trial 0: pruned, eval_loss 2.768 at step 15 (a-1, 17 steps in b01-job-000)"
+    report = BatchReport(1, [pruned, complete], ["a-1", "a-2"], [], ["a-1"], ["b01-job-000"], 3.0, complete)
+    assert views.batch_line(report, spec) == ("batch 1: 2 trials, 2 adapters trained in 1 job, 1 pruned; batch best "
+                                              "eval_exact_match 0.25; best so far eval_exact_match 0.25 (trial 1) — 3 s")
+    assert views.trials_line(study, 3.0, "t", "sqlite://").startswith("trials: complete 1, pruned 1 — ")
+
+
+def test_pruned_adapters_are_counted_with_the_finished():
+    import io
+
+    from rich.console import Console
+
+    from plora.engine.runner import EngineSnapshot
+    from plora.views import EventLog
+
+    out = io.StringIO()
+    log = EventLog(Console(file=out, width=200), lambda snap: 10)
+    log(EngineSnapshot([], [], {"done": 7, "pruned": 3}, 1.0, None, []))
+    assert out.getvalue().splitlines() == ["adapters 10/10 finished (done 7, diverged 0, pruned 3, failed 0)"]
