@@ -8,6 +8,7 @@ a terminal), or the function that renders a line where a real run would be too s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -168,3 +169,27 @@ def test_pruned_adapters_are_counted_with_the_finished():
     log = EventLog(Console(file=out, width=200), lambda snap: 10)
     log(EngineSnapshot([], [], {"done": 7, "pruned": 3}, 1.0, None, []))
     assert out.getvalue().splitlines() == ["adapters 10/10 finished (done 7, diverged 0, pruned 3, failed 0)"]
+
+
+def test_a_resumed_adapter_counts_the_time_of_every_attempt(tmp_path, monkeypatch):
+    """An adapter whose job crashed and resumed from its checkpoint shows the time of both
+    attempts, not only the last one's (2.4 s of about 31 s)."""
+    import pandas as pd
+
+    from conftest import inject_fault
+    from fault_hooks import SLOW_S
+
+    inject_fault(monkeypatch, "slow@job-000@1@1,crash@job-000@3@1")  # attempt 1: a slow step, then a crash
+    space = write_space(tmp_path, space={"strategy": "list", "configs": [
+        {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}]},
+        training={"steps": 6, "checkpoint_every_steps": 1}, eval={"metrics": ["loss"]})
+    result = runner.invoke(app, ["sweep", str(space)])
+    assert result.exit_code == 0 and "job-000 crashed (exit 1); retry 1/2" in result.output, result.output
+    run = tmp_path / "runs" / "t"
+    rows = [json.loads(ln) for ln in (run / "jobs" / "job-000" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["attempt"] for r in rows} == {1, 2} and min(r["step"] for r in rows if r["attempt"] == 2) > 0
+    last_attempt = max(r["time"] for r in rows if r["attempt"] == 2)
+    wall = float(pd.read_parquet(run / "results.parquet").wall_time_s.iloc[0])
+    assert wall >= SLOW_S + last_attempt, (wall, last_attempt)
+    row = next(ln for ln in result.output.splitlines() if ln.startswith("│ a-"))
+    assert row.rstrip(" │").endswith(f"{wall:.1f}"), row

@@ -120,6 +120,9 @@ class AdapterRun:
     reason: str = ""
     finished_at: float | None = None
     joined_at: int | None = None
+    #: seconds it trained in earlier attempts of its job (from its checkpoint): its wall
+    #: time counts them, so that a resumed adapter's time is not only the last attempt's
+    earlier_s: float = 0.0
 
     @property
     def id(self) -> str:
@@ -614,7 +617,7 @@ class PackedLoRARecipe:
             "total_steps": r.total_steps,
             "train_loss": sum(tail) / len(tail) if tail else None,
             **m,
-            "wall_time_s": (r.finished_at or time.time()) - self.start_time,
+            "wall_time_s": r.earlier_s + (r.finished_at or time.time()) - self.start_time,
             "checkpoint_path": str(checkpoint) if checkpoint else None,
             "config": r.cfg.hyperparameters(),
         }
