@@ -137,13 +137,10 @@ def within_node(cost_model: Any, max_tp: int | None) -> Any:
                    host_time={d: c for d, c in cost_model.host_time.items() if d in keep})
 
 
-#: the analytic prior for a CPU: one single-threaded job per core (calibrated on the demo:
-#: 16 s for 500 steps of 8 adapters, 22 s with start-up; this prior says 27-30 s)
-CPU_PRIOR = dict(device_flops=1e11, device_bandwidth=5e10, mfu=0.5, lora_efficiency=0.5, kernel_launch_s=2e-5,
-                 step_overhead_s=2e-3, overhead_bytes=0.5 * 2**30, tp_degrees=[1])
+#: the CPU prior's memory (`plora.cpu_cost`): what a CPU sweep plans its jobs within, and
+#: the runtime's own share of it
+CPU_PRIOR = dict(memory_bytes=64 * 2**30, overhead_bytes=0.5 * 2**30)
 ANALYTIC_SOURCE = "the analytic cost model (no profile yet: `plora profile` fits one)"
-#: seconds a CPU job spends before its first step (interpreter, torchtune import, model load)
-CPU_JOB_OVERHEAD_S = 6.0
 
 
 def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
@@ -155,6 +152,7 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     shape (FLOPs and bytes), which `plora profile` replaces with measurements.
     """
     from plora.costmodel import CostModel
+    from plora.cpu_cost import cpu_cost_model
     from plora.profiling.cache import shape_from_model
     from plora.profiling.profile import profile_sweep
 
@@ -170,8 +168,7 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool,
     if hw.gpu:
         cm = CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots)
     else:
-        cm = CostModel.analytic(shape, seq, 64 * 2**30, targets, **CPU_PRIOR)
-        cm.job_overhead_s = CPU_JOB_OVERHEAD_S
+        cm = cpu_cost_model(shape, seq, targets, **CPU_PRIOR)
     return cm, ANALYTIC_SOURCE
 
 
