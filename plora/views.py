@@ -425,9 +425,8 @@ def trials_line(study: optuna.Study, seconds: float, name: str, url: str) -> str
     for tr in study.get_trials(deepcopy=False):
         state = TRIAL_STATES.get(tr.state.name, tr.state.name.lower())
         counts[state] = counts.get(state, 0) + 1
-    order = list(TRIAL_STATES.values())
-    return ("trials: " + ", ".join(f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: (k not in order,
-                                                                                            order.index(k) if k in order else 0, k)))
+    states = [*TRIAL_STATES.values(), *sorted(set(counts) - set(TRIAL_STATES.values()))]
+    return ("trials: " + ", ".join(f"{k} {counts[k]}" for k in states if k in counts)
             + f" — {seconds:.0f} s — study {name!r} in {url}")
 
 
