@@ -117,6 +117,17 @@ def _check_output(run_dir: Path) -> None:
         fail(str(e))
 
 
+def _check_resumable(spec, output: Optional[Path]) -> None:
+    """A run directory holds one space: another one's sweep is refused, before profiling or
+    planning, with what differs and what to do."""
+    from plora.preflight import RunDirError, check_resumable
+
+    try:
+        check_resumable(spec.run_dir(output), spec, (c.id for c in spec.expand()))
+    except RunDirError as e:
+        fail(f"{e}; start over there with --restart, or choose another run directory with -o")
+
+
 def _note_hardware(spec, hw) -> None:
     from plora.preflight import hardware_note
 
@@ -129,13 +140,17 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
              overrides: Optional[list[str]] = None):
     """Expand and plan; with `probe`, a GPU with nothing measured of the model may first
     measure two short packs (`plora.sweep.prepare`).
-    With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`)."""
+    With `warm`, the first job's process starts importing meanwhile (`plora.engine.spare`).
+    Unless `fresh` (the run directory is started over), one that holds a sweep of another
+    space is refused first."""
     from plora.engine import spare
 
     spec = _load(space, warm=warm, overrides=overrides)  # the first job's process imports meanwhile
     warm = warm and spec.hardware.backend == "local"
     try:
         _check_output(spec.run_dir(output))
+        if not fresh:
+            _check_resumable(spec, output)
         prep = _plan(spec, output, probe=probe, fresh=fresh)
     except BaseException:
         spare.discard()
@@ -253,7 +268,7 @@ def tune(
     failed: list[str] = []
 
     def on_batch(rep) -> None:
-        console.print(views.batch_line(rep, spec.eval.minimize))
+        console.print(views.batch_line(rep, spec))
         failed.extend(f"trial {t.number} ({t.user_attrs.get('adapter_id')}): {t.user_attrs.get('reason') or 'failed'}"
                       for t in rep.trials if t.user_attrs.get("status") == "failed")
 
@@ -264,13 +279,13 @@ def tune(
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             study = run_tune(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner, run_dir=output,
                              seed=seed, on_batch=on_batch, on_snapshot=on_snapshot, asynchronous=asynchronous,
-                             on_trial=lambda t: console.print(views.trial_line(t)))
+                             on_trial=lambda t: console.print(views.trial_line(t, spec)))
     except (DataError, ModelError, ValueError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         _interrupted("running jobs stopped; finished trials are kept in the study.")
 
-    console.print(views.trials_table(study, spec))
+    console.print(views.trials_table(study, spec, batches=not asynchronous))
     url = storage_url(spec, output)
     console.print(views.trials_line(study, time.time() - start, study_name(spec), url))
     console.print(f"[dim]dashboard: optuna-dashboard {url} · report: plora report {run_dir}[/]")

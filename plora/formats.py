@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plora.json_errors import json_error_text
+
 if TYPE_CHECKING:
     from plora.jobconfig import JobData
 
@@ -214,7 +216,7 @@ def _jsonl_rows(text: str, where: str) -> list[Row]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where} line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{where} line {n}: not valid JSON ({json_error_text(e, line=False)})") from None
         if not isinstance(value, dict):
             raise DataError(f"{where} line {n}: expected a JSON object, got {_kind(value)}")
         rows.append(Row(f"line {n}", value))
@@ -225,7 +227,7 @@ def _json_rows(text: str, where: str) -> list[Row]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise DataError(f"{where} line {e.lineno}: not valid JSON ({json_error_text(e, line=False)})") from None
     if isinstance(value, dict) and "data" in value:
         value = value["data"]
     if not isinstance(value, list):

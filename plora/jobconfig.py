@@ -33,7 +33,13 @@ __all__ = [
     "JobStreaming",
     "JobTraining",
     "SyntheticRows",
+    "NEUTRAL_TRAINING",
 ]
+
+#: training settings that change how a job runs, not what an adapter learns: a checkpoint
+#: taken under other values resumes (`plora.recipes.checkpoint`), and so does a run directory
+#: (`plora.preflight.check_resumable`)
+NEUTRAL_TRAINING = ("checkpoint_every_steps", "checkpoint_every_minutes", "cuda_graphs", "activation_checkpointing")
 
 
 class _Section(BaseModel):

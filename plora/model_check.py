@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from plora.families import ModelError
+from plora.json_errors import json_error_text
 from plora.models import ModelInfo, build_model, read_model_info, resolve_model_path
 
 __all__ = ["check_model", "check_spec_model", "expected_weights"]
@@ -105,7 +106,7 @@ def _read_json(path: Path, what: str) -> Any:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ModelError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise ModelError(f"{path}: not valid JSON ({json_error_text(e)})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ModelError(f"{path}: cannot read ({e})") from None
     if not isinstance(data, dict):

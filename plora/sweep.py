@@ -138,15 +138,12 @@ def within_node(cost_model: Any, max_tp: int | None) -> Any:
                    host_time={d: c for d, c in cost_model.host_time.items() if d in keep})
 
 
-#: the analytic prior for a CPU: one single-threaded job per core (calibrated on the demo:
-#: 16 s for 500 steps of 8 adapters, 22 s with start-up; this prior says 27-30 s)
-CPU_PRIOR = dict(device_flops=1e11, device_bandwidth=5e10, mfu=0.5, lora_efficiency=0.5, kernel_launch_s=2e-5,
-                 step_overhead_s=2e-3, overhead_bytes=0.5 * 2**30, tp_degrees=[1])
+#: the CPU prior's memory (`plora.cpu_cost`): what a CPU sweep plans its jobs within, and
+#: the runtime's own share of it
+CPU_PRIOR = dict(memory_bytes=64 * 2**30, overhead_bytes=0.5 * 2**30)
 ANALYTIC_SOURCE = "the analytic cost model (no profile yet: `plora profile` fits one)"
 #: where the plan's model came from after a sweep's quick calibration
 CALIBRATED_SOURCE_NOW = "the analytic cost model calibrated on this GPU just now (two short packs)"
-#: seconds a CPU job spends before its first step (interpreter, torchtune import, model load)
-CPU_JOB_OVERHEAD_S = 6.0
 
 
 #: the analytic prior's device numbers by GPU name (dense bf16 FLOP/s, HBM bytes/s); others
@@ -169,6 +166,7 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> Any:
     """The analytic cost model of the sweep's model on ``hw``: FLOPs and bytes from the model's
     shape, the step as the sweep's jobs run it (activation checkpointing or not)."""
     from plora.costmodel import CostModel
+    from plora.cpu_cost import cpu_cost_model
     from plora.profiling.cache import shape_from_model
 
     shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
@@ -183,9 +181,7 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> Any:
         return CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots,
                                   activation_checkpointing=bool(spec.training.activation_checkpointing),
                                   **gpu_prior(name))
-    cm = CostModel.analytic(shape, seq, 64 * 2**30, targets, **CPU_PRIOR)
-    cm.job_overhead_s = CPU_JOB_OVERHEAD_S
-    return cm
+    return cpu_cost_model(shape, seq, targets, **CPU_PRIOR)
 
 
 def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
@@ -524,10 +520,15 @@ def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
     """spec.yaml, configs.parquet, plan.json (and profile.json when one was measured).
 
     Each job's job.yaml is written by the engine when the job starts, with the adapters it
-    still has to train (a resumed, retried or split job trains fewer than planned)."""
+    still has to train (a resumed, retried or split job trains fewer than planned). A run
+    directory that holds a sweep of another space is left as it is (`RunDirError`) unless
+    ``restart`` starts it over."""
+    from plora.preflight import check_resumable
+
     run_dir = prep.run_dir
     if restart and run_dir.exists():
         shutil.rmtree(run_dir)
+    check_resumable(run_dir, prep.spec, (c.id for c in prep.configs))
     (run_dir / "jobs").mkdir(parents=True, exist_ok=True)
     (run_dir / "adapters").mkdir(exist_ok=True)
     (run_dir / "spec.yaml").write_text(prep.spec.to_yaml())

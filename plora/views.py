@@ -8,6 +8,8 @@ Library code that only builds rich renderables; the CLI decides where they go.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,8 @@ from rich.console import Console, ConsoleDimensions, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from plora.engine.journal import FINAL_ADAPTER
 
 if TYPE_CHECKING:
     import optuna
@@ -55,27 +59,58 @@ def new_events(seen: list[str], events: list[str]) -> list[str]:
     return list(events)
 
 
+#: seconds between two progress lines of a running job in a log (`EventLog`); the
+#: environment variable of that name sets another interval
+LOG_PROGRESS_ENV = "PLORA_LOG_PROGRESS_S"
+LOG_PROGRESS_S = 30.0
+
+
+def log_progress_interval() -> float:
+    """`LOG_PROGRESS_S`, or what ``PLORA_LOG_PROGRESS_S`` says (a number of seconds)."""
+    try:
+        return max(0.0, float(os.environ.get(LOG_PROGRESS_ENV, LOG_PROGRESS_S)))
+    except ValueError:
+        return LOG_PROGRESS_S
+
+
+def finished_counts(counts: dict[str, int]) -> str:
+    """Finished adapters by state: "done 7, diverged 0, pruned 3, failed 0" (pruned only
+    where some were: a sweep without a pruner has none)."""
+    return ", ".join(f"{k} {counts.get(k, 0)}" for k in FINAL_ADAPTER if k != "pruned" or counts.get(k))
+
+
 class EventLog:
     """Progress for output that is not a terminal: each engine event (a job started,
-    finished, retried...) as its own line, and a line whenever more adapters finish. A
-    live view there would print only its last frame, without the events before it."""
+    finished, retried...) as its own line, a line whenever more adapters finish, and every
+    ``every_s`` seconds a line per running job (`job_progress_line`), so that a log of a
+    job that trains for minutes is not silent until it ends. A live view there would print
+    only its last frame, without the events before it."""
 
-    def __init__(self, console: Console, total_adapters: Callable[[Any], int]) -> None:
+    def __init__(self, console: Console, total_adapters: Callable[[Any], int], every_s: float | None = None) -> None:
         self.console = console
         self.total_adapters = total_adapters
+        self.every_s = log_progress_interval() if every_s is None else every_s
         self.seen: list[str] = []
         self.finished = -1
+        self.last_line: dict[str, float] = {}  # running job -> when its last progress line was printed
 
     def __call__(self, snapshot: Any) -> None:
         for event in new_events(self.seen, list(snapshot.events)):
             self.console.print(event, highlight=False, markup=False)
         self.seen = list(snapshot.events)
+        now = time.monotonic()
+        running = {rj.job.id: rj for rj in snapshot.running}
+        self.last_line = {j: t for j, t in self.last_line.items() if j in running}
+        for job_id, rj in running.items():
+            if now - self.last_line.setdefault(job_id, now) >= self.every_s:
+                self.last_line[job_id] = now
+                self.console.print(f"{time.strftime('%H:%M:%S')} {job_progress_line(job_id, rj.proc.progress())}",
+                                   highlight=False, markup=False)
         counts = snapshot.adapter_status
-        finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
+        finished = sum(counts.get(k, 0) for k in FINAL_ADAPTER)
         if finished != self.finished and (finished or self.finished >= 0):
             self.console.print(f"adapters {finished}/{self.total_adapters(snapshot)} finished "
-                               f"(done {counts.get('done', 0)}, diverged {counts.get('diverged', 0)}, "
-                               f"failed {counts.get('failed', 0)})", highlight=False)
+                               f"({finished_counts(counts)})", highlight=False)
         self.finished = finished
         self.console.file.flush()
 
@@ -106,6 +141,30 @@ def _fmt_s(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def job_eta(progress: dict) -> float | None:
+    """Seconds a running job has left, from its progress.json: its elapsed time per adapter
+    step done so far, over the adapter steps left (None before its first step)."""
+    done, total = progress.get("adapter_steps_done", 0), progress.get("adapter_steps_total") or 0
+    elapsed = progress.get("elapsed_s")
+    return elapsed * (total - done) / done if elapsed and done else None
+
+
+def job_progress_line(job_id: str, progress: dict) -> str:
+    """A running job in one line, from its progress.json: adapter steps done of its total,
+    adapters finished, the range of its training adapters' recent losses, elapsed and ETA."""
+    done, total = progress.get("adapter_steps_done", 0), progress.get("adapter_steps_total") or 0
+    if not total:
+        return f"{job_id}: starting"
+    parts = [f"adapter steps {done}/{total} ({100 * done / total:.0f}%)",
+             f"adapters {progress.get('adapters_finished', 0)}/{progress.get('adapters_total', 0)} finished"]
+    losses = [v for v in (progress.get("train_loss") or {}).values() if isinstance(v, (int, float)) and v == v]
+    if losses:
+        low, high = f"{min(losses):.4g}", f"{max(losses):.4g}"
+        parts.append(f"loss {low}" if low == high else f"loss {low}–{high}")
+    parts.append(f"{_fmt_s(progress.get('elapsed_s'))} elapsed, ETA {_fmt_s(job_eta(progress))}")
+    return f"{job_id}: " + ", ".join(parts)
+
+
 def live_view(snapshot, total_adapters: int) -> Group:
     """Running jobs with their progress and ETA, adapters done, predicted vs actual makespan."""
     jobs = Table(title="running jobs", title_justify="left", expand=False)
@@ -115,16 +174,13 @@ def live_view(snapshot, total_adapters: int) -> Group:
     for rj in snapshot.running:
         p = rj.proc.progress()
         done, total = p.get("adapter_steps_done", 0), p.get("adapter_steps_total") or 0
-        elapsed = p.get("elapsed_s")
-        eta = elapsed * (total - done) / done if elapsed and done else None
         jobs.add_row(rj.job.id, ",".join(rj.slots), str(len(rj.job.adapters)),
                      f"{done}/{total}" if total else "starting", f"{p.get('adapters_finished', 0)}",
-                     joins_note(p, running=True), _fmt_s(elapsed), _fmt_s(eta))
+                     joins_note(p, running=True), _fmt_s(p.get("elapsed_s")), _fmt_s(job_eta(p)))
     counts = snapshot.adapter_status
-    finished = sum(counts.get(k, 0) for k in ("done", "diverged", "pruned", "failed"))
+    finished = sum(counts.get(k, 0) for k in FINAL_ADAPTER)
     line = Text.assemble(
-        ("adapters ", "bold"), f"{finished}/{total_adapters} finished",
-        f" (done {counts.get('done', 0)}, diverged {counts.get('diverged', 0)}, failed {counts.get('failed', 0)})",
+        ("adapters ", "bold"), f"{finished}/{total_adapters} finished", f" ({finished_counts(counts)})",
         "   ", ("jobs ", "bold"), f"{len(snapshot.running)} running, {len(snapshot.queued)} queued",
         "   ", ("makespan ", "bold"), f"{_fmt_s(snapshot.elapsed_s)} so far",
         f" / {_fmt_s(snapshot.predicted_makespan_s)} predicted" if snapshot.predicted_makespan_s else "",
@@ -308,41 +364,58 @@ def status_line(frame: pd.DataFrame, seconds: float, results: Path) -> str:
             + f" — {seconds:.0f} s — results: {results}")
 
 
-def batch_line(rep: Any, minimize: bool) -> str:
+def batch_line(rep: Any, spec: SweepSpec) -> str:
     """One line per tune batch (a `plora.tuning.loop.BatchReport`): trained, reused, pruned,
-    the batch's best value and the best so far."""
+    the batch's best objective and the best so far, by the objective's name. An asynchronous
+    run has no batches: its one report says what the whole run did."""
+    objective = f"eval_{spec.eval.objective}"
     values = [t.value for t in rep.trials if t.value is not None and t.state.name == "COMPLETE"]
-    line = (f"batch {rep.index}: {len(rep.trials)} trials, {len(rep.trained)} adapters trained in "
+    line = (f"{len(rep.trials)} trials, {len(rep.trained)} adapters trained in "
             f"{len(rep.jobs)} job{'s' if len(rep.jobs) != 1 else ''}"
             + (f", {len(rep.reused)} reused" if rep.reused else "")
             + (f", {len(rep.pruned)} pruned" if rep.pruned else ""))
-    if values:
-        line += f"; batch best {max(values) if not minimize else min(values):.4g}"
+    line = f"asynchronous run: {line}" if rep.asynchronous else f"batch {rep.index}: {line}"
+    if values and not rep.asynchronous:
+        line += f"; batch best {objective} {max(values) if not spec.eval.minimize else min(values):.4g}"
     if rep.best is not None:
-        line += f"; best so far {rep.best.value:.4g} (trial {rep.best.number})"
+        line += f"; best so far {objective} {rep.best.value:.4g} (trial {rep.best.number})"
     return line + f" — {rep.wall_time_s:.0f} s"
 
 
-def trial_line(trial: optuna.trial.FrozenTrial) -> str:
-    """One line per trial an asynchronous tune tells: its state, value and adapter."""
+#: how a tune's lines name a trial's state
+TRIAL_STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running"}
+
+
+def trial_line(trial: optuna.trial.FrozenTrial, spec: SweepSpec) -> str:
+    """One line per trial an asynchronous tune tells: its state, its objective by name (a
+    pruned trial: the eval loss it was pruned on, not Optuna's signed intermediate value)
+    and its adapter."""
+    from plora.tuning.study import intermediate_sign
+
     a = trial.user_attrs
-    value = f" {trial.value:.4g}" if trial.value is not None else ""
-    return (f"trial {trial.number}: {trial.state.name.lower()}{value} ({a.get('adapter_id')}, "
-            f"{a.get('steps')} steps in {a.get('job_id')})")
+    state = TRIAL_STATES.get(trial.state.name, trial.state.name.lower())
+    if trial.state.name == "PRUNED" and trial.last_step is not None:
+        step = trial.last_step
+        state += f", eval_loss {intermediate_sign(spec) * trial.intermediate_values[step]:.4g} at step {step}"
+    elif trial.value is not None:
+        state += f", eval_{spec.eval.objective} {trial.value:.4g}"
+    return f"trial {trial.number}: {state} ({a.get('adapter_id')}, {a.get('steps')} steps in {a.get('job_id')})"
 
 
-def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10) -> Table:
-    """A tune's best finished trials by the objective."""
+def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10, *, batches: bool = True) -> Table:
+    """A tune's best finished trials by the objective (with the batch of each, unless the
+    tune had none: ``batches`` off for an asynchronous one)."""
+    objective = f"eval_{spec.eval.objective}"
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
     done.sort(key=lambda t: t.value, reverse=not spec.eval.minimize)
-    t = Table(title=f"best trials by eval_{spec.eval.objective}", title_justify="left")
-    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", "value", "batch #"):
+    t = Table(title=f"best trials by {objective}", title_justify="left")
+    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", objective, *(["batch #"] if batches else [])):
         t.add_column(col, justify="left" if col == "adapter" else "right")
     for tr in done[:top]:
         a = tr.user_attrs
         t.add_row(str(tr.number), str(a.get("adapter_id")), str(tr.params.get("rank")), f"{a.get('alpha', 0):g}",
                   f"{tr.params.get('learning_rate', 0):.3g}", str(tr.params.get("batch_size")), f"{tr.value:.4g}",
-                  str(a.get("batch", "")))
+                  *([str(a.get("batch", ""))] if batches else []))
     return t
 
 
@@ -350,8 +423,10 @@ def trials_line(study: optuna.Study, seconds: float, name: str, url: str) -> str
     """Trials by state, the tune's wall time and where its study is."""
     counts: dict[str, int] = {}
     for tr in study.get_trials(deepcopy=False):
-        counts[tr.state.name] = counts.get(tr.state.name, 0) + 1
-    return ("trials: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        state = TRIAL_STATES.get(tr.state.name, tr.state.name.lower())
+        counts[state] = counts.get(state, 0) + 1
+    states = [*TRIAL_STATES.values(), *sorted(set(counts) - set(TRIAL_STATES.values()))]
+    return ("trials: " + ", ".join(f"{k} {counts[k]}" for k in states if k in counts)
             + f" — {seconds:.0f} s — study {name!r} in {url}")
 
 

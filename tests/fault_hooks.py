@@ -1,20 +1,24 @@
 """Faults injected into the job processes a test launches (`plora.hooks`).
 
 A job imports this module when ``PLORA_TEST_HOOKS`` names it (`inject_fault` in conftest
-sets both variables). ``PLORA_INJECT_FAULT="<oom|crash|kill>@<job id>@<step>[@<attempts>]"``,
+sets both variables). ``PLORA_INJECT_FAULT="<oom|crash|kill|slow>@<job id>@<step>[@<attempts>]"``,
 comma-separated, makes that job fail after that step on its first <attempts> attempts
-(``PLORA_ATTEMPT`` counts from 1; without <attempts>, on every attempt).
+(``PLORA_ATTEMPT`` counts from 1; without <attempts>, on every attempt); ``slow`` makes that
+step take `SLOW_S` seconds longer instead.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from plora import hooks
 
 ENV = "PLORA_INJECT_FAULT"
+#: seconds a ``slow`` fault adds to its step
+SLOW_S = 3.0
 
 
 def faults(text: str) -> list[tuple[str, str, int, int]]:
@@ -29,6 +33,9 @@ def faults(text: str) -> list[tuple[str, str, int, int]]:
 def inject(recipe, step: int) -> None:
     for kind, job, at, attempts in faults(os.environ.get(ENV, "")):
         if job != recipe.job_id or step != at or recipe.attempt > attempts:
+            continue
+        if kind == "slow":
+            time.sleep(SLOW_S)
             continue
         if kind == "oom":
             raise torch.OutOfMemoryError("injected out-of-memory")

@@ -280,8 +280,8 @@ def test_async_tune_records_every_trial_once(tmp_path, demo_model):
     result = runner.invoke(app, ["tune", str(path), "--sampler", "random", "--trials", "5", "--batch", "2",
                                  "--async"], terminal_width=200)
     assert result.exit_code == 0, result.output
-    told = [line for line in result.output.splitlines() if line.startswith("trial ") and ": complete " in line]
-    assert len(told) == 5 and "batch 1: 5 trials" in result.output  # a line per trial as it is told
+    told = [line for line in result.output.splitlines() if line.startswith("trial ") and ": complete, " in line]
+    assert len(told) == 5 and "asynchronous run: 5 trials" in result.output  # a line per trial as it is told
     run = tmp_path / "runs" / "tune"
     study = optuna.load_study(study_name="tune", storage=f"sqlite:///{run / 'study.sqlite'}")
     trials = study.get_trials()

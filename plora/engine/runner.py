@@ -35,7 +35,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,6 +81,8 @@ class RunningJob:
     job: Job
     proc: JobProcess
     slots: list[str]
+    #: its adapters whose results it wrote while running (recorded in the journal then)
+    results: set[str] = field(default_factory=set)
 
 
 def _gpus_of(slots: Sequence[str]) -> list[int]:
@@ -285,6 +287,7 @@ class Engine:
                 self._calibrate()
                 self._stream()
                 self._reap()
+                self._record_running_results()
                 if self.feed is not None:
                     self.feed(self)
                 if self.on_tick:
@@ -536,6 +539,19 @@ class Engine:
         reason = cal.drift([(j.adapters, j.tp) for j in waiting])
         if reason is not None and self.replan is not None:
             self._replan_waiting(waiting, reason, {"reason": reason})
+
+    def _record_running_results(self) -> None:
+        """Record the adapters that finished inside a running job as soon as their result is
+        on disk (the job said so in its progress.json), not once the job exits: the live
+        view, the log and `plora status` then count what the job's own progress shows."""
+        for rj in self.running.values():
+            if (rj.proc.progress().get("adapters_finished") or 0) <= len(rj.results):
+                continue
+            for a in rj.job.adapters:
+                result = None if a in rj.results else self.result(a)
+                if result is not None:
+                    rj.results.add(a)
+                    self._record_result(a, result)
 
     def _track_drift(self, rj: RunningJob) -> None:
         """Compare finished jobs' measured times with the plan's; past the threshold, the

@@ -4,7 +4,8 @@ Every ``every_steps`` steps or ``every_minutes`` minutes (whichever comes first)
 writes, for each adapter still training, what its next step depends on: its LoRA weights
 and both AdamW moments (its pieces of the `LoRABank` and `PackedAdamW` buffers), its
 optimizer step count (bias correction), its own step (schedule position), its data-stream
-position, its losses so far and its status. Adapters are keyed by id, so a job that
+position, its losses so far and its status; and its wall time so far, which a resumed
+adapter's wall time goes on from. Adapters are keyed by id, so a job that
 resumes with a different pack (a retry without the adapters that finished, the halves of
 an out-of-memory split) takes each adapter's state from wherever it was saved last.
 Adapters that joined the running job are saved like the others (with the job step they
@@ -31,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plora.jobconfig import NEUTRAL_TRAINING  # left out of the fingerprint
+
 if TYPE_CHECKING:
     from plora.jobconfig import JobConfig
 
 VERSION = 1
-#: training settings that do not change what an adapter learns (left out of the fingerprint)
-NEUTRAL_TRAINING = ("checkpoint_every_steps", "checkpoint_every_minutes", "cuda_graphs", "activation_checkpointing")
 
 
 def checkpoint_dir(job_dir: Path) -> Path:
@@ -135,6 +136,7 @@ class JobCheckpointer:
                 "losses": list(run.losses),
                 "status": run.status,
                 "joined_at": run.joined_at,
+                "elapsed_s": run.earlier_s + time.time() - r.start_time,  # its wall time so far, every attempt
             }
         state = {
             "version": VERSION,
@@ -197,6 +199,7 @@ class JobCheckpointer:
             run.step = int(saved["step"])
             run.stream.load_state_dict(saved["stream"])
             run.losses = [float(x) for x in saved["losses"]]
+            run.earlier_s = float(saved.get("elapsed_s", 0.0))
             resumed[run.id] = run.step
             self.job_step = max(self.job_step, int(saved["job_step"]))
         self.last_save = time.monotonic()

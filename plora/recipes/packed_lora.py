@@ -124,6 +124,9 @@ class AdapterRun:
     joined_at: int | None = None
     #: the largest batch its stream draws from here on (tokens, labels), for a balanced step's shape
     floor: tuple[int, int] | None = None
+    #: seconds it trained in earlier attempts of its job (from its checkpoint): its wall
+    #: time counts them, so that a resumed adapter's time is not only the last attempt's
+    earlier_s: float = 0.0
 
     @property
     def id(self) -> str:
@@ -620,7 +623,7 @@ class PackedLoRARecipe:
             "total_steps": r.total_steps,
             "train_loss": sum(tail) / len(tail) if tail else None,
             **m,
-            "wall_time_s": (r.finished_at or time.time()) - self.start_time,
+            "wall_time_s": r.earlier_s + (r.finished_at or time.time()) - self.start_time,
             "checkpoint_path": str(checkpoint) if checkpoint else None,
             "config": r.cfg.hyperparameters(),
         }
@@ -652,6 +655,9 @@ class PackedLoRARecipe:
             # steps each adapter has taken (one that left: its whole budget): what the engine's
             # choice of joins counts a running job's remaining time from
             "adapter_steps": {r.id: (r.step if r.active else r.total_steps) for r in self.runs},
+            # the mean loss of each training adapter's last steps: a log's progress line shows their range
+            "train_loss": {r.id: sum(r.losses[-10:]) / len(r.losses[-10:]) for r in self.runs
+                           if r.active and r.losses},
             "adapters_joined": sum(r.joined_at is not None for r in self.runs),
             "joins_waiting": len(self._pending_joins),
             "lingering": lingering,

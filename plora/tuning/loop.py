@@ -45,6 +45,8 @@ class BatchReport:
     jobs: list[str]
     wall_time_s: float
     best: FrozenTrial | None
+    #: a whole asynchronous run (``plora tune --async``), which has no batches
+    asynchronous: bool = False
 
 
 @dataclass
@@ -220,7 +222,7 @@ def run_tune(
                 reused=sorted({str(t.user_attrs.get("adapter_id")) for t in frozen} - set(trained)),
                 pruned=[a for a in trained if any(t.user_attrs.get("adapter_id") == a and t.state == TrialState.PRUNED
                                                   for t in frozen)],
-                jobs=jobs, wall_time_s=time.time() - t0, best=_best(study)))
+                jobs=jobs, wall_time_s=time.time() - t0, best=_best(study), asynchronous=True))
         return study
 
     asked = 0
