@@ -106,6 +106,11 @@ def test_a_spare_takes_only_a_job_for_its_gpus():
     # torchao's and torchtune's imports ask CUDA about the GPU: the GPUs a spare sees are fixed
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "1", "A": "1"})
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "2"})
+    # what the sweep's own imports set after the spare started (a first model check) is no difference
+    assert s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x",
+                         "CUDA_MODULE_LOADING": "LAZY"})
+    s.env = {**s.env, "TORCHINDUCTOR_CACHE_DIR": "/tmp/y"}
+    assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})
 
 
 def test_a_spare_that_dies_before_it_is_ready_turns_spares_off(tmp_path, monkeypatch):

@@ -45,6 +45,12 @@ HANDED_AT = "PLORA_HANDED_AT"
 READY = "ready"
 #: variables a job may set differently from its spare's: read only once the job runs
 ADJUSTABLE = frozenset({"OMP_NUM_THREADS", "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED"})
+#: variables the libraries a job imports set in their own process, the sweep's process (which
+#: imported them after its spare started: a first model check, a quick calibration) and the
+#: spare alike: a difference in these is no difference (on an H100's first sweep, the
+#: inductor's cache folder alone sent the first job to a cold start of 20 s)
+SET_BY_IMPORTS = frozenset({"TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING", "HF_HUB_ENABLE_HF_TRANSFER",
+                            "TOKENIZERS_PARALLELISM", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
 #: the child, with the sweep's working folder left off its import path (``python -m`` puts
 #: it first, where a stray module of the user's could shadow one the recipe imports)
 CHILD = ("import sys, runpy; del sys.path[0]; "
@@ -100,6 +106,7 @@ class Spare:
 
     def compatible(self, env: dict[str, str]) -> bool:
         keys = (set(env) | set(self.env)) - ADJUSTABLE
+        keys -= {k for k in SET_BY_IMPORTS if k not in self.env or k not in env}
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def wait_ready(self, timeout_s: float) -> bool:
