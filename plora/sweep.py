@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -623,6 +624,7 @@ def run_prepared(
     def use_model(model: Any) -> None:  # joins fit, and re-plans plan, by the corrected model
         prep.cost_model = model
 
+    study_ready = open_study_meanwhile(prep)
     engine = Engine(
         prep.run_dir, journal, slots, write_job,
         max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
@@ -669,10 +671,32 @@ def run_prepared(
         except (OSError, ValueError, ProfileError):
             pass
     frame = collect_results(prep)
+    study_ready.join(timeout=60)
     from plora.tuning.study import record_sweep  # the sweep as an Optuna study; warns, never raises
 
     record_sweep(prep, frame)
     return frame
+
+
+def open_study_meanwhile(prep: PreparedSweep) -> threading.Thread:
+    """Import Optuna and create the sweep's study on a thread of its own while the jobs train
+    (seconds on a GPU machine), so that recording the results at the end only adds trials.
+    Only a new study of the run directory's own file is created here (one that exists, or
+    another storage, may be in use: `plora tune` tells its trials into it); a failure is left
+    to `record_sweep`, which warns."""
+    def open_it() -> None:
+        try:
+            from plora.tuning.study import open_study, storage_url
+
+            url = storage_url(prep.spec, prep.run_dir)
+            if not prep.spec.optuna.storage and not Path(url.removeprefix("sqlite:///")).exists():
+                open_study(prep.spec, prep.run_dir)
+        except Exception:  # noqa: BLE001 - record_sweep opens it again and says what went wrong
+            pass
+
+    thread = threading.Thread(target=open_it, name="plora-study", daemon=True)
+    thread.start()
+    return thread
 
 
 def sweep_calibrator(prep: PreparedSweep) -> Any:

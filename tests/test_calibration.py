@@ -116,6 +116,23 @@ def test_finished_jobs_give_the_job_terms():
     assert model.job_overhead_s == pytest.approx(2.0 + 1.0 + 0.5 + 0.8)
 
 
+def test_a_first_sweeps_kernel_compilation_is_not_a_job_term_of_the_next():
+    from plora.profiling.calibrate import job_terms_runs
+
+    def run(first_s, eval_s, cold):
+        return {"start_s": 9.0, "load_s": 0.0, "setup_s": 1.5, "cold": cold,
+                "phases": [{"steps": 129, "first_s": first_s, "rest_s": 128 * 0.15, "ranks": [8], "rows": [4]},
+                           {"steps": 128, "first_s": 0.6, "rest_s": 127 * 0.05, "ranks": [8], "rows": [2]}],
+                "evals": [{"adapters": 8, "samples": 32, "seconds": eval_s},
+                          {"adapters": 8, "samples": 32, "seconds": 0.35}], "saves": []}
+
+    cold = Calibration(job_runs=[run(13.8, 3.2, True)]).apply(prior())
+    assert cold.overheads.warm_s == pytest.approx(0.55, abs=1e-6)  # a later pack's capture, not the compile
+    warm = Calibration(job_runs=[run(13.8, 3.2, True), run(1.5, 0.36, False)]).apply(prior())
+    assert warm.overheads.warm_s == pytest.approx(1.35, abs=1e-6)  # the warm run alone
+    assert job_terms_runs([run(13.8, 3.2, True)])[0]["evals"] == [{"adapters": 8, "samples": 32, "seconds": 0.35}]
+
+
 def test_a_calibration_round_trips_and_refuses_other_files():
     cal = Calibration([PackTiming((8,), (2,), 200.0, 0.1, 5)], [PackFootprint((8,), (2,), 256.0, 3e9)], [{"x": 1}])
     again = Calibration.from_dict(json.loads(json.dumps(cal.to_dict())))

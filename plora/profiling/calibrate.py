@@ -235,6 +235,28 @@ def fit_memory_scale(model: CostModel, footprints: Sequence[PackFootprint], d: i
     return _clamp(max(ratios))
 
 
+def job_terms_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The job runs to fit the job terms from: the warm ones where there are any; else the cold
+    ones (a model's first sweep on a machine, ``cold``) without what only a first sweep pays:
+    its first step's kernel compilation (the first step counts as long as a later pack's
+    first step) and its first eval's (left out where the job has another)."""
+    warm = [r for r in runs if not r.get("cold")]
+    if warm:
+        return warm
+    out = []
+    for r in runs:
+        phases = [dict(p) for p in r.get("phases", [])]
+        if phases and int(phases[0].get("steps", 0)) >= 2:
+            first = phases[0]
+            steady = float(first["rest_s"]) / (int(first["steps"]) - 1)
+            later = [float(p["first_s"]) - float(p["rest_s"]) / (int(p["steps"]) - 1)
+                     for p in phases[1:] if int(p.get("steps", 0)) >= 2 and not p.get("reused")]
+            first["first_s"] = steady + (max(0.0, max(later)) if later else 0.0)
+        evals = list(r.get("evals", []))
+        out.append({**r, "phases": phases, "evals": evals[1:] if len(evals) > 1 else evals})
+    return out
+
+
 @dataclass
 class Calibration:
     """A sweep's measurements of its model on this machine, and the cost model they make."""
@@ -293,7 +315,7 @@ class Calibration:
             model = conservative(model, loads=loads)  # (the planner's load factor: the default)
         if self.job_runs:
             try:
-                model = model.with_overheads(fit_overheads(self.job_runs))
+                model = model.with_overheads(fit_overheads(job_terms_runs(self.job_runs)))
             except ValueError:
                 pass
         return replace(model, meta={**model.meta, "calibration": info})
@@ -361,6 +383,8 @@ class SweepCalibrator:
         self._running.pop(job_id, None)
         if run:
             timings, footprints = samples_from_phases(run.get("phases", []), self.seq_len)
+            if not self.base.job_runs:  # the first sweep of the model here: its kernels compiled then
+                run = {**run, "cold": True}
             self._finished.add(timings, footprints, [run])
         self._model = None
 
