@@ -113,6 +113,21 @@ def test_a_spare_takes_only_a_job_for_its_gpus():
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})
 
 
+def test_what_the_sweep_set_itself_after_its_spare_started_is_no_difference(monkeypatch):
+    """A first model check or a quick calibration imports libraries that set variables in the
+    sweep's process (on an H100, the first job of a first sweep then started cold, 11-20 s);
+    the spare's own imports set theirs. Its GPUs stay pinned."""
+    monkeypatch.delenv("SOME_LIBRARY_CACHE", raising=False)
+    s = spare.Spare.__new__(spare.Spare)
+    s.env, s.gpus = {"CUDA_VISIBLE_DEVICES": "0", "A": "1"}, (0,)
+    s.started_from = dict(os.environ)
+    monkeypatch.setenv("SOME_LIBRARY_CACHE", "/tmp/lib")
+    assert s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "SOME_LIBRARY_CACHE": "/tmp/lib"})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert not s.compatible({"CUDA_VISIBLE_DEVICES": "3", "A": "1", "SOME_LIBRARY_CACHE": "/tmp/lib"})
+    assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "2", "SOME_LIBRARY_CACHE": "/tmp/lib"})
+
+
 def test_a_spare_that_dies_before_it_is_ready_turns_spares_off(tmp_path, monkeypatch):
     monkeypatch.setenv(spare.ENV_SWITCH, "1")
     monkeypatch.setattr(spare, "CHILD", "import sys; sys.exit(1)")

@@ -45,6 +45,8 @@ HANDED_AT = "PLORA_HANDED_AT"
 READY = "ready"
 #: variables a job may set differently from its spare's: read only once the job runs
 ADJUSTABLE = frozenset({"OMP_NUM_THREADS", "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED"})
+#: variables a spare and its job always agree on, whoever changed them
+PINNED = frozenset({"CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"})
 #: variables the libraries a job imports set in their own process, the sweep's process (which
 #: imported them after its spare started: a first model check, a quick calibration) and the
 #: spare alike: a difference in these is no difference (on an H100's first sweep, the
@@ -99,14 +101,26 @@ class Spare:
 
     def __init__(self, env: dict[str, str], gpus: Sequence[int] = ()):
         self.env, self.gpus = env, tuple(gpus)
+        #: this process's environment when the spare started: what this process changes in it
+        #: afterwards (its own imports' settings) its job passes on without them mattering
+        self.started_from = dict(os.environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=die_with_parent,
         )
 
     def compatible(self, env: dict[str, str]) -> bool:
+        """Whether a job of environment ``env`` may run in this spare: every variable equal,
+        but for those a job may set differently (`ADJUSTABLE`), those imports set
+        (`SET_BY_IMPORTS`), and those this process changed itself after the spare started
+        (what its own imports set: the spare's imports set theirs); never the GPUs or the
+        allocator."""
         keys = (set(env) | set(self.env)) - ADJUSTABLE
         keys -= {k for k in SET_BY_IMPORTS if k not in self.env or k not in env}
+        here = getattr(self, "started_from", None)
+        if here is not None:
+            changed = {k for k in set(here) | set(os.environ) if here.get(k) != os.environ.get(k)}
+            keys -= changed - PINNED
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -234,6 +248,15 @@ def discard() -> None:
         spare.kill()
 
 
+def _note_in(log: Path, line: str) -> None:
+    """A line in the job's log: why it starts the ordinary way (seconds slower on a GPU)."""
+    try:
+        with open(log, "a") as f:
+            f.write(f"plora: {line}\n")
+    except OSError:
+        pass
+
+
 def take(job_yaml: Path, cwd: Path, log: Path, env: dict[str, str], launched: float) -> subprocess.Popen | None:
     """Hand a job launched at ``launched`` to the spare: its process (now the job's), or
     None when there is no usable spare and the job must start the ordinary way. The job
@@ -244,10 +267,13 @@ def take(job_yaml: Path, cwd: Path, log: Path, env: dict[str, str], launched: fl
     if spare is None:
         return None
     if not spare.compatible(env):  # another GPU or setting: the job starts the ordinary way, at once
+        differ = sorted(k for k in set(env) | set(spare.env) if env.get(k) != spare.env.get(k))
+        _note_in(log, f"the job process started ahead was not used: its environment differs ({', '.join(differ)})")
         spare.kill()
         return None
     try:
         if spare.proc.poll() is not None or not spare.wait_ready(READY_WAIT_S):
+            _note_in(log, "the job process started ahead died or hung importing: jobs start the ordinary way")
             spare.kill()
             _give_up()  # it died (or hung) importing: the next would too
             return None
