@@ -8,7 +8,7 @@ needs a fixed size, and the sum of a random batch's lengths varies so much from 
 that a size that holds every step wastes as much (a bs-4 batch's sum reaches 1.5x its mean).
 
 A `BalancedStream` draws the adapter's rows in the plain shuffled order (`AdapterStream`),
-``GROUP_STEPS`` batches' worth at a time, and deals each group into batches whose token
+``GROUP_STEPS`` batches' worth at a time (a group ends with its epoch), and deals each group into batches whose token
 counts are nearly equal (longest rows first, each into the batch with fewest tokens so far
 that still has room), in a seeded order. Every row is still seen once an epoch (up to a
 group's worth across an epoch's end), each batch still holds ``batch_size`` rows, and the
@@ -26,7 +26,8 @@ import numpy as np
 
 from plora.data import AdapterStream, DataError
 
-__all__ = ["BALANCED_MULTIPLE", "GROUP_STEPS", "BalancedStream", "balanced_batches", "balanced_row_tokens"]
+__all__ = ["BALANCED_MULTIPLE", "GROUP_STEPS", "BalancedStream", "balanced_batches", "balanced_row_tokens",
+           "balanced_rows_cost"]
 
 #: batches dealt together, and at least `GROUP_ROWS` rows: more balance more evenly (a segment
 #: size nearer the mean), fewer keep more of the shuffle's randomness in which rows share a
@@ -82,7 +83,11 @@ class BalancedStream:
 
     def _deal(self) -> None:
         self._group_start = self._rows.state_dict()
-        rows = self._rows.next(self.batch_size * self.group_steps)
+        # a group ends with its epoch (only the rows that do not fill a batch go on into the
+        # next, as the plain shuffle's batches do): each epoch still sees every row once
+        left = self._rows.rows_left_in_epoch()
+        take = min(self.batch_size * self.group_steps, left - left % self.batch_size) or self.batch_size
+        rows = self._rows.next(take)
         batches = balanced_batches(rows, self.lengths, self.batch_size)
         order = np.random.default_rng([self.seed, 104729, self._groups]).permutation(len(batches))
         self._queue = [batches[int(i)] for i in order]
@@ -100,13 +105,20 @@ class BalancedStream:
     def max_batch_tokens(self, steps: int, weights: Sequence[int] | None = None) -> int:
         """The most tokens (or of ``weights`` per row: labels, say) any of the next ``steps``
         batches holds; the stream itself does not move."""
-        per_row = self.lengths if weights is None else [int(w) for w in weights]
+        return self.max_batch_sums(steps, [self.lengths if weights is None else weights])[0]
+
+    def max_batch_sums(self, steps: int, weights: Sequence[Sequence[int]]) -> list[int]:
+        """For each of ``weights`` (a number per row), the most any of the next ``steps``
+        batches holds, dealt once for all of them."""
+        per_row = [[int(w) for w in ws] for ws in weights]
         probe = BalancedStream(self.num_samples, self.seed, lengths=self.lengths, batch_size=self.batch_size)
         probe.group_steps = self.group_steps
         probe.load_state_dict(self.state_dict())
-        most = 0
+        most = [0] * len(per_row)
         for _ in range(max(0, int(steps))):
-            most = max(most, sum(per_row[i] for i in probe.next(self.batch_size)))
+            batch = probe.next(self.batch_size)
+            for j, ws in enumerate(per_row):
+                most[j] = max(most[j], sum(ws[i] for i in batch))
         return most
 
     def state_dict(self) -> dict[str, Any]:
@@ -130,9 +142,18 @@ class BalancedStream:
         self._taken = taken
 
 
+def balanced_rows_cost(lengths: list[int], batch_sizes: Sequence[int]) -> float:
+    """What a row of a sweep whose adapters have these ``batch_sizes`` costs a graphed step in
+    balanced batches, on average over its rows (`balanced_row_tokens` at each batch size)."""
+    sizes = [max(1, int(b)) for b in batch_sizes] or [2]
+    price = {b: balanced_row_tokens(lengths, b) for b in set(sizes)}
+    return sum(b * price[b] for b in sizes) / sum(sizes)
+
+
 def balanced_row_tokens(lengths: list[int], batch_size: int = 2, steps: int = 1024) -> float:
     """What a row costs a graphed step in balanced batches: the segment size that holds
-    ``steps`` batches of ``batch_size`` (one per adapter, `plora.balanced_stream`), per row."""
+    ``steps`` batches of ``batch_size`` (one per adapter, `plora.balanced_stream`), per row.
+    At batch size 1 nothing balances: the segment holds the longest row."""
     if not lengths:
         return 0.0
     stream = BalancedStream(len(lengths), 0, lengths=lengths, batch_size=batch_size)

@@ -90,10 +90,6 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
         if warm and spec.hardware.backend == "local":
             spare.prime(spare.first_gpus(spec.hardware.device))
         check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
-        if warm and spec.hardware.backend == "local":  # the first job's model, loaded while this plans
-            m = spec.model
-            spare.preload(spare.PreloadOrder(path=str(m.resolved_path()), family=m.family, max_seq_len=m.max_seq_len,
-                                             dtype=m.dtype, device=spec.hardware.device, random_init=m.random_init))
         return spec
     except SpecError as e:
         spare.discard()
@@ -157,6 +153,11 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         raise
     if warm:  # (a profile's probe job may have taken the first one)
         spare.prime(spare.first_gpus(spec.hardware.device))
+        # the first job's model, loaded as soon as the spare has imported: after planning, so
+        # that a quick calibration's probes never share the GPU with a second copy of it
+        m = spec.model
+        spare.preload(spare.PreloadOrder(path=str(m.resolved_path()), family=m.family, max_seq_len=m.max_seq_len,
+                                         dtype=m.dtype, device=spec.hardware.device, random_init=m.random_init))
     return prep
 
 

@@ -439,6 +439,10 @@ class AdapterStream:
         self._pos = sum(self._bucket_pos)
         return taken
 
+    def rows_left_in_epoch(self) -> int:
+        """Rows the plain shuffle gives before its epoch ends (a bucketed stream: its buckets')."""
+        return self.num_samples - self._pos
+
     def state_dict(self) -> dict[str, Any]:
         """Where the stream is (a resumed job goes on from here, not from the start)."""
         state: dict[str, Any] = {"epoch": self._epoch, "pos": self._pos}
@@ -447,6 +451,8 @@ class AdapterStream:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "epoch" not in state or "pos" not in state:
+            raise DataError("the checkpoint's data position was saved with another row order")
         if (self._buckets is not None) != ("bucket_pos" in state) or (
                 self._buckets is not None and int(state["buckets"]) != len(self._orders)):
             raise DataError("the checkpoint's data position was saved with other length buckets")

@@ -206,6 +206,17 @@ def _tokenizer(spec: Any):
     return TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)
 
 
+def _train_rows(spec: Any) -> int | None:
+    """How many training rows the sweep has (tokenizing none of them); None where unknown."""
+    from plora.data import load_split
+    from plora.data_check import data_config
+
+    try:
+        return len(load_split(data_config(spec), "train"))
+    except Exception:  # noqa: BLE001 - pricing only: validation reports bad data
+        return None
+
+
 def train_row_lengths(spec: Any) -> list[int] | None:
     """The tokens of a sweep's training rows as jobs see them (at most ``max_seq_len``
     each; the first `ROWS_SAMPLED` rows). None where they cannot be tokenized here."""
@@ -220,13 +231,16 @@ def train_row_lengths(spec: Any) -> list[int] | None:
         return None
 
 
-def sweep_row_layout(spec: Any, *, graphed: bool, lengths: list[int] | None = None) -> str:
+def sweep_row_layout(spec: Any, *, graphed: bool, lengths: list[int] | None = None,
+                     batch_sizes: Sequence[int] = (2,)) -> str:
     """``training.row_layout`` resolved once for a whole sweep: "auto" becomes "balanced"
-    where its jobs replay graphed steps and its rows vary so much in length that padding them
+    where its jobs replay graphed steps, its rows vary so much in length that padding them
     (in their best length buckets) would cost `BALANCE_WHEN_PADDED_OVER` times their real
-    tokens; the rows then come in batches of nearly equal tokens, flattened
+    tokens, and balanced batches of its adapters' ``batch_sizes`` cost less (at batch size 1
+    nothing balances); the rows then come in batches of nearly equal tokens, flattened
     (`plora.balanced_stream`). Every job of the sweep gets the same layout, so an adapter's
     row order never depends on its pack-mates."""
+    from plora.balanced_stream import balanced_rows_cost
     from plora.row_layout import AUTO_LENGTH_BUCKETS, BALANCE_WHEN_PADDED_OVER, bucketed_row_tokens
 
     setting = spec.training.row_layout
@@ -234,7 +248,9 @@ def sweep_row_layout(spec: Any, *, graphed: bool, lengths: list[int] | None = No
         return setting
     mean = sum(lengths) / len(lengths)
     padded = bucketed_row_tokens(list(lengths), AUTO_LENGTH_BUCKETS, int(spec.model.max_seq_len))
-    return "balanced" if mean > 0 and padded / mean >= BALANCE_WHEN_PADDED_OVER else setting
+    if mean <= 0 or padded / mean < BALANCE_WHEN_PADDED_OVER:
+        return setting
+    return "balanced" if balanced_rows_cost(list(lengths), batch_sizes) < padded else setting
 
 
 def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool,
@@ -258,7 +274,8 @@ def sweep_length_buckets(spec: Any, steps: Mapping[str, int], *, graphed: bool,
 
 
 def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | str | None = None,
-                     lengths: list[int] | None = None, row_layout: str | None = None) -> float | None:
+                     lengths: list[int] | None = None, row_layout: str | None = None,
+                     batch_sizes: Sequence[int] | None = None) -> float | None:
     """What a sweep's training row costs a step, in tokens (`plora.step_settings.priced_row_tokens`):
     the mean real tokens of its rows (``lengths``, else `train_row_lengths`) where jobs flatten
     them, the width they are padded to where jobs pad them (``graphed``: steps replayed from
@@ -270,9 +287,10 @@ def train_row_tokens(spec: Any, *, graphed: bool = False, length_buckets: int | 
     buckets = spec.training.length_buckets if length_buckets is None else length_buckets
     layout = row_layout or spec.training.row_layout
     if layout == "balanced" and graphed:  # a segment sized for every batch (`plora.balanced_stream`)
-        from plora.balanced_stream import balanced_row_tokens
+        from plora.balanced_stream import balanced_rows_cost
 
-        return balanced_row_tokens(list(lengths))
+        sizes = batch_sizes if batch_sizes is not None else [c.batch_size for c in spec.expand()]
+        return balanced_rows_cost(list(lengths), sizes)
     return priced_row_tokens(layout, graphed=graphed, lengths=lengths, max_seq_len=int(spec.model.max_seq_len),
                              length_buckets=buckets)
 
@@ -287,6 +305,10 @@ def widest_train_row(spec: Any, *, graphed: bool = False, lengths: list[int] | N
     lengths = lengths if lengths is not None else train_row_lengths(spec)
     if not lengths:
         return None
+    if len(lengths) >= ROWS_SAMPLED:
+        rows = _train_rows(spec)
+        if rows is None or rows > len(lengths):
+            return None  # a sample's longest row is not the set's: memory counts max_seq_len
     return widest_row_tokens(row_layout or spec.training.row_layout, graphed=graphed, lengths=lengths,
                              max_seq_len=int(spec.model.max_seq_len))
 

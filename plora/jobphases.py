@@ -86,7 +86,7 @@ class PhaseClock:
         self.phases: list[dict[str, Any]] = []
         #: what the job's steps did with CUDA graphs (`plora.recipes.step_graph.GraphCounts`), or None
         self.graphs: dict[str, int] | None = None
-        self._pack: tuple[int, ...] | None = None
+        self._pack: tuple | None = None
         self.evals: list[dict[str, Any]] = []
         self.saves: list[dict[str, Any]] = []
 
@@ -111,10 +111,11 @@ class PhaseClock:
         padding included) let a sweep calibrate its cost model from the job while it runs
         (`plora.profiling.calibrate`): each phase keeps its pack, the tokens of its steady
         steps, and, on a GPU, the job's device footprint once it has run a steady step."""
-        key = tuple(pack)
+        # a slot refilled by another adapter (another rank or batch size) is another pack
+        key = (tuple(pack), tuple(ranks or ()), tuple(rows or ()))
         if key != self._pack:
             self._pack = key
-            phase: dict[str, Any] = {"adapters": len(key), "steps": 1, "first_s": float(seconds), "rest_s": 0.0}
+            phase: dict[str, Any] = {"adapters": len(pack), "steps": 1, "first_s": float(seconds), "rest_s": 0.0}
             if reused:  # no eager step, no capture: not a sample of what a new composition costs
                 phase["reused"] = True
             if ranks is not None and rows is not None:

@@ -442,8 +442,13 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     # tokenized once here for all three: the layout, the bucket count and the rows' price
     wanted = graphed and (spec.training.length_buckets == "auto" or spec.training.row_layout == "auto")
     lengths = train_row_lengths(spec) if wanted else None
-    layout = sweep_row_layout(spec, graphed=graphed, lengths=lengths)
-    buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths, row_layout=layout)
+    before = None if fresh else resolved_layout(run)
+    if before is not None:  # a resumed sweep keeps its adapters' row order (their checkpoints hold it)
+        layout, buckets = before
+    else:
+        layout = sweep_row_layout(spec, graphed=graphed, lengths=lengths,
+                                  batch_sizes=[c.batch_size for c in configs])
+        buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths, row_layout=layout)
     prior = calibration = None
     if cost_model is None:
         models = sweep_models(spec, None if fresh else run, hardware=hw, length_buckets=buckets, row_lengths=lengths,
@@ -467,6 +472,20 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
                          row_layout=layout, prior=prior, calibration=calibration)
+
+
+def resolved_layout(run_dir: Path) -> tuple[str, int | str] | None:
+    """The row layout and length-bucket count a sweep in ``run_dir`` resolved before (its jobs'
+    job.yaml), or None where no job was written yet."""
+    import yaml
+
+    for path in sorted((run_dir / "jobs").glob("*/job.yaml")) if (run_dir / "jobs").is_dir() else []:
+        try:
+            training = yaml.safe_load(path.read_text()).get("training", {})
+            return str(training["row_layout"]), training["length_buckets"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError):
+            continue
+    return None
 
 
 def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
@@ -535,7 +554,10 @@ def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
     (run_dir / "spec.yaml").write_text(prep.spec.to_yaml())
     configs_frame(prep).to_parquet(run_dir / "configs.parquet", index=False)
     write_plan(prep)
-    measured = prep.cost_model is not None and prep.cost_model.meta.get("plan_source") != ANALYTIC_SOURCE
+    # a profile (not the analytic prior or a calibration of it: a resumed sweep finds those
+    # in plora's cache with their samples, and goes on calibrating)
+    measured = prep.cost_model is not None and prep.cost_model.meta.get("plan_source") not in (
+        ANALYTIC_SOURCE, CALIBRATED_SOURCE, CALIBRATED_SOURCE_NOW)
     if measured and not (run_dir / "profile.json").is_file():
         prep.cost_model.save(run_dir / "profile.json")
 

@@ -47,6 +47,18 @@ def test_a_stream_sees_every_row_each_epoch_in_balanced_batches(bs):
     assert max(sums) / mean < bucketed_row_tokens(LENGTHS, 8, 512) / statistics.fmean(LENGTHS)
 
 
+def test_a_small_set_still_sees_every_row_once_an_epoch():
+    """Fewer rows than a group: groups end with their epoch."""
+    lengths = LENGTHS[:100]
+    stream = BalancedStream(len(lengths), seed=2, lengths=lengths, batch_size=4)
+    for _ in range(3):
+        epoch = [i for _ in range(25) for i in stream.next(4)]
+        assert sorted(epoch) == list(range(100))
+    odd = BalancedStream(10, seed=2, lengths=lengths[:10], batch_size=4)  # 10 rows, batches of 4
+    seen = [i for _ in range(5) for i in odd.next(4)]  # two epochs: a batch crosses each boundary
+    assert sorted(seen) == sorted(list(range(10)) * 2)
+
+
 def test_the_order_is_the_adapters_own_and_resumes_mid_group():
     a = BalancedStream(len(LENGTHS), seed=5, lengths=LENGTHS, batch_size=4)
     b = BalancedStream(len(LENGTHS), seed=5, lengths=LENGTHS, batch_size=4)
@@ -125,7 +137,9 @@ def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
     assert sweep_row_layout(spec, graphed=True, lengths=LENGTHS) == "balanced"
     assert sweep_row_layout(spec, graphed=True, lengths=[250, 251, 252] * 50) == "auto"  # fixed rows: padded
     assert sweep_row_layout(spec, graphed=False, lengths=LENGTHS) == "auto"  # eager steps: flat already
+    # batch size 1 balances nothing (each step holds an adapter's longest row): padded buckets win
+    assert sweep_row_layout(spec, graphed=True, lengths=LENGTHS, batch_sizes=[1, 1]) == "auto"
     mean = statistics.fmean(LENGTHS)
     price = balanced_row_tokens(LENGTHS)
-    assert mean < price < 1.08 * mean
+    assert mean < price < 1.15 * mean
     assert price < priced_row_tokens("auto", graphed=True, lengths=LENGTHS, max_seq_len=512, length_buckets=8)

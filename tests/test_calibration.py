@@ -97,6 +97,23 @@ def test_the_calibration_recovers_the_gpus_time_and_memory_from_its_packs():
         assert model.memory(pk, 1) == pytest.approx(real.memory(pk, 1), rel=1e-6)
 
 
+def test_a_small_packs_footprint_does_not_shrink_the_memory_per_adapter():
+    """Weights and context under the prior's 3 GiB overhead: a pack of four small adapters
+    measured there says nothing of the adapters, and must not plan packs that do not fit."""
+    p = prior()
+    small = [AdapterLoad(f"s{i}", 8, 1, 1) for i in range(4)]
+    weights = p.memory_coeffs[1].base - 3 * GIB
+    tiny = PackFootprint((8,) * 4, (1,) * 4, float(SEQ), weights + 1.5e9)
+    assert Calibration(footprints=[tiny]).apply(p).memory(small, 1) == pytest.approx(conservative(p).memory(small, 1))
+    low = PackFootprint((64,) * 16, (8,) * 16, float(SEQ), p.memory_coeffs[1].base)  # at the prior's base
+    assert "memory_scale" not in Calibration(footprints=[low]).apply(p).meta["calibration"]
+    big = [AdapterLoad(f"b{i}", 64, 8, 1) for i in range(16)]
+    half = PackFootprint((64,) * 16, (8,) * 16, float(SEQ), 3 * p.memory_coeffs[1].base)  # far under the prior
+    model = Calibration(footprints=[half]).apply(p)
+    assert model.meta["calibration"]["memory_scale"] == 0.75  # the floor, not what it measured
+    assert model.memory(big, 1) > 3 * p.memory_coeffs[1].base
+
+
 def test_one_kind_of_pack_gives_one_time_scale_and_no_footprint_keeps_the_margin():
     p = prior()
     pk = packs()[1]
@@ -307,3 +324,32 @@ def test_a_cpu_sweep_keeps_its_plan_and_model():
     assert prep.cost_model.meta.get("plan_source") == ANALYTIC_SOURCE
     assert "memory_margin" not in prep.cost_model.meta
     assert sweep_calibrator(prep) is None
+
+
+def test_a_resumed_sweep_keeps_the_row_layout_its_jobs_were_given(tmp_path):
+    from plora.sweep import resolved_layout
+
+    assert resolved_layout(tmp_path) is None
+    job = tmp_path / "jobs" / "job-000"
+    job.mkdir(parents=True)
+    (job / "job.yaml").write_text("training:\n  row_layout: balanced\n  length_buckets: 1\n")
+    assert resolved_layout(tmp_path) == ("balanced", 1)
+
+
+def test_a_retried_job_is_not_taken_for_done_by_its_last_attempts_files(tmp_path):
+    from types import SimpleNamespace
+
+    from plora.engine import local as local_jobs
+    from plora.engine.runner import Engine, RunningJob
+    from plora.planner.plan import Job
+
+    engine = Engine.__new__(Engine)
+    engine.queue, engine.launch, engine.history = [], local_jobs.launch, {}
+    engine._history("job-000").attempt = 2
+    (tmp_path / "summary.json").write_text("{}")
+    progress = {"final": True, "attempt": 1}
+    proc = SimpleNamespace(job_dir=tmp_path, progress=lambda: progress)
+    rj = RunningJob(Job("job-000", ["a"]), proc, ["cuda:0"])
+    assert not engine._done_by_its_files(rj)
+    progress["attempt"] = 2
+    assert engine._done_by_its_files(rj)

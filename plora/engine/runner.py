@@ -141,9 +141,9 @@ class Drift:
 class Calibrator(Protocol):
     """What the engine asks of a sweep's calibration (`plora.profiling.calibrate.SweepCalibrator`)."""
 
-    def observe(self, job_id: str, phases: Any) -> bool: ...
+    def observe(self, job_id: str, phases: Any, tp: int = 1) -> bool: ...
 
-    def job_finished(self, job_id: str, run: dict[str, Any] | None) -> None: ...
+    def job_finished(self, job_id: str, run: dict[str, Any] | None, tp: int = 1) -> None: ...
 
     def drift(self, jobs: Sequence[tuple[Sequence[str], int]]) -> str | None: ...
 
@@ -504,7 +504,7 @@ class Engine:
                 if self.calibrator is not None:
                     from plora.jobphases import read_phases
 
-                    self.calibrator.job_finished(job_id, read_phases(rj.proc.job_dir, rj.proc.ended))
+                    self.calibrator.job_finished(job_id, read_phases(rj.proc.job_dir, rj.proc.ended), tp=rj.job.tp)
                     self._model_changed()
                 self._track_drift(rj)
 
@@ -518,7 +518,7 @@ class Engine:
         self._calibrated_at = time.time()
         changed = False
         for job_id, rj in self.running.items():
-            changed |= cal.observe(job_id, rj.proc.progress().get("phases"))
+            changed |= cal.observe(job_id, rj.proc.progress().get("phases"), tp=rj.job.tp)
         if changed:
             self._model_changed()
 
@@ -610,7 +610,11 @@ class Engine:
         more on a GPU), which the sweep's last job need not be waited for."""
         if self.queue or self.launch is not local_jobs.launch:
             return False
-        return bool(rj.proc.progress().get("final")) and (rj.proc.job_dir / "summary.json").is_file()
+        progress = rj.proc.progress()
+        # this attempt's files, not those an earlier attempt of the job left in its folder
+        if not progress.get("final") or progress.get("attempt") != self._history(rj.job.id).attempt:
+            return False
+        return (rj.proc.job_dir / "summary.json").is_file()
 
     def _collect(self, rj: RunningJob, rc: int | None = None) -> None:
         rj.proc.returncode = rj.proc.proc.poll() if rc is None else rc

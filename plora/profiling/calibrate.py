@@ -61,6 +61,13 @@ SCALE_RANGE = (0.05, 20.0)
 #: the two time scales are fitted apart only where the samples' per-step and per-token shares
 #: differ by at least this factor; otherwise one scale for both
 DISTINCT_SHARES = 1.5
+#: a footprint tells the memory per adapter only where the model puts the adapters at this
+#: share of it or more (`fit_memory_scale`): below, the base's slack (context, allocator,
+#: the prior's 3 GiB overhead) decides the ratio
+TELLING_SHARE = 0.5
+#: the memory scale never goes below this (on an H100, 16 adapters of the 0.5B shape measured
+#: 0.9-1.0x the prior)
+MIN_MEMORY_SCALE = 0.75
 #: at most this many samples of each kind are kept (the newest)
 MAX_SAMPLES = 256
 #: where a calibrated model came from, as `plora.sweep.cost_model_for` reports it
@@ -222,17 +229,22 @@ def fit_time_scales(model: CostModel, timings: Sequence[PackTiming], d: int = 1)
 
 def fit_memory_scale(model: CostModel, footprints: Sequence[PackFootprint], d: int = 1) -> float | None:
     """The scale of the model's per-adapter memory that covers every measured footprint (the
-    largest ratio of measured to predicted over the base); None without footprints."""
+    largest ratio of measured to predicted over the base); None without a footprint that can
+    tell. A footprint of which less than `TELLING_SHARE` lies beyond the prior's base says
+    more of the base (weights, context, allocator slack) than of the adapters: a small pack
+    under an overestimated base would read as almost no memory per adapter, and plan packs
+    that do not fit. The scale stays at least `MIN_MEMORY_SCALE`."""
     ratios = []
     m = model.memory_coeffs[d]
     for f in footprints:
         priced = replace(model, memory_row_tokens=float(f.row_tokens), eval_load=None)
         adapters = priced.memory(f.loads(), d) - m.base
-        if adapters > 0:
-            ratios.append((f.device_bytes - m.base) / adapters)
+        beyond = f.device_bytes - m.base  # what the footprint holds beyond the prior's base
+        if adapters > 0 and beyond >= TELLING_SHARE * f.device_bytes:
+            ratios.append(beyond / adapters)
     if not ratios:
         return None
-    return _clamp(max(ratios))
+    return min(SCALE_RANGE[1], max(MIN_MEMORY_SCALE, max(ratios)))
 
 
 def job_terms_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -366,9 +378,11 @@ class SweepCalibrator:
         """Whether any of this sweep's own jobs has reported a sample yet."""
         return any(t or f for t, f in self._running.values()) or not self._finished.empty
 
-    def observe(self, job_id: str, phases: Any) -> bool:
-        """A running job's phases so far (its progress.json); True when they added samples."""
-        if not isinstance(phases, list):
+    def observe(self, job_id: str, phases: Any, tp: int = 1) -> bool:
+        """A running job's phases so far (its progress.json); True when they added samples.
+        Only jobs at the degree the samples are fitted at (``d``) count: a TP job's footprint
+        per GPU is another model's."""
+        if not isinstance(phases, list) or int(tp) != self.d:
             return False
         samples = samples_from_phases(phases, self.seq_len)
         if samples == self._running.get(job_id, ([], [])):
@@ -377,11 +391,11 @@ class SweepCalibrator:
         self._model = None
         return True
 
-    def job_finished(self, job_id: str, run: dict[str, Any] | None) -> None:
+    def job_finished(self, job_id: str, run: dict[str, Any] | None, tp: int = 1) -> None:
         """A job's summary phases (`plora.jobphases.read_phases`): its samples, final, and its
-        job terms."""
+        job terms (a job at another TP degree than ``d``: none)."""
         self._running.pop(job_id, None)
-        if run:
+        if run and int(tp) == self.d:
             timings, footprints = samples_from_phases(run.get("phases", []), self.seq_len)
             if not self.base.job_runs:  # the first sweep of the model here: its kernels compiled then
                 run = {**run, "cold": True}

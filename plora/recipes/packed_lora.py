@@ -738,7 +738,8 @@ class PackedLoRARecipe:
             if r.floor is None:
                 left = max(1, r.total_steps - r.step)
                 if isinstance(r.stream, BalancedStream):
-                    r.floor = (r.stream.max_batch_tokens(left), r.stream.max_batch_tokens(left, self._label_counts))
+                    tokens_most, labels_most = r.stream.max_batch_sums(left, [self._stream_lengths, self._label_counts])
+                    r.floor = (tokens_most, labels_most)
                 else:
                     r.floor = (0, 0)
             tokens.append(r.floor[0])
