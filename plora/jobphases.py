@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["PhaseClock", "device_footprint", "process_started_at", "read_phases"]
+__all__ = ["PhaseClock", "device_footprint", "outside_allocator", "process_started_at", "read_phases"]
 
 
 def process_started_at() -> float | None:
@@ -180,15 +180,22 @@ class PhaseClock:
 
 def device_footprint(device: Any) -> float | None:
     """What this process holds on its GPU: the caching allocator's reserved peak plus what
-    lies outside it (CUDA context, loaded kernels), as the profiler's probes measure a pack
+    lies outside it (`outside_allocator`), as the profiler's probes measure a pack
     (`plora.profiling.measure`). None off a GPU."""
     if getattr(device, "type", str(device)) != "cuda":
         return None
     import torch
 
+    return float(torch.cuda.max_memory_reserved(device)) + outside_allocator(device)
+
+
+def outside_allocator(device: Any) -> float:
+    """Bytes in use on the GPU beside the caching allocator's reserved blocks: the CUDA
+    context and loaded kernels (and whatever other processes hold there)."""
+    import torch
+
     free, whole = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    return float(torch.cuda.max_memory_reserved(device) + max(0, (whole - free) - reserved))
+    return float(max(0, (whole - free) - torch.cuda.memory_reserved(device)))
 
 
 def read_phases(job_dir: Any, exited_at: float | None = None) -> dict[str, Any] | None:

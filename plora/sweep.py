@@ -197,24 +197,39 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False
     A sweep never waits for a profile: ``probe`` is accepted for callers of earlier versions
     and means nothing here (`prepare` measures a few seconds where memory decides the plan).
     """
-    from plora.costmodel import CostModel
     from plora.profiling.calibrate import conservative
-    from plora.profiling.cache import load_calibration
-    from plora.profiling.profile import profile_sweep
 
     hw = hardware or hardware_for(spec)
-    if run_dir is not None and (run_dir / "profile.json").is_file():
-        return CostModel.load(run_dir / "profile.json"), "the run's profile.json"
-    cm = profile_sweep(spec, None, cached_only=True) if hw.local else None
-    if cm is not None:
-        return cm, "a profile measured on this machine"
+    found = profiled_model(spec, run_dir, hw)
+    if found is not None:
+        return found
     prior = analytic_prior(spec, hw)
     if not hw.gpu:
         return prior, ANALYTIC_SOURCE
-    calibration = load_calibration(spec) if hw.local else None
-    if calibration is not None and not calibration.empty:
+    calibration = cached_calibration(spec, hw)
+    if not calibration.empty:
         return calibration.apply(prior), CALIBRATED_SOURCE
     return conservative(prior), ANALYTIC_SOURCE
+
+
+def profiled_model(spec: SweepSpec, run_dir: Path | None, hw: Hardware) -> tuple[Any, str] | None:
+    """A measured model of the sweep's model, and where it came from: the run directory's
+    profile.json, else a profile cached on this machine; None where there is neither."""
+    from plora.costmodel import CostModel
+    from plora.profiling.profile import profile_sweep
+
+    if run_dir is not None and (run_dir / "profile.json").is_file():
+        return CostModel.load(run_dir / "profile.json"), "the run's profile.json"
+    cm = profile_sweep(spec, None, cached_only=True) if hw.local else None
+    return (cm, "a profile measured on this machine") if cm is not None else None
+
+
+def cached_calibration(spec: SweepSpec, hw: Hardware) -> Any:
+    """What earlier sweeps of the model measured on this machine (empty elsewhere)."""
+    from plora.profiling.cache import load_calibration
+    from plora.profiling.calibrate import Calibration
+
+    return (load_calibration(spec) if hw.local else None) or Calibration()
 
 
 def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buckets: int | str | None = None,
@@ -258,24 +273,30 @@ class SweepModels:
 
 def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | None = None,
                  length_buckets: int | str | None = None, row_lengths: list[int] | None = None,
-                 row_layout: str | None = None) -> SweepModels:
-    """`cost_model_for`'s model priced for the sweep, with its prior and calibration."""
-    from plora.profiling.cache import load_calibration
-    from plora.profiling.calibrate import Calibration
+                 row_layout: str | None = None, loads: Sequence[AdapterLoad] = ()) -> SweepModels:
+    """`cost_model_for`'s model priced for the sweep, with its prior and calibration. On a GPU
+    without a profile, the analytic prior is priced once and the model made from it: corrected
+    by the cached calibration, else with its memory margin, cut where one of the sweep's
+    ``loads`` would fit no GPU with it (`plora.profiling.calibrate.conservative`)."""
+    from plora.profiling.calibrate import Calibration, conservative
 
     hw = hardware or hardware_for(spec)
-    cost_model, source = cost_model_for(spec, run_dir, hardware=hw)
-    cost_model.meta["plan_source"] = source
-    model = priced_for_sweep(spec, cost_model, hw, length_buckets, row_lengths, row_layout)
-    calibration = Calibration()
-    if hw.gpu and source in (ANALYTIC_SOURCE, CALIBRATED_SOURCE):
-        prior = analytic_prior(spec, hw)
-        prior.meta["plan_source"] = source
-        prior = priced_for_sweep(spec, prior, hw, length_buckets, row_lengths, row_layout)
-        if source == CALIBRATED_SOURCE:
-            calibration = (load_calibration(spec) if hw.local else None) or Calibration()
+
+    def priced(model: Any, source: str) -> Any:
+        model.meta["plan_source"] = source
+        return priced_for_sweep(spec, model, hw, length_buckets, row_lengths, row_layout)
+
+    found = profiled_model(spec, run_dir, hw)
+    if found is not None or not hw.gpu:
+        model = priced(*(found or (analytic_prior(spec, hw), ANALYTIC_SOURCE)))
+        return SweepModels(model, model, Calibration(), model.meta["plan_source"])
+    calibration = cached_calibration(spec, hw)
+    source = ANALYTIC_SOURCE if calibration.empty else CALIBRATED_SOURCE
+    prior = priced(analytic_prior(spec, hw), source)
+    if calibration.empty:
+        model = conservative(prior, loads=loads, load_factor=spec.planner.memory_load_factor)
     else:
-        prior = model
+        model = calibration.apply(prior, loads=loads)
     return SweepModels(model, prior, calibration, source)
 
 
@@ -319,13 +340,14 @@ def model_targets(spec: SweepSpec) -> list[str]:
     return resolve_targets(spec.lora.targets, family)
 
 
-def spec_on_gpu(spec: SweepSpec) -> bool:
-    """Whether the sweep's jobs run on GPUs (what ``planner.streaming: auto`` turns on for),
-    as the job config must say without asking CUDA: its device, or "auto" where CUDA is here."""
-    if spec.hardware.device == "cpu":
-        return False
-    if spec.hardware.device == "cuda":
-        return True
+def sweep_on_gpu(spec: SweepSpec, hw: Hardware | None = None) -> bool:
+    """Whether the sweep's jobs run on GPUs (what ``planner.streaming: auto`` turns on for):
+    its hardware's, where the sweep has decided it, else as the space file says (``auto``:
+    where CUDA is here)."""
+    if hw is not None:
+        return hw.gpu
+    if spec.hardware.device in ("cpu", "cuda"):
+        return spec.hardware.device == "cuda"
     import torch
 
     return torch.cuda.is_available()
@@ -333,12 +355,14 @@ def spec_on_gpu(spec: SweepSpec) -> bool:
 
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
                run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
-               length_buckets: int | str | None = None, row_layout: str | None = None) -> JobConfig:
+               length_buckets: int | str | None = None, row_layout: str | None = None,
+               hardware: Hardware | None = None) -> JobConfig:
     """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
     settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
     in its order): step budgets, warm-ups, resolved targets. ``streaming``: the job's
     streaming section when whoever runs it sends it joins itself (default: from
-    ``planner.streaming``). ``length_buckets``: the sweep's resolved count (default the spec's)."""
+    ``planner.streaming`` on the sweep's ``hardware``). ``length_buckets``, ``row_layout``:
+    the sweep's resolved ones (default the spec's)."""
     t = spec.training
     return JobConfig(
         job_id=job.id,
@@ -367,7 +391,7 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         eval_base=eval_base,
         streaming=streaming if streaming is not None else (
             JobStreaming(linger_s=STREAM_LINGER_S, max_active=spec.planner.max_adapters_per_job)
-            if spec.planner.streams(spec_on_gpu(spec)) and job.tp == 1 else JobStreaming()),
+            if spec.planner.streams(sweep_on_gpu(spec, hardware)) and job.tp == 1 else JobStreaming()),
     )
 
 
@@ -452,21 +476,10 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     prior = calibration = None
     if cost_model is None:
         models = sweep_models(spec, None if fresh else run, hardware=hw, length_buckets=buckets, row_lengths=lengths,
-                              row_layout=layout)
+                              row_layout=layout, loads=sweep_loads(configs, steps))
         cost_model, prior, calibration = models.model, models.prior, models.calibration
-        if hw.gpu and models.source in (ANALYTIC_SOURCE, CALIBRATED_SOURCE):
-            from plora.profiling.calibrate import conservative
-
-            # the memory margin where nothing is measured, cut where one of the sweep's adapters
-            # would fit no GPU with it
-            loads = sweep_loads(configs, steps)
-            if calibration.empty:
-                cost_model = conservative(prior, loads=loads, load_factor=spec.planner.memory_load_factor)
-            else:
-                cost_model = calibration.apply(prior, loads=loads)
-            cost_model.meta["plan_source"] = models.source
-            if probe and hw.local and calibration.empty:
-                cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
+        if probe and hw.gpu and hw.local and models.source == ANALYTIC_SOURCE:
+            cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
     else:
         cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths, layout)
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
@@ -612,7 +625,8 @@ def run_prepared(
         eval_base = job.id == first_job and not (prep.run_dir / "base_metrics.json").is_file()
         job_config(prep.spec, job, [by_id[a] for a in job.adapters], prep.steps, prep.run_dir,
                    eval_base=eval_base, streaming=prep.streaming,
-                   length_buckets=prep.length_buckets, row_layout=prep.row_layout).write(job_dir / "job.yaml")
+                   length_buckets=prep.length_buckets, row_layout=prep.row_layout,
+                   hardware=prep.hardware).write(job_dir / "job.yaml")
         return job_dir
 
     def tick(snapshot) -> None:
@@ -652,7 +666,7 @@ def run_prepared(
         max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
         replan=replan_waiting if replan and prep.cost_model is not None else None,
         launcher=backend.launcher,
-        streaming=(stream_policy(prep) if prep.spec.planner.streams(bool(prep.hardware and prep.hardware.gpu))
+        streaming=(stream_policy(prep) if prep.spec.planner.streams(sweep_on_gpu(prep.spec, prep.hardware))
                    and feed is None else None),
         feed=feed, calibrator=calibrator, on_model=use_model,
     )

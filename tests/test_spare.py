@@ -99,17 +99,24 @@ def test_a_job_clock_counts_from_its_launch_when_handed_to_a_spare(monkeypatch):
     assert os.environ.get("PLORA_HANDED_AT") is None
 
 
-def test_a_spare_takes_only_a_job_for_its_gpus():
+def test_a_spare_takes_only_a_job_for_its_gpus(monkeypatch):
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING"):
+        monkeypatch.delenv(name, raising=False)
     s = spare.Spare.__new__(spare.Spare)  # no process: only the environment rule
     s.env, s.gpus = {"CUDA_VISIBLE_DEVICES": "0", "A": "1"}, (0,)
+    s.started_from = dict(os.environ)
     assert s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "PLORA_ATTEMPT": "2"})
     # torchao's and torchtune's imports ask CUDA about the GPU: the GPUs a spare sees are fixed
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "1", "A": "1"})
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "2"})
     # what the sweep's own imports set after the spare started (a first model check) is no difference
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/x")
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
     assert s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x",
                          "CUDA_MODULE_LOADING": "LAZY"})
+    # a spare started with another value than the sweep's, which the sweep did not change since
     s.env = {**s.env, "TORCHINDUCTOR_CACHE_DIR": "/tmp/y"}
+    s.started_from = dict(os.environ)
     assert not s.compatible({"CUDA_VISIBLE_DEVICES": "0", "A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})
 
 

@@ -216,6 +216,7 @@ class Engine:
         self.calibrator = calibrator
         self.on_model = on_model  # told each corrected model (the sweep's joins fit by it)
         self._calibrated_at = 0.0
+        self._calibration_note = ""  # the last line the calibration said (said again only when it changes)
 
     # ------------------------------------------------------------------ resume
     def reconcile(self) -> None:
@@ -532,8 +533,8 @@ class Engine:
         if self.on_model is not None:
             self.on_model(model)
         note = cal.describe()
-        if note and note != getattr(self, "_last_calibration_note", None):
-            self._last_calibration_note = note
+        if note and note != self._calibration_note:
+            self._calibration_note = note
             self._note(note)
         waiting = self._waiting()
         reason = cal.drift([(j.adapters, j.tp) for j in waiting])

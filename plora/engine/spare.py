@@ -47,12 +47,6 @@ READY = "ready"
 ADJUSTABLE = frozenset({"OMP_NUM_THREADS", "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED"})
 #: variables a spare and its job always agree on, whoever changed them
 PINNED = frozenset({"CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"})
-#: variables the libraries a job imports set in their own process, the sweep's process (which
-#: imported them after its spare started: a first model check, a quick calibration) and the
-#: spare alike: a difference in these is no difference (on an H100's first sweep, the
-#: inductor's cache folder alone sent the first job to a cold start of 20 s)
-SET_BY_IMPORTS = frozenset({"TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING", "HF_HUB_ENABLE_HF_TRANSFER",
-                            "TOKENIZERS_PARALLELISM", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
 #: the child, with the sweep's working folder left off its import path (``python -m`` puts
 #: it first, where a stray module of the user's could shadow one the recipe imports)
 CHILD = ("import sys, runpy; del sys.path[0]; "
@@ -111,16 +105,14 @@ class Spare:
 
     def compatible(self, env: dict[str, str]) -> bool:
         """Whether a job of environment ``env`` may run in this spare: every variable equal,
-        but for those a job may set differently (`ADJUSTABLE`), those imports set
-        (`SET_BY_IMPORTS`), and those this process changed itself after the spare started
-        (what its own imports set: the spare's imports set theirs); never the GPUs or the
-        allocator."""
-        keys = (set(env) | set(self.env)) - ADJUSTABLE
-        keys -= {k for k in SET_BY_IMPORTS if k not in self.env or k not in env}
-        here = getattr(self, "started_from", None)
-        if here is not None:
-            changed = {k for k in set(here) | set(os.environ) if here.get(k) != os.environ.get(k)}
-            keys -= changed - PINNED
+        but for those a job may set differently (`ADJUSTABLE`) and those this process changed
+        itself after the spare started (what its own imports set, a first model check's or a
+        quick calibration's: the spare's imports set theirs; on an H100's first sweep the
+        inductor's cache folder alone sent the first job to a cold start of 20 s); never the
+        GPUs or the allocator (`PINNED`)."""
+        here = self.started_from
+        changed = {k for k in set(here) | set(os.environ) if here.get(k) != os.environ.get(k)}
+        keys = (set(env) | set(self.env)) - ADJUSTABLE - (changed - PINNED)
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def wait_ready(self, timeout_s: float) -> bool:

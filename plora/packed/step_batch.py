@@ -54,11 +54,16 @@ class StepBatch:
         raise ValueError("padded batches: use the row lengths")
 
 
+def row_labels(sample: Sample) -> int:
+    """A row's number of next-token labels."""
+    return sum(1 for t in sample.labels[1:] if t != IGNORE_INDEX)
+
+
 def label_counts(samples: Sequence[Sample], rows_per_adapter: Sequence[int]) -> list[int]:
     """Each adapter's number of next-token labels in its rows."""
     out, i = [], 0
     for n in rows_per_adapter:
-        out.append(sum(sum(1 for t in s.labels[1:] if t != IGNORE_INDEX) for s in samples[i : i + n]))
+        out.append(sum(row_labels(s) for s in samples[i : i + n]))
         i += n
     return out
 

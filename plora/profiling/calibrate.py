@@ -74,6 +74,12 @@ MAX_SAMPLES = 256
 CALIBRATED_SOURCE = "a calibration of the analytic model measured on this machine"
 
 
+def pack_loads(ranks: Sequence[int], rows: Sequence[int]) -> list[AdapterLoad]:
+    """A measured pack as the cost model prices it: one load an adapter (its steps do not
+    matter to a step's time or memory)."""
+    return [AdapterLoad(f"k{i}", int(r), int(b), 1) for i, (r, b) in enumerate(zip(ranks, rows))]
+
+
 @dataclass(frozen=True)
 class PackTiming:
     """One pack composition's steady steps: adapters of these ranks and rows, each row costing
@@ -86,7 +92,7 @@ class PackTiming:
     steps: int
 
     def loads(self) -> list[AdapterLoad]:
-        return [AdapterLoad(f"k{i}", int(r), int(b), 1) for i, (r, b) in enumerate(zip(self.ranks, self.rows))]
+        return pack_loads(self.ranks, self.rows)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ranks": list(self.ranks), "rows": list(self.rows), "row_tokens": self.row_tokens,
@@ -109,7 +115,7 @@ class PackFootprint:
     device_bytes: float
 
     def loads(self) -> list[AdapterLoad]:
-        return [AdapterLoad(f"k{i}", int(r), int(b), 1) for i, (r, b) in enumerate(zip(self.ranks, self.rows))]
+        return pack_loads(self.ranks, self.rows)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ranks": list(self.ranks), "rows": list(self.rows), "row_tokens": self.row_tokens,
@@ -163,9 +169,14 @@ def conservative(prior: CostModel, margin: float = MEMORY_MARGIN, loads: Sequenc
     adapter, and the job's own footprint corrects the rest."""
     if loads:
         margin = min(margin, max(1.0, _largest_margin(prior, loads, load_factor)))
-    memory = {d: MemoryCoeffs(m.base, m.adapter * margin, m.rank * margin, m.tok * margin, m.rank_tok * margin)
-              for d, m in prior.memory_coeffs.items()}
-    return replace(prior, memory_coeffs=memory, meta={**prior.meta, "memory_margin": float(margin)})
+    return replace(adapter_memory_scaled(prior, margin), meta={**prior.meta, "memory_margin": float(margin)})
+
+
+def adapter_memory_scaled(model: CostModel, factor: float) -> CostModel:
+    """The model with every adapter's memory (not the base's) ``factor`` times as large."""
+    memory = {d: MemoryCoeffs(m.base, m.adapter * factor, m.rank * factor, m.tok * factor, m.rank_tok * factor)
+              for d, m in model.memory_coeffs.items()}
+    return replace(model, memory_coeffs=memory)
 
 
 def _largest_margin(prior: CostModel, loads: Sequence[AdapterLoad], load_factor: float) -> float:
@@ -319,9 +330,7 @@ class Calibration:
                 info["time_scales"] = [s, s]
         mem = fit_memory_scale(prior, self.footprints, d) if d in prior.memory_coeffs else None
         if mem is not None:
-            model = replace(model, memory_coeffs={
-                k: MemoryCoeffs(m.base, m.adapter * mem, m.rank * mem, m.tok * mem, m.rank_tok * mem)
-                for k, m in model.memory_coeffs.items()})
+            model = adapter_memory_scaled(model, mem)
             info["memory_scale"] = mem
         elif is_analytic(prior):
             model = conservative(model, loads=loads)  # (the planner's load factor: the default)
@@ -344,9 +353,6 @@ class Calibration:
                    [PackFootprint.from_dict(f) for f in d.get("footprints", [])],
                    [r for r in d.get("job_runs", []) if isinstance(r, dict)])
 
-
-#: what a quick calibration reports as it goes (one line a probe)
-Say = Callable[[str], None]
 
 
 class SweepCalibrator:
@@ -419,8 +425,6 @@ class SweepCalibrator:
                 self._model = conservative(self.prior, loads=self.loads, load_factor=self.load_factor)
             else:
                 self._model = self.prior
-            for attr in ("eval_load", "row_tokens"):  # the sweep's pricing stays the sweep's
-                self._model = replace(self._model, **{attr: getattr(self.prior, attr)})
         return self._model
 
     def describe(self) -> str:
@@ -436,16 +440,14 @@ class SweepCalibrator:
             parts.append(f"memory {info['memory_scale']:.1f}x")
         return "calibrated from this sweep's jobs: " + ", ".join(parts) if parts else ""
 
-    def drift(self, jobs: Sequence[tuple[Sequence[Any], int]]) -> str | None:
-        """Why the jobs not started yet (their adapters, as loads or ids, and TP degree) should
-        be planned again with `model` (their time moved past the threshold; one no longer fits;
-        or they would fit in far less memory than planned), or None."""
-        if not jobs or not self.measured:
+    def drift(self, jobs: Sequence[tuple[Sequence[str], int]]) -> str | None:
+        """Why the jobs not started yet (their adapters' ids and TP degree) should be planned
+        again with `model` (their time moved past the threshold; one no longer fits; or they
+        would fit in far less memory than planned), or None (also without `load`, which
+        tells an adapter's load by its id)."""
+        if not jobs or not self.measured or self.load is None:
             return None
-        jobs = [([a if isinstance(a, AdapterLoad) else self.load(a) for a in adapters], tp)
-                for adapters, tp in jobs if self.load is not None or all(isinstance(a, AdapterLoad) for a in adapters)]
-        if not jobs:
-            return None
+        jobs = [([self.load(a) for a in adapters], tp) for adapters, tp in jobs]
         now, then = self.model(), self.planned
         new = sum(now.job_time(list(loads), tp) for loads, tp in jobs if tp in now.time)
         old = sum(then.job_time(list(loads), tp) for loads, tp in jobs if tp in then.time)

@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 from plora.heap import frozen_heap
 from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
+from plora.jobphases import outside_allocator
 from plora.profiling.probes import Measurement, Probe
 from plora.step_settings import JOB_ALLOCATOR
 
@@ -154,8 +155,7 @@ def run_probe(
             if cuda:
                 m.allocated_peak = float(torch.cuda.max_memory_allocated(dev))
                 m.reserved_peak = float(torch.cuda.max_memory_reserved(dev))
-                free, whole = torch.cuda.mem_get_info(dev)
-                m.context_bytes = float(max(0, (whole - free) - torch.cuda.memory_reserved(dev)))
+                m.context_bytes = outside_allocator(dev)
                 m.peak_bytes = m.reserved_peak + m.context_bytes
             else:
                 m.peak_bytes = float(poller.stop())

@@ -67,7 +67,7 @@ from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.rows import LabelParts
 from plora.packed.slots import NewAdapter, refill_slot, relayout
-from plora.packed.step_batch import StepBatch, build_step_batch
+from plora.packed.step_batch import StepBatch, build_step_batch, row_labels
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
 from plora.recipes import preload
@@ -230,7 +230,7 @@ class PackedLoRARecipe:
         self._scales_in_key = graphed and not scales_on_device(self.device)
         buckets = length_buckets_for(t.length_buckets, flattened=self._rows_flat(graphed), graphed=graphed)
         self._stream_lengths = [len(s.tokens) for s in self.train_samples]
-        self._label_counts = [sum(1 for t in s.labels[1:] if t != IGNORE_INDEX) for s in self.train_samples]
+        self._label_counts = [row_labels(s) for s in self.train_samples]
         self._stream_buckets = buckets
         joined_at = {a.id: s for a, s in rejoined}
         self.runs = [AdapterRun(i, a, self._stream(a), joined_at=joined_at.get(a.id)) for i, a in enumerate(adapters)]
@@ -735,13 +735,10 @@ class PackedLoRARecipe:
             return None
         tokens, labels = [], []
         for r in active:
-            if r.floor is None:
+            if r.floor is None:  # every stream is balanced here (`_stream`)
                 left = max(1, r.total_steps - r.step)
-                if isinstance(r.stream, BalancedStream):
-                    tokens_most, labels_most = r.stream.max_batch_sums(left, [self._stream_lengths, self._label_counts])
-                    r.floor = (tokens_most, labels_most)
-                else:
-                    r.floor = (0, 0)
+                tokens_most, labels_most = r.stream.max_batch_sums(left, [self._stream_lengths, self._label_counts])
+                r.floor = (tokens_most, labels_most)
             tokens.append(r.floor[0])
             labels.append(r.floor[1])
         return tokens, labels

@@ -39,30 +39,30 @@ class ModelKey:
         return cls(str(path), str(family), int(max_seq_len), str(dtype), str(device), bool(random_init))
 
 
-_held: dict[ModelKey, tuple[Any, Any]] = {}
+#: the model loaded ahead and its key, until a job takes it
+_held: tuple[ModelKey, Any, Any] | None = None
 
 
-def hold(key: ModelKey) -> None:
-    """Load the model of ``key`` now and keep it for the job that will ask for it."""
-    from plora.models import load_base_model
-
-    _held.clear()
-    _held[key] = load_base_model(key.path, family=key.family, max_seq_len=key.max_seq_len, dtype=key.dtype,
-                                 device=key.device, random_init=key.random_init)
-
-
-def load(key: ModelKey) -> tuple[Any, Any]:
-    """The held model of ``key`` (given away: a job injects its adapters into it), else one
-    loaded now; (model, `plora.models.ModelInfo`)."""
-    held = _held.pop(key, None)
-    _held.clear()
-    if held is not None:
-        return held
+def _load(key: ModelKey) -> tuple[Any, Any]:
     from plora.models import load_base_model
 
     return load_base_model(key.path, family=key.family, max_seq_len=key.max_seq_len, dtype=key.dtype,
                            device=key.device, random_init=key.random_init)
 
 
-def holding() -> bool:
-    return bool(_held)
+def hold(key: ModelKey) -> None:
+    """Load the model of ``key`` now and keep it for the job that will ask for it."""
+    global _held
+    _held = None
+    _held = (key, *_load(key))
+
+
+def load(key: ModelKey) -> tuple[Any, Any]:
+    """The held model of ``key`` (given away: a job injects its adapters into it), else one
+    loaded now; (model, `plora.models.ModelInfo`)."""
+    global _held
+    held, _held = _held, None
+    if held is not None and held[0] == key:
+        return held[1], held[2]
+    del held  # another model's: its memory goes before this one loads
+    return _load(key)
