@@ -896,9 +896,16 @@ class PlannerConfig(_Model):
     #: model are then paid once per GPU, and packs never drain while adapters wait), off on
     #: a CPU (the demo's one-core jobs gain nothing from it)
     streaming: Union[bool, Literal["auto"]] = "auto"
+    #: run a baseline instead of the packed plan, on the same engine, to measure what packing
+    #: saves: ``min_gpu`` (one adapter per job on the fewest GPUs that hold it, jobs side by
+    #: side), ``max_gpu`` (one adapter per job on as many GPUs as it can use) or
+    #: ``sequential`` (one adapter at a time); nothing is streamed into their jobs
+    baseline: Optional[Literal["min_gpu", "max_gpu", "sequential"]] = None
 
     def streams(self, gpu: bool) -> bool:
         """Whether a sweep on a GPU (``gpu``) or CPU slots streams adapters into running jobs."""
+        if self.baseline is not None:
+            return False
         return self.streaming is True or (self.streaming == "auto" and gpu)
 
 

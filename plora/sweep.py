@@ -55,7 +55,7 @@ def plan_jobs(
     without probing (a profile from the cache, else the analytic prior).
     """
     from plora.costmodel import AdapterLoad
-    from plora.planner import PLANNING_BUDGET_S, plan_sweep
+    from plora.planner import PLANNING_BUDGET_S
 
     hw = hardware or hardware_for(spec)
     if cost_model is None:
@@ -65,15 +65,23 @@ def plan_jobs(
     slots = hw.slots
     cost_model = within_node(cost_model, hw.max_tp)
     loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
-    plan = plan_sweep(
-        loads, cost_model, slots, solver=spec.planner.solver, load_factor=spec.planner.memory_load_factor,
-        max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
-        time_limit_s=PLANNING_BUDGET_S,
-    )
+    plan = planned(spec, loads, cost_model, slots, PLANNING_BUDGET_S)
     grouping = (f"planned ({plan.strategy}, {plan.objective} objective, solver {plan.solver}) for "
                 f"{hw.describe()} with {source}")
     return replace(plan, jobs=[replace(j, id=f"job-{i:03d}") for i, j in enumerate(plan.jobs)], grouping=grouping,
                    hardware=hw.describe(), cost_model_source=source)
+
+
+def planned(spec: SweepSpec, loads: Sequence[Any], cost_model: Any, gpus: int, time_limit_s: float) -> Plan:
+    """The sweep's plan for ``loads``: the packed planner's, or the baseline the space asks
+    for (``planner.baseline``), on ``cost_model`` and ``gpus``."""
+    from plora.planner import baseline_plan, plan_sweep
+
+    p = spec.planner
+    if p.baseline is not None:
+        return baseline_plan(list(loads), cost_model, gpus, p.baseline, load_factor=p.memory_load_factor)
+    return plan_sweep(list(loads), cost_model, gpus, solver=p.solver, load_factor=p.memory_load_factor,
+                      max_adapters_per_job=p.max_adapters_per_job, objective=p.objective, time_limit_s=time_limit_s)
 
 
 @dataclass(frozen=True)
@@ -638,19 +646,14 @@ def run_prepared(
 
     def replan_waiting(adapters: list[str], drift: Drift, now: float, free: int) -> list[Job]:
         from plora.costmodel import AdapterLoad
-        from plora.planner import plan_sweep
 
         loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
-        spec = prep.spec
         if calibrator is not None and calibrator.measured:  # measured steps, memory and job terms
             corrected = calibrator.model()
         else:
             corrected = recalibrated(prep.cost_model, drift)
         cost_model = within_node(corrected, prep.hardware and prep.hardware.max_tp)
-        plan = plan_sweep(loads, cost_model, len(slots), solver=spec.planner.solver,
-                          load_factor=spec.planner.memory_load_factor,
-                          max_adapters_per_job=spec.planner.max_adapters_per_job, objective=spec.planner.objective,
-                          time_limit_s=30)
+        plan = planned(prep.spec, loads, cost_model, len(slots), 30)
         prefix = f"r{engine.replans + 1}-"
         return [replace(j, id=f"{prefix}job-{i:03d}", start=now + j.start, end=now + j.end)
                 for i, j in enumerate(plan.jobs)]

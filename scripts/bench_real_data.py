@@ -269,9 +269,13 @@ def peft_worker(spec_path: Path, config: int | None, out: Path | None, save_base
             mask[i, : len(x)] = 1
         return ids.to(device), labels.to(device), mask.to(device)
 
-    rank, lr, bs = grid(list(job["ranks"]))[config]
+    if job.get("configs"):  # the caller's own list of [rank, alpha, learning rate, batch size]
+        rank, alpha, lr, bs = job["configs"][config]
+    else:
+        rank, lr, bs = grid(list(job["ranks"]))[config]
+        alpha = 2 * rank
     t0 = time.time()
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS))
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     steps = math.ceil(len(train) / bs)

@@ -1,4 +1,5 @@
-"""The environment a job process runs with: the sweep's, with its GPUs and allocator set.
+"""The environment a job process runs with: the sweep's, with its GPUs, its share of the
+host's cores (`plora.engine.cpu_share`) and the allocator set.
 
 Shared by the launcher (`plora.engine.local`) and the processes started ahead of their jobs
 (`plora.engine.spare`), which must start with the environment their job will have.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from plora.engine.cpu_share import job_share
 from plora.step_settings import JOB_ALLOCATOR
 
 
@@ -37,6 +39,10 @@ def job_env(gpus: Sequence[int] = (), extra_env: dict[str, str] | None = None) -
         # Packs of many adapters allocate many differently sized activations: without
         # expandable segments the allocator reserves up to ~30% more than its peak.
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", JOB_ALLOCATOR)
+        # its GPUs' share of the host's cores, so that jobs side by side do not starve each other
+        share = job_share(env["CUDA_VISIBLE_DEVICES"].split(","), env)
+        for key, value in (share.env() if share else {}).items():
+            env.setdefault(key, value)
     else:
         env.setdefault("OMP_NUM_THREADS", "1")
     return env

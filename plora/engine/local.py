@@ -19,7 +19,7 @@ from pathlib import Path
 
 from plora.engine import spare
 from plora.engine.job_env import job_env, visible_gpu_ids  # noqa: F401 - visible_gpu_ids: where callers look
-from plora.engine.spare import die_with_parent
+from plora.engine.spare import child_setup
 
 #: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
 RECIPE = "plora/recipes/packed_lora.py"
@@ -98,7 +98,7 @@ def launch(
             env=env,
             cwd=str(job_dir),
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=child_setup(env),
         )
     return JobProcess(job_id, job_dir, slot, proc, launched, log)
 

@@ -28,11 +28,12 @@ import os
 import select
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from plora.engine.cpu_share import bind_to_share
 from plora.engine.job_env import job_env
 
 #: set to 0 to start every job the ordinary way
@@ -90,6 +91,17 @@ def die_with_parent() -> None:
         pass
 
 
+def child_setup(env: Mapping[str, str]) -> Callable[[], None]:
+    """What a job process (or a spare) runs between fork and exec: it dies with the sweep,
+    and is bound to its share of the host's cores (`plora.engine.cpu_share`)."""
+
+    def setup() -> None:
+        die_with_parent()
+        bind_to_share(env)
+
+    return setup
+
+
 class Spare:
     """One started spare process and the environment it started with."""
 
@@ -100,7 +112,7 @@ class Spare:
         self.started_from = dict(os.environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=die_with_parent,
+            stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=child_setup(env),
         )
 
     def compatible(self, env: dict[str, str]) -> bool:

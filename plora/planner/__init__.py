@@ -19,7 +19,7 @@ from plora.planner.errors import PlannerError
 from plora.planner.exact import EXACT_MAX_ADAPTERS, ExactResult, solve_exact
 from plora.planner.ilp import GUROBI_SIZE_LIMIT, Pack, PackSolver, SolverLog
 from plora.planner.plan import Job, Plan
-from plora.planner.scheduler import PLANNING_BUDGET_S, plan_sweep, schedule
+from plora.planner.scheduler import PLANNING_BUDGET_S, baseline_plan, plan_sweep, schedule
 from plora.planner.simulate import SimulationResult, simulate
 from plora.planner.workload import AdapterType, Workload
 
@@ -41,6 +41,7 @@ __all__ = [
     "baseline_jobs",
     "compact",
     "lower_bound",
+    "baseline_plan",
     "plan_sweep",
     "schedule",
     "simulate",

@@ -26,7 +26,7 @@ from plora.planner.lp_bound import configuration_lp
 from plora.planner.plan import Job, Plan
 from plora.planner.workload import Workload
 
-__all__ = ["PLANNING_BUDGET_S", "plan_sweep", "schedule"]
+__all__ = ["PLANNING_BUDGET_S", "baseline_plan", "plan_sweep", "schedule"]
 
 #: the soft planning budget `plora plan`/`plora sweep` give `plan_sweep` (seconds): once spent,
 #: no further scheduling run starts and DTM keeps one branch per level
@@ -262,4 +262,39 @@ def plan_sweep(
         cost_model=cost_model.name,
         notes=notes,
         optimal=optimal,
+    )
+
+
+def baseline_plan(
+    loads: list[AdapterLoad],
+    cost_model: CostModel,
+    gpus: int,
+    name: str,
+    *,
+    load_factor: float = 0.9,
+) -> Plan:
+    """The plan of a baseline strategy (`plora.planner.baselines`: one adapter per job), to
+    run on the same engine as a packed plan: what packing saves is then measured, not only
+    predicted. Every adapter must fit a GPU set, as for `plan_sweep`."""
+    t0 = time.perf_counter()
+    if not loads:
+        raise PlannerError("adapters: nothing to plan (empty list)")
+    wl = Workload(loads, cost_model, gpus, load_factor=load_factor, max_adapters_per_job=1)
+    baselines = {b: makespan(compact(baseline_jobs(b, wl.loads, cost_model, gpus, load_factor))) for b in BASELINES}
+    chosen = compact(baseline_jobs(name, wl.loads, cost_model, gpus, load_factor))
+    return Plan(
+        jobs=chosen,
+        adapters=list(loads),
+        gpus=gpus,
+        makespan=makespan(chosen),
+        lower_bound=lower_bound(wl, lp=False),
+        baselines=baselines,
+        packed_makespan=0.0,
+        solver="none",
+        planning_seconds=time.perf_counter() - t0,
+        strategy=name,
+        load_factor=load_factor,
+        max_adapters_per_job=1,
+        cost_model=cost_model.name,
+        notes=[f"the {name} baseline, as asked (planner.baseline): one adapter per job"],
     )
