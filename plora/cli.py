@@ -153,6 +153,9 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         raise
     if warm:  # (a profile's probe job may have taken the first one)
         spare.prime(spare.first_gpus(spec.hardware.device))
+        for job in prep.plan.jobs:  # the other one-GPU jobs that start at once: one each
+            if job.tp == 1 and job.start <= 0 and job.gpus and spec.hardware.device != "cpu":
+                spare.prime(job.gpus)
         # the first job's model, loaded as soon as the spare has imported: after planning, so
         # that a quick calibration's probes never share the GPU with a second copy of it
         m = spec.model

@@ -196,11 +196,18 @@ def part_contention(args) -> dict:
     space = {"strategy": "grid", "rank": [8, 16, 32, 64], "alpha": {"relative": [1, 2]},
              "learning_rate": lrs, "batch_size": [2, 4]}
     data = base_space(args, "contention", model_path(args, "qwen2.5-0.5b"), "fixed", space)
-    out: dict = {"gpus": g, "configs": 16 * len(lrs)}
-    out["warm-up"] = {k: v for k, v in sweep(args, data, "contention-warmup").items() if k in ("wall_s", "makespan_s")}
-    out["shared"] = sweep(args, data, "contention-shared")
-    out["unshared"] = sweep(args, data, "contention-unshared", {"PLORA_CPU_SHARE": "0"})
-    out["alone"] = alone(args, data, out["shared"]["jobs_run"])
+    path = args.out / "makespan.json"
+    earlier = (json.loads(path.read_text()).get("contention") or {}) if path.is_file() else {}
+    out: dict = {**earlier, "gpus": g, "configs": 16 * len(lrs)}
+    runs = args.contention_runs
+    if "warm-up" in runs:
+        out["warm-up"] = {k: v for k, v in sweep(args, data, "contention-warmup").items() if k in ("wall_s", "makespan_s")}
+    if "shared" in runs:
+        out["shared"] = sweep(args, data, "contention-shared")
+    if "unshared" in runs:
+        out["unshared"] = sweep(args, data, "contention-unshared", {"PLORA_CPU_SHARE": "0"})
+    if "alone" in runs:
+        out["alone"] = alone(args, data, out["shared"]["jobs_run"])
     return out
 
 
@@ -244,8 +251,8 @@ def fig4_configs() -> list[tuple[int, float, float, int]]:
     return [(r, a * r, lr, bs) for r in FIG4_RANKS for a in FIG4_ALPHAS for lr in FIG4_LRS for bs in FIG4_BATCHES]
 
 
-def part_plora(args, shape: str) -> dict:
-    return sweep(args, fig4_space(args, shape, f"fig4-{shape}-plora"), f"fig4-{shape}-plora")
+def part_plora(args, shape: str, label: str) -> dict:
+    return sweep(args, fig4_space(args, shape, f"fig4-{shape}-plora"), f"fig4-{shape}-{label}")
 
 
 def part_baseline(args, shape: str, baseline: str) -> dict:
@@ -375,6 +382,7 @@ def figure_table(result: dict) -> list[str]:
         pl = (r.get("plora") or {}).get("makespan_s")
         pw = (r.get("plora") or {}).get("wall_s")
         pred = (r.get("plora") or {}).get("predicted_makespan_s")
+        first = r.get("plora-first") or {}
         peft = [(v["wall_whole_s"], n) for n, v in (r.get("peft") or {}).items()
                 if isinstance(v, dict) and v.get("wall_whole_s")]
         best = min(peft) if peft else None
@@ -385,6 +393,10 @@ def figure_table(result: dict) -> list[str]:
         lines.append(f"| {shape} | {f(mn)} (1.0) | {f(mx)} ({norm(mx)}) | makespan {f(pl)} ({norm(pl)}), wall {f(pw)} "
                      f"({norm(pw)}) | {f(best[0]) if best else '–'} ({norm(best[0]) if best else '–'}, N={best[1] if best else '–'}) | "
                      f"{f(pred)} / {f(pl)} |")
+        if first:
+            lines.append(f"| {shape}, plora first use | | | makespan {f(first.get('makespan_s'))} ({norm(first.get('makespan_s'))}), "
+                         f"wall {f(first.get('wall_s'))} ({norm(first.get('wall_s'))}) | | "
+                         f"{f(first.get('predicted_makespan_s'))} / {f(first.get('makespan_s'))} |")
     c = result.get("contention")
     if c:
         alone_by = {a["job"]: a for a in c.get("alone", [])}
@@ -416,6 +428,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rows", type=int, default=128, help="training rows (one epoch) of every configuration")
     ap.add_argument("--contention-rows", type=int, default=256)
+    ap.add_argument("--contention-runs", nargs="+", default=["warm-up", "shared", "unshared", "alone"],
+                    choices=["warm-up", "shared", "unshared", "alone"])
+    ap.add_argument("--plora-runs", type=int, default=1, choices=[1, 2],
+                    help="2: the model's first sweep here, then a warm one (the result)")
     ap.add_argument("--eval-samples", type=int, default=16)
     ap.add_argument("--max-per-job", type=int, default=16)
     ap.add_argument("--sample", type=int, default=1, help="baseline jobs run per batch size")
@@ -453,8 +469,11 @@ def main() -> None:
             result["contention"] = part_contention(args)
         else:
             fig = result.setdefault("figure4", {}).setdefault(args.model, {})
-            if part == "plora":
-                fig["plora"] = part_plora(args, args.model)
+            if part == "plora":  # the first sweep of the model here, then (--plora-runs 2) a warm one
+                for k in range(args.plora_runs):
+                    label = "plora" if k == args.plora_runs - 1 else "plora-first"
+                    fig[label] = part_plora(args, args.model, label)
+                    path.write_text(json.dumps(result, indent=2))
             elif part == "peft":
                 fig["peft"] = part_peft(args, args.model)
             else:

@@ -55,30 +55,30 @@ def test_a_job_handed_to_a_spare_trains_as_a_fresh_process(tmp_path, monkeypatch
     assert (warm["status"] == "done").all()
     for col in ("train_loss", "eval_loss", "steps"):
         assert warm[col].tolist() == cold[col].tolist()
-    assert spare._spare is None  # let go at the end of the sweep: no process left behind
+    assert not spare._spares  # let go at the end of the sweep: no process left behind
 
 
 def test_a_spare_is_not_used_where_the_environment_differs(tmp_path, monkeypatch):
     monkeypatch.setenv(spare.ENV_SWITCH, "1")
     spare.prime()
-    proc = spare._spare.proc
+    proc = next(iter(spare._spares.values())).proc
     env = {**spare.spare_env(), "PYTHONPATH": "/elsewhere"}  # read at import: the spare cannot adopt it
     assert spare.take(tmp_path / "job.yaml", tmp_path, tmp_path / "log.txt", env, 0.0) is None
-    assert proc.poll() is not None and spare._spare is None
+    assert proc.poll() is not None and not spare._spares
 
 
 def test_an_unused_spare_is_killed(monkeypatch):
     monkeypatch.setenv(spare.ENV_SWITCH, "1")
     spare.prime()
-    proc = spare._spare.proc
+    proc = next(iter(spare._spares.values())).proc
     spare.keep(False)
-    assert proc.poll() is not None and spare._spare is None
+    assert proc.poll() is not None and not spare._spares
 
 
 def test_spares_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(spare.ENV_SWITCH, "0")
     spare.prime()
-    assert spare._spare is None
+    assert not spare._spares
 
 
 def test_the_order_a_spare_reads_has_a_schema():
@@ -140,9 +140,55 @@ def test_a_spare_that_dies_before_it_is_ready_turns_spares_off(tmp_path, monkeyp
     monkeypatch.setattr(spare, "CHILD", "import sys; sys.exit(1)")
     monkeypatch.setattr(spare, "_broken", False)
     spare.prime()
-    proc = spare._spare.proc
+    proc = next(iter(spare._spares.values())).proc
     proc.wait(timeout=30)
     assert spare.take(tmp_path / "job.yaml", tmp_path, tmp_path / "log.txt", spare.spare_env(), 0.0) is None
     assert not spare.enabled()
     spare.prime()  # no respawning on every tick
-    assert spare._spare is None
+    assert not spare._spares
+
+
+def test_each_gpu_of_the_first_wave_finds_its_own_spare(tmp_path, monkeypatch):
+    """On a host of several GPUs the jobs that start side by side each take the spare made for
+    their GPU; one for another GPU is neither used nor killed by the first job's hand-over."""
+    monkeypatch.setenv(spare.ENV_SWITCH, "1")
+    made: list[tuple[int, ...]] = []
+
+    class FakeSpare:
+        def __init__(self, env, gpus=()):
+            self.env, self.gpus, self.killed, self.handed = env, tuple(gpus), False, None
+            self.proc = type("P", (), {"poll": lambda self: None})()
+            made.append(self.gpus)
+
+        def compatible(self, env):
+            return env.get("CUDA_VISIBLE_DEVICES") == self.env.get("CUDA_VISIBLE_DEVICES")
+
+        def wait_ready(self, timeout_s):
+            return True
+
+        def hand(self, order):
+            self.handed = order
+            return True
+
+        def tell(self, order):
+            return True
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(spare, "Spare", FakeSpare)
+    monkeypatch.setattr(spare, "spare_env", lambda gpus=(): {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))})
+    try:
+        for g in (0, 1, 0):
+            spare.prime([g])
+        assert made == [(0,), (1,)] and set(spare._spares) == {(0,), (1,)}
+        assert spare.preload(spare.PreloadOrder(path="m", family="llama", max_seq_len=8, dtype="float32",
+                                                device="cuda", random_init=True))
+        second = spare._spares[(1,)]
+        first = spare.take(tmp_path / "a.yaml", tmp_path, tmp_path / "a.log", {"CUDA_VISIBLE_DEVICES": "0"}, 0.0)
+        assert first is not None and set(spare._spares) == {(1,)} and not second.killed
+        assert spare.take(tmp_path / "b.yaml", tmp_path, tmp_path / "b.log", {"CUDA_VISIBLE_DEVICES": "1"}, 0.0) \
+            is second.proc and second.handed is not None
+        assert spare.take(tmp_path / "c.yaml", tmp_path, tmp_path / "c.log", {"CUDA_VISIBLE_DEVICES": "1"}, 0.0) is None
+    finally:
+        spare._spares.clear()

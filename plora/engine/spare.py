@@ -15,7 +15,8 @@ fixes the GPUs a process sees, so a spare takes only a job for the same GPUs (th
 differ; any other difference and the job starts the ordinary way, at once. A spare that
 dies before it is ready (or cannot be started) turns spares off for this process. A spare
 that is never used is killed; one whose sweep dies dies with it (parent-death signal).
-The sweep's first spare is also told its base model (`preload`, a `PreloadOrder` line ahead
+On a host of several GPUs, each job planned to start at once gets a spare of its own (one per
+GPU). The sweep's first spares are also told its base model (`preload`, a `PreloadOrder` line ahead
 of the job's): it loads it once its imports are done, while the sweep plans, and the job
 takes it (`plora.recipes.preload`).
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
@@ -176,7 +177,7 @@ class Spare:
                 pass
 
 
-_spare: Spare | None = None
+_spares: dict[tuple[int, ...], Spare] = {}  #: by the GPUs their jobs run on (one each)
 _broken = False  # a spare died before it was ready, or could not be started: no more here
 
 
@@ -210,34 +211,36 @@ def spare_env(gpus: Sequence[int] = ()) -> dict[str, str]:
 
 
 def prime(gpus: Sequence[int] = ()) -> None:
-    """Start a spare for a job on ``gpus`` unless one is alive (a no-op when spares are off)."""
-    global _spare
+    """Start a spare for a job on ``gpus`` unless one is alive (a no-op when spares are off).
+    Spares for other GPUs stay: on a host of several GPUs, the jobs that start side by side
+    each find their own."""
     if not enabled():
         return
-    if _spare is not None:
-        if _spare.proc.poll() is not None:  # died unused, before any job was handed to it
+    key = tuple(gpus)
+    there = _spares.get(key)
+    if there is not None:
+        if there.proc.poll() is not None:  # died unused, before any job was handed to it
             _give_up()
-            return
-        if _spare.gpus == tuple(gpus):
-            return
-        discard()  # made for other GPUs
+        return
     try:
-        _spare = Spare(spare_env(gpus), gpus)
+        _spares[key] = Spare(spare_env(gpus), gpus)
     except OSError:  # no process to spare (memory, file handles): jobs start the ordinary way
         _give_up()
 
 
 def preload(order: PreloadOrder) -> bool:
-    """Have the spare there is load the sweep's base model before its job comes (only for a
-    GPU no job is running on: the first job's). Whether the order went out."""
-    if _spare is None or _spare.proc.poll() is not None:
-        return False
-    return _spare.tell(order)
+    """Have the spares there are load the sweep's base model before their jobs come (only
+    for GPUs no job is running on: the first jobs'). Whether an order went out."""
+    told = False
+    for spare in list(_spares.values()):
+        if spare.proc.poll() is None:
+            told = spare.tell(order) or told
+    return told
 
 
 def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:
     """Start a spare for a job on ``gpus`` if more jobs are coming (``wanted``), else let go
-    of the one there is."""
+    of the ones there are."""
     if wanted:
         prime(gpus)
     else:
@@ -245,10 +248,10 @@ def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:
 
 
 def discard() -> None:
-    """Kill the spare, if there is one (never used: it holds no job)."""
-    global _spare
-    spare, _spare = _spare, None
-    if spare is not None:
+    """Kill the spares, if there are any (never used: they hold no job)."""
+    spares = list(_spares.values())
+    _spares.clear()
+    for spare in spares:
         spare.kill()
 
 
@@ -266,15 +269,19 @@ def take(job_yaml: Path, cwd: Path, log: Path, env: dict[str, str], launched: fl
     None when there is no usable spare and the job must start the ordinary way. The job
     counts its start from ``launched`` (waiting for a spare still importing included). The
     engine starts the next spare (`keep`)."""
-    global _spare
-    spare, _spare = _spare, None
-    if spare is None:
+    if not _spares:
         return None
-    if not spare.compatible(env):  # another GPU or setting: the job starts the ordinary way, at once
-        differ = sorted(k for k in set(env) | set(spare.env) if env.get(k) != spare.env.get(k))
+    spare = next((sp for sp in _spares.values() if sp.compatible(env)), None)
+    if spare is None:  # for other GPUs, or settings: the job starts the ordinary way, at once
+        other = next(iter(_spares.values()))
+        differ = sorted(k for k in set(env) | set(other.env) if env.get(k) != other.env.get(k))
         _note_in(log, f"the job process started ahead was not used: its environment differs ({', '.join(differ)})")
-        spare.kill()
+        if not any(sp.env.get("CUDA_VISIBLE_DEVICES") == env.get("CUDA_VISIBLE_DEVICES") for sp in _spares.values()):
+            return None  # the others may still serve their own GPUs' jobs
+        for key in [k for k, sp in _spares.items() if sp.env.get("CUDA_VISIBLE_DEVICES") == env.get("CUDA_VISIBLE_DEVICES")]:
+            _spares.pop(key).kill()  # this GPU's spare, made with settings no job has now
         return None
+    del _spares[spare.gpus]
     try:
         if spare.proc.poll() is not None or not spare.wait_ready(READY_WAIT_S):
             _note_in(log, "the job process started ahead died or hung importing: jobs start the ordinary way")
