@@ -88,7 +88,8 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
     try:
         spec = load_spec(space, sampled=sampled, overrides=overrides or ())
         if warm and spec.hardware.backend == "local":
-            spare.prime(spare.first_gpus(spec.hardware.device))
+            for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
+                spare.prime(gpus)
         check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
         return spec
     except SpecError as e:
@@ -156,6 +157,9 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         for job in prep.plan.jobs:  # the other one-GPU jobs that start at once: one each
             if job.tp == 1 and job.start <= 0 and job.gpus and spec.hardware.device != "cpu":
                 spare.prime(job.gpus)
+        for gpus in [g for g in spare.first_wave(spec.hardware.device, spec.hardware.gpus)
+                     if not any(j.tp == 1 and j.start <= 0 and j.gpus == g for j in prep.plan.jobs)]:
+            spare.forget(gpus)  # started before planning for a GPU no job starts on now
         # the first job's model, loaded as soon as the spare has imported: after planning, so
         # that a quick calibration's probes never share the GPU with a second copy of it
         m = spec.model

@@ -192,3 +192,13 @@ def test_each_gpu_of_the_first_wave_finds_its_own_spare(tmp_path, monkeypatch):
         assert spare.take(tmp_path / "c.yaml", tmp_path, tmp_path / "c.log", {"CUDA_VISIBLE_DEVICES": "1"}, 0.0) is None
     finally:
         spare._spares.clear()
+
+
+def test_the_first_wave_is_one_gpu_each_of_those_seen(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert spare.first_wave("cuda", 4) == [[0], [1]]  # two seen: never a spare for a GPU not there
+    assert spare.first_wave("cuda", 1) == [[0]]
+    assert spare.first_wave("cpu", 4) == [[]]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(spare, "host_gpu_count", lambda: 8)
+    assert spare.first_wave("cuda", 4) == [[0], [1], [2], [3]]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from plora.engine.cpu_share import bind_to_share
+from plora.engine.cpu_share import bind_to_share, host_gpu_count
 from plora.engine.job_env import job_env
 
 #: set to 0 to start every job the ordinary way
@@ -205,6 +205,18 @@ def first_gpus(device: str) -> list[int]:
     return [0]
 
 
+def first_wave(device: str, gpus: int) -> list[list[int]]:
+    """The GPUs of the jobs a sweep on ``device`` with ``gpus`` GPUs starts at once: one each
+    (the usual first wave of one-GPU jobs; a plan of wider jobs leaves their spares unused),
+    never more than the GPUs this process sees."""
+    first = first_gpus(device)
+    if not first or gpus <= 1:
+        return [first]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = len([v for v in visible.split(",") if v.strip()]) if visible is not None else host_gpu_count()
+    return [[g] for g in range(max(1, min(gpus, seen)))]
+
+
 def spare_env(gpus: Sequence[int] = ()) -> dict[str, str]:
     """What a spare for a job on ``gpus`` starts with: that job's environment."""
     return job_env(gpus)
@@ -245,6 +257,13 @@ def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:
         prime(gpus)
     else:
         discard()
+
+
+def forget(gpus: Sequence[int]) -> None:
+    """Kill the spare for a job on ``gpus``, if there is one: no job is coming there."""
+    spare = _spares.pop(tuple(gpus), None)
+    if spare is not None:
+        spare.kill()
 
 
 def discard() -> None:
