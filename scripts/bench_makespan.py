@@ -402,8 +402,8 @@ def figure_table(result: dict) -> list[str]:
         alone_by = {a["job"]: a for a in c.get("alone", [])}
         lines += ["", "| contention job | adapters | alone s | shared s | shared / alone | step alone ms | step shared ms |"
                   " step unshared ms |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        unshared = {j["job"]: j for j in c["unshared"]["jobs_run"]}
-        for j in c["shared"]["jobs_run"]:
+        unshared = {j["job"]: j for j in (c.get("unshared") or {}).get("jobs_run", [])}
+        for j in (c.get("shared") or {}).get("jobs_run", []):
             a = alone_by.get(j["job"], {})
             u = unshared.get(j["job"], {})
             ratio = j["wall_s"] / a["wall_s"] if a.get("wall_s") else None
@@ -411,7 +411,9 @@ def figure_table(result: dict) -> list[str]:
                          f"{f(1e3 * a['step_s'] if a.get('step_s') else None)} | {f(1e3 * j['step_s'] if j.get('step_s') else None)} | "
                          f"{f(1e3 * u['step_s'] if u.get('step_s') else None)} |")
         for kind in ("shared", "unshared"):
-            s = c[kind]
+            s = c.get(kind)
+            if not s:
+                continue
             lines.append(f"{kind}: makespan {f(s.get('makespan_s'))} s, predicted {f(s.get('predicted_makespan_s'))} s, "
                          f"wall {f(s.get('wall_s'))} s, load average peak {s.get('load_avg_peak')} on {s.get('cores')} cores")
     return lines
