@@ -633,6 +633,8 @@ class PackedLoRARecipe:
             "wall_time_s": r.earlier_s + (r.finished_at or time.time()) - self.start_time,
             "checkpoint_path": str(checkpoint) if checkpoint else None,
             "config": r.cfg.hyperparameters(),
+            "targets": self.targets,  # the layers it adapts (its PEFT target_modules)
+            "warmup_steps": r.warmup,
         }
         self.writer.metrics(out, row)  # after the adapter's checkpoint, if it has one
 
