@@ -408,3 +408,28 @@ def test_rslora_adapter_loads_in_peft_with_plora_logits(tiny_model, reverse_data
     with torch.no_grad():
         got = transformers.LlamaForCausalLM.from_pretrained(merged)(input_ids=x).logits
     assert float((got - theirs).abs().max()) < 1e-4
+
+
+def test_triton_dropout_kernel_draws_the_torch_bits():
+    """The CUDA path's kernel (run by Triton's interpreter without a GPU) keeps exactly the
+    elements the torch path keeps, scaled alike."""
+    pytest.importorskip("triton")
+    import os
+
+    from plora.packed.dropout import _mask, adapter_key, token_keys
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or Triton's interpreter")
+    from plora.kernels.triton_ops import kernels_module
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(37, 200, device=dev)
+    keys = torch.tensor([adapter_key(1), adapter_key(2)], device=dev)
+    h, p = token_keys(torch.tensor([0, 20, 37], device=dev), 37, 37, keys, torch.tensor([3, 7], device=dev),
+                      torch.tensor([0.1, 0.5], device=dev), None)
+    want = x * _mask(tuple(x.shape), h, p, 0x9ABCDEF1, 64, x.dtype)
+    got = torch.empty_like(x)
+    kernels_module("_triton_dropout_kernels.py").hash_dropout_kernel[(2, 2)](
+        x, got, h, p.float(), 37, 200, 0x9ABCDEF1, 64, BT=32, BF=128)
+    assert torch.equal(got == 0, want == 0)
+    assert float((got - want).abs().max()) <= 1e-6

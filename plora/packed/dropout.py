@@ -26,6 +26,8 @@ every element; a step where no adapter of the pack has dropout runs none of this
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 M32 = 0xFFFFFFFF
@@ -84,17 +86,39 @@ def _mask(shape: tuple[int, int], h: torch.Tensor, p: torch.Tensor, layer: int, 
     return keep.to(dtype) * (1.0 / (1.0 - p)).to(dtype)[:, None]
 
 
+def _apply(x: torch.Tensor, h: torch.Tensor, p: torch.Tensor, layer: int, col_offset: int) -> torch.Tensor:
+    """x with the mask applied: one Triton pass on CUDA (the same bits), torch ops elsewhere."""
+    if x.is_cuda and os.environ.get("PLORA_KERNELS", "auto").lower() != "torch":
+        from plora.kernels.triton_ops import kernels_module
+
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        rows, cols = x.shape
+        grid = (triton_cdiv(rows, _BT), triton_cdiv(cols, _BF))
+        kernels_module("_triton_dropout_kernels.py").hash_dropout_kernel[grid](
+            x, out, h, p.float(), rows, cols, layer, col_offset, BT=_BT, BF=_BF)
+        return out
+    return x * _mask(tuple(x.shape), h, p, layer, col_offset, x.dtype)
+
+
+_BT, _BF = 32, 128
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class _HashDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, p, layer: int, col_offset: int):
         ctx.save_for_backward(h, p)
         ctx.layer, ctx.col_offset = layer, col_offset
-        return x * _mask(tuple(x.shape), h, p, layer, col_offset, x.dtype)
+        return _apply(x, h, p, layer, col_offset)
 
     @staticmethod
     def backward(ctx, g):
         h, p = ctx.saved_tensors
-        return g * _mask(tuple(g.shape), h, p, ctx.layer, ctx.col_offset, g.dtype), None, None, None, None
+        return _apply(g, h, p, ctx.layer, ctx.col_offset), None, None, None, None
 
 
 def hash_dropout(x: torch.Tensor, h: torch.Tensor, p: torch.Tensor, layer: int, col_offset: int = 0) -> torch.Tensor:
