@@ -433,3 +433,53 @@ def test_triton_dropout_kernel_draws_the_torch_bits():
         x, got, h, p.float(), 37, 200, 0x9ABCDEF1, 64, BT=32, BF=128)
     assert torch.equal(got == 0, want == 0)
     assert float((got - want).abs().max()) <= 1e-6
+
+
+def test_killed_job_of_differing_adapters_resumes_to_an_uninterrupted_runs_weights(tmp_path, monkeypatch):
+    """Adapters with their own dropout, weight decay, schedule, warm-up and epochs, SIGKILLed
+    at step 12 (checkpoints every 5 steps): the resumed job draws the masks and rates it
+    would have drawn, and ends where a run never interrupted ends."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from conftest import inject_fault
+    from plora.planner.plan import Job, Plan
+    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.sweep import prepare, run_prepared, write_run_files
+
+    inject_fault(monkeypatch, "kill@job-000@12@1")
+    data = {
+        "name": "ck",
+        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
+        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
+        "lora": {"targets": ["q_proj", "v_proj"], "dropout": 0.1},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4, "epochs": 3, "scheduler": "cosine",
+             "warmup_ratio": 0.2, "weight_decay": 0.05},
+            {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2, "dropout": 0.3, "rslora": True}]},
+        "training": {"epochs": 2, "checkpoint_every_steps": 5, "checkpoint_every_minutes": None},
+        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
+        "hardware": {"device": "cpu"},
+        "output": {"dir": str(tmp_path / "runs")},
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    prep = prepare(load_spec(path))
+    assert [prep.steps[c.id] for c in prep.configs] == [18, 24]  # each its own epochs
+    prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")
+    write_run_files(prep)
+    frame = run_prepared(prep, slots=["cpu:0"])
+    assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
+    assert list(frame.columns[6:12]) == ["dropout", "weight_decay", "warmup_ratio", "scheduler", "rslora", "epochs"]
+    run, job_dir = prep.run_dir, prep.run_dir / "jobs" / "job-000"
+    assert json.loads((job_dir / "summary.json").read_text())["resumed_from"] == {c.id: 10 for c in prep.configs}
+    cfg = yaml.safe_load((job_dir / "job.yaml").read_text())
+    ref = tmp_path / "ref"
+    cfg.update(output_dir=str(ref), job_dir=str(ref / "jobs" / "job-000"), eval_base=False)
+    cfg["training"]["checkpoint_every_steps"] = None
+    PackedLoRARecipe(cfg).run()
+    for c in prep.configs:
+        got = load_file(run / "adapters" / c.id / "adapter_model.safetensors")
+        want = load_file(ref / "adapters" / c.id / "adapter_model.safetensors")
+        for k in got:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
