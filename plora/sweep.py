@@ -417,6 +417,21 @@ def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[s
     return model_targets(spec, target_names(sets[0]))
 
 
+def check_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> None:
+    """Every target set the space searches names layers the model's family has (a
+    `SpecError` naming ``space.targets`` otherwise), before anything runs."""
+    from plora.spec import SpecError, target_names
+
+    sweep_set = spec.sweep_values()["targets"]
+    for targets in spec.target_sets(configs):
+        if targets == sweep_set:
+            continue
+        try:
+            model_targets(spec, target_names(targets))
+        except SpecError as e:
+            raise SpecError("space.targets", e.message) from None
+
+
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
                run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
                length_buckets: int | str | None = None, row_layout: str | None = None,
@@ -522,6 +537,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
 
     check_spec_model(spec)  # a broken model folder is refused before any planning
     configs = spec.expand()
+    check_target_sets(spec, configs)
     data = check_data(spec)  # bad data is refused here, before anything is written
     n_train = data.num_train
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}

@@ -183,6 +183,21 @@ def test_malformed_dimension_exits_2_from_the_cli(space, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_target_set_the_models_family_lacks_exits_2_before_anything_runs(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from plora.cli import app
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"name": "bad", "space": {"targets": [["qkv_proj"], "all-linear"]},
+                                    "hardware": {"device": "cpu"}, "output": {"dir": str(tmp_path / "runs")}}))
+    result = CliRunner().invoke(app, ["sweep", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "space.targets: the llama family has no 'qkv_proj' layer" in " ".join(result.output.split())
+    assert not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- Optuna
 
 
