@@ -89,6 +89,8 @@ UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (ModelError, DataError, Conf
 MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
 #: how often a job lingering for joins looks at its control.json
 LINGER_POLL_S = 0.05
+#: what identifies every adapter's configuration (metrics.json's ``config`` has them all)
+BASE_HYPERPARAMETERS = ("rank", "alpha", "learning_rate", "batch_size", "seed")
 #: what an adapter that left the pack has as its status
 FINAL_STATUSES = ("done", "diverged", "pruned")
 
@@ -776,8 +778,10 @@ class PackedLoRARecipe:
             m = json.loads((self.output_dir / "adapters" / a.id / "metrics.json").read_text())
         except (OSError, ValueError):
             return False
-        return (m.get("status") in FINAL_STATUSES and m.get("job_id") == self.job_id
-                and m.get("config") == self._own(a).hyperparameters())
+        saved, want = m.get("config") or {}, self._own(a).hyperparameters()
+        # an earlier plora wrote the five alone: the settings it does not show are not compared
+        same = all(saved.get(k) == v for k, v in want.items() if k in saved or k in BASE_HYPERPARAMETERS)
+        return m.get("status") in FINAL_STATUSES and m.get("job_id") == self.job_id and same
 
     def _queue_joins(self, asked: list[JobAdapter], step: int) -> None:
         """The joins control.json asks for that are new to this job wait their turn."""
