@@ -425,12 +425,15 @@ def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10, *, batches
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
     done.sort(key=lambda t: t.value, reverse=not spec.eval.minimize)
     t = Table(title=f"best trials by {objective}", title_justify="left")
-    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", objective, *(["batch #"] if batches else [])):
+    dims = spec.space.searched()
+    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", *(_DIM_HEADS[n] for n in dims), objective,
+                *(["batch #"] if batches else [])):
         t.add_column(col, justify="left" if col == "adapter" else "right")
     for tr in done[:top]:
         a = tr.user_attrs
         t.add_row(str(tr.number), str(a.get("adapter_id")), str(tr.params.get("rank")), f"{a.get('alpha', 0):g}",
-                  f"{tr.params.get('learning_rate', 0):.3g}", str(tr.params.get("batch_size")), f"{tr.value:.4g}",
+                  f"{tr.params.get('learning_rate', 0):.3g}", str(tr.params.get("batch_size")),
+                  *(_dim_text(tr.params.get(n)) for n in dims), f"{tr.value:.4g}",
                   *([str(a.get("batch", ""))] if batches else []))
     return t
 

@@ -231,6 +231,15 @@ def test_every_sampler_draws_every_dimension(sampler):
     assert len(seen) > 1
 
 
+def test_async_tuning_does_not_search_target_sets():
+    from plora.tuning.asynchronous import tune_async
+    from plora.tuning.base import TuneError
+
+    s = spec_of({"targets": [["q_proj", "v_proj"], "all-linear"]})
+    with pytest.raises(TuneError, match="space.targets cannot be searched asynchronously"):
+        tune_async(s, None, {}, None, n_trials=1, in_flight=1, slots=["cpu:0"], sign=1.0, n_train=8)
+
+
 def test_ranges_are_float_distributions_and_list_values_are_the_entries():
     from optuna.distributions import CategoricalDistribution, FloatDistribution
 
