@@ -19,9 +19,11 @@ Rows are the adapter's rows as the step lays them out: flattened (one token run 
 adapter: the offset inside the run) or padded to a width (row and position). Packed and
 alone agree within one layout, which both use for the same sweep.
 
-The hash (`mix32`, a 32-bit integer finaliser) runs in int64 tensors with every product
-kept under 2**63, so the same bits come out on every device. An adapter with p = 0 keeps
-every element; a step where no adapter of the pack has dropout runs none of this.
+The hash (`mix32`, a 32-bit integer finaliser) runs in int64 with every product kept
+under 2**63, so the same bits come out on every device: as torch ops on the CPU, as one
+Triton pass over x on CUDA (``_triton_dropout_kernels.py``, one read and one write, as
+torch's own dropout). An adapter with p = 0 keeps every element; a step where no adapter
+of the pack has dropout runs none of this.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def _apply(x: torch.Tensor, h: torch.Tensor, p: torch.Tensor, layer: int, col_of
         x = x.contiguous()
         out = torch.empty_like(x)
         rows, cols = x.shape
-        grid = (triton_cdiv(rows, _BT), triton_cdiv(cols, _BF))
+        grid = (_cdiv(rows, _BT), _cdiv(cols, _BF))
         kernels_module("_triton_dropout_kernels.py").hash_dropout_kernel[grid](
             x, out, h, p.float(), rows, cols, layer, col_offset, BT=_BT, BF=_BF)
         return out
@@ -104,7 +106,7 @@ def _apply(x: torch.Tensor, h: torch.Tensor, p: torch.Tensor, layer: int, col_of
 _BT, _BF = 32, 128
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
