@@ -102,10 +102,18 @@ class JobAdapter(_Section):
     steps: int = Field(ge=0)
     #: computed by whoever builds the job (the sweep: `plora.spec.warmup_steps_for`), never by the job
     warmup_steps: int = Field(0, ge=0)
+    #: the adapter's own training settings; None: the job's (``lora.dropout``,
+    #: ``training.weight_decay``, ``training.scheduler``). The sweep gives every one.
+    dropout: float | None = Field(None, ge=0.0, lt=1.0)  # on the LoRA input of its own rows
+    weight_decay: float | None = Field(None, ge=0)
+    scheduler: Literal["constant", "linear", "cosine"] | None = None
+    rslora: bool | None = None  # scale alpha/sqrt(rank) (PEFT's use_rslora); None: off
 
     def hyperparameters(self) -> dict[str, Any]:
-        """What identifies the configuration (metrics.json's ``config``)."""
-        return self.model_dump(include={"rank", "alpha", "learning_rate", "batch_size", "seed"})
+        """What identifies the configuration (metrics.json's ``config``): the five of every
+        adapter, and the training settings it was given."""
+        return self.model_dump(include={"rank", "alpha", "learning_rate", "batch_size", "seed", "dropout",
+                                        "weight_decay", "scheduler", "rslora"}, exclude_none=True)
 
 
 class JobTraining(_Section):

@@ -35,6 +35,8 @@ from pydantic import (
 
 __all__ = [
     "ALL_LINEAR",
+    "SCHEDULERS",
+    "TRAINING_DIMS",
     "KNOWN_TARGETS",
     "AdapterConfig",
     "SpecError",
@@ -43,7 +45,10 @@ __all__ = [
     "load_spec",
     "parse_model_section",
     "parse_spec",
+    "lora_scale",
     "resolve_targets",
+    "target_key",
+    "target_names",
 ]
 
 #: Folder of the models shipped with plora (``model.path: builtin:<name>``).
@@ -55,6 +60,11 @@ KNOWN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_
 ALL_LINEAR = "all-linear"
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".csv", ".parquet")
 HYPERPARAMETERS: tuple[str, ...] = ("rank", "alpha", "learning_rate", "batch_size")
+#: What else a space may vary per adapter. Each has a sweep-wide value (``lora`` or
+#: ``training``); an `AdapterConfig` holds one only where it differs from that value (None:
+#: the sweep's), so a configuration's id stays what it was before the dimension existed.
+TRAINING_DIMS: tuple[str, ...] = ("dropout", "weight_decay", "warmup_ratio", "scheduler", "rslora", "targets", "epochs")
+SCHEDULERS: tuple[str, ...] = ("constant", "linear", "cosine")
 #: A sweep larger than this is almost certainly a typo (a grid with one axis too many).
 MAX_ADAPTERS = 100_000
 #: Continuous values drawn at random are rounded to this many significant digits, so that
@@ -122,9 +132,49 @@ def _norm_float(x: float, digits: int = 12) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def target_key(targets: str | Sequence[str]) -> str:
+    """One target set as one string, the same for the same set: ``all-linear``, or the layer
+    names sorted and joined by commas (``q_proj,v_proj``). Ids, tables and Optuna's
+    categorical choices hold it; `target_names` reads it back."""
+    if isinstance(targets, str):
+        targets = [t for t in targets.split(",")]
+    names = [str(t).strip() for t in targets if str(t).strip()]
+    if ALL_LINEAR in names:
+        return ALL_LINEAR
+    return ",".join(sorted(dict.fromkeys(names)))
+
+
+def target_names(key: str) -> list[str]:
+    """The layer names (or ``all-linear``) of a `target_key`."""
+    return key.split(",")
+
+
+def _is_missing(v: Any) -> bool:
+    """None, or NaN (what a table holds where a column has no value)."""
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _norm_dim(name: str, value: Any) -> Any:
+    """A per-adapter dimension's value in the form ids and tables hold."""
+    if _is_missing(value):
+        return None
+    if name == "targets":
+        return target_key(value)
+    if name == "scheduler":
+        return str(value)
+    if name == "rslora":
+        return bool(value)
+    return _norm_float(value)
+
+
 @dataclass(frozen=True)
 class AdapterConfig:
-    """One trial of the sweep. Frozen and hashable; ``id`` is stable across runs."""
+    """One trial of the sweep. Frozen and hashable; ``id`` is stable across runs.
+
+    The `TRAINING_DIMS` (dropout, weight decay, warm-up ratio, scheduler, rsLoRA, target
+    set, epochs) are None where the adapter takes the sweep's value: build configs of a
+    space with `SweepSpec.make_config`, which leaves a value equal to the sweep's out, and
+    read an adapter's effective values with `SweepSpec.settings`."""
 
     id: str
     rank: int
@@ -132,18 +182,33 @@ class AdapterConfig:
     learning_rate: float
     batch_size: int
     seed: int
+    dropout: Optional[float] = None
+    weight_decay: Optional[float] = None
+    warmup_ratio: Optional[float] = None
+    scheduler: Optional[str] = None
+    rslora: Optional[bool] = None
+    targets: Optional[str] = None  # a `target_key`
+    epochs: Optional[float] = None
 
     @property
     def scale(self) -> float:
-        """The LoRA output scale ``alpha / rank``."""
-        return self.alpha / self.rank
+        """The LoRA output scale: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA
+        (where the adapter's own ``rslora`` says so; `SweepSpec.settings` has the sweep's)."""
+        return lora_scale(self.alpha, self.rank, bool(self.rslora))
+
+    def dims(self) -> dict[str, Any]:
+        """The per-adapter dimensions this config sets (the others are the sweep's)."""
+        return {n: getattr(self, n) for n in TRAINING_DIMS if getattr(self, n) is not None}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The id and hyperparameters, with the dimensions this config sets (no None)."""
+        return {k: v for k, v in asdict(self).items() if not (k in TRAINING_DIMS and v is None)}
 
     @staticmethod
-    def make_id(rank: int, alpha: float, learning_rate: float, batch_size: int, seed: int) -> str:
-        """``a-`` + sha1 of the canonical JSON of the hyperparameters (first 10 hex digits)."""
+    def make_id(rank: int, alpha: float, learning_rate: float, batch_size: int, seed: int, **dims: Any) -> str:
+        """``a-`` + sha1 of the canonical JSON of the hyperparameters (first 10 hex digits).
+        A dimension of `TRAINING_DIMS` enters the hash only where it is set (not None), so a
+        configuration that sets none has the id it had before those dimensions existed."""
         payload = {
             "alpha": float(alpha),
             "batch_size": int(batch_size),
@@ -151,24 +216,42 @@ class AdapterConfig:
             "rank": int(rank),
             "seed": int(seed),
         }
+        for name in TRAINING_DIMS:
+            value = _norm_dim(name, dims.get(name))
+            if value is not None:
+                payload[name] = value
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return "a-" + hashlib.sha1(text.encode()).hexdigest()[:10]
 
     @classmethod
-    def make(cls, rank: int, alpha: float, learning_rate: float, batch_size: int, seed: int) -> "AdapterConfig":
-        """Build a config with normalised values and its id (the way to make one)."""
+    def make(cls, rank: int, alpha: float, learning_rate: float, batch_size: int, seed: int,
+             **dims: Any) -> "AdapterConfig":
+        """Build a config with normalised values and its id (the way to make one). ``dims``:
+        values of `TRAINING_DIMS` the adapter sets itself (None: the sweep's)."""
+        unknown = set(dims) - set(TRAINING_DIMS)
+        if unknown:
+            raise TypeError(f"unknown adapter dimension(s): {', '.join(sorted(unknown))}")
         rank, batch_size, seed = int(rank), int(batch_size), int(seed)
         alpha, learning_rate = _norm_float(alpha), _norm_float(learning_rate)
-        cid = cls.make_id(rank, alpha, learning_rate, batch_size, seed)
-        return cls(cid, rank, alpha, learning_rate, batch_size, seed)
+        values = {n: _norm_dim(n, dims.get(n)) for n in TRAINING_DIMS}
+        cid = cls.make_id(rank, alpha, learning_rate, batch_size, seed, **values)
+        return cls(cid, rank, alpha, learning_rate, batch_size, seed, **values)
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdapterConfig":
-        """Inverse of :meth:`to_dict`; an ``id`` that does not match the values is an error."""
-        cfg = cls.make(d["rank"], d["alpha"], d["learning_rate"], d["batch_size"], d["seed"])
+        """Inverse of :meth:`to_dict` (a missing or NaN dimension is the sweep's); an ``id``
+        that does not match the values is an error."""
+        cfg = cls.make(d["rank"], d["alpha"], d["learning_rate"], d["batch_size"], d["seed"],
+                       **{n: d.get(n) for n in TRAINING_DIMS})
         if "id" in d and d["id"] != cfg.id:
             raise ValueError(f"adapter id {d['id']!r} does not match its hyperparameters (expected {cfg.id!r})")
         return cfg
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """LoRA's output scale: ``alpha / rank``, or rsLoRA's ``alpha / sqrt(rank)`` (PEFT's
+    ``use_rslora``)."""
+    return float(alpha) / (math.sqrt(rank) if rslora else rank)
 
 
 # --------------------------------------------------------------------------- schema helpers
@@ -438,6 +521,7 @@ class DataConfig(_Model):
 class LoraConfig(_Model):
     targets: Union[str, list[str]] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     dropout: float = 0.0
+    rslora: bool = False  # scale alpha/sqrt(rank) instead of alpha/rank (PEFT's use_rslora)
 
     @field_validator("targets")
     @classmethod
@@ -548,33 +632,67 @@ _TAG_MODELS: dict[str, Optional[type[BaseModel]]] = {"<values>": None, "<range>"
 
 
 class ConfigEntry(_Model):
-    """One configuration of a ``strategy: list`` space; every key is required."""
+    """One configuration of a ``strategy: list`` space: rank, alpha, learning rate and batch
+    size are required; a `TRAINING_DIMS` value left out is the sweep's."""
 
     rank: int
     alpha: float
     learning_rate: float
     batch_size: int
+    dropout: Optional[float] = None
+    weight_decay: Optional[float] = None
+    warmup_ratio: Optional[float] = None
+    scheduler: Optional[Literal["constant", "linear", "cosine"]] = None
+    rslora: Optional[bool] = None
+    targets: Optional[Union[str, list[str]]] = None
+    epochs: Optional[float] = None
+
+    @field_validator("targets")
+    @classmethod
+    def _check_targets(cls, v: Optional[Union[str, list[str]]]) -> Optional[str]:
+        return None if v is None else _one_target_set(v)
 
     @model_validator(mode="after")
     def _check(self) -> "ConfigEntry":
         for name in HYPERPARAMETERS:
             if getattr(self, name) <= 0:
                 raise _Issue(f"must be > 0, got {_fmt(getattr(self, name))}", name)
+        for name in _FLOAT_DIMS:
+            v = getattr(self, name)
+            if v is not None:
+                _check_dim_value(name, v, name)
         return self
 
+    def dims(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in TRAINING_DIMS if getattr(self, n) is not None}
 
-def _refuse_duplicate_entries(configs: list[ConfigEntry]) -> None:
-    """`list` trains exactly the configurations given; two equal entries would be one adapter
-    (every entry gets the same seeds), so they are refused rather than silently merged."""
-    first: dict[tuple, int] = {}
-    for i, c in enumerate(configs):
-        key = (int(c.rank), _norm_float(c.alpha), _norm_float(c.learning_rate), int(c.batch_size))
-        if key in first:
-            raise _Issue(
-                f"same configuration as space.configs[{first[key]}] (rank {c.rank}, alpha {_fmt(c.alpha)}, "
-                f"learning_rate {_fmt(c.learning_rate)}, batch_size {c.batch_size}); list each configuration "
-                "once (space.seeds_per_config trains every one with several seeds)", "configs", i)
-        first[key] = i
+
+#: the float dimensions of `TRAINING_DIMS` and the values each takes: (low, high, low
+#: included, high included); the words say it in messages
+_FLOAT_DIMS: dict[str, tuple[float, float, bool, bool, str]] = {
+    "dropout": (0.0, 1.0, True, False, "in [0, 1)"),
+    "weight_decay": (0.0, math.inf, True, False, ">= 0"),
+    "warmup_ratio": (0.0, 1.0, True, True, "in [0, 1]"),
+    "epochs": (0.0, math.inf, False, False, "> 0"),
+}
+
+
+def _check_dim_value(name: str, v: float, *path: str | int) -> None:
+    lo, hi, lo_in, hi_in, words = _FLOAT_DIMS[name]
+    ok = (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
+    if not ok:
+        raise _Issue(f"must be {words}, got {_fmt(v)}", *path)
+
+
+def _one_target_set(v: Union[str, list[str]], *path: str | int) -> str:
+    """A target set as the space gives it (a name, ``all-linear``, a list of names or
+    ``q_proj,v_proj``), checked, as its `target_key`."""
+    names = [t.strip() for t in v.split(",")] if isinstance(v, str) else list(v)
+    try:
+        _check_targets(names)
+    except _Issue as e:
+        raise _Issue(e.message, *path) from None
+    return target_key(names)
 
 
 class SpaceConfig(_Model):
@@ -585,10 +703,19 @@ class SpaceConfig(_Model):
     alpha: AlphaValues = Field(default_factory=lambda: [16.0])
     learning_rate: FloatValues = Field(default_factory=lambda: [1.0e-3])
     batch_size: IntValues = Field(default_factory=lambda: [4])
+    # searched per adapter where given (`TRAINING_DIMS`); not given: the sweep-wide value
+    # of lora.* / training.*
+    dropout: Optional[FloatValues] = None
+    weight_decay: Optional[FloatValues] = None
+    warmup_ratio: Optional[FloatValues] = None
+    scheduler: Optional[list[Literal["constant", "linear", "cosine"]]] = None
+    rslora: Optional[list[bool]] = None
+    targets: Optional[list[Union[str, list[str]]]] = None  # each entry one target set
+    epochs: Optional[FloatValues] = None
     configs: Optional[list[ConfigEntry]] = None
     seeds_per_config: int = Field(1, ge=1)
 
-    @field_validator(*HYPERPARAMETERS, mode="before")
+    @field_validator(*HYPERPARAMETERS, *_FLOAT_DIMS, mode="before")
     @classmethod
     def _scalar_is_one_value(cls, v: Any) -> Any:
         if isinstance(v, tuple):
@@ -597,6 +724,43 @@ class SpaceConfig(_Model):
             v = [v]
         if isinstance(v, list) and any(isinstance(x, bool) for x in v):
             raise _Issue(f"must be numbers, got {_fmt(v)}")
+        return v
+
+    @field_validator("scheduler", "rslora", "targets", mode="before")
+    @classmethod
+    def _scalar_is_one_choice(cls, v: Any) -> Any:
+        if isinstance(v, tuple):
+            return list(v)
+        if v is not None and not isinstance(v, list):
+            v = [v]
+        if isinstance(v, list) and not v:
+            raise _Issue("must not be empty")
+        return v
+
+    @field_validator("targets")
+    @classmethod
+    def _check_target_sets(cls, v: Optional[list]) -> Optional[list[str]]:
+        if v is None:
+            return v
+        return list(dict.fromkeys(_one_target_set(t, i) for i, t in enumerate(v)))
+
+    @field_validator("scheduler", "rslora")
+    @classmethod
+    def _unique_choices(cls, v: Optional[list]) -> Optional[list]:
+        return None if v is None else list(dict.fromkeys(v))
+
+    @field_validator(*_FLOAT_DIMS)
+    @classmethod
+    def _check_dim_values(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if isinstance(v, list):
+            if not v:
+                raise _Issue("must not be empty")
+            for i, x in enumerate(v):
+                _check_dim_value(name, x, i)
+        elif isinstance(v, Range):
+            for end in ("low", "high"):
+                _check_dim_value(name, getattr(v, end), end)
         return v
 
     @field_validator(*HYPERPARAMETERS)
@@ -637,11 +801,13 @@ class SpaceConfig(_Model):
             for name in HYPERPARAMETERS:
                 if name in self.model_fields_set:
                     raise _Issue("not used with strategy list (each entry of space.configs gives it)", name)
-            _refuse_duplicate_entries(self.configs)
+            for name in TRAINING_DIMS:
+                if getattr(self, name) is not None:
+                    raise _Issue("not used with strategy list (an entry of space.configs may give it)", name)
         elif self.configs is not None:
             raise _Issue(f"only used with strategy list (strategy is {s})", "configs")
         if s == "grid" and not (info.context or {}).get("sampled"):  # a sampler draws from ranges itself
-            for name in HYPERPARAMETERS:
+            for name in (*HYPERPARAMETERS, *_FLOAT_DIMS):
                 v = getattr(self, name)
                 if isinstance(v, Range) and v.num is None:
                     raise _Issue("required when a range is used with strategy grid", name, "num")
@@ -649,6 +815,13 @@ class SpaceConfig(_Model):
         if n > MAX_ADAPTERS:
             raise _Issue(f"{n} adapters is more than the limit of {MAX_ADAPTERS}; shrink the space")
         return self
+
+    def searched(self) -> list[str]:
+        """The `TRAINING_DIMS` this space varies per adapter (a list space: those some entry gives)."""
+        if self.strategy == "list":
+            given = {n for c in self.configs or [] for n in c.dims()}
+            return [n for n in TRAINING_DIMS if n in given]
+        return [n for n in TRAINING_DIMS if getattr(self, n) is not None]
 
     def values(self, name: str) -> list:
         """The grid values of one hyperparameter (alpha factors for a relative alpha)."""
@@ -659,28 +832,38 @@ class SpaceConfig(_Model):
             return v.grid(integer=name in ("rank", "batch_size"))
         return list(dict.fromkeys(v))
 
+    def _axes(self) -> list[str]:
+        """The names a grid or a random draw runs over, in order."""
+        return [*HYPERPARAMETERS, *(n for n in TRAINING_DIMS if getattr(self, n) is not None)]
+
     def num_configs(self) -> int:
         """Configurations before seed replication and de-duplication (an upper bound)."""
         if self.strategy == "list":
             return len(self.configs or [])
         if self.strategy == "random":
             return self.num_samples or 0
-        return math.prod(len(self.values(n)) for n in HYPERPARAMETERS)
+        return math.prod(len(self.values(n)) for n in self._axes())
 
     def _alpha(self, value: float, rank: int) -> float:
         return value * rank if isinstance(self.alpha, RelativeAlpha) else value
 
-    def _base_configs(self) -> list[tuple[int, float, float, int]]:
+    def _base_configs(self) -> list[dict[str, Any]]:
+        """Each configuration before seeds: rank, alpha, learning_rate, batch_size and the
+        dimensions it gives (`TRAINING_DIMS`)."""
         if self.strategy == "list":
-            return [(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in self.configs or []]
+            return [{"rank": c.rank, "alpha": c.alpha, "learning_rate": c.learning_rate, "batch_size": c.batch_size,
+                     **c.dims()} for c in self.configs or []]
         if self.strategy == "grid":
+            axes = self._axes()
             out = []
-            for r, a, lr, bs in itertools.product(*(self.values(n) for n in HYPERPARAMETERS)):
-                out.append((r, self._alpha(a, r), lr, bs))
+            for point in itertools.product(*(self.values(n) for n in axes)):
+                d = dict(zip(axes, point))
+                d["alpha"] = self._alpha(d["alpha"], d["rank"])
+                out.append(d)
             return out
         return self._random_configs()
 
-    def _draw(self, name: str, rng: np.random.Generator) -> float:
+    def _draw(self, name: str, rng: np.random.Generator) -> Any:
         v = getattr(self, name)
         integer = name in ("rank", "batch_size")
         if isinstance(v, Range):
@@ -688,12 +871,15 @@ class SpaceConfig(_Model):
         vals = self.values(name)
         return vals[int(rng.integers(len(vals)))]
 
-    def _random_configs(self) -> list[tuple[int, float, float, int]]:
+    def _random_configs(self) -> list[dict[str, Any]]:
         # Draw until num_samples distinct configurations, so that a space with short lists
-        # still yields what was asked; a space smaller than that yields all it has.
+        # still yields what was asked; a space smaller than that yields all it has. The
+        # per-adapter dimensions are drawn after the four, so a space without them draws
+        # what it always drew.
         rng = np.random.default_rng(self.seed)
         target = self.num_samples or 0
-        out: dict[tuple, None] = {}
+        extra = [n for n in TRAINING_DIMS if getattr(self, n) is not None]
+        out: dict[tuple, dict[str, Any]] = {}
         for _ in range(50 * target + 100):
             if len(out) >= target:
                 break
@@ -701,8 +887,10 @@ class SpaceConfig(_Model):
             a = self._alpha(self._draw("alpha", rng), r)
             lr = self._draw("learning_rate", rng)
             bs = int(self._draw("batch_size", rng))
-            out.setdefault((r, _norm_float(a), _norm_float(lr), bs), None)
-        return list(out)
+            d = {"rank": r, "alpha": _norm_float(a), "learning_rate": _norm_float(lr), "batch_size": bs}
+            d.update({n: _norm_dim(n, self._draw(n, rng)) for n in extra})
+            out.setdefault(tuple(d.values()), d)
+        return list(out.values())
 
 
 def cuda_graphs_setting(value: Any) -> Union[str, bool]:
@@ -998,23 +1186,85 @@ class SweepSpec(_Model):
             raise _Issue(f"must be a folder name (letters, digits, '.', '_', '-'), got {v!r}")
         return v
 
+    @model_validator(mode="after")
+    def _check_dims(self) -> "SweepSpec":
+        """What the space varies per adapter must agree with the sweep-wide sections, and a
+        list space must not give one adapter twice (an entry that gives a dimension at the
+        sweep's value is the entry that leaves it out)."""
+        sp = self.space
+        if self.training.steps is not None and "epochs" in sp.searched():
+            where = ("epochs",) if sp.strategy != "list" else ("configs", next(
+                i for i, c in enumerate(sp.configs or []) if c.epochs is not None), "epochs")
+            raise _Issue("needs an epoch budget, but training.steps fixes every adapter's steps", "space", *where)
+        if sp.strategy == "list":
+            first: dict[str, int] = {}
+            for i, c in enumerate(sp.configs or []):
+                cfg = self.make_config(c.rank, c.alpha, c.learning_rate, c.batch_size, sp.seed, **c.dims())
+                if cfg.id in first:
+                    raise _Issue(
+                        f"same configuration as space.configs[{first[cfg.id]}] (rank {c.rank}, alpha {_fmt(c.alpha)}, "
+                        f"learning_rate {_fmt(c.learning_rate)}, batch_size {c.batch_size}); list each configuration "
+                        "once (space.seeds_per_config trains every one with several seeds)", "space", "configs", i)
+                first[cfg.id] = i
+        return self
+
+    def sweep_values(self) -> dict[str, Any]:
+        """The sweep-wide value of each of `TRAINING_DIMS` (what an adapter that does not set
+        it trains with), in the form an `AdapterConfig` holds: epochs None under
+        ``training.steps``, warm-up ratio None under ``training.warmup_steps``."""
+        t, lo = self.training, self.lora
+        # no warm-up at all is a ratio of 0: an adapter that gives 0 trains as the sweep does
+        ratio = 0.0 if t.warmup_ratio is None and not t.warmup_steps else t.warmup_ratio
+        values = {"dropout": lo.dropout, "weight_decay": t.weight_decay, "warmup_ratio": ratio,
+                  "scheduler": t.scheduler, "rslora": lo.rslora, "targets": lo.targets,
+                  "epochs": t.epochs if t.steps is None else None}
+        return {n: _norm_dim(n, v) for n, v in values.items()}
+
+    def make_config(self, rank: int, alpha: float, learning_rate: float, batch_size: int, seed: int,
+                    **dims: Any) -> AdapterConfig:
+        """The adapter config of this sweep: a dimension given at the sweep's own value is
+        left out (None), so the same training is one id however the space spells it."""
+        sweep = self.sweep_values()
+        own = {n: v for n, v in ((n, _norm_dim(n, dims.get(n))) for n in dims) if v is not None and v != sweep[n]}
+        return AdapterConfig.make(rank, alpha, learning_rate, batch_size, seed, **own)
+
+    def settings(self, cfg: AdapterConfig) -> dict[str, Any]:
+        """What ``cfg`` trains with for each of `TRAINING_DIMS`: its own value, else the sweep's."""
+        sweep = self.sweep_values()
+        return {n: getattr(cfg, n) if getattr(cfg, n) is not None else sweep[n] for n in TRAINING_DIMS}
+
     def expand(self) -> list[AdapterConfig]:
         """Every adapter of the sweep, in a deterministic order (config-major, then seed);
         duplicates (same id) are dropped, keeping the first."""
         out: dict[str, AdapterConfig] = {}
-        for r, a, lr, bs in self.space._base_configs():
+        for d in self.space._base_configs():
             for i in range(self.space.seeds_per_config):
-                cfg = AdapterConfig.make(r, a, lr, bs, self.space.seed + i)
+                cfg = self.make_config(seed=self.space.seed + i, **d)
                 out.setdefault(cfg.id, cfg)
         return list(out.values())
 
     def steps_for(self, cfg: AdapterConfig, num_train: int) -> int:
-        """Optimizer steps of one adapter: ``ceil(epochs * num_train / batch_size)``, or ``training.steps``."""
+        """Optimizer steps of one adapter: ``ceil(epochs * num_train / batch_size)`` with its
+        own epochs (else the sweep's), or ``training.steps``."""
         if self.training.steps is not None:
             return self.training.steps
         from plora.costmodel import steps_for
 
-        return steps_for(num_train, cfg.batch_size, self.training.epochs or 1.0)
+        epochs = cfg.epochs if cfg.epochs is not None else self.training.epochs
+        return steps_for(num_train, cfg.batch_size, epochs or 1.0)
+
+    def warmup_for(self, cfg: AdapterConfig, total_steps: int) -> int:
+        """Warm-up steps of an adapter that trains ``total_steps`` steps: its own warm-up
+        ratio where it has one, else the sweep's warm-up."""
+        if cfg.warmup_ratio is not None:
+            return warmup_steps_for(total_steps, None, cfg.warmup_ratio)
+        return self.training.warmup_for(total_steps)
+
+    def target_sets(self, configs: Sequence[AdapterConfig] | None = None) -> list[str]:
+        """The distinct target sets (`target_key`) of ``configs`` (default: the sweep's), in
+        order of first use."""
+        sweep = self.sweep_values()["targets"]
+        return list(dict.fromkeys(c.targets or sweep for c in (self.expand() if configs is None else configs)))
 
     def run_dir(self, override: Path | None = None) -> Path:
         """The run directory: ``override`` itself when given, else ``<output.dir>/<name>``."""
@@ -1023,24 +1273,43 @@ class SweepSpec(_Model):
         return self.output.dir / self.name
 
     def to_yaml(self) -> str:
-        """The resolved spec (defaults filled in, absolute paths); :func:`parse_spec` reads it back equal."""
+        """The resolved spec (defaults filled in, absolute paths); :func:`parse_spec` reads it back equal.
+        Per-adapter dimensions the space does not search and ``lora.rslora`` off are left out:
+        a space that uses neither reads as it did before they existed."""
         data = self.model_dump(mode="json")
         if self.space.strategy == "list":
             for name in HYPERPARAMETERS:
                 del data["space"][name]
+            for entry in data["space"]["configs"]:
+                for name in TRAINING_DIMS:
+                    if entry.get(name) is None:
+                        entry.pop(name, None)
+        for name in TRAINING_DIMS:
+            if data["space"].get(name) is None:
+                data["space"].pop(name, None)
+        if not data["lora"].get("rslora"):
+            data["lora"].pop("rslora", None)
         return yaml.dump(data, Dumper=_SpecDumper, sort_keys=False, width=100)
 
     def summary(self) -> dict:
-        """Counts of the expanded sweep: adapters, and adapters per value of each hyperparameter."""
+        """Counts of the expanded sweep: adapters, and adapters per value of each hyperparameter
+        (and of each dimension the space searches, at each adapter's effective value)."""
         cfgs = self.expand()
         out: dict[str, Any] = {"strategy": self.space.strategy, "adapters": len(cfgs)}
-        out["configs"] = len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in cfgs})
+        out["configs"] = len({(c.rank, c.alpha, c.learning_rate, c.batch_size, *(getattr(c, n) for n in TRAINING_DIMS))
+                              for c in cfgs})
         for name in (*HYPERPARAMETERS, "seed"):
             counts: dict[Any, int] = {}
             for c in cfgs:
                 key = getattr(c, name)
                 counts[key] = counts.get(key, 0) + 1
             out[name] = dict(sorted(counts.items()))
+        for name in self.space.searched():
+            counts = {}
+            for c in cfgs:
+                key = self.settings(c)[name]
+                counts[key] = counts.get(key, 0) + 1
+            out[name] = dict(sorted(counts.items(), key=lambda kv: str(kv[0])))
         return out
 
 

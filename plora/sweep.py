@@ -52,7 +52,10 @@ def plan_jobs(
     are named ``job-000``, ``job-001``, … in launch order.
 
     `hardware` defaults to this machine's; `cost_model` to what `cost_model_for` finds
-    without probing (a profile from the cache, else the analytic prior).
+    without probing (a profile from the cache, else the analytic prior). Adapters of
+    different target sets never share a job (a job adapts one set of layers): each set is
+    planned on its own, priced for its layers (`targets_cost_model`), and the plans run one
+    after the other.
     """
     from plora.costmodel import AdapterLoad
     from plora.planner import PLANNING_BUDGET_S
@@ -63,9 +66,16 @@ def plan_jobs(
     else:
         source = cost_model.meta.get("plan_source", cost_model.name or "a given cost model")
     slots = hw.slots
-    cost_model = within_node(cost_model, hw.max_tp)
-    loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
-    plan = planned(spec, loads, cost_model, slots, PLANNING_BUDGET_S)
+    sets = spec.target_sets(configs)
+    sweep_set = spec.sweep_values()["targets"]
+    plans = []
+    for targets in sets:
+        group = [c for c in configs if (c.targets or sweep_set) == targets]
+        model = cost_model if targets == sweep_set else targets_cost_model(spec, targets, hw)
+        model = within_node(model, hw.max_tp)
+        loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in group]
+        plans.append(planned(spec, loads, model, slots, PLANNING_BUDGET_S / len(sets)))
+    plan = plans[0] if len(plans) == 1 else one_after_another(plans, sets)
     grouping = (f"planned ({plan.strategy}, {plan.objective} objective, solver {plan.solver}) for "
                 f"{hw.describe()} with {source}")
     return replace(plan, jobs=[replace(j, id=f"job-{i:03d}") for i, j in enumerate(plan.jobs)], grouping=grouping,
@@ -82,6 +92,36 @@ def planned(spec: SweepSpec, loads: Sequence[Any], cost_model: Any, gpus: int, t
         return baseline_plan(list(loads), cost_model, gpus, p.baseline, load_factor=p.memory_load_factor)
     return plan_sweep(list(loads), cost_model, gpus, solver=p.solver, load_factor=p.memory_load_factor,
                       max_adapters_per_job=p.max_adapters_per_job, objective=p.objective, time_limit_s=time_limit_s)
+
+
+def targets_cost_model(spec: SweepSpec, targets: str, hw: Hardware) -> Any:
+    """The sweep's cost model for adapters of another target set (`plora.spec.target_key`):
+    the same model, file and hardware, with ``lora.targets`` set to it."""
+    from plora.spec import target_names
+
+    lora = spec.lora.model_copy(update={"targets": target_names(targets)})
+    return sweep_models(spec.model_copy(update={"lora": lora}), None, hardware=hw).model
+
+
+def one_after_another(plans: Sequence[Plan], names: Sequence[str]) -> Plan:
+    """Plans of disjoint adapter groups as one queue: each starts where the one before ends
+    (the engine starts a job as soon as a slot is free, so groups overlap at their seams;
+    the predicted makespan is an upper bound)."""
+    jobs, offset = [], 0.0
+    for p in plans:
+        for j in p.jobs:
+            jobs.append(replace(j, start=None if j.start is None else j.start + offset,
+                                end=None if j.end is None else j.end + offset))
+        offset += p.makespan
+    first = plans[0]
+    baselines = {k: sum(p.baselines.get(k, 0.0) for p in plans) for k in first.baselines}
+    notes = [f"{len(plans)} target sets ({'; '.join(names)}) planned apart: adapters of different sets never "
+             "share a job", *(n for p in plans for n in p.notes)]
+    return replace(first, jobs=jobs, adapters=[a for p in plans for a in p.adapters], makespan=offset,
+                   lower_bound=max(p.lower_bound for p in plans), baselines=baselines,
+                   packed_makespan=sum(p.packed_makespan for p in plans),
+                   planning_seconds=sum(p.planning_seconds for p in plans), notes=notes,
+                   optimal=False, strategy="+".join(dict.fromkeys(p.strategy for p in plans)))
 
 
 @dataclass(frozen=True)
@@ -338,14 +378,15 @@ def recalibrated(cost_model: Any, drift: Any) -> Any:
     return replace(model, job_overhead_s=overhead, meta={**model.meta, "job_overhead_measured": True})
 
 
-def model_targets(spec: SweepSpec) -> list[str]:
-    """The layers a job adapts: ``lora.targets`` resolved for the model's family (Phi-3's
-    ``all-linear`` is its fused qkv_proj/gate_up_proj, not llama's seven layers)."""
+def model_targets(spec: SweepSpec, targets: str | Sequence[str] | None = None) -> list[str]:
+    """The layers a job adapts: ``targets`` (default ``lora.targets``) resolved for the
+    model's family (Phi-3's ``all-linear`` is its fused qkv_proj/gate_up_proj, not llama's
+    seven layers)."""
     from plora.models import read_model_info
     from plora.spec import resolve_targets
 
     family = read_model_info(spec.model.resolved_path(), spec.model.family).family
-    return resolve_targets(spec.lora.targets, family)
+    return resolve_targets(spec.lora.targets if targets is None else list(targets), family)
 
 
 def sweep_on_gpu(spec: SweepSpec, hw: Hardware | None = None) -> bool:
@@ -359,6 +400,44 @@ def sweep_on_gpu(spec: SweepSpec, hw: Hardware | None = None) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int) -> JobAdapter:
+    """One adapter as a job trains it: its configuration, step budget, warm-up and its own
+    training settings (the sweep's where it sets none)."""
+    s = spec.settings(cfg)
+    return JobAdapter(id=cfg.id, rank=cfg.rank, alpha=cfg.alpha, learning_rate=cfg.learning_rate,
+                      batch_size=cfg.batch_size, seed=cfg.seed, steps=steps, warmup_steps=spec.warmup_for(cfg, steps),
+                      dropout=s["dropout"], weight_decay=s["weight_decay"], scheduler=s["scheduler"],
+                      rslora=s["rslora"])
+
+
+def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[str]:
+    """The layers a job of ``configs`` adapts, resolved for the model's family: their one
+    target set (adapters of different sets never share a job: `plan_jobs`)."""
+    from plora.spec import target_names
+
+    sets = spec.target_sets(configs)
+    if len(sets) > 1:
+        raise ValueError(f"adapters of different target sets in one job: {', '.join(sets)}")
+    if not sets or sets[0] == spec.sweep_values()["targets"]:
+        return model_targets(spec)
+    return model_targets(spec, target_names(sets[0]))
+
+
+def check_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> None:
+    """Every target set the space searches names layers the model's family has (a
+    `SpecError` naming ``space.targets`` otherwise), before anything runs."""
+    from plora.spec import SpecError, target_names
+
+    sweep_set = spec.sweep_values()["targets"]
+    for targets in spec.target_sets(configs):
+        if targets == sweep_set:
+            continue
+        try:
+            model_targets(spec, target_names(targets))
+        except SpecError as e:
+            raise SpecError("space.targets", e.message) from None
 
 
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
@@ -383,9 +462,8 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         model=JobModel(path=str(spec.model.resolved_path()), family=spec.model.family, dtype=spec.model.dtype,
                        max_seq_len=spec.model.max_seq_len, random_init=spec.model.random_init),
         data=data_config(spec),
-        lora=JobLora(targets=model_targets(spec), dropout=spec.lora.dropout),
-        adapters=[JobAdapter(**a.to_dict(), steps=steps[a.id], warmup_steps=t.warmup_for(steps[a.id]))
-                  for a in adapters],
+        lora=JobLora(targets=adapter_targets(spec, adapters), dropout=spec.lora.dropout),
+        adapters=[job_adapter(spec, a, steps[a.id]) for a in adapters],
         training=JobTraining(
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
             divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
@@ -433,17 +511,21 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
     from plora.engine.join_choice import pack_fits
 
     spec, by_id = prep.spec, {c.id: c for c in prep.configs}
-    warmup = spec.training.warmup_for
 
     def entry(adapter_id: str) -> JobAdapter:
-        steps = prep.steps[adapter_id]
-        return JobAdapter(**by_id[adapter_id].to_dict(), steps=steps, warmup_steps=warmup(steps))
+        return job_adapter(spec, by_id[adapter_id], prep.steps[adapter_id])
 
     def fits(loads: Sequence[AdapterLoad], tp: int) -> bool:
         return pack_fits(loads, tp, prep.cost_model, max_adapters=spec.planner.max_adapters_per_job,
                          load_factor=spec.planner.memory_load_factor)
 
-    return StreamPolicy(entry, fits, prep.cost_model)
+    sweep_set = spec.sweep_values()["targets"]
+
+    def targets(adapter_id: str) -> str:
+        return by_id[adapter_id].targets or sweep_set
+
+    several = len(spec.target_sets(prep.configs)) > 1
+    return StreamPolicy(entry, fits, prep.cost_model, targets if several else None)
 
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
@@ -463,6 +545,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
 
     check_spec_model(spec)  # a broken model folder is refused before any planning
     configs = spec.expand()
+    check_target_sets(spec, configs)
     data = check_data(spec)  # bad data is refused here, before anything is written
     n_train = data.num_train
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
@@ -648,12 +731,21 @@ def run_prepared(
         from plora.costmodel import AdapterLoad
 
         loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
+        spec = prep.spec
         if calibrator is not None and calibrator.measured:  # measured steps, memory and job terms
             corrected = calibrator.model()
         else:
             corrected = recalibrated(prep.cost_model, drift)
-        cost_model = within_node(corrected, prep.hardware and prep.hardware.max_tp)
-        plan = planned(prep.spec, loads, cost_model, len(slots), 30)
+        max_tp = prep.hardware and prep.hardware.max_tp
+        sweep_set = spec.sweep_values()["targets"]
+        sets = spec.target_sets([by_id[a] for a in adapters])
+        plans = []
+        for targets in sets:  # a job adapts one target set (`plan_jobs`)
+            model = (corrected if targets == sweep_set
+                     else targets_cost_model(spec, targets, prep.hardware or hardware_for(spec)))
+            group = [x for x in loads if (by_id[x.id].targets or sweep_set) == targets]
+            plans.append(planned(spec, group, within_node(model, max_tp), len(slots), 30 / len(sets)))
+        plan = plans[0] if len(plans) == 1 else one_after_another(plans, sets)
         prefix = f"r{engine.replans + 1}-"
         return [replace(j, id=f"{prefix}job-{i:03d}", start=now + j.start, end=now + j.end)
                 for i, j in enumerate(plan.jobs)]
@@ -764,10 +856,13 @@ RESULT_COLUMNS = [
 
 
 def result_columns(spec: SweepSpec) -> list[str]:
-    """RESULT_COLUMNS with the sweep's other metrics (`eval_<name>`) after exact match."""
+    """RESULT_COLUMNS with the dimensions the space searches per adapter after the seed (each
+    adapter's effective value), and the sweep's other metrics (`eval_<name>`) after exact match."""
     extra = [f"eval_{n}" for n in spec.eval.metric_names if f"eval_{n}" not in RESULT_COLUMNS]
     at = RESULT_COLUMNS.index("eval_exact_match") + 1
-    return RESULT_COLUMNS[:at] + extra + RESULT_COLUMNS[at:]
+    columns = RESULT_COLUMNS[:at] + extra + RESULT_COLUMNS[at:]
+    seed = columns.index("seed") + 1
+    return columns[:seed] + spec.space.searched() + columns[seed:]
 
 
 def result_row(spec: SweepSpec, run_dir: Path, c: AdapterConfig, job_id: str | None,
@@ -777,6 +872,8 @@ def result_row(spec: SweepSpec, run_dir: Path, c: AdapterConfig, job_id: str | N
     crashed_jobs = crashed_jobs or {}
     path = run_dir / "adapters" / c.id / "metrics.json"
     row: dict[str, Any] = {"adapter_id": c.id, **{k: v for k, v in c.to_dict().items() if k != "id"}}
+    settings = spec.settings(c)
+    row.update({n: settings[n] for n in spec.space.searched()})
     if path.is_file():
         m = json.loads(path.read_text())
         if m.get("status") == "failed" and crashed_jobs.get(m.get("job_id", "")):

@@ -274,13 +274,28 @@ def _fmt_time(seconds: float) -> str:
 def configs_table(prep: PreparedSweep) -> Table:
     """Every configuration with its step budget and the job it is planned in."""
     t = Table(title=f"{len(prep.configs)} configurations", title_justify="left")
-    for col in ("adapter", "rank", "alpha", "lr", "batch", "seed", "steps", "job"):
-        t.add_column(col, justify="right" if col not in ("adapter", "job") else "left")
+    dims = prep.spec.space.searched()
+    for col in ("adapter", "rank", "alpha", "lr", "batch", "seed", *(_DIM_HEADS[n] for n in dims), "steps", "job"):
+        t.add_column(col, justify="right" if col not in ("adapter", "job", "targets", "scheduler") else "left")
     job_of = prep.plan.job_of()
     for c in prep.configs:
+        settings = prep.spec.settings(c)
         t.add_row(c.id, str(c.rank), f"{c.alpha:g}", f"{c.learning_rate:.3g}", str(c.batch_size), str(c.seed),
-                  str(prep.steps[c.id]), job_of[c.id])
+                  *(_dim_text(settings[n]) for n in dims), str(prep.steps[c.id]), job_of[c.id])
     return t
+
+
+#: column heads of the dimensions a space searches per adapter (`plora.spec.TRAINING_DIMS`)
+_DIM_HEADS = {"dropout": "dropout", "weight_decay": "wd", "warmup_ratio": "warm-up", "scheduler": "scheduler",
+              "rslora": "rsLoRA", "targets": "targets", "epochs": "epochs"}
+
+
+def _dim_text(value: Any) -> str:
+    if value is None or value != value:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def jobs_table(prep: PreparedSweep) -> Table:
@@ -338,7 +353,8 @@ def results_table(frame: pd.DataFrame, spec: SweepSpec, base: dict, top: int = 1
     best = ranked(frame, objective, spec.eval.minimize).head(top)
     t = Table(title=f"best configurations by {objective}", title_justify="left")
     other = objective not in ("loss", "exact_match")  # another metric ranks: show it too
-    for col in ("adapter", "rank", "alpha", "lr", "batch", "eval loss", "exact match",
+    dims = [n for n in spec.space.searched() if n in frame.columns]
+    for col in ("adapter", "rank", "alpha", "lr", "batch", *(_DIM_HEADS[n] for n in dims), "eval loss", "exact match",
                 *([objective.replace("_", " ")] if other else []), "train loss", "time (s)"):
         t.add_column(col, justify="left" if col == "adapter" else "right")
 
@@ -347,11 +363,11 @@ def results_table(frame: pd.DataFrame, spec: SweepSpec, base: dict, top: int = 1
 
     for _, r in best.iterrows():
         t.add_row(r.adapter_id, str(r["rank"]), f"{r.alpha:g}", f"{r.learning_rate:.3g}", str(r.batch_size),
-                  num(r.eval_loss, ".4f"), num(r.eval_exact_match, ".3f"),
+                  *(_dim_text(r[n]) for n in dims), num(r.eval_loss, ".4f"), num(r.eval_exact_match, ".3f"),
                   *([num(r.get(f"eval_{objective}"), ".4g")] if other else []), num(r.train_loss, ".4f"),
                   num(r.wall_time_s, ".1f"))
     if base:
-        t.add_row("[dim]base model[/]", "", "", "", "", num(base.get("eval_loss"), ".4f"),
+        t.add_row("[dim]base model[/]", "", "", "", "", *([""] * len(dims)), num(base.get("eval_loss"), ".4f"),
                   num(base.get("eval_exact_match"), ".3f"),
                   *([num(base.get(f"eval_{objective}"), ".4g")] if other else []), "", "")
     return t
@@ -409,12 +425,15 @@ def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10, *, batches
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
     done.sort(key=lambda t: t.value, reverse=not spec.eval.minimize)
     t = Table(title=f"best trials by {objective}", title_justify="left")
-    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", objective, *(["batch #"] if batches else [])):
+    dims = spec.space.searched()
+    for col in ("trial", "adapter", "rank", "alpha", "lr", "batch", *(_DIM_HEADS[n] for n in dims), objective,
+                *(["batch #"] if batches else [])):
         t.add_column(col, justify="left" if col == "adapter" else "right")
     for tr in done[:top]:
         a = tr.user_attrs
         t.add_row(str(tr.number), str(a.get("adapter_id")), str(tr.params.get("rank")), f"{a.get('alpha', 0):g}",
-                  f"{tr.params.get('learning_rate', 0):.3g}", str(tr.params.get("batch_size")), f"{tr.value:.4g}",
+                  f"{tr.params.get('learning_rate', 0):.3g}", str(tr.params.get("batch_size")),
+                  *(_dim_text(tr.params.get(n)) for n in dims), f"{tr.value:.4g}",
                   *([str(a.get("batch", ""))] if batches else []))
     return t
 

@@ -76,6 +76,9 @@ class RunningPack:
 
     job_id: str
     training: tuple[AdapterLoad, ...]
+    #: the layers its adapters adapt (a `plora.spec.target_key`): only adapters of the same
+    #: set may join (None: any)
+    targets: str | None = None
 
 
 def join_refusal(tp: int) -> str | None:
@@ -174,17 +177,21 @@ def longest_first(waiting: Sequence[AdapterLoad], cost: CostModel | None,
 
 
 def choose_joins(packs: Sequence[RunningPack], waiting: Sequence[AdapterLoad], fits: Fits,
-                 cost: CostModel | None = None, first: frozenset[str] | set[str] = frozenset()) -> dict[str, list[str]]:
+                 cost: CostModel | None = None, first: frozenset[str] | set[str] = frozenset(),
+                 targets: Callable[[str], str] | None = None) -> dict[str, list[str]]:
     """Which waiting adapters join which running pack now (see the module docstring): job
     id -> adapter ids, in the order they were chosen; the jobs in the order each was first
     chosen. ``waiting`` carry their whole step budgets, the packs' adapters the steps they
-    have left."""
+    have left. ``targets``: an adapter's target set; it is offered only the packs of its own
+    set (`RunningPack.targets`)."""
     grown = {p.job_id: list(p.training) for p in packs}
     rank = {p.job_id: i for i, p in enumerate(packs)}
     reserved: set[str] = set()
     out: dict[str, list[str]] = {}
     for a in longest_first(waiting, cost, first):
-        open_packs = [p.job_id for p in packs if p.job_id not in reserved]
+        own = targets(a.id) if targets is not None else None
+        open_packs = [p.job_id for p in packs if p.job_id not in reserved
+                      and (own is None or p.targets is None or p.targets == own)]
         if not open_packs:
             break
         best: tuple[tuple[float, float, int], str] | None = None

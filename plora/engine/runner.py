@@ -409,7 +409,8 @@ class Engine:
         waiting = [self.streaming.load(a) for j in queued for a in j.adapters]
         first = {a for j in queued if self._history(j.id).parent is not None for a in j.adapters}
         policy = self.streaming
-        chosen = choose_joins(packs, waiting, lambda loads: policy.fits(loads, JOIN_TP), policy.cost, first)
+        chosen = choose_joins(packs, waiting, lambda loads: policy.fits(loads, JOIN_TP), policy.cost, first,
+                              policy.targets)
         for job_id, taken in chosen.items():
             self.join(job_id, [self.streaming.entry(a) for a in taken], after={a: leaving[job_id] for a in taken})
             self._take_from_queue(set(taken), into=job_id)
@@ -423,7 +424,8 @@ class Engine:
         control.json, has taken none)."""
         training = [self.streaming.load(a) for a in rj.job.adapters if self.result(a) is None]
         done = rj.proc.progress().get("adapter_steps")
-        return RunningPack(rj.job.id, steps_left(training, done if isinstance(done, dict) else {}))
+        targets = self.streaming.targets(rj.job.adapters[0]) if self.streaming.targets and rj.job.adapters else None
+        return RunningPack(rj.job.id, steps_left(training, done if isinstance(done, dict) else {}), targets)
 
     def _staying(self, pack: RunningPack) -> RunningPack:
         """The pack as it will be once the adapters about to leave have left
@@ -431,7 +433,7 @@ class Engine:
         and take the slots at the very step boundary where those adapters leave, instead of
         a few engine ticks after it, in pieces."""
         policy = self.streaming
-        return RunningPack(pack.job_id, tuple(staying(pack.training, policy.cost if policy else None)))
+        return RunningPack(pack.job_id, tuple(staying(pack.training, policy.cost if policy else None)), pack.targets)
 
     def _refuse_joins(self, job_id: str, why: str) -> None:
         if job_id in self.no_joins:

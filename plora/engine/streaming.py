@@ -35,6 +35,9 @@ class StreamPolicy:
     fits: Callable[[Sequence[AdapterLoad], int], bool]
     #: the sweep's cost model, which times packs for the choice (None: step counts decide)
     cost: CostModel | None = None
+    #: an adapter's target set (`plora.spec.target_key`): a job adapts one, so only adapters
+    #: of its set join it (None: every adapter has the same)
+    targets: Callable[[str], str] | None = None
 
     def load(self, adapter_id: str) -> AdapterLoad:
         """What the choice needs of an adapter: its rank, rows per step and step budget."""

@@ -111,7 +111,7 @@ class PackedAdamW:
         self,
         bank: LoRABank,
         lrs: Sequence[float],
-        weight_decay: float = 0.0,
+        weight_decay: float | Sequence[float] = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
     ):
@@ -119,7 +119,12 @@ class PackedAdamW:
             raise ValueError(f"one learning rate per adapter: {len(lrs)} for {bank.num_adapters}")
         self.bank = bank
         self.lrs = [float(x) for x in lrs]
-        self.weight_decay = float(weight_decay)
+        #: each adapter's decoupled weight decay (one number: the same for every adapter)
+        if isinstance(weight_decay, (int, float)):
+            weight_decay = [float(weight_decay)] * bank.num_adapters
+        if len(weight_decay) != bank.num_adapters:
+            raise ValueError(f"one weight decay per adapter: {len(weight_decay)} for {bank.num_adapters}")
+        self.weight_decays = [float(x) for x in weight_decay]
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         acc = torch.float64 if bank.weights.dtype == torch.float64 else torch.float32
@@ -133,7 +138,7 @@ class PackedAdamW:
         that may step and puts in their clipping coefficients, on the device, so a step needs
         no host sync between the backward and the update (and can run in a CUDA graph)."""
         b1, b2 = self.betas
-        table = {k: (self.steps[k] + 1, self.lrs[k], self.weight_decay, b1, b2, self.eps, 1.0) for k in adapters}
+        table = {k: (self.steps[k] + 1, self.lrs[k], self.weight_decays[k], b1, b2, self.eps, 1.0) for k in adapters}
         return adamw_hyperparams(table, self.bank.num_adapters, "cpu")
 
     def step_where(self, planned: torch.Tensor, go: torch.Tensor, coef: torch.Tensor) -> None:

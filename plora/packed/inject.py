@@ -7,6 +7,7 @@ them differently inside its decoder layers. This module is the one place that kn
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from torch import nn
 
@@ -53,9 +54,12 @@ def inject_packed_lora(
     model: nn.Module,
     adapters: Sequence[AdapterSpec],
     targets: Sequence[str],
-    dropout: float = 0.0,
+    dropout: float | None = None,
 ) -> PackedModel:
-    """Replace every targeted linear of every decoder layer by a packed LoRA layer."""
+    """Replace every targeted linear of every decoder layer by a packed LoRA layer. Each
+    adapter's dropout is its spec's; ``dropout``, where given, is every adapter's."""
+    if dropout is not None:
+        adapters = [replace(a, dropout=float(dropout)) for a in adapters]
     unknown = [t for t in targets if t not in HF_TO_TUNE]
     if unknown:
         raise ValueError(f"unknown LoRA targets {unknown}; known: {ALL_LINEAR}")
@@ -71,7 +75,7 @@ def inject_packed_lora(
             if not isinstance(base, nn.Linear):
                 raise TypeError(f"layers.{i}.{sub_name}.{attr} is {type(base).__name__}, not nn.Linear")
             name = f"layers.{i}.{sub_name}.{attr}"
-            packed = PackedLoRALinear(base, state, dropout, name)
+            packed = PackedLoRALinear(base, state, name)
             setattr(parent, attr, packed)
             layers[name] = packed
     return PackedModel(model, state, layers)

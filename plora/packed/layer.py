@@ -22,20 +22,23 @@ import torch
 from torch import nn
 
 from plora.kernels import LoRAMeta, build_lora_meta, packed_lora_linear
+from plora.packed.dropout import adapter_key, hash_dropout, key32, token_keys
 
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """The shape of one adapter as the layers see it."""
+    """One adapter as the layers see it: its shape, its scale's terms and its dropout."""
 
     name: str
     rank: int
     alpha: float
     seed: int
+    dropout: float = 0.0  # on its rows' LoRA input, in training (`plora.packed.dropout`)
+    rslora: bool = False  # scale alpha/sqrt(rank) (PEFT's use_rslora)
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
 @dataclass
@@ -45,6 +48,57 @@ class PackState:
     adapters: list[AdapterSpec]
     active: list[int] = field(default_factory=list)
     meta: LoRAMeta | None = None
+    #: dropout of this step (`set_dropout`): each adapter's step count on the device, and
+    #: the width rows are padded to (None: flattened)
+    dropout_steps: torch.Tensor | None = None
+    dropout_width: int | None = None
+    _dropout_table: dict = field(default_factory=dict, repr=False)  # device -> (probs, keys)
+    _tokens: tuple | None = field(default=None, repr=False)  # this step's token keys, made on first use
+
+    @property
+    def has_dropout(self) -> bool:
+        """Whether some adapter of the pack has dropout: then every training step draws masks."""
+        return any(s.dropout > 0 for s in self.adapters)
+
+    def set_adapter(self, k: int, spec: AdapterSpec) -> None:
+        """Slot ``k`` holds ``spec`` now (same rank); its dropout numbers on the device are
+        written in place (a captured step reads them at their address)."""
+        self.adapters[k] = spec
+        for probs, keys in self._dropout_table.values():
+            probs[k] = float(spec.dropout)
+            keys[k] = adapter_key(spec.seed)
+
+    def set_dropout(self, steps: torch.Tensor | None, width: int | None) -> None:
+        """This step's adapter step counts ([K] on the device; None: 0) and padded width."""
+        self.dropout_steps, self.dropout_width, self._tokens = steps, width, None
+
+    def lora_input(self, x: torch.Tensor, layer: int, col_offset: int = 0) -> torch.Tensor | None:
+        """A training step's LoRA input of one layer (``x``: T × features, from column
+        ``col_offset`` of the layer's input): each adapter's rows dropped at its own rate
+        (`plora.packed.dropout`); None where no adapter of the pack has dropout."""
+        if not self.has_dropout or self.meta is None:
+            return None
+        if self._tokens is None or self._tokens[0] != x.shape[0] or self._tokens[1].device != x.device:
+            probs, keys = self._table(x.device)
+            steps = self.dropout_steps if self.dropout_steps is not None else torch.zeros_like(keys)
+            h, p = token_keys(self.meta.token_starts, self.meta.num_tokens, x.shape[0], keys, steps, probs,
+                              self.dropout_width)
+            self._tokens = (x.shape[0], h, p)
+        _, h, p = self._tokens
+        return hash_dropout(x, h, p, layer, col_offset)
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._dropout_table:
+            probs = torch.tensor([s.dropout for s in self.adapters], dtype=torch.float32, device=device)
+            keys = torch.tensor([adapter_key(s.seed) for s in self.adapters], dtype=torch.int64, device=device)
+            self._dropout_table[key] = (probs, keys)
+        return self._dropout_table[key]
+
+    def forget_layout(self) -> None:
+        """The adapters were laid out again: tables made for the old ones go."""
+        self._dropout_table.clear()
+        self._tokens = None
 
     @property
     def row_starts(self) -> list[int]:
@@ -70,6 +124,7 @@ class PackState:
         if active and not (0 <= active[0] and active[-1] < len(self.adapters)):
             raise ValueError(f"active adapters {active} out of range for {len(self.adapters)} adapters")
         self.active = active
+        self._tokens = None
         if not self.active:
             self.meta = None
             return
@@ -85,10 +140,12 @@ class PackState:
 
     def clear(self) -> None:
         self.active, self.meta = [], None
+        self.set_dropout(None, None)
 
     def use(self, active: Sequence[int], meta: LoRAMeta | None) -> None:
         """Set a batch whose metadata was built before (a replayed step reads the same)."""
         self.active, self.meta = list(active), meta
+        self._tokens = None
 
 
 class PackedLoRALinear(nn.Module):
@@ -98,14 +155,14 @@ class PackedLoRALinear(nn.Module):
     ``lora_bt[k]`` are adapter k's rows (views).
     """
 
-    def __init__(self, base: nn.Linear, state: PackState, dropout: float, module_name: str):
+    def __init__(self, base: nn.Linear, state: PackState, module_name: str):
         super().__init__()
         self.base = base
         self.state = state
         self.module_name = module_name
+        self.dropout_key = key32(module_name)  # this layer's part of its dropout masks
         self.in_features = base.in_features
         self.out_features = base.out_features
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         device, dtype = base.weight.device, base.weight.dtype
         a = torch.cat([self._init_a(spec) for spec in state.adapters]) if state.adapters else torch.zeros(0, self.in_features)
         self.a_all = nn.Parameter(a.to(device=device, dtype=dtype))
@@ -141,7 +198,7 @@ class PackedLoRALinear(nn.Module):
             return self.base(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        lora_x = self.dropout(x2) if self.dropout is not None and self.training else None
+        lora_x = state.lora_input(x2, self.dropout_key) if self.training else None
         y = packed_lora_linear(x2, self.base.weight, self.base.bias, self.a_all, self.bt_all, state.meta, lora_x=lora_x)
         return y.reshape(*lead, self.out_features)
 

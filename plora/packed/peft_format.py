@@ -10,6 +10,7 @@ Hugging Face's layout (`Family.rope_permuted`), so nothing is permuted there. Ph
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -70,8 +71,10 @@ def save_peft_adapter(
     alpha: float,
     targets: list[str],
     dropout: float,
+    rslora: bool = False,
 ) -> Path:
-    """Write `adapter_model.safetensors` + `adapter_config.json`, loadable by PeftModel."""
+    """Write `adapter_model.safetensors` + `adapter_config.json`, loadable by PeftModel
+    (``rslora``: its scale is alpha/sqrt(r), PEFT's ``use_rslora``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = to_peft_state_dict(tune_state, info)
@@ -87,7 +90,7 @@ def save_peft_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
-        "use_rslora": False,
+        "use_rslora": bool(rslora),
         "use_dora": False,
         "modules_to_save": None,
         "inference_mode": True,
@@ -107,7 +110,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
 
     model_dir, adapter_dir, out = Path(model_dir), Path(adapter_dir), Path(out_dir)
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scale = float(cfg["lora_alpha"]) / int(cfg["r"])
+    scale = float(cfg["lora_alpha"]) / (math.sqrt(int(cfg["r"])) if cfg.get("use_rslora") else int(cfg["r"]))
     lora = load_file(str(adapter_dir / "adapter_model.safetensors"))
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():  # config, tokenizer, generation config, the shards' index

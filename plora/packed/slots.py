@@ -35,10 +35,11 @@ __all__ = ["NewAdapter", "refill_slot", "relayout"]
 
 @dataclass(frozen=True)
 class NewAdapter:
-    """An adapter entering the pack: its shape and its own learning rate."""
+    """An adapter entering the pack: its shape, its own learning rate and weight decay."""
 
     spec: AdapterSpec
     learning_rate: float
+    weight_decay: float = 0.0
 
 
 def _check_not_sharded(pm: PackedModel) -> None:
@@ -52,7 +53,7 @@ def refill_slot(pm: PackedModel, bank: LoRABank, optimizer: PackedAdamW, k: int,
     old = pm.state.adapters[k]
     if old.rank != new.spec.rank:
         raise ValueError(f"slot {k} has rank {old.rank}, the new adapter {new.spec.rank}")
-    pm.state.adapters[k] = new.spec
+    pm.state.set_adapter(k, new.spec)
     r0, r1 = pm.state.row_starts[k], pm.state.row_starts[k + 1]
     with torch.no_grad():
         for layer in pm.layers.values():
@@ -63,6 +64,7 @@ def refill_slot(pm: PackedModel, bank: LoRABank, optimizer: PackedAdamW, k: int,
                 view.zero_()
     optimizer.steps[k] = 0
     optimizer.lrs[k] = float(new.learning_rate)
+    optimizer.weight_decays[k] = float(new.weight_decay)
 
 
 def relayout(
@@ -95,13 +97,14 @@ def relayout(
                 p.grad = None  # the old gradient view has the old shape
                 p.data = value
     pm.state.adapters = specs
+    pm.state.forget_layout()
     pm.state.clear()
     for layer in pm.layers.values():
         layer._rows = pm.state.row_starts
     new_bank = LoRABank(pm, share=share)
     lrs = [optimizer.lrs[s] if isinstance(s, int) else float(s.learning_rate) for s in slots]
-    new_opt = PackedAdamW(new_bank, lrs, weight_decay=optimizer.weight_decay, betas=optimizer.betas,
-                          eps=optimizer.eps)
+    decays = [optimizer.weight_decays[s] if isinstance(s, int) else float(s.weight_decay) for s in slots]
+    new_opt = PackedAdamW(new_bank, lrs, weight_decay=decays, betas=optimizer.betas, eps=optimizer.eps)
     with torch.no_grad():
         for i, s in enumerate(slots):
             if not isinstance(s, int):

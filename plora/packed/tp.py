@@ -165,8 +165,8 @@ class ShardedLinear(nn.Module):
 class PackedShard:
     """What a sharded `PackedLoRALinear` needs in forward (installed as `layer.tp`)."""
 
-    def __init__(self, split: Split, group, dropout_p: float):
-        self.split, self.group, self.dropout_p = split, group, dropout_p
+    def __init__(self, split: Split, group):
+        self.split, self.group = split, group
 
     def forward(self, layer: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor:
         state, split = layer.state, self.split
@@ -177,23 +177,15 @@ class PackedShard:
         if not state.active:
             y = F.linear(x2, weight, None if row else bias)
         else:
-            lora_x = self._dropout(x2) if self.dropout_p > 0 and layer.training else None
+            # every rank draws the columns it holds of the unsharded layer's mask
+            offset = split.lo if row else 0
+            lora_x = state.lora_input(x2, layer.dropout_key, offset) if layer.training else None
             y = packed_lora_linear(x2, weight, None if row else bias, layer.a_all, layer.bt_all, state.meta, lora_x=lora_x)
         if row:
             y = reduce_from_tp(y, self.group)
             if bias is not None:
                 y = y + bias
         return y.reshape(*lead, y.shape[-1])
-
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        # Every rank draws the mask of the whole input (the same numbers, as the RNGs are
-        # seeded alike) and keeps its own columns: the ranks stay in step, and on CPU the
-        # mask is the one the unsharded layer's nn.Dropout draws.
-        p = self.dropout_p
-        if self.split.style == "col":
-            return F.dropout(x, p, True)
-        noise = torch.empty(x.shape[0], self.split.full, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-        return x * noise[:, self.split.lo : self.split.hi].div_(1 - p)
 
 
 # -------------------------------------------------------------------------- driver
@@ -290,7 +282,7 @@ class TensorParallel:
                 self._replicated.append(bt)
                 self.copies[a] = 1
             layer.a_all, layer.bt_all = a, bt
-        layer.tp = PackedShard(split, self.group, layer.dropout.p if layer.dropout is not None else 0.0)
+        layer.tp = PackedShard(split, self.group)
 
     # ------------------------------------------------------------------ training
     def reduce_grads(self) -> None:

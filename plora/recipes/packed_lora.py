@@ -89,6 +89,8 @@ UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (ModelError, DataError, Conf
 MAX_LR = 1e37  # lr / (1 - beta1) must stay under float32 max (3.4e38)
 #: how often a job lingering for joins looks at its control.json
 LINGER_POLL_S = 0.05
+#: what identifies every adapter's configuration (metrics.json's ``config`` has them all)
+BASE_HYPERPARAMETERS = ("rank", "alpha", "learning_rate", "batch_size", "seed")
 #: what an adapter that left the pack has as its status
 FINAL_STATUSES = ("done", "diverged", "pruned")
 
@@ -141,6 +143,10 @@ class AdapterRun:
         return self.cfg.warmup_steps
 
     @property
+    def scheduler(self) -> str:
+        return self.cfg.scheduler or "constant"
+
+    @property
     def active(self) -> bool:
         return self.status == "running"
 
@@ -159,11 +165,9 @@ class PackedLoRARecipe:
         self.job_dir: Path = c.job_dir
         self.attempt = int(os.environ.get("PLORA_ATTEMPT", "1"))
         self.targets = list(c.lora.targets)
-        self.dropout = c.lora.dropout
         self.max_seq_len = c.model.max_seq_len
         self.grad_clip = c.training.grad_clip
         self.divergence_loss = c.training.divergence_loss
-        self.scheduler = c.training.scheduler
         self._metrics_file = None  # what cleanup() closes, whether or not setup() got that far
         self.writer: AdapterWriter | None = None  # likewise
 
@@ -190,8 +194,9 @@ class PackedLoRARecipe:
         self.clock.loaded(time.perf_counter() - t_load)
         rejoined = self._rejoined()  # adapters that joined an earlier attempt and did not finish
         adapters = list(c.adapters) + [a for a, _ in rejoined]
-        specs = [AdapterSpec(a.id, a.rank, a.alpha, a.seed) for a in adapters]
-        self.pm = inject_packed_lora(model, specs, self.targets, self.dropout)
+        adapters = [self._own(a) for a in adapters]
+        specs = [self._spec(a) for a in adapters]
+        self.pm = inject_packed_lora(model, specs, self.targets)
         # rows flattened without padding, attention confined to each (None: padded rows)
         self.row_attn = install_row_attention(self.pm.model)
         if self.tp is not None:  # before the optimizer: it must see the local shards
@@ -236,7 +241,8 @@ class PackedLoRARecipe:
         self.runs = [AdapterRun(i, a, self._stream(a), joined_at=joined_at.get(a.id)) for i, a in enumerate(adapters)]
         # after TP sharding: the bank lays out the local shards
         self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
-        self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in adapters], weight_decay=t.weight_decay)
+        self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in adapters],
+                                     weight_decay=[a.weight_decay for a in adapters])
         self._metrics_file = open(self.job_dir / "metrics.jsonl", "a") if self.is_main else None
         # leaving adapters' files are written while the pack trains on (one process: no collectives)
         self.writer = AdapterWriter(background=self.tp is None)
@@ -350,7 +356,7 @@ class PackedLoRARecipe:
         ids = [r.index for r in active]
         graphed = self.graphs is not None and self.graphs.enabled
         for r in active:
-            lr = r.cfg.learning_rate * lr_factor(r.step, r.total_steps, r.warmup, self.scheduler)
+            lr = r.cfg.learning_rate * lr_factor(r.step, r.total_steps, r.warmup, r.scheduler)
             # lr / (1 - beta1) goes to the device as float32: a larger value would turn one
             # absurd adapter's step into inf before its weights could show it.
             self.optimizer.lrs[r.index] = min(lr, MAX_LR)
@@ -452,6 +458,8 @@ class PackedLoRARecipe:
         recomputations of backward). ``spec``: this step's batch on the host (a replayed
         graph keeps the sizes of the one it was captured with, which ``spec`` shares)."""
         self.bank.zero_grad()
+        if self.pm.state.has_dropout:  # each adapter's masks follow its own step (`plora.packed.dropout`)
+            self.pm.state.set_dropout(b.planned[:, 0], None if spec.flat else int(b.tokens.shape[-1]))
         try:
             if spec.flat:
                 self.row_attn.set(spec.row_lengths, b.inputs.get("cu_seqlens"), spec.max_len)
@@ -555,7 +563,8 @@ class PackedLoRARecipe:
         else:  # gathered to full tensors (a collective, on every rank), saved by rank 0
             states = [self.tp.adapter_state_dict(r.index) for r in runs]
         items = [(self.output_dir / "adapters" / r.id, state,
-                  dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=self.dropout))
+                  dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=r.cfg.dropout or 0.0,
+                       rslora=bool(r.cfg.rslora)))
                  for r, state in zip(runs, states)]
         checkpoints = (self.writer.save_all(items, self.info, on_host=self.tp is None) if self.is_main
                        else [None] * len(runs))
@@ -626,6 +635,8 @@ class PackedLoRARecipe:
             "wall_time_s": r.earlier_s + (r.finished_at or time.time()) - self.start_time,
             "checkpoint_path": str(checkpoint) if checkpoint else None,
             "config": r.cfg.hyperparameters(),
+            "targets": self.targets,  # the layers it adapts (its PEFT target_modules)
+            "warmup_steps": r.warmup,
         }
         self.writer.metrics(out, row)  # after the adapter's checkpoint, if it has one
 
@@ -767,14 +778,16 @@ class PackedLoRARecipe:
             m = json.loads((self.output_dir / "adapters" / a.id / "metrics.json").read_text())
         except (OSError, ValueError):
             return False
-        return (m.get("status") in FINAL_STATUSES and m.get("job_id") == self.job_id
-                and m.get("config") == a.hyperparameters())
+        saved, want = m.get("config") or {}, self._own(a).hyperparameters()
+        # an earlier plora wrote the five alone: the settings it does not show are not compared
+        same = all(saved.get(k) == v for k, v in want.items() if k in saved or k in BASE_HYPERPARAMETERS)
+        return m.get("status") in FINAL_STATUSES and m.get("job_id") == self.job_id and same
 
     def _queue_joins(self, asked: list[JobAdapter], step: int) -> None:
         """The joins control.json asks for that are new to this job wait their turn."""
         held = {r.id: r.cfg for r in self.runs}
         waiting = {a.id for a in self._pending_joins}
-        for a in asked:
+        for a in map(self._own, asked):
             if a.id in waiting or a.id in self._joined_before:
                 continue
             if a.id in held:
@@ -826,6 +839,7 @@ class PackedLoRARecipe:
             if self.is_main:
                 append_join(self.job_dir, JoinRecord(adapter=a, job_step=step, attempt=self.attempt, time=time.time()))
         holder = {r.index: r for r in self.runs if r.index is not None}
+        had_dropout = self.pm.state.has_dropout
         free: dict[int, list[int]] = {}  # rank -> free slots
         for k, spec in enumerate(self.pm.state.adapters):
             if k not in holder or not holder[k].active:
@@ -842,6 +856,8 @@ class PackedLoRARecipe:
             refill_slot(self.pm, self.bank, self.optimizer, k, self._newcomer(a))
             self._refilled(k)
             self.runs.append(AdapterRun(k, a, self._stream(a), joined_at=step))
+        if self.pm.state.has_dropout != had_dropout:
+            self._drop_graphs()  # the held graphs were captured with(out) the dropout masks
         if grow:
             self._drop_graphs()  # every buffer a graph reads is laid out again
             keep = [r.index for r in self._active()]
@@ -865,9 +881,20 @@ class PackedLoRARecipe:
             if b.meta is not None:
                 b.meta.set_scale(k, scale)
 
+    def _own(self, a: JobAdapter) -> JobAdapter:
+        """``a`` with every training setting of its own: the job's where it gives none."""
+        c = self.cfg
+        fill = {"dropout": c.lora.dropout, "weight_decay": c.training.weight_decay,
+                "scheduler": c.training.scheduler, "rslora": False}
+        missing = {k: v for k, v in fill.items() if getattr(a, k) is None}
+        return a.model_copy(update=missing) if missing else a
+
     @staticmethod
-    def _newcomer(a: JobAdapter) -> NewAdapter:
-        return NewAdapter(AdapterSpec(a.id, a.rank, a.alpha, a.seed), a.learning_rate)
+    def _spec(a: JobAdapter) -> AdapterSpec:
+        return AdapterSpec(a.id, a.rank, a.alpha, a.seed, dropout=a.dropout or 0.0, rslora=bool(a.rslora))
+
+    def _newcomer(self, a: JobAdapter) -> NewAdapter:
+        return NewAdapter(self._spec(a), a.learning_rate, a.weight_decay or 0.0)
 
     def _linger(self, step: int) -> bool:
         """Every adapter has left: wait up to ``streaming.linger_s`` for a join (True when

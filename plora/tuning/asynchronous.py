@@ -44,11 +44,12 @@ from plora.spec import AdapterConfig, SweepSpec
 from plora.sweep import (
     PreparedSweep,
     collect_results,
+    job_adapter,
     result_row,
     run_prepared,
     sweep_cost_model,
 )
-from plora.tuning.base import _quiet_optuna
+from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.prune import _finished_status, _PruneWatcher
 from plora.tuning.space import config_from_params
 from plora.tuning.study import tell_trial
@@ -124,9 +125,7 @@ class _Feeder:
                 self.on_trial(self.study.get_trials(deepcopy=False)[t.number])
 
     def _entry(self, adapter_id: str) -> JobAdapter:
-        steps = self.prep.steps[adapter_id]
-        return JobAdapter(**self.configs[adapter_id].to_dict(), steps=steps,
-                          warmup_steps=self.spec.training.warmup_for(steps))
+        return job_adapter(self.spec, self.configs[adapter_id], self.prep.steps[adapter_id])
 
     def _busy(self, job_id: str | None = None) -> int:
         """Slots taken (in one job, or in all, trials waiting for one included): live
@@ -268,6 +267,9 @@ def tune_async(
     judges whether a trial fits a job's memory (default: the sweep's, `sweep_cost_model`:
     the run's or this machine's profile, else the analytic model)."""
     t0 = time.time()
+    if "targets" in spec.space.searched():  # its jobs live for the whole run, each with one target set
+        raise TuneError("--async: space.targets cannot be searched asynchronously (a job adapts one target set); "
+                        "tune it in batches")
     if cost_model is None:
         cost_model = sweep_cost_model(spec, state.run_dir)
     batch = state.next_batch()

@@ -17,7 +17,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from plora.costmodel import AdapterLoad, CostModel
 from plora.planner.plan import PLAN_FILE, Job, Plan
-from plora.spec import AdapterConfig, Range, SweepSpec
+from plora.spec import TRAINING_DIMS, AdapterConfig, Range, SweepSpec
 from plora.sweep import (
     PreparedSweep,
     collect_results,
@@ -67,7 +67,8 @@ class _RunState:
         st = cls(spec, run_dir)
         with contextlib.suppress(Exception):
             for r in pd.read_parquet(run_dir / "configs.parquet").to_dict("records"):
-                cfg = AdapterConfig.make(r["rank"], r["alpha"], r["learning_rate"], r["batch_size"], r["seed"])
+                cfg = AdapterConfig.make(r["rank"], r["alpha"], r["learning_rate"], r["batch_size"], r["seed"],
+                                         **{n: r.get(n) for n in TRAINING_DIMS})
                 st.configs[cfg.id] = cfg
                 st.steps[cfg.id] = int(r.get("steps") or 0)
         with contextlib.suppress(Exception):  # a run directory of another plora version: start the plan afresh
@@ -117,12 +118,13 @@ def tune_trials(spec: SweepSpec, trials: int | None) -> int:
     """Trials a tune runs: ``trials``, else the number of configurations the space expands to
     (which a grid with a range that has no ``num`` does not have: then ``trials`` is needed)."""
     if trials is None:
-        unspaced = [n for n in ("rank", "alpha", "learning_rate", "batch_size")
+        unspaced = [n for n in ("rank", "alpha", "learning_rate", "batch_size", *spec.space.searched())
                     if isinstance(getattr(spec.space, n), Range) and getattr(spec.space, n).num is None]
         if spec.space.strategy == "grid" and unspaced:
             raise TuneError(f"--trials is required: space.{unspaced[0]} is a range without num, so the space has "
                             "no number of configurations")
-        return len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in spec.expand()})
+        return len({(c.rank, c.alpha, c.learning_rate, c.batch_size, *(getattr(c, n) for n in TRAINING_DIMS))
+                    for c in spec.expand()})
     if int(trials) < 1:
         raise TuneError(f"trials must be >= 1, got {trials}")
     return int(trials)
