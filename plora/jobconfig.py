@@ -102,6 +102,9 @@ class JobAdapter(_Section):
     steps: int = Field(ge=0)
     #: computed by whoever builds the job (the sweep: `plora.spec.warmup_steps_for`), never by the job
     warmup_steps: int = Field(0, ge=0)
+    #: its own steps at which its eval loss is written besides ``eval.every_steps`` (a tune's
+    #: rungs at fixed fractions of its budget: `plora.tuning.fidelity`), computed by whoever builds the job
+    eval_steps: list[int] = Field(default_factory=list)
 
     def hyperparameters(self) -> dict[str, Any]:
         """What identifies the configuration (metrics.json's ``config``)."""
