@@ -247,14 +247,17 @@ def tune(
     sampler: str = typer.Option("tpe", "--sampler", help="Optuna sampler: tpe, random, grid, cmaes, gp, qmc, nsgaii, bruteforce."),
     trials: Optional[int] = typer.Option(None, "--trials", "-n", help="Trials to run (default: the space's number of configurations)."),
     batch: Optional[int] = typer.Option(None, "--batch", "-k", help="Trials trained packed together per batch (default: max_adapters_per_job × slots)."),
-    pruner: Optional[str] = typer.Option(None, "--pruner", help="Optuna pruner: median, percentile, successive-halving, hyperband, wilcoxon (needs eval.every_steps)."),
+    pruner: Optional[str] = typer.Option(None, "--pruner", help="Optuna pruner: median, percentile, successive-halving, hyperband, wilcoxon; adapters are scored at fixed fractions of their budget (optuna.pruner in the space file)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed (default: space.seed)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (default: <output.dir>/<name>)."),
     asynchronous: bool = typer.Option(False, "--async", help="No batches: --batch trials train at once in one long-lived job per slot; each finished or pruned trial is told at once and the next one joins its slot."),
+    budget_gpu: Optional[str] = typer.Option(None, "--budget-gpu-seconds", help="Ask no more trials once the tune's jobs have spent this much GPU time (GPUs × seconds each job ran): 1800, or 90s, 30m, 2h (default: optuna.budget_gpu_seconds)."),
+    on_budget: Optional[str] = typer.Option(None, "--on-budget", help="Once the budget is spent: finish (running trials end) or stop (they are pruned) (default: optuna.on_budget, finish)."),
 ) -> None:
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
     from plora.data import DataError
     from plora.models import ModelError
+    from plora.tuning.budget import Budget
     from plora.tuning.loop import check_tune_request, run_tune
     from plora.tuning.study import storage_url, study_name
 
@@ -263,6 +266,8 @@ def tune(
     _check_output(run_dir)
     try:
         check_tune_request(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner)
+        budget = Budget(budget_gpu if budget_gpu is not None else spec.optuna.budget_gpu_seconds,
+                        on_budget if on_budget is not None else spec.optuna.on_budget)
     except ValueError as e:
         fail(str(e))
     from plora.sweep import hardware_for
@@ -275,8 +280,11 @@ def tune(
     start = time.time()
     failed: list[str] = []
 
+    def spent() -> str:
+        return f" · {budget.describe()}" if budget.gpu_seconds is not None else ""
+
     def on_batch(rep) -> None:
-        console.print(views.batch_line(rep, spec))
+        console.print(views.batch_line(rep, spec) + spent())
         failed.extend(f"trial {t.number} ({t.user_attrs.get('adapter_id')}): {t.user_attrs.get('reason') or 'failed'}"
                       for t in rep.trials if t.user_attrs.get("status") == "failed")
 
@@ -287,7 +295,7 @@ def tune(
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             study = run_tune(spec, sampler=sampler, trials=trials, batch=batch, pruner=pruner, run_dir=output,
                              seed=seed, on_batch=on_batch, on_snapshot=on_snapshot, asynchronous=asynchronous,
-                             on_trial=lambda t: console.print(views.trial_line(t, spec)))
+                             on_trial=lambda t: console.print(views.trial_line(t, spec) + spent()), budget=budget)
     except (DataError, ModelError, ValueError) as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -296,6 +304,7 @@ def tune(
     console.print(views.trials_table(study, spec, batches=not asynchronous))
     url = storage_url(spec, output)
     console.print(views.trials_line(study, time.time() - start, study_name(spec), url))
+    console.print(views.budget_line(budget))
     console.print(f"[dim]dashboard: optuna-dashboard {url} · report: plora report {run_dir}[/]")
     if failed:
         for line in failed:
@@ -305,17 +314,17 @@ def tune(
 
 @app.command()
 def report(
-    run: Path = typer.Argument(..., help="A run directory (<output.dir>/<name>), or its space file."),
+    runs: list[Path] = typer.Argument(..., metavar="RUN [OTHER...]", help="A run directory (<output.dir>/<name>), or its space file; more runs of the same space are drawn beside it in the best-score-against-GPU-time plot (RUN may also be a folder of runs)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="HTML file (default: RUN/report.html)."),
 ) -> None:
     """Execute the report notebook on RUN and write report.html (tables and plots)."""
     from plora.report import ReportError, render_report
 
-    if run.is_file() and run.suffix in (".yaml", ".yml"):
-        run = _load(run, sampled=True).run_dir()
+    runs = [_load(r, sampled=True).run_dir() if r.is_file() and r.suffix in (".yaml", ".yml") else r for r in runs]
+    run, others = runs[0], runs[1:]
     with console.status("executing the report notebook"):
         try:
-            path = render_report(run, output)
+            path = render_report(run, output, compare=others)
         except ReportError as e:
             fail(str(e))
     console.print(f"report: {path}")

@@ -108,6 +108,9 @@ class JobAdapter(_Section):
     weight_decay: float | None = Field(None, ge=0)
     scheduler: Literal["constant", "linear", "cosine"] | None = None
     rslora: bool | None = None  # scale alpha/sqrt(rank) (PEFT's use_rslora); None: off
+    #: its own steps at which its eval loss is written besides ``eval.every_steps`` (a tune's
+    #: rungs at fixed fractions of its budget: `plora.tuning.fidelity`), computed by whoever builds the job
+    eval_steps: list[int] = Field(default_factory=list)
 
     def hyperparameters(self) -> dict[str, Any]:
         """What identifies the configuration (metrics.json's ``config``): the five of every

@@ -31,7 +31,7 @@ import json
 import math
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +70,11 @@ __all__ = [
 
 #: The environment variable through which the notebook's parameter cell gets the run directory.
 RUN_DIR_ENV = "PLORA_RUN_DIR"
+#: more run directories whose tune histories the report draws beside the run's (os.pathsep-separated)
+COMPARE_ENV = "PLORA_COMPARE_DIRS"
+#: what each tune records as trials are told (`plora.tuning.budget`; named here so that
+#: the report imports no Optuna to find it)
+TUNE_HISTORY_FILE = "tune_history.csv"
 HYPERPARAMETERS = ("rank", "alpha", "learning_rate", "batch_size")
 #: ``notebooks/report.ipynb``, installed with the package through the ``assets/report.ipynb`` link
 PACKAGE_NOTEBOOK = Path(__file__).parent / "assets" / "report.ipynb"
@@ -118,14 +123,23 @@ def require_report_packages() -> None:
         raise ReportError(f"the report needs {', '.join(missing)}, from the report extra: {INSTALL_REPORT}")
 
 
-def render_report(run_dir: Path | str, out: Path | str | None = None, *, timeout: int = 600) -> Path:
+def render_report(run_dir: Path | str, out: Path | str | None = None, *, timeout: int = 600,
+                  compare: Sequence[Path | str] = ()) -> Path:
     """Execute the report notebook on ``run_dir`` (headless, kernel ``python3``) and write
     it as HTML with embedded images; returns the HTML path (default ``run_dir/report.html``).
-    The executed notebook is saved next to it (``.ipynb``) for whoever wants to dig further."""
+    The executed notebook is saved next to it (``.ipynb``) for whoever wants to dig further.
+
+    ``compare``: more run directories of the same space (other strategies, seeds), whose
+    best score against GPU-seconds is drawn on the run's plot. ``run_dir`` may also be a
+    folder that holds such runs, each a subfolder: then that plot is the report."""
     run_dir = Path(run_dir).expanduser().resolve()
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such run directory")
-    if not (run_dir / "results.parquet").is_file():
+    compare = [Path(c).expanduser().resolve() for c in compare]
+    for c in compare:
+        if not c.is_dir():
+            raise ReportError(f"{c}: no such run directory")
+    if not (run_dir / "results.parquet").is_file() and not _history_files(run_dir):
         raise ReportError(f"{run_dir}: no results.parquet (not a finished plora run)")
     require_report_packages()
     out = Path(out).expanduser().resolve() if out is not None else run_dir / "report.html"
@@ -139,6 +153,7 @@ def render_report(run_dir: Path | str, out: Path | str | None = None, *, timeout
     nb = nbformat.read(notebook_path(), as_version=4)
     env = dict(os.environ)
     env[RUN_DIR_ENV] = str(run_dir)
+    env[COMPARE_ENV] = os.pathsep.join(map(str, compare))
     env["MPLBACKEND"] = "Agg"
     # The kernel must import this plora, installed or not.
     src = str(Path(__file__).resolve().parents[1])
@@ -221,6 +236,9 @@ class RunData:
     eval_curves: pd.DataFrame  # adapter, adapter_step, eval_loss
     profile: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)
+    #: every tune's (GPU-seconds, best so far) as its trials were told: this run's and the
+    #: compared ones' (`load_tune_histories`)
+    tune_history: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=HISTORY_COLUMNS))
 
     @property
     def score(self) -> str:
@@ -238,9 +256,12 @@ class RunData:
         return d.sort_values(self.score, ascending=self.minimize)
 
 
-def load_run(run_dir: Path | str) -> RunData:
-    """Read a run directory for the report."""
+def load_run(run_dir: Path | str, compare: Sequence[Path | str] | str = ()) -> RunData:
+    """Read a run directory for the report; ``compare``: more run directories (or one
+    os.pathsep-separated string of them) whose tune histories are drawn beside its own."""
     run_dir = Path(run_dir).expanduser().resolve()
+    if isinstance(compare, str):
+        compare = [c for c in compare.split(os.pathsep) if c]
     spec: dict[str, Any] = {}
     with contextlib.suppress(OSError, yaml.YAMLError):
         spec = yaml.safe_load((run_dir / "spec.yaml").read_text()) or {}
@@ -293,7 +314,40 @@ def load_run(run_dir: Path | str) -> RunData:
         eval_curves=latest_attempts(pd.DataFrame(evals, columns=["job_id", "adapter", "adapter_step", "eval_loss", "time",
                                                                  "attempt"])),
         profile=profile,
+        tune_history=load_tune_histories([run_dir, *map(Path, compare)]),
     )
+
+
+HISTORY_COLUMNS = ["run", "strategy", "trial", "state", "value", "best", "gpu_seconds", "wall_seconds"]
+
+
+def _history_files(folder: Path) -> list[Path]:
+    """A run's tune history, else those of the runs in its subfolders (a folder of runs)."""
+    own = folder / TUNE_HISTORY_FILE
+    if own.is_file():
+        return [own]
+    return sorted(p for p in folder.glob(f"*/{TUNE_HISTORY_FILE}") if p.is_file())
+
+
+def load_tune_histories(folders: Sequence[Path]) -> pd.DataFrame:
+    """The tune histories of run directories (or folders of them), one frame, ``run`` naming
+    each one's directory; unreadable files are left out."""
+    frames, seen = [], set()
+    for folder in folders:
+        for path in _history_files(Path(folder).expanduser().resolve()):
+            if path in seen:
+                continue
+            seen.add(path)
+            with contextlib.suppress(Exception):
+                f = pd.read_csv(path)
+                f["run"] = path.parent.name
+                frames.append(f)
+    if not frames:
+        return pd.DataFrame(columns=HISTORY_COLUMNS)
+    out = pd.concat(frames, ignore_index=True)
+    for c in ("value", "best", "gpu_seconds", "wall_seconds"):
+        out[c] = pd.to_numeric(out.get(c), errors="coerce")
+    return out.reindex(columns=HISTORY_COLUMNS)
 
 
 def latest_attempts(curves: pd.DataFrame) -> pd.DataFrame:
@@ -963,6 +1017,32 @@ def plot_study(run: RunData):
     ax.set_title(f"study {study.study_name!r}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), fontsize=10)
     ax.set_xlabel("trial")
     ax.set_ylabel(str(study.user_attrs.get("objective", "objective")))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_best_vs_gpu_seconds(run: RunData):
+    """The best score each tune had found against the GPU-seconds it had spent then: one
+    curve per strategy (sampler, pruner, loop or asynchronous) run on the space; a strategy
+    run in several directories (seeds) is one curve per directory."""
+    h = run.tune_history.dropna(subset=["gpu_seconds"])
+    h = h[h["best"].notna()]
+    if h.empty:
+        raise Missing("No tune history (tune_history.csv): `plora tune` records one.")
+    runs_of = h.groupby("strategy")["run"].nunique()
+    fig = _figure(9, 4)
+    ax = fig.subplots()
+    for i, ((run_name, strategy), g) in enumerate(h.groupby(["run", "strategy"], sort=True)):
+        g = g.sort_values("gpu_seconds", kind="stable")
+        label = str(strategy) if runs_of[strategy] == 1 else f"{strategy} ({run_name})"
+        ax.step(g["gpu_seconds"], g["best"], where="post", color=PALETTE[i % len(PALETTE)], label=label,
+                linewidth=1.5, marker="o", markersize=3)
+    if run.score in run.base:
+        ax.axhline(run.base[run.score], color="gray", linestyle="--", linewidth=1, label="base model")
+    ax.set_xlabel("GPU-seconds spent")
+    ax.set_ylabel(f"best {run.score} so far")
+    ax.set_title("Best score found against GPU time", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return fig

@@ -1097,9 +1097,29 @@ class PlannerConfig(_Model):
         return self.streaming is True or (self.streaming == "auto" and gpu)
 
 
+class PrunerConfig(_Model):
+    """Where ``plora tune``'s pruner looks: rungs at fixed fractions of each adapter's own
+    training budget, ``min_fraction × reduction_factor^k`` (`plora.tuning.fidelity`)."""
+
+    min_fraction: float = Field(1 / 9, gt=0, lt=1)  # the first rung: the share of its budget an adapter has seen
+    reduction_factor: int = Field(3, ge=2)  # rungs' spacing, and the share (1/η) a rung keeps
+    #: a rung stops no trial until this many trials have been scored at it (default: the
+    #: reduction factor): the first ones to reach it are not judged against one another alone
+    min_trials_per_rung: Optional[int] = Field(None, ge=1)
+
+    @property
+    def min_peers(self) -> int:
+        return self.min_trials_per_rung or self.reduction_factor
+
+
 class OptunaConfig(_Model):
     storage: Optional[str] = None  # any Optuna storage URL; default: sqlite in the run directory
     study_name: Optional[str] = None  # default: the sweep's name
+    pruner: PrunerConfig = Field(default_factory=dict)
+    #: ``plora tune`` stops asking trials once its jobs have spent this many GPU-seconds
+    #: (``--budget``); running trials then finish (``finish``) or are pruned (``stop``)
+    budget_gpu_seconds: Optional[float] = Field(None, gt=0)
+    on_budget: Literal["finish", "stop"] = "finish"
 
 
 class WandbConfig(_Model):

@@ -34,6 +34,7 @@ from plora.spec import AdapterConfig, SweepSpec
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
     from plora.costmodel import AdapterLoad
     from plora.planner.plan import Job, Plan
+    from plora.tuning.fidelity import Rungs  # Optuna is imported where a tune runs
 
 
 def dataset_size(spec: SweepSpec) -> int:
@@ -402,14 +403,15 @@ def sweep_on_gpu(spec: SweepSpec, hw: Hardware | None = None) -> bool:
     return torch.cuda.is_available()
 
 
-def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int) -> JobAdapter:
-    """One adapter as a job trains it: its configuration, step budget, warm-up and its own
-    training settings (the sweep's where it sets none)."""
+def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int, rungs: Rungs | None = None) -> JobAdapter:
+    """One adapter as a job trains it: its configuration, step budget, warm-up, its own
+    training settings (the sweep's where it sets none) and the steps a tune's rungs score
+    it at (`plora.tuning.fidelity`)."""
     s = spec.settings(cfg)
     return JobAdapter(id=cfg.id, rank=cfg.rank, alpha=cfg.alpha, learning_rate=cfg.learning_rate,
                       batch_size=cfg.batch_size, seed=cfg.seed, steps=steps, warmup_steps=spec.warmup_for(cfg, steps),
                       dropout=s["dropout"], weight_decay=s["weight_decay"], scheduler=s["scheduler"],
-                      rslora=s["rslora"])
+                      rslora=s["rslora"], eval_steps=rungs.eval_steps(steps) if rungs is not None else [])
 
 
 def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[str]:
@@ -443,13 +445,14 @@ def check_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> None
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
                run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
                length_buckets: int | str | None = None, row_layout: str | None = None,
-               hardware: Hardware | None = None) -> JobConfig:
+               hardware: Hardware | None = None, rungs: Rungs | None = None) -> JobConfig:
     """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
     settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
     in its order): step budgets, warm-ups, resolved targets. ``streaming``: the job's
     streaming section when whoever runs it sends it joins itself (default: from
     ``planner.streaming`` on the sweep's ``hardware``). ``length_buckets``, ``row_layout``:
-    the sweep's resolved ones (default the spec's)."""
+    the sweep's resolved ones (default the spec's). ``rungs``: a tune's pruner's, at which
+    each adapter is scored (`plora.tuning.fidelity`)."""
     t = spec.training
     return JobConfig(
         job_id=job.id,
@@ -463,7 +466,7 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
                        max_seq_len=spec.model.max_seq_len, random_init=spec.model.random_init),
         data=data_config(spec),
         lora=JobLora(targets=adapter_targets(spec, adapters), dropout=spec.lora.dropout),
-        adapters=[job_adapter(spec, a, steps[a.id]) for a in adapters],
+        adapters=[job_adapter(spec, a, steps[a.id], rungs) for a in adapters],
         training=JobTraining(
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
             divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
@@ -501,6 +504,8 @@ class PreparedSweep:
     #: and the measurements so far (`plora.profiling.calibrate`); None: the cost model as it is
     prior: Any = None
     calibration: Any = None
+    #: a tune's pruner's rungs: every adapter is scored at them (`plora.tuning.fidelity`)
+    rungs: Rungs | None = None
 
 
 def stream_policy(prep: PreparedSweep) -> StreamPolicy:
@@ -513,7 +518,7 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
     spec, by_id = prep.spec, {c.id: c for c in prep.configs}
 
     def entry(adapter_id: str) -> JobAdapter:
-        return job_adapter(spec, by_id[adapter_id], prep.steps[adapter_id])
+        return job_adapter(spec, by_id[adapter_id], prep.steps[adapter_id], prep.rungs)
 
     def fits(loads: Sequence[AdapterLoad], tp: int) -> bool:
         return pack_fits(loads, tp, prep.cost_model, max_adapters=spec.planner.max_adapters_per_job,
@@ -679,6 +684,7 @@ def run_prepared(
     max_retries: int = 2,
     replan: bool = True,
     feed: Callable[[Any], None] | None = None,
+    stop: Callable[[], str | None] | None = None,
 ) -> pd.DataFrame:
     """Run every adapter that has no result yet through the engine, then collect the table.
 
@@ -689,7 +695,9 @@ def run_prepared(
     jobs' times drift from the plan's predictions (jobs without predictions never drift).
     `feed(engine)` is called at each tick by a caller that adds adapters and jobs while
     the engine runs (appending to ``prep.configs`` and ``prep.steps`` first); the engine
-    then streams nothing itself.
+    then streams nothing itself. ``stop()``, asked at each tick, winds the run down once it
+    says ``finish`` (no job starts any more; running ones end as planned) or ``stop`` (their
+    adapters are pruned too).
     """
     from plora.engine.backends import backend_for
     from plora.engine.journal import Journal
@@ -717,10 +725,15 @@ def run_prepared(
         job_config(prep.spec, job, [by_id[a] for a in job.adapters], prep.steps, prep.run_dir,
                    eval_base=eval_base, streaming=prep.streaming,
                    length_buckets=prep.length_buckets, row_layout=prep.row_layout,
-                   hardware=prep.hardware).write(job_dir / "job.yaml")
+                   hardware=prep.hardware, rungs=prep.rungs).write(job_dir / "job.yaml")
         return job_dir
 
+    wound_down: list[bool] = []
+
     def tick(snapshot) -> None:
+        if stop is not None and not wound_down and (how := stop()) is not None:
+            engine.wind_down(prune=how == "stop")
+            wound_down.append(True)
         tracker.poll(by_id)
         if on_snapshot is not None:
             on_snapshot(snapshot)

@@ -411,8 +411,9 @@ def trial_line(trial: optuna.trial.FrozenTrial, spec: SweepSpec) -> str:
     a = trial.user_attrs
     state = TRIAL_STATES.get(trial.state.name, trial.state.name.lower())
     if trial.state.name == "PRUNED" and trial.last_step is not None:
-        step = trial.last_step
-        state += f", eval_loss {intermediate_sign(spec) * trial.intermediate_values[step]:.4g} at step {step}"
+        step = trial.last_step  # the per-mille of its budget seen (`plora.tuning.fidelity`)
+        state += (f", eval_loss {intermediate_sign(spec) * trial.intermediate_values[step]:.4g} "
+                  f"at {step / 10:g}% of its budget")
     elif trial.value is not None:
         state += f", eval_{spec.eval.objective} {trial.value:.4g}"
     return f"trial {trial.number}: {state} ({a.get('adapter_id')}, {a.get('steps')} steps in {a.get('job_id')})"
@@ -436,6 +437,14 @@ def trials_table(study: optuna.Study, spec: SweepSpec, top: int = 10, *, batches
                   *(_dim_text(tr.params.get(n)) for n in dims), f"{tr.value:.4g}",
                   *([str(a.get("batch", ""))] if batches else []))
     return t
+
+
+def budget_line(budget: Any) -> str:
+    """What a tune spent in GPU-seconds (a `plora.tuning.budget.Budget`), against its budget."""
+    line = f"GPU time: {budget.describe()}"
+    if budget.spent_at is not None:
+        line += "; budget spent: " + ("running trials pruned" if budget.on_budget == "stop" else "running trials finished")
+    return line
 
 
 def trials_line(study: optuna.Study, seconds: float, name: str, url: str) -> str:

@@ -131,8 +131,9 @@ def test_bad_requests_are_one_line_errors(tmp_path, demo_model):
     path = write(tmp_path, space(tmp_path, demo_model))
     bad = runner.invoke(app, ["tune", str(path), "--sampler", "nope"])
     assert bad.exit_code == 2 and bad.output.strip().splitlines()[-1].startswith("error: unknown sampler 'nope'")
-    no_evals = runner.invoke(app, ["tune", str(path), "--pruner", "median"])
-    assert no_evals.exit_code == 2 and "eval.every_steps" in no_evals.output
+    # pruning needs no eval.every_steps: adapters are scored at the pruner's rungs
+    tloop.check_tune_request(parse_spec(yaml.safe_load(path.read_text())), sampler="tpe", trials=2, batch=None,
+                             pruner="median")
     with pytest.raises(tbase.TuneError, match="unknown pruner"):
         tsamp.make_pruner("sometimes")
 
@@ -243,7 +244,7 @@ def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_
     for lr in (1e-2, 1e-3):
         t = by_lr[lr]
         assert t.state == TrialState.COMPLETE and t.user_attrs["steps"] == budget
-        assert len(t.intermediate_values) == (budget - 1) // every
+        assert len(t.intermediate_values) == _scored(spec, budget, every)
     job = pruned.user_attrs["job_id"]
     assert json.loads((run / "jobs" / job / "control.json").read_text())["prune"] == [
         pruned.user_attrs["adapter_id"]]
@@ -261,6 +262,13 @@ def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_
         assert got.keys() == want.keys()
         for k in got:
             torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
+
+
+def _scored(spec, budget: int, every: int) -> int:
+    """Evals of an adapter of ``budget`` steps: every ``every`` steps and at the pruner's rungs."""
+    from plora.tuning.fidelity import Rungs
+
+    return len(set(range(every, budget, every)) | set(Rungs.of(spec).eval_steps(budget)))
 
 
 # --------------------------------------------------------------------------- asynchronous tuning
@@ -341,7 +349,7 @@ def test_async_tune_fills_a_pruned_slot_at_once(tmp_path, demo_model):
     assert every <= first.user_attrs["steps"] < budget and first.intermediate_values
     for t in (second, third):
         assert t.state == TrialState.COMPLETE and t.user_attrs["steps"] == budget
-        assert len(t.intermediate_values) == (budget - 1) // every
+        assert len(t.intermediate_values) == _scored(spec, budget, every)
     assert told[0].number == 0  # told before the others finished
     job = first.user_attrs["job_id"]
     assert {t.user_attrs["job_id"] for t in trials} == {job}

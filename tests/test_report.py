@@ -166,3 +166,63 @@ def test_sweep_is_an_optuna_study(demo_run):
     prep = prepare(spec, demo_run)
     record_sweep(prep, collect_results(prep))
     assert len(optuna.load_study(study_name="demo", storage=f"sqlite:///{demo_run / 'study.sqlite'}").trials) == 3
+
+
+# --------------------------------------------------------------------------- best score against GPU time
+
+
+def _tune_history(run: Path, strategy: str, points: list[tuple[float, float]]) -> Path:
+    """A run directory with a tune history of (GPU-seconds, value) trials told in order."""
+    from plora.tuning.budget import HISTORY_COLUMNS, HISTORY_FILE
+
+    run.mkdir(parents=True, exist_ok=True)
+    best = None
+    lines = [",".join(HISTORY_COLUMNS)]
+    for i, (gpu, value) in enumerate(points):
+        best = value if best is None else min(best, value)
+        lines.append(f"{strategy},{i},complete,{value},{best},{gpu},{gpu}")
+    (run / HISTORY_FILE).write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_best_score_against_gpu_seconds_one_curve_per_strategy(demo_run, tmp_path):
+    with pytest.raises(R.Missing, match="tune history"):
+        R.plot_best_vs_gpu_seconds(R.load_run(demo_run))  # a sweep records none
+    runs = tmp_path / "space-runs"
+    tpe = _tune_history(runs / "tpe", "tpe + hyperband async", [(10, 3.0), (25, 2.5), (40, 2.7)])
+    rnd = _tune_history(runs / "random", "random loop", [(20, 3.2), (40, 2.9)])
+    run = R.load_run(demo_run, compare=[tpe, rnd])
+    assert sorted(run.tune_history["run"].unique()) == ["random", "tpe"]
+    ax = R.plot_best_vs_gpu_seconds(run).axes[0]
+    labels = {line.get_label() for line in ax.get_lines()}
+    assert labels - {"base model"} == {"random loop", "tpe + hyperband async"}
+    [tpe_line] = [line for line in ax.get_lines() if line.get_label() == "tpe + hyperband async"]
+    assert list(tpe_line.get_ydata()) == [3.0, 2.5, 2.5]  # the best so far, not each trial's value
+    # a folder of runs reads each subfolder's history; two runs of one strategy are two curves
+    _tune_history(runs / "random-seed1", "random loop", [(15, 3.1)])
+    folder = R.load_run(runs)
+    assert len(folder.tune_history) == 6
+    labels = {line.get_label() for line in R.plot_best_vs_gpu_seconds(folder).axes[0].get_lines()}
+    assert {"random loop (random)", "random loop (random-seed1)", "tpe + hyperband async"} <= labels
+
+
+def test_report_draws_the_curves_of_the_runs_given(demo_run, tmp_path):
+    runs = tmp_path / "space-runs"
+    tpe = _tune_history(runs / "tpe", "tpe async", [(10, 3.0), (25, 2.5)])
+    rnd = _tune_history(runs / "random", "random loop", [(20, 3.2)])
+    out = tmp_path / "compared.html"
+    result = runner.invoke(app, ["report", str(demo_run), str(tpe), str(rnd), "-o", str(out)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    html = out.read_text()
+    assert "Best score found against GPU time" in html and "No tune history" not in html
+    assert "could not be drawn" not in html
+    alone = demo_run / "report.html"
+    if alone.is_file():  # the run by itself: the section says there is no history
+        assert html.count("data:image/png;base64,") == alone.read_text().count("data:image/png;base64,") + 1
+    # a folder of runs, without results of its own: the report is that plot
+    result = runner.invoke(app, ["report", str(runs)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    folder = (runs / "report.html").read_text()
+    assert folder.count("data:image/png;base64,") >= 1 and "No tune history" not in folder
+    missing = runner.invoke(app, ["report", str(demo_run), str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and missing.output.strip().startswith("error:")

@@ -461,6 +461,15 @@ class Engine:
         self.journal.event("join", job_id, {"adapters": taken})
         self._note(f"{len(taken)} adapters joined {job_id}")
 
+    def wind_down(self, prune: bool) -> None:
+        """Launch no more job, and let each running one take no more joins; with ``prune``
+        its unfinished adapters leave at its next step too (a tune whose budget is spent)."""
+        self.queue.clear()
+        for job_id, rj in self.running.items():
+            request(rj.proc.job_dir, prune=self.unfinished(rj.job.adapters) if prune else (), close=True)
+            self.closed.add(job_id)
+        self._note("budget spent: " + ("running adapters pruned" if prune else "running adapters finish"))
+
     def close(self, job_id: str) -> None:
         """Tell a running job that no join will come (it leaves once its adapters have)."""
         if job_id in self.closed:

@@ -588,13 +588,14 @@ class PackedLoRARecipe:
         )
 
     def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
-        """Every `eval.every_steps` of its own steps, an adapter's eval loss goes to
-        evals.jsonl (learning curves; what a pruner decides on). Adapters due together
-        are evaluated packed."""
+        """Every `eval.every_steps` of its own steps, and at the steps its config lists
+        (a tune's rungs), an adapter's eval loss goes to evals.jsonl (learning curves; what
+        a pruner decides on). Adapters due together are evaluated packed."""
         every = self.cfg.eval.every_steps
-        if not every or not self.eval_samples:
+        if not self.eval_samples:
             return
-        due = [r for r in stepped if r.active and r.step % every == 0 and r.step < r.total_steps]
+        due = [r for r in stepped if r.active and r.step < r.total_steps
+               and ((every and r.step % every == 0) or r.step in r.cfg.eval_steps)]
         if not due:
             return
         self._room_for_eval()
@@ -606,6 +607,7 @@ class PackedLoRARecipe:
         with open(self.job_dir / "evals.jsonl", "a") as f:
             for r, m in zip(due, metrics):
                 f.write(json.dumps({"adapter": r.id, "adapter_step": r.step, "eval_loss": m["eval_loss"],
+                                    "budget_fraction": round(r.step / r.total_steps, 6),
                                     "time": round(time.time() - self.start_time, 4),
                                     "attempt": self.attempt}) + "\n")
 

@@ -15,6 +15,10 @@ second island. Two directions:
   into long-lived jobs instead: each is told as its adapter finishes or is pruned, and the
   next one joins the slot it freed.
 
+A pruner compares adapters at fixed fractions of their own training budget, whatever their
+batch size (`plora.tuning.fidelity`); a tune can stop at a GPU-time budget and records the
+best value found against the GPU time spent (`plora.tuning.budget`).
+
 The package imports nothing on its own: the sweep records its study through
 `plora.tuning.study`, which never imports the sweep back.
 """

@@ -18,6 +18,14 @@ once: ``streaming.max_active``), and at every engine tick the tuner
 4. once every trial is asked and none waits, closes the jobs (they leave when their
    adapters have).
 
+Every adapter is scored at the rungs of its own budget (`plora.tuning.fidelity`), so an
+adapter that passes a rung trains on in its pack and one the pruner stops leaves it at the
+step after its score, its slot taken by the next trial in the same control.json write. A
+model-based sampler explores at random until as many trials are *told* as the loop's first
+batch holds (`plora.tuning.samplers.Startup`), not merely asked. Once the budget is spent
+(`plora.tuning.budget`) no trial is asked; trials waiting for a slot are told pruned, and
+the jobs wind down: their adapters finish, or are pruned with ``on_budget: stop``.
+
 A trial that proposes an adapter already trained is told that result without training;
 one that proposes an adapter still training shares its result. Every trial of the run
 carries the run's one ``batch`` number, and plan.json records the run as that batch.
@@ -50,8 +58,11 @@ from plora.sweep import (
     sweep_cost_model,
 )
 from plora.tuning.base import TuneError, _quiet_optuna
+from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained
+from plora.tuning.fidelity import Rungs
 from plora.tuning.prune import _finished_status, _PruneWatcher
 from plora.tuning.space import config_from_params
+from plora.tuning.samplers import Startup
 from plora.tuning.study import tell_trial
 
 if TYPE_CHECKING:  # the loop calls this module with its run state: no import back at run time
@@ -79,6 +90,10 @@ class _Feeder:
     #: the sweep's cost model: a trial joins a job only if the pack with it fits its memory
     #: (None: only ``cap`` limits a pack)
     cost_model: CostModel | None = None
+    rungs: Rungs | None = None  # the resource the watcher reports in
+    budget: Budget = field(default_factory=Budget)
+    history: TuneHistory | None = None
+    startup: Startup | None = None
     asked: list[optuna.Trial] = field(default_factory=list)
     live: dict[str, list[optuna.Trial]] = field(default_factory=dict)  # adapter -> its trials, until told
     home: dict[str, str] = field(default_factory=dict)  # live adapter -> its job
@@ -88,13 +103,15 @@ class _Feeder:
     configs: dict[str, AdapterConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.watcher = _PruneWatcher(self.live, self.sign, can_prune=True)  # reads the live trials
+        # reads the live trials
+        self.watcher = _PruneWatcher(self.live, self.sign, can_prune=True, rungs=self.rungs, totals=self.prep.steps)
+        self.wound_down = False
 
     # ------------------------------------------------------------------ trials
     def _ask(self) -> str | None:
         """One more trial; the adapter to train for it (None: it is told or shares a live one)."""
         with _quiet_optuna():
-            trial = self.study.ask(self.space)
+            trial = self.startup.ask(self.study, self.space) if self.startup else self.study.ask(self.space)
         self.asked.append(trial)
         cfg = config_from_params(self.spec, trial.params)
         trial.set_user_attr("adapter_id", cfg.id)  # visible while it trains
@@ -115,17 +132,22 @@ class _Feeder:
         self.prep.steps[cfg.id] = steps
         return cfg.id
 
-    def _tell(self, adapter_id: str, trials: list[optuna.Trial]) -> None:
+    def _tell(self, adapter_id: str, trials: list[optuna.Trial], row: dict[str, Any] | None = None) -> None:
         cfg = self.configs[adapter_id]
         job = self.home.get(adapter_id)
-        row = result_row(self.spec, self.prep.run_dir, cfg, job)
+        row = row or result_row(self.spec, self.prep.run_dir, cfg, job)
+        if self.budget.exhausted and never_trained(row):
+            row = BUDGET_SPENT  # never trained: its job was not started once the budget was spent
         for t in trials:
             tell_trial(self.study, self.spec, t, row, cfg, 1, self.prep.run_dir, self.batch)
+            frozen = self.study.get_trials(deepcopy=False)[t.number]
+            if self.history is not None:
+                self.history.record(frozen)
             if self.on_trial is not None:
-                self.on_trial(self.study.get_trials(deepcopy=False)[t.number])
+                self.on_trial(frozen)
 
     def _entry(self, adapter_id: str) -> JobAdapter:
-        return job_adapter(self.spec, self.configs[adapter_id], self.prep.steps[adapter_id])
+        return job_adapter(self.spec, self.configs[adapter_id], self.prep.steps[adapter_id], self.prep.rungs)
 
     def _busy(self, job_id: str | None = None) -> int:
         """Slots taken (in one job, or in all, trials waiting for one included): live
@@ -203,6 +225,9 @@ class _Feeder:
 
     def __call__(self, engine: Engine) -> None:
         running = {j: rj for j, rj in engine.running.items() if rj.proc.proc.poll() is None}
+        self.budget.observe([rj.proc for rj in engine.running.values()], engine.finished)
+        if self.budget.exhausted and not self.wound_down:
+            self._wind_down(engine)
         status = engine.journal.adapter_status()
         finished = [a for a in self.live
                     if a not in self.waiting and (engine.result(a) is not None or status.get(a) == "failed")]
@@ -239,6 +264,18 @@ class _Feeder:
             if job_id not in self.jobs and job_id not in engine.closed:
                 engine.close(job_id)
 
+    def _wind_down(self, engine: Engine) -> None:
+        """The budget is spent: ask no more trials, tell the waiting ones pruned, and let the
+        jobs' adapters finish (or prune them: ``on_budget: stop``)."""
+        self.wound_down = True
+        self.n_trials = len(self.asked)
+        for a in list(self.waiting):
+            self._tell(a, self.live.pop(a), BUDGET_SPENT)
+        self.waiting.clear()
+        engine.wind_down(prune=self.budget.stops)
+        if self.budget.stops:
+            self.pruning.update(a for a in self.live if a in self.home)
+
     def tell_the_rest(self) -> None:
         """Trials whose adapter has no result once every job has ended: told as failed."""
         for a in list(self.live):
@@ -261,11 +298,19 @@ def tune_async(
     on_tick: Callable[[list, list], None] | None = None,
     on_snapshot: Callable[[Any], None] | None = None,
     cost_model: CostModel | None = None,
+    rungs: Rungs | None = None,
+    scored_at: Rungs | None = None,
+    budget: Budget | None = None,
+    history: TuneHistory | None = None,
+    startup: Startup | None = None,
 ) -> tuple[list[optuna.Trial], list[str], float]:
     """Run ``n_trials`` trials through long-lived jobs, ``in_flight`` at once (see the module
     docstring); returns the trials asked, the jobs' ids and the wall time. ``cost_model``
     judges whether a trial fits a job's memory (default: the sweep's, `sweep_cost_model`:
-    the run's or this machine's profile, else the analytic model)."""
+    the run's or this machine's profile, else the analytic model). ``rungs``: the resource
+    intermediate scores are reported in; ``scored_at``: the rungs every adapter is scored at
+    (a pruner's; None: ``eval.every_steps`` only); ``budget``, ``history`` and ``startup``:
+    see the module docstring."""
     t0 = time.time()
     if "targets" in spec.space.searched():  # its jobs live for the whole run, each with one target set
         raise TuneError("--async: space.targets cannot be searched asynchronously (a job adapts one target set); "
@@ -277,9 +322,9 @@ def tune_async(
     cap = min(spec.planner.max_adapters_per_job, math.ceil(in_flight / n_jobs))
     cap = max(cap, 1)
     prep = PreparedSweep(spec, state.run_dir, [], {}, Plan([]),
-                         streaming=JobStreaming(linger_s=STREAM_LINGER_S, max_active=cap))
+                         streaming=JobStreaming(linger_s=STREAM_LINGER_S, max_active=cap), rungs=scored_at)
     feeder = _Feeder(spec, study, space, state, prep, n_trials, min(in_flight, n_jobs * cap), cap, n_jobs, batch,
-                     n_train, sign, on_trial, cost_model)
+                     n_train, sign, on_trial, cost_model, rungs, budget or Budget(), history, startup)
     try:
         jobs = feeder.first_jobs()
         state.write()

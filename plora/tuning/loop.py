@@ -27,8 +27,10 @@ from plora.sweep import (
     run_prepared,
 )
 from plora.tuning.base import TuneError, _quiet_optuna
+from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained, strategy_name
+from plora.tuning.fidelity import Rungs
 from plora.tuning.prune import _finished_status, _PruneWatcher
-from plora.tuning.samplers import make_pruner, make_sampler
+from plora.tuning.samplers import Startup, make_pruner, make_sampler
 from plora.tuning.space import config_from_params, enqueue_configs, search_space
 from plora.tuning.study import intermediate_sign, open_study, tell_trial
 
@@ -138,8 +140,7 @@ def check_tune_request(spec: SweepSpec, *, sampler: str, trials: int | None, bat
     if batch is not None and batch < 1:
         raise TuneError(f"batch must be >= 1, got {batch}")
     make_sampler(sampler, spec)
-    if not isinstance(make_pruner(pruner), optuna.pruners.NopPruner) and not spec.eval.every_steps:
-        raise TuneError("pruning needs intermediate eval losses: set eval.every_steps in the space file")
+    make_pruner(pruner)
 
 
 def run_tune(
@@ -160,6 +161,7 @@ def run_tune(
     asynchronous: bool = False,
     on_trial: Callable[[FrozenTrial], None] | None = None,
     cost_model: CostModel | None = None,
+    budget: Budget | None = None,
 ) -> optuna.Study:
     """Packed optimization driven by an Optuna sampler; returns the study.
 
@@ -183,6 +185,14 @@ def run_tune(
 
     ``cost_model``: what the batches are planned with and, with ``asynchronous``, what says
     whether a trial fits a running job's memory (default: the sweep's, `plora.sweep`).
+
+    The pruner's resource is the share of its budget an adapter has seen, scored at rungs
+    of fixed fractions (`plora.tuning.fidelity`, ``optuna.pruner`` in the space file).
+    ``budget`` (default: ``optuna.budget_gpu_seconds`` and ``optuna.on_budget``): once the
+    tune's jobs have spent it (`plora.tuning.budget`), no trial is asked; running ones
+    finish, or are pruned with ``on_budget: stop``. Every trial told is appended to the
+    run directory's tune_history.csv (GPU-seconds spent, best so far); tune.json says the
+    budget and what was spent.
     """
     from plora.engine.local import default_slots
 
@@ -192,10 +202,13 @@ def run_tune(
     size = int(batch) if batch is not None else min(n_trials, spec.planner.max_adapters_per_job * len(slots))
     if size < 1:
         raise TuneError(f"batch must be >= 1, got {size}")
-    smp = make_sampler(sampler, spec, seed=seed, n_startup_trials=size if n_startup_trials is None else n_startup_trials)
-    prn = make_pruner(pruner)
-    if not isinstance(prn, optuna.pruners.NopPruner) and not spec.eval.every_steps:
-        raise TuneError("pruning needs intermediate eval losses: set eval.every_steps in the space file")
+    startup = size if n_startup_trials is None else n_startup_trials
+    smp = make_sampler(sampler, spec, seed=seed, n_startup_trials=startup)
+    rungs = Rungs.of(spec)
+    prn = make_pruner(pruner, rungs)
+    scored_at = None if isinstance(prn, optuna.pruners.NopPruner) else rungs  # eval points at the rungs
+    if budget is None:
+        budget = Budget(spec.optuna.budget_gpu_seconds, spec.optuna.on_budget)
     n_train = dataset_size(spec)  # bad data is refused before the study or the run directory exists
     study = open_study(spec, run_dir, sampler=smp, pruner=prn)
     if spec.space.strategy == "list":
@@ -208,13 +221,17 @@ def run_tune(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     sign = intermediate_sign(spec)
+    history = TuneHistory(run_dir, strategy_name(sampler, pruner, asynchronous), budget, spec.eval.minimize)
     if asynchronous:
         from plora.tuning.asynchronous import tune_async
 
         t0 = time.time()
         trials_run, jobs, _ = tune_async(spec, study, space, state, n_trials=n_trials, in_flight=size, slots=slots,
                                          sign=sign, n_train=n_train, on_trial=on_trial, on_tick=on_tick,
-                                         on_snapshot=on_snapshot, cost_model=cost_model)
+                                         on_snapshot=on_snapshot, cost_model=cost_model, rungs=rungs,
+                                         scored_at=scored_at, budget=budget, history=history,
+                                         startup=_startup_of(smp, startup, seed if seed is not None else spec.space.seed))
+        history.write_summary(run_dir, len(trials_run))
         if on_batch is not None and trials_run:
             numbers = {t.number for t in trials_run}
             frozen = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
@@ -228,7 +245,8 @@ def run_tune(
         return study
 
     asked = 0
-    while asked < n_trials:
+    told_before = len(study.get_trials(deepcopy=False))
+    while asked < n_trials and not budget.exhausted:
         t0 = time.time()
         b = state.next_batch()
         k = min(size, n_trials - asked)
@@ -250,7 +268,7 @@ def run_tune(
             for a in reused:  # an adapter of an earlier batch, run or sweep: keep it in the tables
                 if a not in state.configs:
                     state.add([unique[a]], {a: spec.steps_for(unique[a], n_train)}, [])
-            watcher = _PruneWatcher(by_adapter, sign, can_prune=True)
+            watcher = _PruneWatcher(by_adapter, sign, can_prune=True, rungs=rungs, totals=state.steps)
             jobs: list[Job] = []
             if new:
                 steps = {c.id: spec.steps_for(c, n_train) for c in new}
@@ -262,13 +280,16 @@ def run_tune(
                 state.write()
 
                 def tick(running: list, finished: list) -> None:
+                    budget.observe(running, finished)
                     watcher(running, finished)
                     if on_tick is not None:
                         on_tick(running, finished)
 
                 # no re-planning: a re-planned job's id (r1-job-000) would be taken again by the next batch's
-                run_prepared(PreparedSweep(spec, run_dir, new, steps, plan), on_tick=tick, on_snapshot=on_snapshot,
-                             slots=slots, replan=False)
+                run_prepared(PreparedSweep(spec, run_dir, new, steps, plan, rungs=scored_at), on_tick=tick,
+                             on_snapshot=on_snapshot, slots=slots, replan=False,
+                             stop=(lambda: budget.on_budget if budget.exhausted else None)
+                             if budget.gpu_seconds is not None else None)
                 for job_dir in sorted((run_dir / "jobs").glob(f"b{b:02d}-*")):
                     watcher.poll(job_dir, prune=False)  # evals written after the last tick: curves only
             else:
@@ -278,7 +299,11 @@ def run_tune(
             tp_of = {a: j.tp for j in state.jobs for a in j.adapters}
             for t in batch_trials:
                 cfg = cfg_of[t.number]
-                tell_trial(study, spec, t, rows.get(cfg.id), cfg, tp_of.get(cfg.id), run_dir, b)
+                row = rows.get(cfg.id)
+                if budget.exhausted and never_trained(row):
+                    row = BUDGET_SPENT  # its job never started: the budget was spent before
+                tell_trial(study, spec, t, row, cfg, tp_of.get(cfg.id), run_dir, b)
+                history.record(study.get_trials(deepcopy=False)[t.number])
         except BaseException:
             with _quiet_optuna():
                 for t in batch_trials:  # interrupted or broken: no trial stays RUNNING forever
@@ -293,7 +318,15 @@ def run_tune(
                 pruned=[a for a in unique if rows.get(a, {}).get("status") == "pruned"], jobs=[j.id for j in jobs],
                 wall_time_s=time.time() - t0, best=_best(study),
             ))
+    history.write_summary(run_dir, len(study.get_trials(deepcopy=False)) - told_before)
     return study
+
+
+def _startup_of(sampler: optuna.samplers.BaseSampler, n: int, seed: int) -> Startup | None:
+    """What keeps a model-based sampler exploring until ``n`` trials are *told* (None: a
+    sampler without a model, or no start-up)."""
+    model = (optuna.samplers.TPESampler, optuna.samplers.GPSampler, optuna.samplers.CmaEsSampler)
+    return Startup(optuna.samplers.RandomSampler(seed=seed), n) if isinstance(sampler, model) and n > 0 else None
 
 
 def _best(study: optuna.Study) -> FrozenTrial | None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import optuna
 
+from plora.tuning.fidelity import Rungs
+
 
 def _finished_status(run_dir: Path, adapter_id: str) -> str | None:
     path = run_dir / "adapters" / adapter_id / "metrics.json"
@@ -22,12 +24,19 @@ def _finished_status(run_dir: Path, adapter_id: str) -> str | None:
 
 class _PruneWatcher:
     """Reads the intermediate evals of running jobs, reports them to their trials and, when a
-    trial's pruner says so, asks the job to drop that adapter (``control.json``)."""
+    trial's pruner says so, asks the job to drop that adapter (``control.json``).
 
-    def __init__(self, trials: Mapping[str, Sequence[optuna.Trial]], sign: float, can_prune: bool) -> None:
+    An eval at an adapter's step is reported at the share of its budget seen then
+    (``rungs.resource`` of its ``totals`` steps: `plora.tuning.fidelity`), so that trials of
+    every batch size compare at the same fractions; without ``rungs``, at the step."""
+
+    def __init__(self, trials: Mapping[str, Sequence[optuna.Trial]], sign: float, can_prune: bool,
+                 rungs: Rungs | None = None, totals: Mapping[str, int] | None = None) -> None:
         self.trials = trials
         self.sign = sign
         self.can_prune = can_prune
+        self.rungs = rungs
+        self.totals = totals if totals is not None else {}
         self.offsets: dict[Path, int] = {}
         self.reported: dict[int, set[int]] = {}
         self.pruned: set[str] = set()
@@ -58,6 +67,8 @@ class _PruneWatcher:
             trials = self.trials.get(adapter, ())
             if not trials or not math.isfinite(loss) or adapter in self.pruned:
                 continue
+            if self.rungs is not None and adapter in self.totals:
+                step = self.rungs.resource(step, int(self.totals[adapter]))
             for t in trials:
                 done = self.reported.setdefault(t.number, set())
                 if step not in done:

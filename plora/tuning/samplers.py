@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import optuna
 from optuna.distributions import (
     FloatDistribution,
 )
+from optuna.trial import TrialState
 
 from plora.spec import SweepSpec
 from plora.tuning.base import TuneError, _quiet_optuna
+from plora.tuning.fidelity import PatientRungs, Rungs
 from plora.tuning.space import grid_values, search_space
 
 #: ``--sampler`` names accepted by :func:`make_sampler`.
@@ -61,16 +66,21 @@ def make_sampler(
     raise TuneError(f"unknown sampler {name!r}; expected one of: {', '.join(SAMPLERS)}")
 
 
-def make_pruner(name: str | optuna.pruners.BasePruner | None) -> optuna.pruners.BasePruner:
+def make_pruner(name: str | optuna.pruners.BasePruner | None, rungs: Rungs | None = None) -> optuna.pruners.BasePruner:
     """An Optuna pruner by name (see :data:`PRUNERS`), or the pruner given; None prunes nothing.
 
-    Pruners compare a trial's intermediate values with those of *completed* trials, so in
-    packed batches the first batch is never pruned and later batches are judged against it.
+    The resource is the per-mille of its budget an adapter has seen (`plora.tuning.fidelity`):
+    successive halving and Hyperband get ``rungs``' minimum, reduction factor and the full
+    budget as maximum, and no rung stops a trial before ``rungs.min_peers`` trials were
+    scored at it. The median and percentile pruners compare a trial with *completed* ones,
+    so in packed batches the first batch is never pruned by them.
     """
     if isinstance(name, optuna.pruners.BasePruner):
         return name
     key = (name or "none").lower().replace("_", "-")
     with _quiet_optuna():
+        if rungs is not None and (on_rungs := rungs.pruner(key)) is not None:
+            return PatientRungs(on_rungs, rungs.min_peers) if rungs.min_peers > 1 else on_rungs
         if key in ("none", "nop"):
             return optuna.pruners.NopPruner()
         if key == "median":
@@ -84,3 +94,27 @@ def make_pruner(name: str | optuna.pruners.BasePruner | None) -> optuna.pruners.
         if key == "wilcoxon":
             return optuna.pruners.WilcoxonPruner()
     raise TuneError(f"unknown pruner {name!r}; expected one of: {', '.join(PRUNERS)}")
+
+
+@dataclass
+class Startup:
+    """Random trials until ``n`` trials are *told*, then the study's own sampler.
+
+    TPE (and GP, CMA-ES) count running trials toward their start-up when the constant liar
+    is on, so a tune that asks each trial as a slot frees (``--async``) would hand the model
+    the 17th trial with one result and 15 guesses; the loop asks its second batch with the
+    whole first one told. This keeps the two alike: the model proposes only from ``n``
+    results."""
+
+    sampler: optuna.samplers.BaseSampler
+    n: int
+
+    def ask(self, study: optuna.Study, space: dict[str, Any]) -> optuna.Trial:
+        told = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+        if told >= self.n:
+            return study.ask(space)
+        model, study.sampler = study.sampler, self.sampler
+        try:
+            return study.ask(space)
+        finally:
+            study.sampler = model
