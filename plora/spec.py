@@ -789,6 +789,15 @@ class TrainingConfig(_Model):
         """Warm-up steps of an adapter that trains ``total_steps`` steps."""
         return warmup_steps_for(total_steps, self.warmup_steps, self.warmup_ratio)
 
+    @property
+    def scored_epochs(self) -> int:
+        """How many epoch ends an adapter is scored at: every epoch's (a partial last one
+        counts) when the budget is more than one epoch, else 1 (the end alone, as a budget
+        in steps is)."""
+        if self.steps is not None or not self.epochs or self.epochs <= 1:
+            return 1
+        return int(math.ceil(self.epochs))
+
 
 class EvalConfig(_Model):
     # plora.metrics.BUILTIN_METRICS, or a user metric "module:function"
@@ -797,6 +806,9 @@ class EvalConfig(_Model):
     objective: Optional[str] = None  # exact_match if measured, else the first metric
     greater_is_better: Optional[bool] = None  # default: false for loss and perplexity, true for every other metric
     every_steps: Optional[int] = Field(None, ge=1)  # intermediate eval loss every N adapter steps (pruning, curves)
+    # eval rows on which intermediate evals also score the objective where it is not the loss
+    # (generation is costly): the same rows each time, for every adapter; clipped to the eval set
+    intermediate_samples: int = Field(32, ge=1)
     choices: Optional[list[str]] = None  # choice_accuracy: the label choices of every row
     choices_column: Optional[str] = Field(None, min_length=1)  # or: a column with each row's own choices
 
