@@ -186,6 +186,9 @@ def test_a_three_epoch_sweep_lists_every_epoch_and_keeps_the_best(tmp_path):
         assert row.eval_loss == pytest.approx(kept["eval_loss"]) and row.epoch == m["epoch"]
         best = max(m["epochs"], key=lambda e: (e["eval_exact_match"], -e["eval_loss"], -e["epoch"]))
         assert m["epoch"] == best["epoch"]
+    study = optuna.load_study(study_name="ep", storage=f"sqlite:///{prep.run_dir / 'study.sqlite'}")
+    kept = {t.user_attrs["adapter_id"]: t.user_attrs["epoch"] for t in study.trials}
+    assert kept == dict(zip(frame.adapter_id, frame.epoch))
     text = _render(views.results_table(frame, prep.spec, {}))
     assert "epoch" in text and "exact match by epoch" in text
     assert "epoch" in results_table(load_run(prep.run_dir)).columns
@@ -264,15 +267,17 @@ def test_a_job_killed_after_epoch_1_resumes_with_its_score_and_weights(tmp_path,
 
 # ------------------------------------------------------------------ pruning on the objective
 def test_intermediate_evals_score_the_objective_on_a_fixed_slice(tmp_path, monkeypatch):
-    """Every 2 steps: the loss on the eval set, and exact match on 3 of its 8 rows, the same
-    rows at every eval and for every adapter."""
+    """Every step: the loss on the eval set, and exact match on 3 of its 8 rows, the same
+    rows at every eval and for every adapter, the adapters due together in one packed eval."""
     import plora.evaluate as evaluate
 
     seen: list[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]] = []
+    packed: list[int] = []
     real = evaluate.evaluate_adapters
 
     def spy(pm, adapters, samples, examples, tok, *, metrics, **kw):
         seen.append((tuple(metrics), tuple(tuple(s.tokens) for s in samples)))
+        packed.append(len(adapters))
         return real(pm, adapters, samples, examples, tok, metrics=metrics, **kw)
 
     monkeypatch.setattr("plora.recipes.packed_lora.evaluate_adapters", spy)
@@ -288,6 +293,7 @@ def test_intermediate_evals_score_the_objective_on_a_fixed_slice(tmp_path, monke
     slices = {rows for metrics, rows in seen if metrics == ("exact_match",)}
     assert len(slices) == 1 and len(next(iter(slices))) == 3  # one slice, every time
     assert all(len(rows) == 8 for metrics, rows in seen if metrics == ("loss",))
+    assert packed[0] == 2  # both adapters at the first step, in one pass
 
 
 def test_the_slice_is_clipped_to_the_eval_set(tmp_path):

@@ -119,6 +119,8 @@ def _user_attrs(row: Mapping[str, Any], cfg: AdapterConfig, tp: int | None, run_
             "wall_time_s", "reason")
     attrs = {"adapter_id": cfg.id, "alpha": cfg.alpha, "seed": cfg.seed, "tp": tp, "run_dir": str(run_dir)}
     attrs.update({k: _clean(row.get(k)) for k in keys})
+    if _clean(row.get("epoch")) is not None:  # per-epoch scoring: the epoch whose weights it keeps
+        attrs["epoch"] = int(row["epoch"])
     return attrs
 
 
