@@ -33,6 +33,7 @@ __all__ = [
     "JobStreaming",
     "JobTraining",
     "SyntheticRows",
+    "NEUTRAL_EVAL",
     "NEUTRAL_TRAINING",
 ]
 
@@ -40,6 +41,9 @@ __all__ = [
 #: taken under other values resumes (`plora.recipes.checkpoint`), and so does a run directory
 #: (`plora.preflight.check_resumable`)
 NEUTRAL_TRAINING = ("checkpoint_every_steps", "checkpoint_every_minutes", "cuda_graphs", "activation_checkpointing")
+#: eval settings that change only what a pruner sees, not an adapter's results: a run
+#: directory of other values resumes (`plora.preflight.check_resumable`)
+NEUTRAL_EVAL = ("intermediate_samples",)
 
 
 class _Section(BaseModel):
@@ -158,6 +162,16 @@ class JobEval(_Section):
     max_new_tokens: int = Field(16, ge=1)
     max_eval_samples: int = Field(256, ge=1)
     every_steps: int | None = Field(None, ge=1)  # intermediate eval loss every N adapter steps
+    #: the metric that ranks adapters, by its results name (``eval_<objective>``); None: the
+    #: loss. Intermediate evals also score it (on `intermediate_samples` rows) where it is not
+    #: the loss, and it picks an adapter's best epoch (`each_epoch`)
+    objective: str | None = None
+    greater_is_better: bool = False  # the objective's direction, resolved by the spec
+    #: eval rows an intermediate eval scores the objective on: the same rows each time, for every adapter
+    intermediate_samples: int = Field(32, ge=1)
+    #: score every adapter on the eval set at each of its epoch ends and keep its best epoch's
+    #: weights (`plora.recipes.epochs`)
+    each_epoch: bool = False
     choices: list[str] | None = None  # choice_accuracy: the labels of every row
     choices_column: str | None = None  # or a column of each row's own choices
     python_path: list[str] = Field(default_factory=list)  # where user metrics are imported from

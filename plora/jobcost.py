@@ -14,7 +14,8 @@ leave together are evaluated packed and saved then, inside the job:
 
     eval(G) = call + tok·rows·L + gen_fwd·m·⌈rows/batch⌉ + gen_tok·rows·m·(P + m/2),  rows = |G|·n
 
-with n eval samples of L tokens (P of them prompt), m new tokens generated per row (0 when
+(once per epoch end where each epoch is scored: `EvalLoad.evals`) with n eval samples of
+L tokens (P of them prompt), m new tokens generated per row (0 when
 no metric generates). Every coefficient is non-negative and fitted on relative error, like
 the step time.
 """
@@ -47,6 +48,10 @@ class EvalLoad:
     #: bytes an eval batch may use beyond the job's weights and adapter state (None: unbounded,
     #: the batch is `batch_rows` rows whatever they need)
     budget_bytes: float | None = None
+    #: evals each adapter gets on these rows: one at each epoch end with per-epoch scoring
+    #: (`plora.recipes.epochs`), else 1 (its final eval). Adapters that leave together end
+    #: their epochs together too (same batch size, same steps), so each eval is of the same group
+    evals: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,8 +104,12 @@ class JobOverheads:
         return float(sum(a * b for a, b in zip(x, c)))
 
     def exit_time(self, adapters: int, load: EvalLoad | None) -> float:
-        """Seconds ``adapters`` adapters leaving the pack together add: their packed eval, saves."""
-        return self.eval_time(adapters, load) + self.save_s * adapters if adapters > 0 else 0.0
+        """Seconds ``adapters`` adapters leaving the pack together add: their packed evals (one
+        per epoch end with per-epoch scoring, `EvalLoad.evals`), saves."""
+        if adapters <= 0:
+            return 0.0
+        evals = max(1, load.evals) if load is not None else 1
+        return self.eval_time(adapters, load) * evals + self.save_s * adapters
 
     def scaled(self, factor: float) -> "JobOverheads":
         return JobOverheads(**{f.name: (getattr(self, f.name) * factor if f.name != "jobs" else self.jobs)
@@ -339,7 +348,9 @@ def eval_load_for(spec: Any) -> EvalLoad | None:
         prompt = sum(sum(1 for x in s.labels if x < 0) for s in samples) / len(samples)
     except Exception:  # noqa: BLE001 - pricing only: the job itself reports bad data
         row, prompt = float(seq), float(seq)
-    return EvalLoad(samples=len(examples), row_tokens=float(row), prompt_tokens=float(prompt), max_new_tokens=new)
+    scored = getattr(spec, "scored_epochs", 1)
+    return EvalLoad(samples=len(examples), row_tokens=float(row), prompt_tokens=float(prompt), max_new_tokens=new,
+                    evals=int(scored) if isinstance(scored, int) else 1)
 
 
 def measured_makespan(run_dir: Any) -> float | None:

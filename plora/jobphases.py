@@ -42,8 +42,10 @@ def process_started_at() -> float | None:
 class _EvalEvent:
     """One packed eval of adapters leaving together (or due an intermediate eval)."""
 
-    def __init__(self, clock: "PhaseClock", adapters: int, max_new_tokens: int, device: Any):
+    def __init__(self, clock: "PhaseClock", adapters: int, max_new_tokens: int, device: Any,
+                 samples: int | None = None):
         self.clock, self.adapters, self.max_new_tokens = clock, adapters, max_new_tokens
+        self.samples = clock.eval_rows if samples is None else int(samples)
         self.cuda = getattr(device, "type", str(device)) == "cuda"
         self.device = device
         if self.cuda:
@@ -53,7 +55,7 @@ class _EvalEvent:
         self.t0 = time.perf_counter()
 
     def done(self) -> None:
-        row: dict[str, Any] = {"adapters": self.adapters, "samples": self.clock.eval_rows,
+        row: dict[str, Any] = {"adapters": self.adapters, "samples": self.samples,
                                "max_new_tokens": self.max_new_tokens,
                                "seconds": time.perf_counter() - self.t0}
         if self.cuda:
@@ -142,10 +144,11 @@ class PhaseClock:
             if footprint is not None:
                 phase["device_bytes"] = footprint
 
-    def eval_event(self, adapters: int, max_new_tokens: int, device: Any) -> _EvalEvent:
-        """Start timing one eval of ``adapters`` adapters (``max_new_tokens`` 0: no generation);
-        call ``done()`` on the result when it has finished."""
-        return _EvalEvent(self, adapters, max_new_tokens, device)
+    def eval_event(self, adapters: int, max_new_tokens: int, device: Any, samples: int | None = None) -> _EvalEvent:
+        """Start timing one eval of ``adapters`` adapters (``max_new_tokens`` 0: no generation)
+        on ``samples`` eval rows (default: the whole eval set); call ``done()`` on the result
+        when it has finished."""
+        return _EvalEvent(self, adapters, max_new_tokens, device, samples)
 
     def saved(self, adapters: int, seconds: float) -> None:
         self.saves.append({"adapters": int(adapters), "seconds": float(seconds)})

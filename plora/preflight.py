@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from plora.jobconfig import NEUTRAL_TRAINING
+from plora.jobconfig import NEUTRAL_EVAL, NEUTRAL_TRAINING
 
 #: the space file's sections that say what an adapter's result is (the space itself says
 #: which adapters there are); the others say how and where the sweep runs
@@ -104,7 +104,7 @@ def check_resumable(run_dir: Path | str, spec: Any, adapter_ids: Iterable[str]) 
         return
     now = yaml.safe_load(spec.to_yaml())
     for section in RESULT_SECTIONS:
-        skip = NEUTRAL_TRAINING if section == "training" else ()
+        skip = {"training": NEUTRAL_TRAINING, "eval": NEUTRAL_EVAL}.get(section, ())
         diff = _first_difference(before.get(section), now.get(section), section, skip)
         if diff is not None:
             raise RunDirError(f"{run_dir} holds a sweep of another space ({diff})")

@@ -985,6 +985,9 @@ class EvalConfig(_Model):
     objective: Optional[str] = None  # exact_match if measured, else the first metric
     greater_is_better: Optional[bool] = None  # default: false for loss and perplexity, true for every other metric
     every_steps: Optional[int] = Field(None, ge=1)  # intermediate eval loss every N adapter steps (pruning, curves)
+    # eval rows on which intermediate evals also score the objective where it is not the loss
+    # (generation is costly): the same rows each time, for every adapter; clipped to the eval set
+    intermediate_samples: int = Field(32, ge=1)
     choices: Optional[list[str]] = None  # choice_accuracy: the label choices of every row
     choices_column: Optional[str] = Field(None, min_length=1)  # or: a column with each row's own choices
 
@@ -1262,6 +1265,24 @@ class SweepSpec(_Model):
                 cfg = self.make_config(seed=self.space.seed + i, **d)
                 out.setdefault(cfg.id, cfg)
         return list(out.values())
+
+    @property
+    def scored_epochs(self) -> int:
+        """How many epoch ends the sweep's adapters are scored at: those of the most epochs
+        any adapter trains (its own from the space, else ``training.epochs``: a partial last
+        one counts), or 1 where none trains more than one epoch or the budget is in steps."""
+        t, sp = self.training, self.space
+        if t.steps is not None:
+            return 1
+        most = [float(t.epochs or 1.0)]
+        if sp.strategy == "list":
+            most += [float(c.epochs) for c in sp.configs or [] if c.epochs is not None]
+        elif isinstance(sp.epochs, Range):
+            most.append(float(sp.epochs.high))
+        elif sp.epochs:
+            most += [float(e) for e in sp.epochs]
+        top = max(most)
+        return int(math.ceil(top)) if top > 1 else 1
 
     def steps_for(self, cfg: AdapterConfig, num_train: int) -> int:
         """Optimizer steps of one adapter: ``ceil(epochs * num_train / batch_size)`` with its

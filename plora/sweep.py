@@ -870,12 +870,25 @@ RESULT_COLUMNS = [
 
 def result_columns(spec: SweepSpec) -> list[str]:
     """RESULT_COLUMNS with the dimensions the space searches per adapter after the seed (each
-    adapter's effective value), and the sweep's other metrics (`eval_<name>`) after exact match."""
+    adapter's effective value), the sweep's other metrics (`eval_<name>`) after exact match,
+    and, where each epoch is scored, the epoch kept and each epoch's objective and loss
+    (`epoch_columns`) after them."""
     extra = [f"eval_{n}" for n in spec.eval.metric_names if f"eval_{n}" not in RESULT_COLUMNS]
     at = RESULT_COLUMNS.index("eval_exact_match") + 1
-    columns = RESULT_COLUMNS[:at] + extra + RESULT_COLUMNS[at:]
+    columns = RESULT_COLUMNS[:at] + extra + epoch_columns(spec) + RESULT_COLUMNS[at:]
     seed = columns.index("seed") + 1
     return columns[:seed] + spec.space.searched() + columns[seed:]
+
+
+def epoch_columns(spec: SweepSpec) -> list[str]:
+    """``epoch`` (the epoch whose weights an adapter keeps) and ``<score>_epoch<e>`` for the
+    objective and the loss of each epoch; none where only the end is scored."""
+    count = spec.scored_epochs
+    if count <= 1:
+        return []
+    scores = list(dict.fromkeys([f"eval_{spec.eval.objective}"]
+                                + (["eval_loss"] if "loss" in spec.eval.metric_names else [])))
+    return ["epoch"] + [f"{s}_epoch{e}" for e in range(1, count + 1) for s in scores]
 
 
 def result_row(spec: SweepSpec, run_dir: Path, c: AdapterConfig, job_id: str | None,
@@ -892,6 +905,8 @@ def result_row(spec: SweepSpec, run_dir: Path, c: AdapterConfig, job_id: str | N
         if m.get("status") == "failed" and crashed_jobs.get(m.get("job_id", "")):
             m["reason"] = f"job crashed; see {crashed_jobs[m['job_id']]}"
         row.update({k: m.get(k) for k in result_columns(spec) if k in m and k not in row})
+        for e in m.get("epochs") or []:
+            row.update({f"{k}_epoch{e['epoch']}": v for k, v in e.items() if k.startswith("eval_")})
         row["reason"] = m.get("reason") or ""
     else:
         row.update({"job_id": job_id, "status": "failed", "steps": 0})

@@ -354,22 +354,35 @@ def results_table(frame: pd.DataFrame, spec: SweepSpec, base: dict, top: int = 1
     t = Table(title=f"best configurations by {objective}", title_justify="left")
     other = objective not in ("loss", "exact_match")  # another metric ranks: show it too
     dims = [n for n in spec.space.searched() if n in frame.columns]
+    per_epoch = sorted((c for c in frame.columns if c.startswith(f"eval_{objective}_epoch")),
+                       key=lambda c: int(c.rsplit("epoch", 1)[1]))
+    epochs = ["epoch", f"{objective.replace('_', ' ')} by epoch"] if per_epoch and "epoch" in frame.columns else []
     for col in ("adapter", "rank", "alpha", "lr", "batch", *(_DIM_HEADS[n] for n in dims), "eval loss", "exact match",
-                *([objective.replace("_", " ")] if other else []), "train loss", "time (s)"):
+                *([objective.replace("_", " ")] if other else []), *epochs, "train loss", "time (s)"):
         t.add_column(col, justify="left" if col == "adapter" else "right")
 
     def num(v, fmt):
         return "—" if v is None or v != v else format(v, fmt)
 
+    def by_epoch(r) -> list[str]:
+        """The epoch kept, and the objective of each epoch (the kept one marked)."""
+        if not epochs:
+            return []
+        kept = r.get("epoch")
+        kept = int(kept) if kept is not None and kept == kept else None
+        shown = [num(r.get(c), ".4g") + ("*" if kept == i else "") for i, c in enumerate(per_epoch, 1)
+                 if r.get(c) is not None and r.get(c) == r.get(c)]
+        return ["—" if kept is None else str(kept), " · ".join(shown) or "—"]
+
     for _, r in best.iterrows():
         t.add_row(r.adapter_id, str(r["rank"]), f"{r.alpha:g}", f"{r.learning_rate:.3g}", str(r.batch_size),
                   *(_dim_text(r[n]) for n in dims), num(r.eval_loss, ".4f"), num(r.eval_exact_match, ".3f"),
-                  *([num(r.get(f"eval_{objective}"), ".4g")] if other else []), num(r.train_loss, ".4f"),
-                  num(r.wall_time_s, ".1f"))
+                  *([num(r.get(f"eval_{objective}"), ".4g")] if other else []), *by_epoch(r),
+                  num(r.train_loss, ".4f"), num(r.wall_time_s, ".1f"))
     if base:
         t.add_row("[dim]base model[/]", "", "", "", "", *([""] * len(dims)), num(base.get("eval_loss"), ".4f"),
                   num(base.get("eval_exact_match"), ".3f"),
-                  *([num(base.get(f"eval_{objective}"), ".4g")] if other else []), "", "")
+                  *([num(base.get(f"eval_{objective}"), ".4g")] if other else []), *([""] * len(epochs)), "", "")
     return t
 
 
@@ -404,16 +417,15 @@ TRIAL_STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "R
 
 def trial_line(trial: optuna.trial.FrozenTrial, spec: SweepSpec) -> str:
     """One line per trial an asynchronous tune tells: its state, its objective by name (a
-    pruned trial: the eval loss it was pruned on, not Optuna's signed intermediate value)
-    and its adapter."""
-    from plora.tuning.study import intermediate_sign
+    pruned trial: the intermediate objective it was pruned on, scored on the intermediate
+    eval rows) and its adapter."""
+    from plora.tuning.study import intermediate_name
 
     a = trial.user_attrs
     state = TRIAL_STATES.get(trial.state.name, trial.state.name.lower())
     if trial.state.name == "PRUNED" and trial.last_step is not None:
         step = trial.last_step  # the per-mille of its budget seen (`plora.tuning.fidelity`)
-        state += (f", eval_loss {intermediate_sign(spec) * trial.intermediate_values[step]:.4g} "
-                  f"at {step / 10:g}% of its budget")
+        state += f", {intermediate_name(spec)} {trial.intermediate_values[step]:.4g} at {step / 10:g}% of its budget"
     elif trial.value is not None:
         state += f", eval_{spec.eval.objective} {trial.value:.4g}"
     return f"trial {trial.number}: {state} ({a.get('adapter_id')}, {a.get('steps')} steps in {a.get('job_id')})"

@@ -496,7 +496,8 @@ def test_killed_job_of_differing_adapters_resumes_to_an_uninterrupted_runs_weigh
     assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
     assert list(frame.columns[6:12]) == ["dropout", "weight_decay", "warmup_ratio", "scheduler", "rslora", "epochs"]
     run, job_dir = prep.run_dir, prep.run_dir / "jobs" / "job-000"
-    assert json.loads((job_dir / "summary.json").read_text())["resumed_from"] == {c.id: 10 for c in prep.configs}
+    # step 12 ends an epoch of both (24 rows at batch 4 and 2), where a job checkpoints too
+    assert json.loads((job_dir / "summary.json").read_text())["resumed_from"] == {c.id: 12 for c in prep.configs}
     cfg = yaml.safe_load((job_dir / "job.yaml").read_text())
     ref = tmp_path / "ref"
     cfg.update(output_dir=str(ref), job_dir=str(ref / "jobs" / "job-000"), eval_base=False)

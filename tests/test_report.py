@@ -160,8 +160,11 @@ def test_sweep_is_an_optuna_study(demo_run):
         assert t.value == a["eval_exact_match"] and a["job_id"] in planned and a["tp"] == 1
         assert set(t.params) == {"rank", "alpha", "learning_rate", "batch_size"}
         assert (Path(a["checkpoint_path"]) / "adapter_config.json").is_file()
-        # intermediate values are -eval_loss: "higher is better", like the objective
-        assert sorted(t.intermediate_values) == [2, 4, 6] and all(v < 0 for v in t.intermediate_values.values())
+        # intermediate values are the objective (exact match on the intermediate eval rows), as evals.jsonl has it
+        assert sorted(t.intermediate_values) == [2, 4, 6] and all(0 <= v <= 1 for v in t.intermediate_values.values())
+        evals = [json.loads(x) for x in (demo_run / "jobs" / a["job_id"] / "evals.jsonl").read_text().splitlines()]
+        assert t.intermediate_values == {e["adapter_step"]: e["eval_exact_match"] for e in evals
+                                         if e["adapter"] == a["adapter_id"]}
     # recording the same results again adds nothing
     prep = prepare(spec, demo_run)
     record_sweep(prep, collect_results(prep))

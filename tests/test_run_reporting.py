@@ -131,10 +131,9 @@ def test_an_asynchronous_tune_has_no_batches_and_names_its_objective(tmp_path):
     assert "┃ eval_loss ┃" in result.output and "trials: complete 2 — " in result.output
 
 
-def test_a_pruned_trial_shows_the_eval_loss_it_was_pruned_on(tmp_path):
-    """Optuna keeps a pruned trial's last intermediate value, which is -eval_loss in a study
-    that maximizes (exact match): the line shows the loss itself, named, and the share of its
-    budget it had seen."""
+def test_a_pruned_trial_shows_the_objective_it_was_pruned_on(tmp_path):
+    """Optuna keeps a pruned trial's last intermediate value, the objective scored on the
+    intermediate eval rows: the line shows it, named, and the share of its budget it had seen."""
     from plora import views
     from plora.spec import load_spec
     from plora.tuning.loop import BatchReport
@@ -144,14 +143,15 @@ def test_a_pruned_trial_shows_the_eval_loss_it_was_pruned_on(tmp_path):
     trial = study.ask()
     for k, v in {"adapter_id": "a-1", "steps": 17, "job_id": "b01-job-000"}.items():
         trial.set_user_attr(k, v)
-    trial.report(-2.768, 333)  # resource: the per-mille of its budget seen (`plora.tuning.fidelity`)
+    trial.report(0.125, 333)  # resource: the per-mille of its budget seen (`plora.tuning.fidelity`)
     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     done = study.ask()
     done.set_user_attr("adapter_id", "a-2")
     study.tell(done, 0.25)
     pruned, complete = study.get_trials(deepcopy=False)
-    assert pruned.value == -2.768
-    assert views.trial_line(pruned, spec) == "trial 0: pruned, eval_loss 2.768 at 33.3% of its budget (a-1, 17 steps in b01-job-000)"
+    assert pruned.value == 0.125
+    assert views.trial_line(pruned, spec) == ("trial 0: pruned, eval_exact_match 0.125 at 33.3% of its budget "
+                                              "(a-1, 17 steps in b01-job-000)")
     report = BatchReport(1, [pruned, complete], ["a-1", "a-2"], [], ["a-1"], ["b01-job-000"], 3.0, complete)
     assert views.batch_line(report, spec) == ("batch 1: 2 trials, 2 adapters trained in 1 job, 1 pruned; batch best "
                                               "eval_exact_match 0.25; best so far eval_exact_match 0.25 (trial 1) — 3 s")

@@ -4,8 +4,9 @@ Every ``every_steps`` steps or ``every_minutes`` minutes (whichever comes first)
 writes, for each adapter still training, what its next step depends on: its LoRA weights
 and both AdamW moments (its pieces of the `LoRABank` and `PackedAdamW` buffers), its
 optimizer step count (bias correction), its own step (schedule position), its data-stream
-position, its losses so far and its status; and its wall time so far, which a resumed
-adapter's wall time goes on from. Adapters are keyed by id, so a job that
+position, its losses so far and its status; its wall time so far, which a resumed
+adapter's wall time goes on from; and, with per-epoch scoring, its finished epochs' scores
+and its best epoch's weights (`plora.recipes.epochs`). Adapters are keyed by id, so a job that
 resumes with a different pack (a retry without the adapters that finished, the halves of
 an out-of-memory split) takes each adapter's state from wherever it was saved last.
 Adapters that joined the running job are saved like the others (with the job step they
@@ -137,6 +138,10 @@ class JobCheckpointer:
                 "status": run.status,
                 "joined_at": run.joined_at,
                 "elapsed_s": run.earlier_s + time.time() - r.start_time,  # its wall time so far, every attempt
+                # epochs as fidelity (`plora.recipes.epochs`): finished epochs' scores, the best one's weights
+                "epochs": list(run.epochs),
+                "best_epoch": run.best_epoch,
+                "best_weights": run.best_weights,
             }
         state = {
             "version": VERSION,
@@ -200,6 +205,11 @@ class JobCheckpointer:
             run.stream.load_state_dict(saved["stream"])
             run.losses = [float(x) for x in saved["losses"]]
             run.earlier_s = float(saved.get("elapsed_s", 0.0))
+            run.epochs = [dict(e) for e in saved.get("epochs", [])]
+            run.best_epoch = saved.get("best_epoch")
+            best = saved.get("best_weights")
+            fits = isinstance(best, torch.Tensor) and best.numel() == saved["weights"].numel()
+            run.best_weights = best if fits else None
             resumed[run.id] = run.step
             self.job_step = max(self.job_step, int(saved["job_step"]))
         self.last_save = time.monotonic()

@@ -59,7 +59,7 @@ from plora.jobcontrol import (
 )
 from plora.jobphases import PhaseClock
 from plora.kernels import scales_on_device
-from plora.metrics import generated_metrics, use_metric_paths
+from plora.metrics import generated_metrics, metric_name, use_metric_paths
 from plora.models import ModelError
 from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.head_loss import adapter_mean_losses, chunk_rows, final_hidden
@@ -73,6 +73,7 @@ from plora.packed.varlen_attention import install_row_attention
 from plora.recipes import preload
 from plora.recipes.adapter_writer import AdapterWriter
 from plora.recipes.checkpoint import JobCheckpointer
+from plora.recipes.epochs import better_epoch, epoch_ends, epoch_record, flat_weights, load_flat_weights
 from plora.recipes.step_graph import Composition, StepBuffers, StepGraph, step_inputs
 from plora.row_layout import length_buckets_for, rows_flattened
 from plora.step_settings import graphs_wanted
@@ -129,6 +130,14 @@ class AdapterRun:
     #: seconds it trained in earlier attempts of its job (from its checkpoint): its wall
     #: time counts them, so that a resumed adapter's time is not only the last attempt's
     earlier_s: float = 0.0
+    #: the adapter steps its epochs end at, the last with its budget (`plora.recipes.epochs`);
+    #: None until the job has worked them out
+    epoch_ends: list[int] | None = None
+    #: each finished epoch's scores (`epoch_record`), with ``eval.each_epoch``
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    #: the best finished epoch so far (its number), and its weights as a flat host copy
+    best_epoch: int | None = None
+    best_weights: torch.Tensor | None = None
 
     @property
     def id(self) -> str:
@@ -313,6 +322,7 @@ class PackedLoRARecipe:
                 hooks.fire("after_step", recipe=self, step=step)
                 step += 1
                 self._intermediate_eval(active)
+                self._epoch_evals(active, step)
                 finished = [r for r in active if r.active and r.step >= r.total_steps]
                 if finished:
                     self._finish(finished, "done")
@@ -548,7 +558,19 @@ class PackedLoRARecipe:
     # ---------------------------------------------------------- leaving the pack
     def _diverge(self, r: AdapterRun, reason: str) -> None:
         r.status, r.reason, r.finished_at = "diverged", reason, time.time()
-        self._write_adapter_metrics(r, {}, checkpoint=None)
+        self._leave_early(r)
+
+    def _leave_early(self, r: AdapterRun) -> None:
+        """A diverged or pruned adapter's result: nothing, or, where it finished an epoch
+        (``eval.each_epoch``), its best finished epoch's weights and scores (its status
+        stays what it is; the reason says which epoch it keeps)."""
+        if r.best_epoch is None or r.best_weights is None:
+            self._write_adapter_metrics(r, {}, checkpoint=None)
+            return
+        r.reason = f"{r.reason}; kept epoch {r.best_epoch}"
+        best = next(e for e in r.epochs if e["epoch"] == r.best_epoch)
+        checkpoint = self._save_best([r])[0]
+        self._write_adapter_metrics(r, self._epoch_metrics(best), checkpoint=checkpoint)
 
     def _finish(self, runs: list[AdapterRun], status: str) -> None:
         """Save adapters leaving the pack in the PEFT format, then evaluate them (packed),
@@ -558,6 +580,89 @@ class PackedLoRARecipe:
         (`evaluate_adapters`). Each adapter's metrics.json follows its weights."""
         self._room_for_eval()
         t_save = time.perf_counter()
+        checkpoints = self._save(runs)
+        self.clock.saved(len(runs), time.perf_counter() - t_save)
+        max_new = self.cfg.eval.max_new_tokens
+        eval_metrics = list(self.cfg.eval.metrics) if self.eval_examples else []
+        eval_clock = self.clock.eval_event(len(runs), max_new if generated_metrics(eval_metrics) else 0, self.device)
+        metrics = self._evaluate([r.index for r in runs], metrics=eval_metrics, max_new_tokens=max_new)
+        eval_clock.done()
+        if self.cfg.eval.each_epoch and eval_metrics:
+            metrics = self._keep_best_epoch(runs, metrics)
+        for r, m, ckpt in zip(runs, metrics, checkpoints):
+            r.status, r.finished_at = status, time.time()
+            self._write_adapter_metrics(r, m, checkpoint=ckpt)
+
+    # ------------------------------------------------------------------ epochs
+    def _ends(self, r: AdapterRun) -> list[int]:
+        """The adapter steps ``r``'s epochs end at (only its budget's end without
+        ``eval.each_epoch``)."""
+        if r.epoch_ends is None:
+            r.epoch_ends = (epoch_ends(len(self.train_samples), r.cfg.batch_size, r.total_steps)
+                            if self.cfg.eval.each_epoch else [r.total_steps])
+        return r.epoch_ends
+
+    def _epoch_evals(self, stepped: list[AdapterRun], step: int) -> None:
+        """Adapters at the end of an epoch before their last are evaluated (packed, on the
+        eval set, every metric, as their final eval is); each one's scores are kept, and its
+        weights where the epoch is its best so far. A mid-job checkpoint follows (when the
+        job takes them), so that a resumed job need not score the epoch again."""
+        if not self.cfg.eval.each_epoch or not self.eval_examples:
+            return
+        due = [r for r in stepped if r.active and r.step < r.total_steps and r.step in self._ends(r)]
+        if not due:
+            return
+        self._room_for_eval()
+        max_new = self.cfg.eval.max_new_tokens
+        eval_metrics = list(self.cfg.eval.metrics)
+        eval_clock = self.clock.eval_event(len(due), max_new if generated_metrics(eval_metrics) else 0, self.device)
+        metrics = self._evaluate([r.index for r in due], metrics=eval_metrics, max_new_tokens=max_new)
+        eval_clock.done()
+        for r, m in zip(due, metrics):
+            if self._record_epoch(r, m):
+                r.best_weights = flat_weights(self.bank.adapter_views(self.bank.weights, r.index))
+        if self.checkpointer.enabled:
+            self.checkpointer.save(step)
+
+    def _record_epoch(self, r: AdapterRun, m: dict[str, float]) -> bool:
+        """Add the epoch ``r`` has just finished to its scores; True when it is its best so far."""
+        ends = self._ends(r)
+        record = epoch_record(ends.index(r.step) + 1 if r.step in ends else len(r.epochs) + 1, r.step, m)
+        r.epochs.append(record)
+        best = next((e for e in r.epochs if e["epoch"] == r.best_epoch), None)
+        objective = f"eval_{self.cfg.eval.objective or 'loss'}"
+        if not better_epoch(record, best, objective, minimize=not self.cfg.eval.greater_is_better):
+            return False
+        r.best_epoch = record["epoch"]
+        return True
+
+    def _keep_best_epoch(self, runs: list[AdapterRun], metrics: list[dict[str, float]]) -> list[dict[str, float]]:
+        """The last epoch's scores join each adapter's; where an earlier epoch is its best,
+        that epoch's weights are saved over the last one's (after them: the writer keeps the
+        order) and its scores are the adapter's. Returns each adapter's metrics.json scores."""
+        out, earlier = [], []
+        for r, m in zip(runs, metrics):
+            last_best = self._record_epoch(r, m)
+            if not last_best and r.best_weights is None:  # its best's weights unknown (an old checkpoint): the last
+                r.best_epoch = r.epochs[-1]["epoch"]
+            elif not last_best:
+                earlier.append(r)
+            best = next(e for e in r.epochs if e["epoch"] == r.best_epoch)
+            out.append(self._epoch_metrics(best))
+        if earlier:
+            self._save_best(earlier)
+        return out
+
+    def _save_best(self, runs: list[AdapterRun]) -> list[Path | None]:
+        """Save each adapter's best epoch's weights as its PEFT folder: the flat copy is put
+        back into its (leaving) slot and saved from there, as any leaving adapter is."""
+        for r in runs:
+            load_flat_weights(self.bank.adapter_views(self.bank.weights, r.index), r.best_weights)
+        return self._save(runs)
+
+    def _save(self, runs: list[AdapterRun]) -> list[Path | None]:
+        """Save leaving adapters' weights as they are in their slots, in the PEFT format (by
+        the writer, in the background); their folders (None on a rank that does not write)."""
         if self.tp is None:  # one host copy of the bank for the whole leaving group
             states = self.bank.host_states([r.index for r in runs])
         else:  # gathered to full tensors (a collective, on every rank), saved by rank 0
@@ -566,31 +671,31 @@ class PackedLoRARecipe:
                   dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=r.cfg.dropout or 0.0,
                        rslora=bool(r.cfg.rslora)))
                  for r, state in zip(runs, states)]
-        checkpoints = (self.writer.save_all(items, self.info, on_host=self.tp is None) if self.is_main
-                       else [None] * len(runs))
-        self.clock.saved(len(runs), time.perf_counter() - t_save)
-        max_new = self.cfg.eval.max_new_tokens
-        eval_metrics = list(self.cfg.eval.metrics) if self.eval_examples else []
-        eval_clock = self.clock.eval_event(len(runs), max_new if generated_metrics(eval_metrics) else 0, self.device)
-        metrics = self._evaluate([r.index for r in runs], metrics=eval_metrics, max_new_tokens=max_new)
-        eval_clock.done()
-        for r, m, ckpt in zip(runs, metrics, checkpoints):
-            r.status, r.finished_at = status, time.time()
-            self._write_adapter_metrics(r, m, checkpoint=ckpt)
+        if not self.is_main:
+            return [None] * len(runs)
+        return self.writer.save_all(items, self.info, on_host=self.tp is None)
 
-    def _evaluate(self, adapters: list[int | None], *, metrics: list[str], max_new_tokens: int) -> list[dict[str, float]]:
-        """Packed eval of these adapters (None: the base model), batches sized from the
-        device's memory."""
+    @staticmethod
+    def _epoch_metrics(best: dict[str, Any]) -> dict[str, Any]:
+        """An epoch's eval scores, as metrics.json holds an adapter's."""
+        return {k: v for k, v in best.items() if k.startswith("eval_")}
+
+    def _evaluate(self, adapters: list[int | None], *, metrics: list[str], max_new_tokens: int,
+                  samples: list[Sample] | None = None, examples: list[dict] | None = None) -> list[dict[str, float]]:
+        """Packed eval of these adapters (None: the base model) on the eval set (or on
+        ``samples`` / ``examples``), batches sized from the device's memory."""
         return evaluate_adapters(
-            self.pm, adapters, self.eval_samples, self.eval_examples, self.tok,
+            self.pm, adapters, self.eval_samples if samples is None else samples,
+            self.eval_examples if examples is None else examples, self.tok,
             metrics=metrics, max_new_tokens=max_new_tokens, max_seq_len=self.max_seq_len,
             device=self.device, batch_rows=self.cfg.eval.batch_rows, token_budget=self.cfg.eval.token_budget,
         )
 
     def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
-        """Every `eval.every_steps` of its own steps, and at the steps its config lists
-        (a tune's rungs), an adapter's eval loss goes to evals.jsonl (learning curves; what
-        a pruner decides on). Adapters due together are evaluated packed."""
+        """Every `eval.every_steps` of its own steps, and at the steps its config lists (a
+        tune's rungs), an adapter's eval loss goes to evals.jsonl (learning curves), and, where
+        the objective is not the loss, the objective scored on the intermediate slice
+        (`_slice`): what a pruner decides on. Adapters due together are evaluated packed."""
         every = self.cfg.eval.every_steps
         if not self.eval_samples:
             return
@@ -599,17 +704,52 @@ class PackedLoRARecipe:
         if not due:
             return
         self._room_for_eval()
+        ids = [r.index for r in due]
+        objective = self._objective_metric()
+        loss_metrics = ["loss"] + (["perplexity"] if objective == "perplexity" else [])
         eval_clock = self.clock.eval_event(len(due), 0, self.device)
-        metrics = self._evaluate([r.index for r in due], metrics=["loss"], max_new_tokens=1)
+        metrics = self._evaluate(ids, metrics=loss_metrics, max_new_tokens=1)
         eval_clock.done()
+        scored: dict[str, Any] = {"objective": self.cfg.eval.objective} if self.cfg.eval.objective else {}
+        if objective is not None and objective not in loss_metrics:
+            samples, examples = self._slice()
+            max_new = self.cfg.eval.max_new_tokens
+            eval_clock = self.clock.eval_event(len(due), max_new if generated_metrics([objective]) else 0, self.device,
+                                               samples=len(samples))
+            for m, o in zip(metrics, self._evaluate(ids, metrics=[objective], max_new_tokens=max_new,
+                                                    samples=samples, examples=examples)):
+                m.update(o)
+            eval_clock.done()
+            scored["objective_samples"] = len(samples)
         if not self.is_main:
             return
+        key = f"eval_{self.cfg.eval.objective}"
         with open(self.job_dir / "evals.jsonl", "a") as f:
             for r, m in zip(due, metrics):
-                f.write(json.dumps({"adapter": r.id, "adapter_step": r.step, "eval_loss": m["eval_loss"],
-                                    "budget_fraction": round(r.step / r.total_steps, 6),
-                                    "time": round(time.time() - self.start_time, 4),
-                                    "attempt": self.attempt}) + "\n")
+                rec = {"adapter": r.id, "adapter_step": r.step, "eval_loss": m["eval_loss"],
+                       "budget_fraction": round(r.step / r.total_steps, 6)}
+                if scored:
+                    rec.update(scored)
+                    rec[key] = m.get(key)
+                rec.update({"time": round(time.time() - self.start_time, 4), "attempt": self.attempt})
+                f.write(json.dumps(rec) + "\n")
+
+    def _objective_metric(self) -> str | None:
+        """The objective as ``eval.metrics`` names it (a user metric: ``module:function``);
+        None where the job has no objective or it is the loss."""
+        name = self.cfg.eval.objective
+        if name is None or name == "loss":
+            return None
+        return next((m for m in self.cfg.eval.metrics if metric_name(m) == name), None)
+
+    def _slice(self) -> tuple[list[Sample], list[dict]]:
+        """The eval rows intermediate evals score the objective on: ``intermediate_samples``
+        of them spread evenly over the eval set (all of it when it is smaller), the same rows
+        at every eval and for every adapter."""
+        n, want = len(self.eval_samples), self.cfg.eval.intermediate_samples
+        rows = list(range(n)) if want >= n else [i * n // want for i in range(want)]
+        examples = [self.eval_examples[i] for i in rows] if len(self.eval_examples) == n else []
+        return [self.eval_samples[i] for i in rows], examples
 
     def _eval_base(self) -> None:
         self._room_for_eval()
@@ -640,6 +780,9 @@ class PackedLoRARecipe:
             "targets": self.targets,  # the layers it adapts (its PEFT target_modules)
             "warmup_steps": r.warmup,
         }
+        if self.cfg.eval.each_epoch and r.epochs:
+            row["epoch"] = r.best_epoch  # the epoch whose weights and scores these are
+            row["epochs"] = r.epochs
         self.writer.metrics(out, row)  # after the adapter's checkpoint, if it has one
 
     def _log(self, row: dict[str, Any]) -> None:
@@ -698,7 +841,7 @@ class PackedLoRARecipe:
         for r in self.runs:
             if r.active and r.id in prune:
                 r.status, r.reason, r.finished_at = "pruned", "pruned", time.time()
-                self._write_adapter_metrics(r, {}, checkpoint=None)
+                self._leave_early(r)
         if control is not None:
             self._closed = self._closed or control.close
             for a, waits in control.after.items():

@@ -14,6 +14,22 @@ import optuna
 from plora.tuning.fidelity import Rungs
 
 
+def intermediate_value(rec: Mapping[str, Any], sign: float) -> float | None:
+    """The value an evals.jsonl record reports to its trial, in the study's direction: the
+    objective (``eval_<objective>``, scored on the intermediate slice) where the record has
+    it, as it is; else the eval loss times ``sign`` (`plora.tuning.study.intermediate_sign`:
+    -1 where the study maximizes). None where neither is a finite number."""
+    objective = rec.get("objective")
+    try:
+        if objective is not None and f"eval_{objective}" in rec:
+            value = float(rec[f"eval_{objective}"])
+        else:
+            value = sign * float(rec["eval_loss"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
 def _finished_status(run_dir: Path, adapter_id: str) -> str | None:
     path = run_dir / "adapters" / adapter_id / "metrics.json"
     with contextlib.suppress(OSError, ValueError):
@@ -23,8 +39,9 @@ def _finished_status(run_dir: Path, adapter_id: str) -> str | None:
 
 
 class _PruneWatcher:
-    """Reads the intermediate evals of running jobs, reports them to their trials and, when a
-    trial's pruner says so, asks the job to drop that adapter (``control.json``).
+    """Reads the intermediate evals of running jobs, reports them to their trials (the
+    objective where the evals score it, else the signed eval loss: `intermediate_value`)
+    and, when a trial's pruner says so, asks the job to drop that adapter (``control.json``).
 
     An eval at an adapter's step is reported at the share of its budget seen then
     (``rungs.resource`` of its ``totals`` steps: `plora.tuning.fidelity`), so that trials of
@@ -61,18 +78,19 @@ class _PruneWatcher:
         for line in chunk[:end].decode().splitlines():
             try:
                 rec = json.loads(line)
-                adapter, step, loss = rec["adapter"], int(rec["adapter_step"]), float(rec["eval_loss"])
-            except (ValueError, KeyError, TypeError):
+                adapter, step = rec["adapter"], int(rec["adapter_step"])
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
+            value = intermediate_value(rec, self.sign)
             trials = self.trials.get(adapter, ())
-            if not trials or not math.isfinite(loss) or adapter in self.pruned:
+            if not trials or value is None or adapter in self.pruned:
                 continue
             if self.rungs is not None and adapter in self.totals:
                 step = self.rungs.resource(step, int(self.totals[adapter]))
             for t in trials:
                 done = self.reported.setdefault(t.number, set())
                 if step not in done:
-                    t.report(self.sign * loss, step)
+                    t.report(value, step)
                     done.add(step)
             if prune and trials[0].should_prune():
                 self.pruned.add(adapter)

@@ -1,8 +1,10 @@
 """Every sweep is an Optuna study: storage, naming, directions, and recording a finished
 sweep as one trial per adapter (params, objective, state, user attrs).
 
-Intermediate values are eval losses signed to the study's direction: a study that maximizes
-exact match receives ``-eval_loss``, so any Optuna pruner reads "higher is better" for both.
+Intermediate values are the objective, scored on the intermediate eval slice where it is
+not the loss (`plora.tuning.prune.intermediate_value`); evals that carry only the loss (a run
+of an earlier version) report it signed to the study's direction: a study that maximizes
+exact match receives ``-eval_loss``, so any Optuna pruner reads its direction for both.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from optuna.trial import TrialState
 
 from plora.spec import AdapterConfig, SweepSpec
 from plora.tuning.base import TuneError, _quiet_optuna
+from plora.tuning.prune import intermediate_value
 from plora.tuning.space import params_of, search_space
 
 if TYPE_CHECKING:  # the sweep records its study through this module: no import back at run time
@@ -56,6 +59,11 @@ def intermediate_sign(spec: SweepSpec) -> float:
     return 1.0 if spec.eval.minimize else -1.0
 
 
+def intermediate_name(spec: SweepSpec) -> str:
+    """What a trial's intermediate values are: the objective (``eval_<objective>``)."""
+    return f"eval_{spec.eval.objective}"
+
+
 def open_study(
     spec: SweepSpec,
     run_dir: Path | None = None,
@@ -86,7 +94,7 @@ def open_study(
             study.set_metric_names([f"eval_{spec.eval.objective}"])
     if "objective" not in study.user_attrs:
         study.set_user_attr("objective", f"eval_{spec.eval.objective}")
-        study.set_user_attr("intermediate_value", "eval_loss" if spec.eval.minimize else "-eval_loss")
+        study.set_user_attr("intermediate_value", intermediate_name(spec))
         study.set_user_attr("run_dir", str(spec.run_dir(run_dir)))
     return study
 
@@ -111,6 +119,8 @@ def _user_attrs(row: Mapping[str, Any], cfg: AdapterConfig, tp: int | None, run_
             "wall_time_s", "reason")
     attrs = {"adapter_id": cfg.id, "alpha": cfg.alpha, "seed": cfg.seed, "tp": tp, "run_dir": str(run_dir)}
     attrs.update({k: _clean(row.get(k)) for k in keys})
+    if _clean(row.get("epoch")) is not None:  # per-epoch scoring: the epoch whose weights it keeps
+        attrs["epoch"] = int(row["epoch"])
     return attrs
 
 
@@ -149,8 +159,10 @@ def tell_trial(study: optuna.Study, spec: SweepSpec, trial: optuna.Trial, row: M
                 raise
 
 
-def read_evals(run_dir: Path, job_ids: Iterable[str] | None = None) -> dict[str, dict[int, float]]:
-    """Intermediate eval losses per adapter: ``{adapter: {adapter_step: eval_loss}}``."""
+def read_evals(run_dir: Path, job_ids: Iterable[str] | None = None, sign: float | None = None
+               ) -> dict[str, dict[int, float]]:
+    """Intermediate eval losses per adapter: ``{adapter: {adapter_step: eval_loss}}``; with
+    ``sign``, the values reported to trials instead (`intermediate_value`)."""
     jobs = (run_dir / "jobs" / j for j in job_ids) if job_ids is not None else (run_dir / "jobs").glob("*")
     out: dict[str, dict[int, float]] = {}
     for job_dir in jobs:
@@ -160,7 +172,9 @@ def read_evals(run_dir: Path, job_ids: Iterable[str] | None = None) -> dict[str,
         for line in path.read_text().splitlines():
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 rec = json.loads(line)
-                out.setdefault(rec["adapter"], {})[int(rec["adapter_step"])] = float(rec["eval_loss"])
+                value = float(rec["eval_loss"]) if sign is None else intermediate_value(rec, sign)
+                if value is not None:
+                    out.setdefault(rec["adapter"], {})[int(rec["adapter_step"])] = value
     return out
 
 
@@ -184,8 +198,7 @@ def record_sweep(prep: PreparedSweep, frame: pd.DataFrame) -> optuna.Study | Non
         space = search_space(spec, include_seed=True)
         tp_of = {a: j.tp for j in prep.plan.jobs for a in j.adapters}
         cfg_of = {c.id: c for c in prep.configs}
-        curves = read_evals(prep.run_dir)
-        sign = intermediate_sign(spec)
+        curves = read_evals(prep.run_dir, sign=intermediate_sign(spec))
         new = []
         for row in frame.to_dict("records"):
             cfg = cfg_of.get(row["adapter_id"])
@@ -196,7 +209,7 @@ def record_sweep(prep: PreparedSweep, frame: pd.DataFrame) -> optuna.Study | Non
             new.append(optuna.trial.create_trial(
                 state=state, value=value, params=params, distributions=dists,
                 user_attrs=_user_attrs(row, cfg, tp_of.get(cfg.id), prep.run_dir),
-                intermediate_values={s: sign * v for s, v in curves.get(cfg.id, {}).items()},
+                intermediate_values=dict(curves.get(cfg.id, {})),
             ))
         with _quiet_optuna():
             study.add_trials(new)
