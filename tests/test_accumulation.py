@@ -197,3 +197,51 @@ def test_balanced_rows_accumulate_as_one_pass(tiny_model, reverse_data, tmp_path
     _run(tiny_model, reverse_data, tmp_path / "one", [BIG], row_layout="balanced")
     _run(tiny_model, reverse_data, tmp_path / "parts", [BIG, SMALL], micro=2, row_layout="balanced")
     _assert_same(adapter_weights(tmp_path / "parts", "big"), adapter_weights(tmp_path / "one", "big"))
+
+
+def test_the_bank_zeroes_the_gradients_of_the_adapters_it_is_told(tiny_model):
+    """Per-adapter zeroing keeps an accumulating adapter's gradient and clears the others',
+    a non-finite one too (a fill, not a product)."""
+    from plora.models import load_base_model
+    from plora.packed.bank import LoRABank
+    from plora.packed.inject import inject_packed_lora
+    from plora.packed.layer import AdapterSpec
+
+    model, _ = load_base_model(tiny_model, max_seq_len=32, random_init=True)
+    specs = [AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 2, 2.0, 3)]
+    bank = LoRABank(inject_packed_lora(model, specs, ["q_proj", "v_proj"]))
+    bank.grads.copy_(torch.randn_like(bank.grads))
+    for v in bank.adapter_views(bank.grads, 2):
+        v.fill_(float("nan"))
+    kept = torch.cat(bank.adapter_views(bank.grads, 1)).clone()
+    bank.zero_grad_where(torch.tensor([True, False, True]))
+    assert torch.equal(torch.cat(bank.adapter_views(bank.grads, 1)), kept)
+    for k in (0, 2):
+        assert float(torch.cat(bank.adapter_views(bank.grads, k)).abs().max()) == 0.0
+    bank.check_views()
+
+
+@pytest.mark.dist
+def test_tp2_accumulation_equals_one_pass_in_one_process(tiny_model, reverse_data, tmp_path):
+    """A tensor-parallel job (2 processes) whose adapter accumulates 4 parts ends where the
+    one-process job of one pass ends: each step's all-reduce sums only that part's partial
+    gradients of the replicated tensors."""
+    import os
+    import subprocess
+    import sys
+
+    _run(tiny_model, reverse_data, tmp_path / "one", [BIG, SMALL])
+    cfg = job_config(tiny_model, reverse_data, tmp_path / "two", [BIG, SMALL], tp=2)
+    cfg["training"] = dict(cfg["training"], micro_batch_size=2, checkpoint_every_steps=None,
+                           checkpoint_every_minutes=None)
+    job_yaml = tmp_path / "job.yaml"
+    job_yaml.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", "2",
+                           "plora/recipes/packed_lora.py",
+                           "--config", str(job_yaml)], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for a in (BIG, SMALL):
+        _assert_same(adapter_weights(tmp_path / "two", a["id"]), adapter_weights(tmp_path / "one", a["id"]))

@@ -247,10 +247,6 @@ class PackedLoRARecipe:
         # rows flattened without padding, attention confined to each (None: padded rows)
         self.row_attn = install_row_attention(self.pm.model)
         if self.tp is not None:  # before the optimizer: it must see the local shards
-            if any(accumulation_steps(a.batch_size, self.micro_batch_size) > 1 for a in adapters):
-                # its per-step all-reduce of replicated gradients would sum earlier parts again
-                raise ConfigError([ValueError("training.micro_batch_size: gradient accumulation is not supported "
-                                              "in tensor-parallel jobs")])
             self.tp.shard(self.pm)
         t = c.training
         if t.activation_checkpointing:
@@ -533,6 +529,8 @@ class PackedLoRARecipe:
         else:  # an adapter mid-batch keeps its gradient; every other one (in the batch or not) starts at 0
             zero = torch.ones(self.bank.num_adapters, dtype=torch.bool, device=acc.device)
             self.bank.zero_grad_where(zero.index_copy_(0, b.active, acc[1] > 0))
+        # under TP, the parts summed so far stay out of this step's all-reduce
+        held = self.tp.take_reduced_grads() if self.tp is not None and acc is not None else None
         if self.pm.state.has_dropout:  # each adapter's masks follow its own step (`plora.packed.dropout`)
             self.pm.state.set_dropout(b.planned[:, 0], None if spec.flat else int(b.tokens.shape[-1]))
         try:
@@ -565,6 +563,8 @@ class PackedLoRARecipe:
                 self.row_attn.clear()
         if self.tp is not None:  # partial gradients of replicated LoRA tensors
             self.tp.reduce_grads()
+            if held is not None:
+                self.tp.give_back_grads(held)
         k = self.bank.num_adapters
         loss_k = torch.full((k,), float("nan"), dtype=torch.float32, device=values.device)
         loss_k.index_copy_(0, b.active, total)
