@@ -64,6 +64,17 @@ def test_the_planner_sees_micro_batches_and_packed_steps():
     assert packed_load("a", 8, 5, 10, 3) == AdapterLoad("a", 8, 3, 20)
 
 
+def test_the_engine_prices_a_joining_adapter_by_its_micro_batch():
+    from plora.engine.streaming import StreamPolicy
+    from plora.jobconfig import JobAdapter
+
+    entry = JobAdapter(**BIG)
+    policy = StreamPolicy(entry=lambda _: entry, fits=lambda loads, tp: True, micro_batch_size=2)
+    assert policy.load("big") == AdapterLoad("big", 4, 2, 4 * BIG["steps"])
+    assert StreamPolicy(entry=lambda _: entry, fits=lambda loads, tp: True).load("big") == AdapterLoad(
+        "big", 4, 8, BIG["steps"])
+
+
 def test_accumulated_batch_equals_one_pass_and_packs_with_one_pass_adapters(tiny_model, reverse_data, tmp_path):
     """big (batch 8) in 4 parts of 2 equals big in one pass; packed next to small (one
     pass) and odd (5 rows in parts of 3 and 2), each equals itself alone without a
@@ -77,6 +88,9 @@ def test_accumulated_batch_equals_one_pass_and_packs_with_one_pass_adapters(tiny
 
     solo, summary = _run(tiny_model, reverse_data, tmp_path / "big-micro", [BIG], micro=2)
     assert summary["steps"] == 4 * BIG["steps"]  # packed steps
+    progress = json.loads((solo.job_dir / "progress.json").read_text())
+    assert progress["adapter_steps"] == {"big": 4 * BIG["steps"]}  # what the engine counts time left from
+    assert progress["adapter_steps_done"] == progress["adapter_steps_total"] == BIG["steps"]
     _assert_same(adapter_weights(tmp_path / "big-micro", "big"), one_pass["big"])
 
     _, summary = _run(tiny_model, reverse_data, tmp_path / "pack", [BIG, SMALL], micro=2)
