@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from plora.accumulation import split_batch
 from plora.data import AdapterStream, DataError
 
 __all__ = ["BALANCED_MULTIPLE", "GROUP_STEPS", "BalancedStream", "balanced_batches", "balanced_row_tokens",
@@ -107,18 +108,19 @@ class BalancedStream:
         batches holds; the stream itself does not move."""
         return self.max_batch_sums(steps, [self.lengths if weights is None else weights])[0]
 
-    def max_batch_sums(self, steps: int, weights: Sequence[Sequence[int]]) -> list[int]:
+    def max_batch_sums(self, steps: int, weights: Sequence[Sequence[int]], parts: int = 1) -> list[int]:
         """For each of ``weights`` (a number per row), the most any of the next ``steps``
-        batches holds, dealt once for all of them."""
+        batches holds, dealt once for all of them; with ``parts`` > 1, the most any part of
+        them holds (the micro-batches of an adapter that accumulates: `plora.accumulation`)."""
         per_row = [[int(w) for w in ws] for ws in weights]
         probe = BalancedStream(self.num_samples, self.seed, lengths=self.lengths, batch_size=self.batch_size)
         probe.group_steps = self.group_steps
         probe.load_state_dict(self.state_dict())
         most = [0] * len(per_row)
         for _ in range(max(0, int(steps))):
-            batch = probe.next(self.batch_size)
-            for j, ws in enumerate(per_row):
-                most[j] = max(most[j], sum(ws[i] for i in batch))
+            for batch in split_batch(probe.next(self.batch_size), parts):
+                for j, ws in enumerate(per_row):
+                    most[j] = max(most[j], sum(ws[i] for i in batch))
         return most
 
     def state_dict(self) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from plora.accumulation import accumulation_steps, micro_rows
 from plora.jobcost import EvalLoad, JobOverheads
 
 __all__ = [
@@ -126,6 +127,14 @@ class AdapterLoad:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AdapterLoad":
         return cls(id=str(d["id"]), rank=int(d["rank"]), batch_size=int(d["batch_size"]), steps=int(d["steps"]))
+
+
+def packed_load(adapter_id: str, rank: int, batch_size: int, steps: int, micro_batch_size: int | None) -> AdapterLoad:
+    """What planning sees of an adapter of effective batch ``batch_size`` and ``steps``
+    optimizer steps: the rows it puts in one packed step and the packed steps it takes
+    (`plora.accumulation`), so that memory fits by its micro-batch and time counts every part."""
+    parts = accumulation_steps(batch_size, micro_batch_size)
+    return AdapterLoad(adapter_id, int(rank), micro_rows(batch_size, micro_batch_size), int(steps) * parts)
 
 
 @dataclass(frozen=True)

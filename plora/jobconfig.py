@@ -40,7 +40,10 @@ __all__ = [
 #: training settings that change how a job runs, not what an adapter learns: a checkpoint
 #: taken under other values resumes (`plora.recipes.checkpoint`), and so does a run directory
 #: (`plora.preflight.check_resumable`)
-NEUTRAL_TRAINING = ("checkpoint_every_steps", "checkpoint_every_minutes", "cuda_graphs", "activation_checkpointing")
+#: (a micro-batch size too: accumulated steps equal one pass's, and checkpoints hold adapters
+#: at their optimizer-step boundaries)
+NEUTRAL_TRAINING = ("checkpoint_every_steps", "checkpoint_every_minutes", "cuda_graphs", "activation_checkpointing",
+                    "micro_batch_size")
 #: eval settings that change only what a pruner sees, not an adapter's results: a run
 #: directory of other values resumes (`plora.preflight.check_resumable`)
 NEUTRAL_EVAL = ("intermediate_samples",)
@@ -141,6 +144,8 @@ class JobTraining(_Section):
     cover_vacant_slots: bool = True
     checkpoint_every_steps: int | None = Field(500, ge=1)  # None turns that trigger off
     checkpoint_every_minutes: float | None = Field(10.0, gt=0)
+    # an adapter's rows per packed step at most; a larger batch accumulates (`plora.accumulation`)
+    micro_batch_size: int | None = Field(None, ge=1)
 
 
 class JobStreaming(_Section):

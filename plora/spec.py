@@ -948,6 +948,11 @@ class TrainingConfig(_Model):
     # in the pack), whichever comes first; null turns that trigger off
     checkpoint_every_steps: Optional[int] = Field(500, ge=1)
     checkpoint_every_minutes: Optional[float] = Field(10.0, gt=0)
+    # the most rows an adapter puts in one packed step: a larger batch_size (still the
+    # effective batch, an optimizer step's rows) accumulates its gradient over
+    # ceil(batch_size / micro_batch_size) packed steps in near-equal parts, and trains as
+    # it would in one pass (`plora.accumulation`); null: every batch in one pass
+    micro_batch_size: Optional[int] = Field(None, ge=1)
 
     @field_validator("cuda_graphs", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from plora.accumulation import micro_rows
 from plora.data_check import DataReport, check_data, data_config, eval_config
 from plora.engine.streaming import STREAM_LINGER_S, StreamPolicy
 from plora.jobconfig import (
@@ -58,7 +59,7 @@ def plan_jobs(
     planned on its own, priced for its layers (`targets_cost_model`), and the plans run one
     after the other.
     """
-    from plora.costmodel import AdapterLoad
+    from plora.costmodel import packed_load
     from plora.planner import PLANNING_BUDGET_S
 
     hw = hardware or hardware_for(spec)
@@ -74,7 +75,7 @@ def plan_jobs(
         group = [c for c in configs if (c.targets or sweep_set) == targets]
         model = cost_model if targets == sweep_set else targets_cost_model(spec, targets, hw)
         model = within_node(model, hw.max_tp)
-        loads = [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in group]
+        loads = sweep_loads(group, steps, micro_batch_size_of(spec))
         plans.append(planned(spec, loads, model, slots, PLANNING_BUDGET_S / len(sets)))
     plan = plans[0] if len(plans) == 1 else one_after_another(plans, sets)
     grouping = (f"planned ({plan.strategy}, {plan.objective} objective, solver {plan.solver}) for "
@@ -475,6 +476,7 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
             length_buckets=t.length_buckets if length_buckets is None or job.tp > 1 else length_buckets,
             checkpoint_every_steps=t.checkpoint_every_steps,
             checkpoint_every_minutes=t.checkpoint_every_minutes,
+            micro_batch_size=t.micro_batch_size,
         ),
         eval=eval_config(spec),
         eval_base=eval_base,
@@ -530,7 +532,8 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
         return by_id[adapter_id].targets or sweep_set
 
     several = len(spec.target_sets(prep.configs)) > 1
-    return StreamPolicy(entry, fits, prep.cost_model, targets if several else None)
+    return StreamPolicy(entry, fits, prep.cost_model, targets if several else None,
+                        micro_batch_size=micro_batch_size_of(spec))
 
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
@@ -566,13 +569,14 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     if before is not None:  # a resumed sweep keeps its adapters' row order (their checkpoints hold it)
         layout, buckets = before
     else:
+        micro = micro_batch_size_of(spec)
         layout = sweep_row_layout(spec, graphed=graphed, lengths=lengths,
-                                  batch_sizes=[c.batch_size for c in configs])
+                                  batch_sizes=[micro_rows(c.batch_size, micro) for c in configs])
         buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths, row_layout=layout)
     prior = calibration = None
     if cost_model is None:
         models = sweep_models(spec, None if fresh else run, hardware=hw, length_buckets=buckets, row_lengths=lengths,
-                              row_layout=layout, loads=sweep_loads(configs, steps))
+                              row_layout=layout, loads=sweep_loads(configs, steps, micro_batch_size_of(spec)))
         cost_model, prior, calibration = models.model, models.prior, models.calibration
         if probe and hw.gpu and hw.local and models.source == ANALYTIC_SOURCE:
             cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
@@ -597,17 +601,24 @@ def resolved_layout(run_dir: Path) -> tuple[str, int | str] | None:
     return None
 
 
-def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
-    """What the planner knows of each of the sweep's adapters."""
-    from plora.costmodel import AdapterLoad
+def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int],
+                micro_batch_size: int | None = None) -> list[AdapterLoad]:
+    """What the planner knows of each of the sweep's adapters: its rows per packed step and
+    its packed steps (an adapter accumulating over micro-batches: `plora.costmodel.packed_load`)."""
+    from plora.costmodel import packed_load
 
-    return [AdapterLoad(c.id, c.rank, c.batch_size, steps[c.id]) for c in configs]
+    return [packed_load(c.id, c.rank, c.batch_size, steps[c.id], micro_batch_size) for c in configs]
+
+
+def micro_batch_size_of(spec: Any) -> int | None:
+    """The sweep's ``training.micro_batch_size`` (None where a spec-like object has none)."""
+    return getattr(getattr(spec, "training", None), "micro_batch_size", None)
 
 
 def largest_pack(spec: Any, configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
     """The heaviest pack the sweep may form: its `max_adapters_per_job` adapters of most rows
     and rank."""
-    loads = sweep_loads(configs, steps)
+    loads = sweep_loads(configs, steps, micro_batch_size_of(spec))
     loads.sort(key=lambda a: (a.batch_size, a.rank), reverse=True)
     return loads[: max(1, int(spec.planner.max_adapters_per_job))]
 
@@ -631,7 +642,7 @@ def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Ma
         remember_calibration(spec, calibration)
     except OSError:
         pass
-    model = calibration.apply(prior, loads=sweep_loads(configs, steps))
+    model = calibration.apply(prior, loads=sweep_loads(configs, steps, micro_batch_size_of(spec)))
     model.meta["plan_source"] = CALIBRATED_SOURCE_NOW
     return model, calibration
 
@@ -741,9 +752,7 @@ def run_prepared(
             on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
 
     def replan_waiting(adapters: list[str], drift: Drift, now: float, free: int) -> list[Job]:
-        from plora.costmodel import AdapterLoad
-
-        loads = [AdapterLoad(a, by_id[a].rank, by_id[a].batch_size, prep.steps[a]) for a in adapters]
+        loads = sweep_loads([by_id[a] for a in adapters], prep.steps, micro_batch_size_of(prep.spec))
         spec = prep.spec
         if calibrator is not None and calibrator.measured:  # measured steps, memory and job terms
             corrected = calibrator.model()
@@ -848,16 +857,16 @@ def sweep_calibrator(prep: PreparedSweep) -> Any:
     (a CPU sweep, or a prepared sweep without a prior)."""
     if prep.prior is None or prep.hardware is None or not prep.hardware.gpu:
         return None
-    from plora.costmodel import AdapterLoad
+    from plora.costmodel import AdapterLoad, packed_load
     from plora.engine.runner import DRIFT_THRESHOLD
     from plora.profiling.calibrate import Calibration, SweepCalibrator
 
     def load(adapter_id: str) -> AdapterLoad:
         c = next(c for c in prep.configs if c.id == adapter_id)
-        return AdapterLoad(c.id, c.rank, c.batch_size, prep.steps[c.id])
+        return packed_load(c.id, c.rank, c.batch_size, prep.steps[c.id], micro_batch_size_of(prep.spec))
 
     return SweepCalibrator(prep.prior, prep.calibration or Calibration(), planned=prep.cost_model, load=load,
-                           loads=sweep_loads(prep.configs, prep.steps),
+                           loads=sweep_loads(prep.configs, prep.steps, micro_batch_size_of(prep.spec)),
                            seq_len=int(prep.spec.model.max_seq_len), threshold=DRIFT_THRESHOLD,
                            load_factor=prep.spec.planner.memory_load_factor)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.costmodel import AdapterLoad, CostModel, packed_load
 from plora.jobconfig import JobAdapter
 
 #: how long a streaming job waits for a join once its adapters have all left; the engine
@@ -38,8 +38,11 @@ class StreamPolicy:
     #: an adapter's target set (`plora.spec.target_key`): a job adapts one, so only adapters
     #: of its set join it (None: every adapter has the same)
     targets: Callable[[str], str] | None = None
+    #: the sweep's ``training.micro_batch_size`` (`plora.accumulation`)
+    micro_batch_size: int | None = None
 
     def load(self, adapter_id: str) -> AdapterLoad:
-        """What the choice needs of an adapter: its rank, rows per step and step budget."""
+        """What the choice needs of an adapter: its rank, rows per packed step and packed
+        steps (as a job's progress.json counts them)."""
         a = self.entry(adapter_id)
-        return AdapterLoad(a.id, a.rank, a.batch_size, a.steps)
+        return packed_load(a.id, a.rank, a.batch_size, a.steps, self.micro_batch_size)

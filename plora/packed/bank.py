@@ -60,6 +60,8 @@ class LoRABank:
                 self._views.append((p, off))
                 off += n
         self.segments = build_segments(ranges, self.num_adapters, numel, device)
+        self._run_owner: torch.Tensor | None = None  # `zero_grad_where`'s runs, built on first use
+        self._run_lengths: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +89,33 @@ class LoRABank:
     def zero_grad(self) -> None:
         """One fill for the whole pack; the ``.grad`` views stay in place (autograd adds into them)."""
         self.grads.zero_()
+
+    def zero_grad_where(self, zero: torch.Tensor) -> None:
+        """Zero the gradients of the adapters whose flag is set (bool [K], on the device)
+        and keep the others' (an adapter accumulating over several steps): no host sync, so
+        a CUDA graph can hold it. A fill, not a product: a non-finite gradient is cleared too."""
+        if self._run_owner is None:
+            self._run_owner, self._run_lengths = self._element_runs()
+        flags = torch.cat([zero.to(torch.bool), zero.new_ones(1, dtype=torch.bool)])  # the last: nobody's
+        mask = torch.repeat_interleave(flags[self._run_owner], self._run_lengths, output_size=self.grads.numel())
+        self.grads.masked_fill_(mask, 0)
+
+    def _element_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat buffers as consecutive runs of one owner each (index K: no adapter's)."""
+        owners, lengths, at = [], [], 0
+        for start, n, k, _ in sorted(self.segments.ranges):
+            if start > at:
+                owners.append(self.num_adapters)
+                lengths.append(start - at)
+            owners.append(k)
+            lengths.append(n)
+            at = start + n
+        if at < self.grads.numel():
+            owners.append(self.num_adapters)
+            lengths.append(self.grads.numel() - at)
+        device = self.grads.device
+        return (torch.tensor(owners, dtype=torch.int64, device=device),
+                torch.tensor(lengths, dtype=torch.int64, device=device))
 
     def check_views(self) -> None:
         """Raise if a layer's ``.grad`` no longer views the bank (e.g. someone called the

@@ -110,6 +110,9 @@ def relayout(
             if not isinstance(s, int):
                 continue
             new_opt.steps[i] = optimizer.steps[s]
+            # an adapter accumulating its gradient over several steps keeps what it has summed
+            for src, dst in zip(bank.adapter_views(bank.grads, s), new_bank.adapter_views(new_bank.grads, i)):
+                dst.copy_(src)
             for old_buf, new_buf in ((optimizer.exp_avg, new_opt.exp_avg), (optimizer.exp_avg_sq, new_opt.exp_avg_sq)):
                 for src, dst in zip(bank.adapter_views(old_buf, s), new_bank.adapter_views(new_buf, i)):
                     dst.copy_(src)

@@ -313,6 +313,25 @@ class TensorParallel:
             else:
                 p.grad.copy_(chunk.view(p.grad.shape[0], split.full)[:, split.lo : split.hi])
 
+    def take_reduced_grads(self) -> list[torch.Tensor]:
+        """The gradients `reduce_grads` sums (replicated tensors, copied KV shards) as they
+        are, cleared: where an adapter accumulates its gradient over several steps, what it
+        has summed so far is the same on every rank already, so the all-reduce must see only
+        this step's partial gradients; `give_back_grads` adds the held ones back after it."""
+        held = []
+        for p in self._reduced():
+            held.append(p.grad.clone())
+            p.grad.zero_()
+        return held
+
+    def give_back_grads(self, held: list[torch.Tensor]) -> None:
+        for p, g in zip(self._reduced(), held):
+            p.grad.add_(g)
+
+    def _reduced(self) -> list[nn.Parameter]:
+        return [p for p in self._replicated if p.grad is not None] + [p for p, _ in self._kv_copies
+                                                                      if p.grad is not None]
+
     def share(self, p: nn.Parameter) -> float:
         """The weight of a local tensor's squared norm in an adapter's norm over the whole
         unsharded model: 1 / the number of ranks that hold the same values."""

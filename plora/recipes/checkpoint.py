@@ -4,9 +4,12 @@ Every ``every_steps`` steps or ``every_minutes`` minutes (whichever comes first)
 writes, for each adapter still training, what its next step depends on: its LoRA weights
 and both AdamW moments (its pieces of the `LoRABank` and `PackedAdamW` buffers), its
 optimizer step count (bias correction), its own step (schedule position), its data-stream
-position, its losses so far and its status; its wall time so far, which a resumed
-adapter's wall time goes on from; and, with per-epoch scoring, its finished epochs' scores
-and its best epoch's weights (`plora.recipes.epochs`). Adapters are keyed by id, so a job that
+position, its losses so far and its status (an adapter that accumulates its gradient over
+several packed steps is saved as at its last optimizer step, with the data position where
+its current effective batch began: it resumes by training that batch again from its first
+part, so no partial gradient is saved); its wall time so far, which a resumed adapter's
+wall time goes on from; and, with per-epoch scoring, its finished epochs' scores and its
+best epoch's weights (`plora.recipes.epochs`). Adapters are keyed by id, so a job that
 resumes with a different pack (a retry without the adapters that finished, the halves of
 an out-of-memory split) takes each adapter's state from wherever it was saved last.
 Adapters that joined the running job are saved like the others (with the job step they
@@ -133,7 +136,7 @@ class JobCheckpointer:
                 "exp_avg_sq": torch.cat(bank.adapter_views(opt.exp_avg_sq, k)).cpu().clone(),
                 "optimizer_steps": int(opt.steps[k]),
                 "step": int(run.step),
-                "stream": run.stream.state_dict(),
+                "stream": run.stream_state(),  # an adapter mid-batch: where that batch began
                 "losses": list(run.losses),
                 "status": run.status,
                 "joined_at": run.joined_at,

@@ -9,7 +9,10 @@ own positions and attention, `plora.packed.step_batch`); the base model runs onc
 head and the loss run only where labels are (`plora.packed.head_loss`); the loss is the sum
 of per-adapter mean losses, so each adapter's gradient is exactly its own. Clipping,
 learning rate, warm-up and schedule are per adapter (`PackedAdamW` over one flat buffer of
-every adapter's weights: one launch per step for the whole pack). An adapter
+every adapter's weights: one launch per step for the whole pack). With
+``training.micro_batch_size``, an adapter whose batch is larger trains it over several
+packed steps and steps its optimizer after the last (`plora.accumulation`); others in the
+same pack step every packed step. An adapter
 whose loss or gradient turns NaN/inf is marked ``diverged`` and leaves the batch; one whose
 budget is done is evaluated, saved in the PEFT format and leaves the batch.
 
@@ -38,6 +41,7 @@ from pydantic import ValidationError
 from torchtune.config._errors import ConfigError
 
 from plora import hooks
+from plora.accumulation import accumulation_steps, split_batch
 from plora.data import (
     IGNORE_INDEX,
     AdapterStream,
@@ -62,7 +66,7 @@ from plora.kernels import scales_on_device
 from plora.metrics import generated_metrics, metric_name, use_metric_paths
 from plora.models import ModelError
 from plora.packed.bank import LoRABank, PackedAdamW
-from plora.packed.head_loss import adapter_mean_losses, chunk_rows, final_hidden
+from plora.packed.head_loss import adapter_loss_sums, adapter_mean_losses, chunk_rows, final_hidden
 from plora.packed.inject import inject_packed_lora
 from plora.packed.layer import AdapterSpec
 from plora.packed.rows import LabelParts
@@ -138,6 +142,20 @@ class AdapterRun:
     #: the best finished epoch so far (its number), and its weights as a flat host copy
     best_epoch: int | None = None
     best_weights: torch.Tensor | None = None
+    #: packed steps one optimizer step spans (`plora.accumulation`; 1: its batch in one pass)
+    parts: int = 1
+    #: the part of its effective batch the next packed step trains (0: a new batch is drawn)
+    micro: int = 0
+    #: the current effective batch, in parts; its label tokens (every part's loss is over
+    #: them); the loss of its parts so far; the stream's position before it was drawn (what
+    #: a checkpoint saves: an adapter mid-batch resumes from the start of that batch, its
+    #: weights and moments being those of its last optimizer step)
+    cycle: list[list[int]] = field(default_factory=list)
+    cycle_labels: int = 0
+    partial: float = 0.0
+    cycle_stream: dict[str, Any] | None = None
+    #: rows it put in the last packed step
+    last_rows: int = 0
 
     @property
     def id(self) -> str:
@@ -159,6 +177,34 @@ class AdapterRun:
     def active(self) -> bool:
         return self.status == "running"
 
+    @property
+    def at_boundary(self) -> bool:
+        """Whether its next packed step starts a new effective batch (and its last, if any,
+        ended with an optimizer step)."""
+        return self.micro == 0
+
+    @property
+    def packed_steps_taken(self) -> int:
+        return self.step * self.parts + self.micro
+
+    def next_rows(self, label_counts: list[int]) -> list[int]:
+        """The rows of its next packed step: its whole batch in one pass, or the next part
+        of the effective batch it draws whole (one pass's rows, in one pass's order)."""
+        b = self.cfg.batch_size
+        if self.parts == 1:
+            return self.stream.next(b)
+        if self.micro == 0:
+            self.cycle_stream = self.stream.state_dict()
+            rows = self.stream.next(b)
+            self.cycle = split_batch(rows, self.parts)
+            self.cycle_labels = sum(label_counts[i] for i in rows)
+            self.partial = 0.0
+        return self.cycle[self.micro]
+
+    def stream_state(self) -> dict[str, Any]:
+        """Where a checkpoint resumes its data from: the start of its current effective batch."""
+        return self.cycle_stream if self.cycle_stream is not None else self.stream.state_dict()
+
 
 class PackedLoRARecipe:
     """One packed job, shaped as torchtune's recipes are: `__init__` reads the (typed) job
@@ -177,6 +223,7 @@ class PackedLoRARecipe:
         self.max_seq_len = c.model.max_seq_len
         self.grad_clip = c.training.grad_clip
         self.divergence_loss = c.training.divergence_loss
+        self.micro_batch_size = c.training.micro_batch_size
         self._metrics_file = None  # what cleanup() closes, whether or not setup() got that far
         self.writer: AdapterWriter | None = None  # likewise
 
@@ -247,7 +294,7 @@ class PackedLoRARecipe:
         self._label_counts = [row_labels(s) for s in self.train_samples]
         self._stream_buckets = buckets
         joined_at = {a.id: s for a, s in rejoined}
-        self.runs = [AdapterRun(i, a, self._stream(a), joined_at=joined_at.get(a.id)) for i, a in enumerate(adapters)]
+        self.runs = [self._run(i, a, joined_at.get(a.id)) for i, a in enumerate(adapters)]
         # after TP sharding: the bank lays out the local shards
         self.bank = LoRABank(self.pm, share=self.tp.share if self.tp else None)
         self.optimizer = PackedAdamW(self.bank, [a.learning_rate for a in adapters],
@@ -313,7 +360,7 @@ class PackedLoRARecipe:
                 dt = time.perf_counter() - t_step
                 self.clock.step([r.index for r in active], dt,
                                 reused=self.graphs is not None and self.graphs.last_run in ("replay", "cover"),
-                                ranks=[r.cfg.rank for r in active], rows=[r.cfg.batch_size for r in active],
+                                ranks=[r.cfg.rank for r in active], rows=[r.last_rows for r in active],
                                 tokens=self.stepped_tokens - stepped_before, device=self.device)
                 if step == self.checkpointer.job_step:
                     first_step_s = dt
@@ -360,9 +407,10 @@ class PackedLoRARecipe:
         """
         parts, rows = [], []
         for r in active:
-            idx = r.stream.next(r.cfg.batch_size)
+            idx = r.next_rows(self._label_counts)
             parts.append([self.train_samples[i] for i in idx])
             rows.append(len(idx))
+            r.last_rows = len(idx)
         ids = [r.index for r in active]
         graphed = self.graphs is not None and self.graphs.enabled
         for r in active:
@@ -386,6 +434,8 @@ class PackedLoRARecipe:
         slots = list(use.slots)
         key = (use, batch.shape)
         inputs = step_inputs(batch)
+        if self.micro_batch_size is not None:
+            inputs["accum"] = self._accumulation_inputs(active, slots)
 
         def make() -> StepBuffers:
             buffers = StepBuffers.allocate(key, inputs, planned, slots, self.bank.num_adapters, self.device)
@@ -410,6 +460,22 @@ class PackedLoRARecipe:
         self.stepped_tokens += batch.num_tokens
         self._account(active, step, buffers.out.tolist())
 
+    @staticmethod
+    def _accumulation_inputs(active: list[AdapterRun], slots: list[int]) -> torch.Tensor:
+        """What the step needs of each slot's accumulation (float32 [4, slots], the batch's
+        slot order): the label tokens its loss is over (0: this step's own), whether its
+        gradient starts from zero, whether its optimizer may step, and its loss so far. A
+        one-pass adapter (and a vacant slot): 0, 1, 1, 0 (what a step without accumulation does)."""
+        by_slot = {r.index: r for r in active}
+        cols = []
+        for k in slots:
+            r = by_slot.get(k)
+            if r is None or r.parts == 1:
+                cols.append((0.0, 1.0, 1.0, 0.0))
+            else:
+                cols.append((float(r.cycle_labels), float(r.micro == 0), float(r.micro == r.parts - 1), r.partial))
+        return torch.tensor(cols, dtype=torch.float32).t().contiguous()
+
     def _composition(self, ids: list[int], rows: list[int]) -> Composition:
         """What this step's graph is keyed on besides its batch shape (`Composition`): the
         slots, their rows, and their scales only where a capture would bake them in."""
@@ -421,7 +487,7 @@ class PackedLoRARecipe:
         (the next adapter to finish ends it); None where one may (a streaming job)."""
         if self._pending_joins or (self.cfg.streaming.linger_s > 0 and not self._closed):
             return None
-        return min(r.total_steps - r.step for r in active)
+        return min((r.total_steps - r.step) * r.parts - r.micro for r in active)
 
     def _covered_batch(self, parts: list[list], own: Composition, cover: Composition) -> StepBatch | None:
         """This step's rows laid out as ``cover``'s: each active slot its own rows, then
@@ -467,7 +533,14 @@ class PackedLoRARecipe:
         flattened rows attend only within themselves while the step runs (forward and the
         recomputations of backward). ``spec``: this step's batch on the host (a replayed
         graph keeps the sizes of the one it was captured with, which ``spec`` shares)."""
-        self.bank.zero_grad()
+        acc = b.inputs.get("accum")  # `_accumulation_inputs`; None: every adapter in one pass
+        if acc is None:
+            self.bank.zero_grad()
+        else:  # an adapter mid-batch keeps its gradient; every other one (in the batch or not) starts at 0
+            zero = torch.ones(self.bank.num_adapters, dtype=torch.bool, device=acc.device)
+            self.bank.zero_grad_where(zero.index_copy_(0, b.active, acc[1] > 0))
+        # under TP, the parts summed so far stay out of this step's all-reduce
+        held = self.tp.take_reduced_grads() if self.tp is not None and acc is not None else None
         if self.pm.state.has_dropout:  # each adapter's masks follow its own step (`plora.packed.dropout`)
             self.pm.state.set_dropout(b.planned[:, 0], None if spec.flat else int(b.tokens.shape[-1]))
         try:
@@ -476,26 +549,37 @@ class PackedLoRARecipe:
             hidden = final_hidden(self.pm.model, b.tokens, b.inputs.get("positions"))
             labels = LabelParts(b.inputs["label_index"], b.inputs["label_targets"], spec.labels.sizes,
                                 spec.labels.counts)
-            losses = torch.stack(adapter_mean_losses(self.pm.model.output, hidden.reshape(-1, hidden.shape[-1]),
-                                                     labels, self.head_chunk))
-            del hidden
+            flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+            if acc is None:
+                losses = torch.stack(adapter_mean_losses(self.pm.model.output, flat_hidden, labels, self.head_chunk))
+            else:  # a part's loss is over the label tokens of its whole effective batch
+                sums, counts = adapter_loss_sums(self.pm.model.output, flat_hidden, labels, self.head_chunk)
+                over = torch.where(acc[0] > 0, acc[0], torch.stack(counts).clamp(min=1).to(acc.dtype))
+                losses = torch.stack(sums) / over
+            del hidden, flat_hidden
             values = losses.detach().float()
             if self.tp is not None:  # rank 0's losses: one divergence decision on every rank
                 self.tp.broadcast_(values)
             ok = torch.isfinite(values)
-            if self.divergence_loss is not None:
-                ok &= values <= self.divergence_loss
+            total, last = values, None  # the effective batch's loss so far; whether the optimizer may step
+            if acc is not None:
+                total, last = values + acc[3], acc[2] > 0
+            if self.divergence_loss is not None:  # on the whole batch's loss, at its last part
+                within = total <= self.divergence_loss
+                ok &= within if last is None else (within | ~last)
             torch.where(ok, losses, torch.zeros_like(losses)).sum().backward()
         finally:
             if self.row_attn is not None:
                 self.row_attn.clear()
         if self.tp is not None:  # partial gradients of replicated LoRA tensors
             self.tp.reduce_grads()
+            if held is not None:
+                self.tp.give_back_grads(held)
         k = self.bank.num_adapters
         loss_k = torch.full((k,), float("nan"), dtype=torch.float32, device=values.device)
-        loss_k.index_copy_(0, b.active, values)
+        loss_k.index_copy_(0, b.active, total)
         go = torch.zeros(k, dtype=torch.bool, device=values.device)
-        go.index_copy_(0, b.active, ok)
+        go.index_copy_(0, b.active, ok if last is None else ok & last)
         norms = self._sq_norms().sqrt()
         go &= torch.isfinite(norms)
         if self.grad_clip is not None:  # as torch's clip_grad_norm_, per adapter
@@ -521,6 +605,11 @@ class PackedLoRARecipe:
             if not loss_ok[k]:
                 self._diverge(r, f"loss {value} at step {r.step}")
                 continue
+            if r.micro < r.parts - 1:  # a part of its batch: its optimizer steps after the last
+                r.micro += 1
+                r.partial = value  # the batch's loss so far (the device added this part's)
+                continue
+            r.micro, r.cycle, r.cycle_stream, r.partial = 0, [], None, 0.0
             r.losses.append(value)
             if not went[k]:
                 self._diverge(r, f"gradient norm {norms[k]} at step {r.step}")
@@ -609,7 +698,7 @@ class PackedLoRARecipe:
         job takes them), so that a resumed job need not score the epoch again."""
         if not self.cfg.eval.each_epoch or not self.eval_examples:
             return
-        due = [r for r in stepped if r.active and r.step < r.total_steps and r.step in self._ends(r)]
+        due = [r for r in stepped if r.active and r.at_boundary and r.step < r.total_steps and r.step in self._ends(r)]
         if not due:
             return
         self._room_for_eval()
@@ -699,7 +788,7 @@ class PackedLoRARecipe:
         every = self.cfg.eval.every_steps
         if not self.eval_samples:
             return
-        due = [r for r in stepped if r.active and r.step < r.total_steps
+        due = [r for r in stepped if r.active and r.at_boundary and r.step < r.total_steps
                and ((every and r.step % every == 0) or r.step in r.cfg.eval_steps)]
         if not due:
             return
@@ -810,7 +899,8 @@ class PackedLoRARecipe:
             "adapters_total": len(self.runs),
             # steps each adapter has taken (one that left: its whole budget): what the engine's
             # choice of joins counts a running job's remaining time from
-            "adapter_steps": {r.id: (r.step if r.active else r.total_steps) for r in self.runs},
+            # (packed steps: an adapter that accumulates takes its parts × optimizer steps)
+            "adapter_steps": {r.id: (r.packed_steps_taken if r.active else r.total_steps * r.parts) for r in self.runs},
             # the mean loss of each training adapter's last steps: a log's progress line shows their range
             "train_loss": {r.id: sum(r.losses[-10:]) / len(r.losses[-10:]) for r in self.runs
                            if r.active and r.losses},
@@ -884,6 +974,10 @@ class PackedLoRARecipe:
         return AdapterStream(len(self.train_samples), a.seed, lengths=self._stream_lengths,
                              buckets=self._stream_buckets)
 
+    def _run(self, index: int, a: JobAdapter, joined_at: int | None) -> AdapterRun:
+        return AdapterRun(index, a, self._stream(a), joined_at=joined_at,
+                          parts=accumulation_steps(a.batch_size, self.micro_batch_size))
+
     def _floors(self, active: list[AdapterRun]) -> tuple[list[int], list[int]] | None:
         """For a replayed step of balanced rows, each adapter's largest batch to come (tokens,
         labels): the step's shape holds every one of its steps (one capture a composition)."""
@@ -893,7 +987,8 @@ class PackedLoRARecipe:
         for r in active:
             if r.floor is None:  # every stream is balanced here (`_stream`)
                 left = max(1, r.total_steps - r.step)
-                tokens_most, labels_most = r.stream.max_batch_sums(left, [self._stream_lengths, self._label_counts])
+                tokens_most, labels_most = r.stream.max_batch_sums(left, [self._stream_lengths, self._label_counts],
+                                                                   parts=r.parts)
                 r.floor = (tokens_most, labels_most)
             tokens.append(r.floor[0])
             labels.append(r.floor[1])
@@ -1000,7 +1095,7 @@ class PackedLoRARecipe:
                 holder[k].index = None
             refill_slot(self.pm, self.bank, self.optimizer, k, self._newcomer(a))
             self._refilled(k)
-            self.runs.append(AdapterRun(k, a, self._stream(a), joined_at=step))
+            self.runs.append(self._run(k, a, step))
         if self.pm.state.has_dropout != had_dropout:
             self._drop_graphs()  # the held graphs were captured with(out) the dropout masks
         if grow:
@@ -1013,7 +1108,7 @@ class PackedLoRARecipe:
                 if r.index is not None:
                     r.index = new_index.get(r.index)
             for i, a in enumerate(grow):
-                self.runs.append(AdapterRun(len(keep) + i, a, self._stream(a), joined_at=step))
+                self.runs.append(self._run(len(keep) + i, a, step))
 
     def _refilled(self, k: int) -> None:
         """Slot ``k`` holds a new adapter of the same rank: the held graphs stay (they read

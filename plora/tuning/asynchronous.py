@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.costmodel import AdapterLoad, CostModel, packed_load
 from plora.engine.join_choice import JOIN_TP, pack_fits
 from plora.engine.streaming import STREAM_LINGER_S
 from plora.jobconfig import JobAdapter, JobStreaming
@@ -157,7 +157,8 @@ class _Feeder:
 
     def _load(self, adapter_id: str) -> AdapterLoad:
         cfg = self.configs[adapter_id]
-        return AdapterLoad(adapter_id, cfg.rank, cfg.batch_size, self.prep.steps[adapter_id])
+        return packed_load(adapter_id, cfg.rank, cfg.batch_size, self.prep.steps[adapter_id],
+                           self.spec.training.micro_batch_size)
 
     def _has_room(self, job_id: str, adapter_id: str) -> bool:
         """Whether a trial's adapter may join a job now: the job holds fewer than ``cap``

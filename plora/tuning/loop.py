@@ -15,7 +15,7 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.costmodel import CostModel, packed_load
 from plora.planner.plan import PLAN_FILE, Job, Plan
 from plora.spec import TRAINING_DIMS, AdapterConfig, Range, SweepSpec
 from plora.sweep import (
@@ -89,7 +89,8 @@ class _RunState:
     def plan(self) -> Plan:
         """Every batch's jobs in one plan; each batch's predictions are in its record."""
         last = self.batches[-1].get("grouping", "") if self.batches else ""
-        return Plan(list(self.jobs), adapters=[AdapterLoad(c.id, c.rank, c.batch_size, self.steps[c.id])
+        return Plan(list(self.jobs), adapters=[packed_load(c.id, c.rank, c.batch_size, self.steps[c.id],
+                                                           self.spec.training.micro_batch_size)
                                                for c in self.configs.values()],
                     gpus=self.gpus, grouping=f"optuna: {len(self.batches)} batches; {last}", batches=list(self.batches))
 
