@@ -388,3 +388,15 @@ def test_resuming_a_run_directory_of_other_intermediate_samples(tmp_path):
     (prep.run_dir / "spec.yaml").write_text(yaml.safe_dump(before))
     check_resumable(prep.run_dir, load_spec(tmp_path / "space.yaml"), [c.id for c in prep.configs])
     assert parse_spec({"name": "x"}).eval.intermediate_samples == 32
+
+
+def test_an_accumulating_adapter_is_scored_once_at_each_epoch_end(tmp_path):
+    """With a micro-batch smaller than the batch, an adapter's optimizer step spans several
+    packed steps: its epoch ends are scored once each, at the optimizer step that ends them."""
+    prep = prepared(tmp_path, configs=TWO, training={"epochs": 2, "micro_batch_size": 4})
+    frame = run_prepared(prep, slots=["cpu:0"])
+    assert set(frame.status) == {"done"}, frame[["adapter_id", "status", "reason"]]
+    for _, row in frame.iterrows():
+        m = json.loads((prep.run_dir / "adapters" / row.adapter_id / "metrics.json").read_text())
+        steps = prep.steps[row.adapter_id]
+        assert [(e["epoch"], e["step"]) for e in m["epochs"]] == [(1, steps // 2), (2, steps)]
