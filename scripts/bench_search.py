@@ -32,8 +32,8 @@ DIR/search.json, saved after every run; a run already recorded there is skipped,
 parts can be spread over several calls of a machine that kills a command after 10 minutes
 (``--stop-after 540`` starts no run that its estimate says would end past 540 s of this
 call; a run cut short is not recorded and starts afresh next time). Before each part, the
-device time it will need is printed (from the grid's makespan, or the plan's prediction
-before the grid ran).
+device time it will need is printed (from the grid's makespan; before the grid ran, from
+issue 47's 24-configuration grid: 97 s on one H100).
 
     python scripts/bench_search.py --out DIR --parts grid --tasks arithmetic --stop-after 540
     python scripts/bench_search.py --out DIR --parts random tpe tpe-async --tasks arithmetic --stop-after 540
@@ -69,6 +69,9 @@ PARTS = ("grid", *TUNES, "report")
 STRATEGY = {"random": ("random", False), "tpe": ("tpe", False), "tpe-async": ("tpe", True)}
 #: a plora process's own start, set-up and result collection around its GPU time (estimates)
 START_S = 30.0
+#: seconds of grid makespan per configuration: 97 s for 24 on one H100 (issue 47); on CPU, the smoke grid's
+GRID_S_PER_CONFIG = 97 / 24
+GRID_S_PER_CONFIG_CPU = 1.0
 
 
 # ---------------------------------------------------------------------------------- spaces
@@ -145,14 +148,12 @@ def tail(path: Path, lines: int = 3) -> str:
 
 
 # ------------------------------------------------------------------------------------ grid
-def predicted_grid_s(args: argparse.Namespace, task: str) -> float | None:
-    """The plan's predicted makespan of a task's grid (before the grid has run)."""
-    from plora.planner.plan import Plan
-
-    out = args.work / f"plan-{task}"
-    code, _ = plora(args, ["plan", str(space_file(args, task)), "-o", str(out)], args.out / f"plan-{task}.log")
-    plan = Plan.of_run(out) if code == 0 else None
-    return float(plan.makespan) if plan is not None and plan.makespan else None
+def grid_estimate_s(args: argparse.Namespace) -> float:
+    """A grid's makespan before it has run: its configurations at the rate of issue 47's
+    24-configuration grid of the same model (97 s on one H100, 1600 rows), scaled by the rows;
+    a guess on CPU. (The analytic plan, without a profile, predicted a quarter of that.)"""
+    per_config = GRID_S_PER_CONFIG_CPU if args.smoke else GRID_S_PER_CONFIG * args.num_train / 1600
+    return grid_size(grid_dims(args)) * per_config
 
 
 def grid_curve(run: Path, metric: str, minimize: bool) -> list[dict]:
@@ -416,7 +417,7 @@ def estimate(args: argparse.Namespace, store: Store, part: str, tasks: list[str]
     for task in tasks:
         t = store.task(task)
         grid = t.get("grid") or {}
-        span = grid.get("makespan_s") or t.get("predicted_grid_s") or 0.0
+        span = grid.get("makespan_s") or grid_estimate_s(args)
         if part == "grid":
             total += 0 if grid.get("best") is not None else span + START_S
         elif part in TUNES:
@@ -460,6 +461,8 @@ def main() -> None:
     ap.add_argument("--on-budget", default="stop", choices=["finish", "stop"],
                     help="stop: running trials are pruned once the budget is spent (every strategy spends the same)")
     ap.add_argument("--per-job", type=int, default=None, help="planner.max_adapters_per_job (default 32; smoke 8)")
+    ap.add_argument("--num-train", type=int, default=None, help="training rows (default 1600; smoke 160)")
+    ap.add_argument("--num-eval", type=int, default=None, help="eval rows (default 200; smoke 32)")
     ap.add_argument("--verdict-objective", default="exact_match", choices=["exact_match", "choice_accuracy"])
     ap.add_argument("--stop-after", type=float, default=None,
                     help="start no run whose estimate ends past this many seconds of this call (a 10-minute limit: 540)")
@@ -478,11 +481,13 @@ def main() -> None:
     args.targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if args.smoke else "all-linear"
     if args.smoke:  # the demo model knows letters only: its own task stands in for both
         args.model, args.dtype, args.seq, args.smoke_task = "builtin:tiny-llama", "float32", 32, "shift"
-        args.num_train, args.num_eval, args.max_new_tokens = 160, 32, 8
+        rows, args.max_new_tokens = (160, 32), 8
     else:
         args.model = str(args.gguf.resolve()) if args.gguf else "builtin:smollm2-135m-instruct"
         args.dtype, args.seq, args.smoke_task = "bfloat16", 96, None
-        args.num_train, args.num_eval, args.max_new_tokens = 1600, 200, 6
+        rows, args.max_new_tokens = (1600, 200), 6
+    args.num_train = args.num_train or rows[0]
+    args.num_eval = args.num_eval or rows[1]
 
     store = Store(args.out / "search.json")
     store.data.update({"model": args.model, "smoke": args.smoke, "grid": grid_dims(args),
@@ -507,6 +512,8 @@ def main() -> None:
               "this call left; run again to go on", flush=True)
         return False
 
+    total = sum(estimate(args, store, part, args.tasks) for part in args.parts)
+    print(f"all parts asked ({' '.join(args.parts)}): about {total:.0f} device seconds", flush=True)
     stopped = False
     for part in args.parts:
         if stopped:
@@ -515,12 +522,6 @@ def main() -> None:
             for task in args.tasks:
                 run_report(args, store, task)
             continue
-        if part == "grid":
-            for task in args.tasks:
-                t = store.task(task)
-                if (t.get("grid") or {}).get("best") is None and "predicted_grid_s" not in t:
-                    t["predicted_grid_s"] = predicted_grid_s(args, task)
-                    store.save()
         print(f"part {part}: about {estimate(args, store, part, args.tasks):.0f} device seconds "
               f"({', '.join(args.tasks)})", flush=True)
         for task in args.tasks:
@@ -529,7 +530,7 @@ def main() -> None:
                 if (t.get("grid") or {}).get("best") is not None:
                     print(f"  {task} grid: recorded, skipped", flush=True)
                     continue
-                if not time_left((t.get("predicted_grid_s") or 0) + START_S):
+                if not time_left(grid_estimate_s(args) + START_S):
                     stopped = True
                     break
                 t["grid"] = run_grid(args, task)
