@@ -33,7 +33,8 @@ Device time, from issue 47's grid rate: each grid about 7 minutes, each tune a q
 that plus its process's start (about 2.5 minutes): about an hour for both tasks and 3 seeds.
 
 Every ``plora`` call is a fresh process, as a user runs it, with PLORA_CACHE_DIR and
-TRITON_CACHE_DIR kept across calls (``--caches``: warm after the first). Results merge into
+TRITON_CACHE_DIR kept across calls (``--caches``), warmed before the first grid by an
+untimed sweep of two configurations on a few rows, so that every timed run finds them warm. Results merge into
 DIR/search.json, saved after every run; a run already recorded there is skipped, so the
 parts can be spread over several calls of a machine that kills a command after 10 minutes
 (``--stop-after 540`` starts no run that its estimate says would end past 540 s of this
@@ -158,6 +159,29 @@ def tail(path: Path, lines: int = 3) -> str:
 
 
 # ------------------------------------------------------------------------------------ grid
+def warm_up(args: argparse.Namespace, store: "Store") -> None:
+    """Once, untimed: a two-configuration sweep of a few rows, so that the first grid finds
+    Triton's and plora's caches as every later call does (its kernels compiled)."""
+    if (store.data.get("warmup") or {}).get("exit_code") == 0:
+        return
+    data = space(args, args.tasks[0])
+    data["name"] = "search-warmup"
+    data["data"].update({"num_train": 64, "num_eval": 8, "max_eval_samples": 8})
+    dims = grid_dims(args)
+    data["space"] = {"strategy": "list", "configs": [
+        {"rank": r, "alpha": r, "learning_rate": dims["learning_rate"][0], "batch_size": bs}
+        for r, bs in zip(dims["rank"], dims["batch_size"])]}
+    import yaml
+
+    path = args.work / "search-warmup.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    code, wall = plora(args, ["sweep", str(path), "-o", str(args.work / "search-warmup"), "--restart"],
+                       args.out / "warmup.log")
+    store.data["warmup"] = {"exit_code": code, "wall_s": wall}
+    store.save()
+    print(f"warm-up sweep: {wall:.0f} s, exit {code}", flush=True)
+
+
 def grid_estimate_s(args: argparse.Namespace) -> float:
     """A grid's makespan before it has run: its configurations at the rate of issue 47's
     24-configuration grid of the same model (97 s on one H100, 1600 rows), scaled by the rows;
@@ -563,9 +587,10 @@ def main() -> None:
                 if (t.get("grid") or {}).get("best") is not None:
                     print(f"  {task} grid: recorded, skipped", flush=True)
                     continue
-                if not time_left(grid_estimate_s(args) + START_S):
+                if not time_left(grid_estimate_s(args) + 2 * START_S):
                     stopped = True
                     break
+                warm_up(args, store)
                 t["grid"] = run_grid(args, task)
                 store.save()
                 g = t["grid"]
