@@ -153,13 +153,10 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         spare.discard()
         raise
     if warm:  # (a profile's probe job may have taken the first one)
-        spare.prime(spare.first_gpus(spec.hardware.device))
-        for job in prep.plan.jobs:  # the other one-GPU jobs that start at once: one each
-            if job.tp == 1 and job.start <= 0 and job.gpus and spec.hardware.device != "cpu":
-                spare.prime(job.gpus)
-        for gpus in [g for g in spare.first_wave(spec.hardware.device, spec.hardware.gpus)
-                     if not any(j.tp == 1 and j.start <= 0 and j.gpus == g for j in prep.plan.jobs)]:
-            spare.forget(gpus)  # started before planning for a GPU no job starts on now
+        wanted = [spare.first_gpus(spec.hardware.device)]
+        if prep.hardware is not None and prep.hardware.gpu:  # the other one-GPU jobs that start at once
+            wanted += [j.gpus for j in prep.plan.jobs if j.tp == 1 and j.start <= 0 and j.gpus]
+        spare.keep_only(wanted)  # those started before planning for a GPU no job starts on go
         # the first job's model, loaded as soon as the spare has imported: after planning, so
         # that a quick calibration's probes never share the GPU with a second copy of it
         m = spec.model

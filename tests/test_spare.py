@@ -51,7 +51,8 @@ def test_a_job_handed_to_a_spare_trains_as_a_fresh_process(tmp_path, monkeypatch
     cold, cold_spares = _sweep(tmp_path / "cold", monkeypatch, on=False)
     warm, warm_spares = _sweep(tmp_path / "warm", monkeypatch, on=True)
     assert cold_spares == [False, False, False]
-    assert len(warm_spares) == 3 and any(warm_spares)  # the sweep's first job at least was waiting for it
+    assert len(warm_spares) == 3 and any(warm_spares)
+    assert warm_spares[0]  # the sweep's first job was waiting for it, started before planning
     assert (warm["status"] == "done").all()
     for col in ("train_loss", "eval_loss", "steps"):
         assert warm[col].tolist() == cold[col].tolist()
@@ -190,6 +191,11 @@ def test_each_gpu_of_the_first_wave_finds_its_own_spare(tmp_path, monkeypatch):
         assert spare.take(tmp_path / "b.yaml", tmp_path, tmp_path / "b.log", {"CUDA_VISIBLE_DEVICES": "1"}, 0.0) \
             is second.proc and second.handed is not None
         assert spare.take(tmp_path / "c.yaml", tmp_path, tmp_path / "c.log", {"CUDA_VISIBLE_DEVICES": "1"}, 0.0) is None
+        # after planning: spares for the GPUs the first jobs start on, the others let go
+        spare.prime([0])
+        zero = spare._spares[(0,)]
+        spare.keep_only([[1], [2]])
+        assert zero.killed and set(spare._spares) == {(1,), (2,)}
     finally:
         spare._spares.clear()
 

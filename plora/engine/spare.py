@@ -259,11 +259,14 @@ def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:
         discard()
 
 
-def forget(gpus: Sequence[int]) -> None:
-    """Kill the spare for a job on ``gpus``, if there is one: no job is coming there."""
-    spare = _spares.pop(tuple(gpus), None)
-    if spare is not None:
-        spare.kill()
+def keep_only(wanted: Sequence[Sequence[int]]) -> None:
+    """Spares for jobs on each GPU set of ``wanted`` (started where missing); the others,
+    for GPUs no job is coming to, are let go."""
+    keys = {tuple(g) for g in wanted}
+    for key in [k for k in _spares if k not in keys]:
+        _spares.pop(key).kill()
+    for gpus in wanted:
+        prime(gpus)
 
 
 def discard() -> None:
