@@ -288,22 +288,26 @@ def part_peft(args) -> dict:
     return results
 
 
-def run_pool(worker: list[str], env: dict, configs: list[int], n: int, folder: Path) -> tuple[list[dict], float]:
+def run_pool(worker: list[str], env: dict, configs: list[int], n: int, folder: Path,
+             gpus: int = 0) -> tuple[list[dict], float]:
     """``configs`` through a pool of ``n`` slots, each a fresh worker process; a new one starts
-    as one ends. Returns each configuration's result (with its process time) and the start."""
+    as one ends. With ``gpus``, slot k runs on GPU k mod ``gpus`` (N processes per GPU).
+    Returns each configuration's result (with its process time) and the start."""
     folder.mkdir(parents=True, exist_ok=True)
     pending, running, runs = list(configs), {}, []
     t0 = time.time()
     while pending or running:
         while pending and len(running) < n:
+            slot = min(set(range(n)) - {s for s, *_ in running.values()})
             i = pending.pop(0)
             out = folder / f"config-{i:02d}.json"
             out.unlink(missing_ok=True)
             log = open(folder / f"config-{i:02d}.log", "w")
-            proc = subprocess.Popen(worker + ["--peft-config", str(i), "--peft-out", str(out)], env=env, cwd=str(REPO),
+            e = {**env, "CUDA_VISIBLE_DEVICES": str(slot % gpus)} if gpus else env
+            proc = subprocess.Popen(worker + ["--peft-config", str(i), "--peft-out", str(out)], env=e, cwd=str(REPO),
                                     stdout=log, stderr=subprocess.STDOUT)
-            running[i] = (proc, time.time(), out, log)
-        for i, (proc, started, out, log) in list(running.items()):
+            running[i] = (slot, proc, time.time(), out, log)
+        for i, (slot, proc, started, out, log) in list(running.items()):
             if proc.poll() is None:
                 continue
             log.close()

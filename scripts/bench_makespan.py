@@ -214,6 +214,8 @@ def part_contention(args) -> dict:
 def alone(args, space: dict, jobs: list[dict]) -> list[dict]:
     """Each job of the shared sweep again, alone on the first GPU: its job.yaml, its own
     output folder, no streaming (nothing joins it)."""
+    import yaml
+
     from plora.engine.local import launch
     from plora.jobconfig import JobConfig, JobStreaming
     from plora.spec import parse_spec
@@ -223,7 +225,7 @@ def alone(args, space: dict, jobs: list[dict]) -> list[dict]:
     for j in jobs:
         if j["tp"] != 1:
             continue
-        cfg = JobConfig.parse(__import__("yaml").safe_load((run / "jobs" / j["job"] / "job.yaml").read_text()))
+        cfg = JobConfig.parse(yaml.safe_load((run / "jobs" / j["job"] / "job.yaml").read_text()))
         folder = args.out / "alone" / j["job"]
         cfg = cfg.model_copy(update={"output_dir": folder, "job_dir": folder / "job", "streaming": JobStreaming(),
                                      "eval_base": False})
@@ -323,7 +325,7 @@ def part_peft(args, shape: str) -> dict:
     take = [i for k in range(args.peft_sample) for bs in FIG4_BATCHES for i in by_bs[bs][k * 5 % len(by_bs[bs]):][:1]]
     for n in args.peft_n:
         slots = n * g
-        runs, started = pool(worker, env, take, slots, g, folder / f"n{n}", smoke=args.smoke)
+        runs, started = bfs.run_pool(worker, env, take, slots, folder / f"n{n}", gpus=0 if args.smoke else g)
         ok = [r for r in runs if "seconds" in r]
         per: dict[int, list[float]] = {}
         for r in ok:
@@ -335,37 +337,6 @@ def part_peft(args, shape: str) -> dict:
                        "extrapolated": True, "wall_whole_s": whole, "runs": runs}
         print(f"peft {n}/GPU: {whole if whole is None else round(whole, 1)} s (extrapolated)", flush=True)
     return out
-
-
-def pool(worker: list[str], env: dict, configs: list[int], slots: int, gpus: int, folder: Path, *,
-         smoke: bool) -> tuple[list[dict], float]:
-    """``configs`` through ``slots`` processes at once, spread over the GPUs round robin."""
-    folder.mkdir(parents=True, exist_ok=True)
-    pending, running, runs = list(configs), {}, []
-    t0 = time.time()
-    while pending or running:
-        busy = [s for s, _ in running.values()]
-        while pending and len(running) < slots:
-            slot = next(s for s in range(slots) if s not in busy)
-            busy.append(slot)
-            i = pending.pop(0)
-            out = folder / f"config-{i:02d}.json"
-            out.unlink(missing_ok=True)
-            log = open(folder / f"config-{i:02d}.log", "w")
-            e = dict(env) if smoke else {**env, "CUDA_VISIBLE_DEVICES": str(slot % gpus)}
-            proc = subprocess.Popen(worker + ["--peft-config", str(i), "--peft-out", str(out)], env=e, cwd=str(REPO),
-                                    stdout=log, stderr=subprocess.STDOUT)
-            running[i] = (slot, (proc, time.time(), out, log))
-        for i, (slot, (proc, started, out, log)) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            log.close()
-            del running[i]
-            row = json.loads(out.read_text()) if out.is_file() else {"config": i, "error": proc.returncode}
-            row["process_s"] = time.time() - started
-            runs.append(row)
-        time.sleep(0.05)
-    return runs, t0
 
 
 # ------------------------------------------------------------------------------------ main

@@ -17,6 +17,7 @@ leaves threads and binding to the libraries' defaults; a thread count the user s
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,16 +50,10 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
 
 def format_cpus(cpus: Iterable[int]) -> str:
     """``0-3,8,10-11``: the kernel's own list format (as in /sys and ``taskset -c``)."""
-    out, run = [], []
-    for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    out = []
+    for _, run in itertools.groupby(enumerate(sorted(set(cpus))), lambda ic: ic[1] - ic[0]):
+        run_cpus = [c for _, c in run]
+        out.append(f"{run_cpus[0]}-{run_cpus[-1]}" if len(run_cpus) > 1 else str(run_cpus[0]))
     return ",".join(out)
 
 
