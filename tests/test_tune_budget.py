@@ -16,12 +16,14 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.spec import ASSETS_DIR, parse_spec
+from plora.spec import parse_spec
 from plora.tuning import loop as tloop
 from plora.tuning import samplers as tsamp
 from plora.tuning.base import TuneError
 from plora.tuning.budget import HISTORY_FILE, SUMMARY_FILE, Budget, GpuClock, parse_gpu_budget
 from plora.tuning.fidelity import UNITS, PatientRungs, Rungs
+from test_optuna import demo_model  # noqa: F401 - the shared fixture
+from test_optuna import space as optuna_space
 
 runner = CliRunner()
 
@@ -29,32 +31,9 @@ BS2_BS4 = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 2},
            {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4}]
 
 
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory) -> str:
-    if (ASSETS_DIR / "tiny-llama" / "config.json").is_file():
-        return "builtin:tiny-llama"
-    from conftest import make_tiny_llama
-
-    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
-
-
 def space(tmp_path: Path, model: str, **over) -> dict:
-    data = {
-        "name": "tune",
-        "model": {"path": model, "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "random", "num_samples": 6, "seed": 0, "rank": [2, 4, 8],
-                  "alpha": {"relative": [1, 2]}, "learning_rate": {"low": 1e-4, "high": 3e-2, "log": True},
-                  "batch_size": [4, 8]},
-        "training": {"steps": 8},
-        "eval": {"metrics": ["loss"], "objective": "loss"},
-        "hardware": {"device": "cpu"},
-        "planner": {"max_adapters_per_job": 4},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    data.update(over)
-    return data
+    """`test_optuna`'s space, scored by the loss alone (no generation: faster tunes)."""
+    return optuna_space(tmp_path, model, **{"eval": {"metrics": ["loss"], "objective": "loss"}, **over})
 
 
 class Never(optuna.pruners.BasePruner):
