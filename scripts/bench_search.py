@@ -266,6 +266,8 @@ def run_grid(args: argparse.Namespace, task: str) -> dict:
                 "eval_loss"]
         out["best"] = float(best[col])
         out["best_config"] = {k: (v.item() if hasattr(v, "item") else v) for k, v in best.items() if k in keep}
+        # every configuration's score: a tune's pick is looked up here (its score without a retrain)
+        out["scores"] = {str(r.adapter_id): float(getattr(r, col)) for r in done.itertuples()}
     base = run / "base_metrics.json"
     if base.is_file():
         out["base"] = json.loads(base.read_text()).get(col)
@@ -327,9 +329,49 @@ def run_tune(args: argparse.Namespace, task: str, part: str, seed: int, grid: di
     if grid.get("best") is not None:
         target = grid["best"] + args.within if low else grid["best"] - args.within
         out["to_within_s"] = reached(history, target, low)
+    out.update(picks(run, grid, low))
     if code != 0:
         out["error"] = tail(log)
     return out
+
+
+def completed_trials(run: Path) -> list[tuple[str, float]]:
+    """(adapter id, value) of a tune's complete trials, from its Optuna study."""
+    import optuna
+
+    db = run / "study.sqlite"
+    if not db.is_file():
+        return []
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = f"sqlite:///{db}"
+    out = []
+    for summary in optuna.get_all_study_summaries(storage):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        out += [(t.user_attrs["adapter_id"], float(t.value)) for t in study.trials
+                if t.state == optuna.trial.TrialState.COMPLETE and "adapter_id" in t.user_attrs and t.value is not None]
+    return out
+
+
+def grid_rank(grid: dict, adapter_id: str, low: bool) -> int | None:
+    """1 + how many of the grid's configurations scored strictly better than this one."""
+    scores = grid.get("scores") or {}
+    if adapter_id not in scores:
+        return None
+    v = scores[adapter_id]
+    return 1 + sum(1 for x in scores.values() if (x < v if low else x > v))
+
+
+def picks(run: Path, grid: dict, low: bool) -> dict:
+    """What a tune picked, judged without retraining: its best trial's configuration as the
+    grid scored it, and its rank in the grid; and every complete trial that the grid also
+    trained, as (tune score, grid score): the same configuration trained twice."""
+    trials = completed_trials(run)
+    if not trials:
+        return {}
+    pick = (min if low else max)(trials, key=lambda t: t[1])[0]
+    scores = grid.get("scores") or {}
+    return {"pick": pick, "pick_grid_score": scores.get(pick), "pick_grid_rank": grid_rank(grid, pick, low),
+            "retrained": [[v, scores[a]] for a, v in trials if a in scores]}
 
 
 # --------------------------------------------------------------------------------- results
@@ -366,7 +408,9 @@ def summarize(args: argparse.Namespace, result: dict) -> None:
                 med[part] = {"seeds": len(runs), "best": median_score([r.get("best") for r in runs], low),
                              "trials": median([r.get("trials") for r in runs]),
                              "to_within_s": statistics.median(times),
-                             "spent_gpu_seconds": median([r.get("spent_gpu_seconds") for r in runs])}
+                             "spent_gpu_seconds": median([r.get("spent_gpu_seconds") for r in runs]),
+                             "pick_grid_score": median_score([r.get("pick_grid_score") for r in runs], low),
+                             "pick_grid_rank": median([r.get("pick_grid_rank") or math.inf for r in runs])}
         t["medians"] = med
         verdicts = {}
         a, r = med.get("tpe-async"), med.get("random")
@@ -383,6 +427,26 @@ def summarize(args: argparse.Namespace, result: dict) -> None:
             faster = a["to_within_s"] < r["to_within_s"]
             verdicts["tpe_async_beats_random"] = {"pass": bool(better or (tie and faster)), "tpe_async": a["best"],
                                                   "random": r["best"], "tie_broken_by_time": bool(tie)}
+        # the noise floor: the same configuration trained twice (in the grid and in a tune), and
+        # the grid's best score's binomial standard error over its eval rows
+        pairs = [p for part in TUNES for r in (t.get("runs", {}).get(part) or {}).values() for p in r.get("retrained", [])]
+        if pairs:
+            diffs = sorted(abs(a - b) for a, b in pairs)
+            t["retrain_noise"] = {"pairs": len(pairs), "mean_abs_diff": statistics.fmean(diffs),
+                                  "max_abs_diff": diffs[-1], "p90_abs_diff": diffs[int(0.9 * (len(diffs) - 1))]}
+        p = grid["best"]
+        if grid["objective"] != "loss" and 0 <= p <= 1 and args.num_eval:
+            t["grid_best_stderr"] = math.sqrt(p * (1 - p) / args.num_eval)
+        # the restated verdict: the configuration TPE async picks, scored by the grid (no
+        # retrain noise), ranks among the grid's best tenth, and no worse than random's pick
+        if a and a.get("pick_grid_rank") is not None and grid.get("scores"):
+            top = max(1, round(0.1 * len(grid["scores"])))
+            rank_a = a["pick_grid_rank"]
+            rank_r = r.get("pick_grid_rank") if r else None
+            verdicts["tpe_async_pick_in_grid_top_10pct"] = {"pass": rank_a <= top, "median_rank": rank_a, "top": top}
+            if rank_r is not None:
+                verdicts["tpe_async_pick_no_worse_than_random"] = {"pass": rank_a <= rank_r, "tpe_async": rank_a,
+                                                                   "random": rank_r}
         t["verdicts"] = verdicts
 
 
@@ -397,17 +461,29 @@ def fmt(v: Any, f: str = "{:.3f}") -> str:
 def table(result: dict) -> list[str]:
     lines = [f"device: {result.get('device', '?')} · model: {result.get('model', '?')}"
              + (" · SMOKE (tiny model, CPU: not a measurement)" if result.get("smoke") else ""), "",
-             "| task | strategy | seeds | best (median) | trials | GPU-s spent | GPU-s to within 1 pt of the grid's best |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| task | strategy | seeds | best (median) | trials | GPU-s spent | GPU-s to within 1 pt of the grid's best "
+             "| pick's grid score | pick's grid rank |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for task, t in result.get("tasks", {}).items():
         g = t.get("grid") or {}
         if g:
             lines.append(f"| {task} | grid | – | {fmt(g.get('best'))} | {g.get('configurations')} | "
-                         f"{fmt(g.get('makespan_s'), '{:.0f}')} | {fmt(g.get('to_within_s'), '{:.0f}')} |")
+                         f"{fmt(g.get('makespan_s'), '{:.0f}')} | {fmt(g.get('to_within_s'), '{:.0f}')} | "
+                         f"{fmt(g.get('best'))} | 1 |")
         for part, m in (t.get("medians") or {}).items():
             lines.append(f"| {task} | {part} | {m['seeds']} | {fmt(m['best'])} | {fmt(m['trials'], '{:.0f}')} | "
-                         f"{fmt(m['spent_gpu_seconds'], '{:.0f}')} | {fmt(m['to_within_s'], '{:.0f}')} |")
+                         f"{fmt(m['spent_gpu_seconds'], '{:.0f}')} | {fmt(m['to_within_s'], '{:.0f}')} | "
+                         f"{fmt(m.get('pick_grid_score'))} | {fmt(m.get('pick_grid_rank'), '{:.0f}')} |")
     lines.append("")
+    for task, t in result.get("tasks", {}).items():
+        n = t.get("retrain_noise")
+        if n:
+            lines.append(f"{task}: the same configuration trained twice (grid, tune), {n['pairs']} pairs: "
+                         f"|score difference| mean {n['mean_abs_diff']:.3f}, 90th percentile {n['p90_abs_diff']:.3f}, "
+                         f"max {n['max_abs_diff']:.3f}")
+        if t.get("grid_best_stderr") is not None:
+            lines.append(f"{task}: the grid's best score's standard error over {result.get('num_eval')} eval rows: "
+                         f"{t['grid_best_stderr']:.3f}")
     lines.append(f"each tune's budget: {result.get('budget_fraction')} × the grid's makespan (GPU-seconds on one GPU), "
                  f"{result.get('batch')} trials at once, pruner {result.get('pruner')}, on budget: {result.get('on_budget')}")
     for task, t in result.get("tasks", {}).items():
@@ -549,7 +625,8 @@ def main() -> None:
     store = Store(args.out / "search.json")
     store.data.update({"model": args.model, "smoke": args.smoke, "grid": grid_dims(args),
                        "budget_fraction": args.budget_fraction, "batch": args.batch, "pruner": args.pruner,
-                       "on_budget": args.on_budget, "seeds": args.seeds, "within": args.within})
+                       "on_budget": args.on_budget, "seeds": args.seeds, "within": args.within,
+                       "num_train": args.num_train, "num_eval": args.num_eval})
     if "device" not in store.data or store.data.get("device") == "cpu":
         import torch
 
