@@ -14,6 +14,8 @@ list of configurations in variants that each add one part of a tune, every one a
 
 * ``sweep``: ``plora sweep`` of the list (the reference);
 * ``sweep-eager``: the same with CUDA graphs off (``PLORA_CUDA_GRAPHS=0``);
+* ``sweep-small-packs``: the sweep in packs of two adapters (other pack partners, other
+  segment layouts for the kernels, nothing else changed);
 * ``sweep-evals``: the sweep with intermediate evals (``eval.every_steps``), the objective
   scored on the eval slice, as a tune's rungs do, nothing pruned;
 * ``tune``: ``plora tune --sampler grid`` of the same list, all at once, no pruner;
@@ -26,7 +28,7 @@ of the saved adapter weights, the final eval loss and the objective's difference
 whose adapters differ beyond bf16 rounding (its weights' max difference against
 ``sweep-eager``'s, which only changes the kernels' launch path) names the part to look at.
 
-    python scripts/check_tune_equivalence.py --out DIR --gguf SmolLM2-135M-Instruct.Q4_1.gguf   # GPU: about 6 minutes
+    python scripts/check_tune_equivalence.py --out DIR --gguf SmolLM2-135M-Instruct.Q4_1.gguf   # GPU: about 7 minutes
     python scripts/check_tune_equivalence.py --out DIR --smoke       # the demo model on CPU: every variant equal
 
 Writes DIR/equivalence.json and prints a table.
@@ -47,7 +49,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("sweep", "sweep-eager", "sweep-evals", "tune", "tune-pruned", "tune-pruned-eager")
+VARIANTS = ("sweep", "sweep-eager", "sweep-small-packs", "sweep-evals", "tune", "tune-pruned", "tune-pruned-eager")
 
 
 def configs(smoke: bool) -> list[dict]:
@@ -60,7 +62,7 @@ def configs(smoke: bool) -> list[dict]:
             for r in (8, 32) for lr in (1e-3, 4e-3) for bs in (8, 16)]
 
 
-def space(args: argparse.Namespace, every_steps: int | None = None) -> dict:
+def space(args: argparse.Namespace, every_steps: int | None = None, per_job: int = 32) -> dict:
     evals: dict[str, Any] = {"metrics": ["loss", "exact_match"], "objective": "exact_match",
                              "max_new_tokens": args.max_new_tokens}
     if every_steps:
@@ -75,7 +77,7 @@ def space(args: argparse.Namespace, every_steps: int | None = None) -> dict:
         "training": {"epochs": 1, "scheduler": "cosine", "warmup_ratio": 0.05, "grad_clip": 1.0},
         "eval": evals,
         "hardware": {"device": "cpu"} if args.smoke else {"device": "cuda", "gpus": 1},
-        "planner": {"max_adapters_per_job": 32},
+        "planner": {"max_adapters_per_job": per_job},
     }
 
 
@@ -97,7 +99,8 @@ def run_variant(args: argparse.Namespace, name: str) -> dict:
         shutil.rmtree(run)
     evals_every = max(2, args.num_train // 16 // 4) if name == "sweep-evals" else None
     path = args.out / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(space(args, evals_every), sort_keys=False))
+    per_job = 2 if name == "sweep-small-packs" else 32
+    path.write_text(yaml.safe_dump(space(args, evals_every, per_job), sort_keys=False))
     eager = {"PLORA_CUDA_GRAPHS": "0"} if name.endswith("-eager") else None
     n = len(configs(args.smoke))
     if name.startswith("sweep"):
