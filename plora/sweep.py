@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from plora.accumulation import micro_rows
-from plora.data_check import DataReport, check_data, data_config, eval_config
+from plora.data.accumulation import micro_rows
+from plora.data.check import DataReport, check_data, data_config, eval_config
 from plora.engine.streaming import STREAM_LINGER_S, StreamPolicy
-from plora.jobconfig import (
+from plora.job.config import (
     JobAdapter,
     JobConfig,
     JobLora,
@@ -29,11 +29,11 @@ from plora.jobconfig import (
     JobStreaming,
     JobTraining,
 )
-from plora.profiling.calibrate import CALIBRATED_SOURCE
-from plora.spec import AdapterConfig, SweepSpec
+from plora.cost.profiling.calibrate import CALIBRATED_SOURCE
+from plora.spec.schema import AdapterConfig, SweepSpec
 
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
-    from plora.costmodel import AdapterLoad
+    from plora.cost.model import AdapterLoad
     from plora.planner.plan import Job, Plan
     from plora.tuning.fidelity import Rungs  # Optuna is imported where a tune runs
 
@@ -59,7 +59,7 @@ def plan_jobs(
     planned on its own, priced for its layers (`targets_cost_model`), and the plans run one
     after the other.
     """
-    from plora.costmodel import packed_load
+    from plora.cost.model import packed_load
     from plora.planner import PLANNING_BUDGET_S
 
     hw = hardware or hardware_for(spec)
@@ -97,9 +97,9 @@ def planned(spec: SweepSpec, loads: Sequence[Any], cost_model: Any, gpus: int, t
 
 
 def targets_cost_model(spec: SweepSpec, targets: str, hw: Hardware) -> Any:
-    """The sweep's cost model for adapters of another target set (`plora.spec.target_key`):
+    """The sweep's cost model for adapters of another target set (`plora.spec.schema.target_key`):
     the same model, file and hardware, with ``lora.targets`` set to it."""
-    from plora.spec import target_names
+    from plora.spec.schema import target_names
 
     lora = spec.lora.model_copy(update={"targets": target_names(targets)})
     return sweep_models(spec.model_copy(update={"lora": lora}), None, hardware=hw).model
@@ -189,7 +189,7 @@ def within_node(cost_model: Any, max_tp: int | None) -> Any:
                    host_time={d: c for d, c in cost_model.host_time.items() if d in keep})
 
 
-#: the CPU prior's memory (`plora.cpu_cost`): what a CPU sweep plans its jobs within, and
+#: the CPU prior's memory (`plora.cost.cpu`): what a CPU sweep plans its jobs within, and
 #: the runtime's own share of it
 CPU_PRIOR = dict(memory_bytes=64 * 2**30, overhead_bytes=0.5 * 2**30)
 ANALYTIC_SOURCE = "the analytic cost model (no profile yet: `plora profile` fits one)"
@@ -216,9 +216,9 @@ def gpu_prior(device_name: str | None) -> dict[str, float]:
 def analytic_prior(spec: SweepSpec, hw: Hardware) -> Any:
     """The analytic cost model of the sweep's model on ``hw``: FLOPs and bytes from the model's
     shape, the step as the sweep's jobs run it (activation checkpointing or not)."""
-    from plora.costmodel import CostModel
-    from plora.cpu_cost import cpu_cost_model
-    from plora.profiling.cache import shape_from_model
+    from plora.cost.model import CostModel
+    from plora.cost.cpu import cpu_cost_model
+    from plora.cost.profiling.cache import shape_from_model
 
     shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
     targets = list(spec.lora.resolved_targets())
@@ -241,13 +241,13 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False
 
     In order: the run directory's profile.json; a cached profile of this model on this
     machine (`plora profile`); on a GPU here, the analytic prior corrected by the cached
-    calibration of this model here (`plora.profiling.calibrate`, what earlier sweeps
+    calibration of this model here (`plora.cost.profiling.calibrate`, what earlier sweeps
     measured); else the analytic prior from the model's shape (FLOPs and bytes), on a GPU
     with its memory per adapter counted `MEMORY_MARGIN` times until something is measured.
     A sweep never waits for a profile: ``probe`` is accepted for callers of earlier versions
     and means nothing here (`prepare` measures a few seconds where memory decides the plan).
     """
-    from plora.profiling.calibrate import conservative
+    from plora.cost.profiling.calibrate import conservative
 
     hw = hardware or hardware_for(spec)
     found = profiled_model(spec, run_dir, hw)
@@ -265,8 +265,8 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False
 def profiled_model(spec: SweepSpec, run_dir: Path | None, hw: Hardware) -> tuple[Any, str] | None:
     """A measured model of the sweep's model, and where it came from: the run directory's
     profile.json, else a profile cached on this machine; None where there is neither."""
-    from plora.costmodel import CostModel
-    from plora.profiling.profile import profile_sweep
+    from plora.cost.model import CostModel
+    from plora.cost.profiling.profile import profile_sweep
 
     if run_dir is not None and (run_dir / "profile.json").is_file():
         return CostModel.load(run_dir / "profile.json"), "the run's profile.json"
@@ -276,8 +276,8 @@ def profiled_model(spec: SweepSpec, run_dir: Path | None, hw: Hardware) -> tuple
 
 def cached_calibration(spec: SweepSpec, hw: Hardware) -> Any:
     """What earlier sweeps of the model measured on this machine (empty elsewhere)."""
-    from plora.profiling.cache import load_calibration
-    from plora.profiling.calibrate import Calibration
+    from plora.cost.profiling.cache import load_calibration
+    from plora.cost.profiling.calibrate import Calibration
 
     return (load_calibration(spec) if hw.local else None) or Calibration()
 
@@ -290,7 +290,7 @@ def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buck
     measured job terms on a CPU (the CPU's analytic prior stays as it is)."""
     if cost_model.eval_load is not None or (getattr(cost_model, "overheads", None) is None and not hw.gpu):
         return cost_model
-    from plora.jobcost import eval_load_for, train_row_lengths, train_row_tokens, widest_train_row
+    from plora.cost.job import eval_load_for, train_row_lengths, train_row_tokens, widest_train_row
 
     graphed = graphed_steps(spec, hw)
     lengths = row_lengths if row_lengths is not None else train_row_lengths(spec)
@@ -313,7 +313,7 @@ def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = Fal
 class SweepModels:
     """A sweep's cost model and what it was made of: the model measurements correct
     (``prior``: the analytic prior, or a profile, priced on the sweep's rows) and the
-    measurements so far (``calibration``; `plora.profiling.calibrate`)."""
+    measurements so far (``calibration``; `plora.cost.profiling.calibrate`)."""
 
     model: Any
     prior: Any
@@ -327,8 +327,8 @@ def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | 
     """`cost_model_for`'s model priced for the sweep, with its prior and calibration. On a GPU
     without a profile, the analytic prior is priced once and the model made from it: corrected
     by the cached calibration, else with its memory margin, cut where one of the sweep's
-    ``loads`` would fit no GPU with it (`plora.profiling.calibrate.conservative`)."""
-    from plora.profiling.calibrate import Calibration, conservative
+    ``loads`` would fit no GPU with it (`plora.cost.profiling.calibrate.conservative`)."""
+    from plora.cost.profiling.calibrate import Calibration, conservative
 
     hw = hardware or hardware_for(spec)
 
@@ -354,7 +354,7 @@ def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
     """Whether this sweep's (one-GPU) jobs will replay their steps from CUDA graphs."""
     import torch
 
-    from plora.step_settings import graphs_wanted
+    from plora.job.step_settings import graphs_wanted
 
     device = torch.device("cuda" if hw.gpu else "cpu")
     return graphs_wanted(spec.training.cuda_graphs, device, tp=False,
@@ -384,8 +384,8 @@ def model_targets(spec: SweepSpec, targets: str | Sequence[str] | None = None) -
     """The layers a job adapts: ``targets`` (default ``lora.targets``) resolved for the
     model's family (Phi-3's ``all-linear`` is its fused qkv_proj/gate_up_proj, not llama's
     seven layers)."""
-    from plora.models import read_model_info
-    from plora.spec import resolve_targets
+    from plora.models.loading import read_model_info
+    from plora.spec.schema import resolve_targets
 
     family = read_model_info(spec.model.resolved_path(), spec.model.family).family
     return resolve_targets(spec.lora.targets if targets is None else list(targets), family)
@@ -418,7 +418,7 @@ def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int, rungs: Rungs | 
 def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[str]:
     """The layers a job of ``configs`` adapts, resolved for the model's family: their one
     target set (adapters of different sets never share a job: `plan_jobs`)."""
-    from plora.spec import target_names
+    from plora.spec.schema import target_names
 
     sets = spec.target_sets(configs)
     if len(sets) > 1:
@@ -431,7 +431,7 @@ def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[s
 def check_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> None:
     """Every target set the space searches names layers the model's family has (a
     `SpecError` naming ``space.targets`` otherwise), before anything runs."""
-    from plora.spec import SpecError, target_names
+    from plora.spec.schema import SpecError, target_names
 
     sweep_set = spec.sweep_values()["targets"]
     for targets in spec.target_sets(configs):
@@ -498,12 +498,12 @@ class PreparedSweep:
     data: DataReport | None = None  # rows checked, cut or dropped (notes for the user)
     #: every job's streaming section, for a caller that sends joins itself (None: job_config's default)
     streaming: JobStreaming | None = None
-    #: ``training.length_buckets`` as every job of the sweep gets it (`plora.jobcost.sweep_length_buckets`)
+    #: ``training.length_buckets`` as every job of the sweep gets it (`plora.cost.job.sweep_length_buckets`)
     length_buckets: int | str = "auto"
-    #: ``training.row_layout`` as every job of the sweep gets it (`plora.jobcost.sweep_row_layout`)
+    #: ``training.row_layout`` as every job of the sweep gets it (`plora.cost.job.sweep_row_layout`)
     row_layout: str = "auto"
     #: what measurements correct while the sweep runs (the priced analytic prior, or a profile)
-    #: and the measurements so far (`plora.profiling.calibrate`); None: the cost model as it is
+    #: and the measurements so far (`plora.cost.profiling.calibrate`); None: the cost model as it is
     prior: Any = None
     calibration: Any = None
     #: a tune's pruner's rungs: every adapter is scored at them (`plora.tuning.fidelity`)
@@ -545,11 +545,11 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     of this machine with nothing measured of the model yet, the plan counts the analytic
     prior's memory per adapter `MEMORY_MARGIN` times; where that margin alone would keep the
     largest pack the sweep may form off the GPU, `probe` lets it first measure two short packs
-    (`plora.profiling.profile.quick_calibration`, a few seconds, reported through ``log``) and
+    (`plora.cost.profiling.profile.quick_calibration`, a few seconds, reported through ``log``) and
     plan on them. The sweep's own jobs calibrate the model further while they run. ``fresh``:
     the run directory is started over, its profile.json is not this sweep's.
     """
-    from plora.model_check import check_spec_model
+    from plora.models.check import check_spec_model
 
     check_spec_model(spec)  # a broken model folder is refused before any planning
     configs = spec.expand()
@@ -559,7 +559,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
-    from plora.jobcost import sweep_length_buckets, sweep_row_layout, train_row_lengths
+    from plora.cost.job import sweep_length_buckets, sweep_row_layout, train_row_lengths
 
     graphed = graphed_steps(spec, hw)
     # tokenized once here for all three: the layout, the bucket count and the rows' price
@@ -604,8 +604,8 @@ def resolved_layout(run_dir: Path) -> tuple[str, int | str] | None:
 def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int],
                 micro_batch_size: int | None = None) -> list[AdapterLoad]:
     """What the planner knows of each of the sweep's adapters: its rows per packed step and
-    its packed steps (an adapter accumulating over micro-batches: `plora.costmodel.packed_load`)."""
-    from plora.costmodel import packed_load
+    its packed steps (an adapter accumulating over micro-batches: `plora.cost.model.packed_load`)."""
+    from plora.cost.model import packed_load
 
     return [packed_load(c.id, c.rank, c.batch_size, steps[c.id], micro_batch_size) for c in configs]
 
@@ -628,9 +628,9 @@ def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Ma
     """The model to plan on before any job runs: the conservative prior where even then the
     sweep's largest pack fits one GPU (memory cannot decide the plan), else the prior
     corrected by a quick calibration (kept in plora's cache for the next sweep)."""
-    from plora.profiling.cache import remember_calibration
-    from plora.profiling.calibrate import Calibration
-    from plora.profiling.profile import quick_calibration
+    from plora.cost.profiling.cache import remember_calibration
+    from plora.cost.profiling.calibrate import Calibration
+    from plora.cost.profiling.profile import quick_calibration
 
     pack = largest_pack(spec, configs, steps)
     if conservative_model.fits(pack, 1, spec.planner.memory_load_factor):
@@ -663,7 +663,7 @@ def write_run_files(prep: PreparedSweep, *, restart: bool = False) -> None:
     still has to train (a resumed, retried or split job trains fewer than planned). A run
     directory that holds a sweep of another space is left as it is (`RunDirError`) unless
     ``restart`` starts it over."""
-    from plora.preflight import check_resumable
+    from plora.engine.preflight import check_resumable
 
     run_dir = prep.run_dir
     if restart and run_dir.exists():
@@ -795,18 +795,18 @@ def run_prepared(
         journal.close()
         backend.close()
         tracker.close(by_id)
-    from plora.profiling.calibrate import is_analytic
+    from plora.cost.profiling.calibrate import is_analytic
 
     if calibrator is not None and prep.hardware is not None and prep.hardware.local and is_analytic(prep.prior):
-        from plora.profiling.cache import remember_calibration
+        from plora.cost.profiling.cache import remember_calibration
 
         try:  # the next sweep of this model here starts calibrated; losing it costs nothing else
             remember_calibration(prep.spec, calibrator.calibration())
         except OSError:
             pass
     if engine.drift.overhead_s is not None and (prep.hardware is None or prep.hardware.local):
-        from plora.profiling.cache import remember_job_overhead
-        from plora.profiling.errors import ProfileError
+        from plora.cost.profiling.cache import remember_job_overhead
+        from plora.cost.profiling.errors import ProfileError
 
         try:  # the next sweep of this model here plans with it; losing it costs nothing else
             if getattr(prep.cost_model, "overheads", None) is None:
@@ -814,9 +814,9 @@ def run_prepared(
         except (OSError, ValueError, ProfileError):
             pass
     if getattr(prep.cost_model, "overheads", None) is not None and (prep.hardware is None or prep.hardware.local):
-        from plora.jobphases import read_phases
-        from plora.profiling.cache import remember_job_phases
-        from plora.profiling.errors import ProfileError
+        from plora.job.phases import read_phases
+        from plora.cost.profiling.cache import remember_job_phases
+        from plora.cost.profiling.errors import ProfileError
 
         try:  # the job terms refitted with this sweep's jobs, for the next sweep's first plan
             remember_job_phases(prep.spec, [read_phases(p.job_dir, p.ended) for p in engine.finished
@@ -853,13 +853,13 @@ def open_study_meanwhile(prep: PreparedSweep) -> threading.Thread:
 
 
 def sweep_calibrator(prep: PreparedSweep) -> Any:
-    """The calibration a GPU sweep keeps while it runs (`plora.profiling.calibrate`), or None
+    """The calibration a GPU sweep keeps while it runs (`plora.cost.profiling.calibrate`), or None
     (a CPU sweep, or a prepared sweep without a prior)."""
     if prep.prior is None or prep.hardware is None or not prep.hardware.gpu:
         return None
-    from plora.costmodel import AdapterLoad, packed_load
+    from plora.cost.model import AdapterLoad, packed_load
     from plora.engine.runner import DRIFT_THRESHOLD
-    from plora.profiling.calibrate import Calibration, SweepCalibrator
+    from plora.cost.profiling.calibrate import Calibration, SweepCalibrator
 
     def load(adapter_id: str) -> AdapterLoad:
         c = next(c for c in prep.configs if c.id == adapter_id)

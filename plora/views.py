@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     import optuna
     import pandas as pd
 
-    from plora.profiling.record import Profile
-    from plora.spec import SweepSpec
+    from plora.cost.profiling.record import Profile
+    from plora.spec.schema import SweepSpec
     from plora.sweep import PreparedSweep
 
 #: Width of output that is not a terminal (a log file, CI): wide enough that no table is
@@ -285,7 +285,7 @@ def configs_table(prep: PreparedSweep) -> Table:
     return t
 
 
-#: column heads of the dimensions a space searches per adapter (`plora.spec.TRAINING_DIMS`)
+#: column heads of the dimensions a space searches per adapter (`plora.spec.schema.TRAINING_DIMS`)
 _DIM_HEADS = {"dropout": "dropout", "weight_decay": "wd", "warmup_ratio": "warm-up", "scheduler": "scheduler",
               "rslora": "rsLoRA", "targets": "targets", "epochs": "epochs"}
 
@@ -474,7 +474,7 @@ def trials_line(study: optuna.Study, seconds: float, name: str, url: str) -> str
 
 
 def cost_model_table(cm: Any) -> Table:
-    """A fitted `plora.costmodel.CostModel`'s coefficients, one column per TP degree."""
+    """A fitted `plora.cost.model.CostModel`'s coefficients, one column per TP degree."""
     extra = set(cm.meta.get("extrapolated_degrees", []))
     t = Table(title=f"cost model of {cm.name} on {cm.meta.get('device', '?')} ({cm.meta.get('dtype', '')})",
               title_justify="left")

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from plora.costmodel import ModelShape
-from plora.data import IGNORE_INDEX, Sample
-from plora.heap import frozen_heap
-from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
-from plora.models import write_shape_folder
-from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV
+from plora.cost.model import ModelShape
+from plora.data.dataset import IGNORE_INDEX, Sample
+from plora.train.heap import frozen_heap
+from plora.job.config import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
+from plora.models.loading import write_shape_folder
+from plora.train.packed_lora import PackedLoRARecipe
+from plora.job.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -84,9 +84,9 @@ def main() -> None:
     first = args.out / f"{'one-per-job' if variants[0] else 'packed'}.yaml"
     first.write_text(yaml.safe_dump(space(args, variants[0]), sort_keys=False))
     if args.profile is not None:  # a private cache holding the given profile, for both runs
-        from plora.profiling.cache import sweep_cache_path
-        from plora.profiling.record import Profile
-        from plora.spec import load_spec
+        from plora.cost.profiling.cache import sweep_cache_path
+        from plora.cost.profiling.record import Profile
+        from plora.spec.schema import load_spec
 
         os.environ["PLORA_CACHE_DIR"] = str((args.out / "cache").resolve())
         try:

@@ -1,6 +1,6 @@
 """Tensor-parallel packed jobs on the GPU: TP = 1, 2, 4 agree, and what each step costs.
 
-Runs the real job the engine runs (`tune run [--nproc_per_node d] plora/recipes/packed_lora.py`,
+Runs the real job the engine runs (`tune run [--nproc_per_node d] plora/train/packed_lora.py`,
 CUDA_VISIBLE_DEVICES = the job's GPUs) on a random-init model of a preset shape with
 synthetic data, once per TP degree, then (``--concurrent``) two jobs at once on disjoint
 GPU sets (TP=2 on GPUs 0,1 and 2,3; TP=1 on GPUs 0 and 1 of a 2-GPU machine), as the
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from plora.costmodel import ModelShape
+from plora.cost.model import ModelShape
 from plora.engine.local import tune_command
-from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
-from plora.models import write_shape_folder
+from plora.job.config import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
+from plora.models.loading import write_shape_folder
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ def command(job_yaml: Path, nproc: int, launcher: str) -> list[str]:
     needs kagglehub's dependencies, which a bare GPU image may lack)."""
     if launcher == "tune":
         return tune_command(job_yaml, nproc)
-    recipe = ["-m", "plora.recipes.packed_lora", "--config", str(job_yaml)]
+    recipe = ["-m", "plora.train.packed_lora", "--config", str(job_yaml)]
     if nproc == 1:
         return [sys.executable, *recipe]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *recipe]

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import adapter_weights, job_config, make_tiny_llama, max_weight_diff  # noqa: E402
 
-from plora.packed.dropout import _apply, _mask, adapter_key, token_keys  # noqa: E402
+from plora.train.packed.dropout import _apply, _mask, adapter_key, token_keys  # noqa: E402
 
 dev = "cuda"
 # 1. kernel == torch bits
@@ -53,7 +53,7 @@ for _ in range(300):
 (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:250]))
 (root / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows[250:]))
 data = {"train": root / "train.jsonl", "eval": root / "eval.jsonl"}
-from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.train.packed_lora import PackedLoRARecipe
 MIXED = [
     dict(id="d1", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=11, steps=9, dropout=0.2, weight_decay=0.1, scheduler="linear", warmup_steps=3),
     dict(id="d2", rank=4, alpha=2.0, learning_rate=3e-3, batch_size=3, seed=12, steps=5, dropout=0.0, weight_decay=0.0, scheduler="cosine", warmup_steps=0, rslora=True),

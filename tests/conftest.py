@@ -45,7 +45,7 @@ def make_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from plora.data import char_tokenizer
+    from plora.data.dataset import char_tokenizer
 
     tok = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789+-=>< ")
     cfg = LlamaConfig(
@@ -79,7 +79,7 @@ def reverse_data(tmp_path_factory) -> dict[str, Path]:
 
 
 def job_config(model: Path, data: dict, out: Path, adapters: list[dict], **over) -> dict:
-    """A recipe config as `plora sweep` writes it (`plora.jobconfig.JobConfig`'s layout),
+    """A recipe config as `plora sweep` writes it (`plora.job.config.JobConfig`'s layout),
     for in-process runs; each adapter warms up for 2 of its steps unless it says otherwise."""
     cfg = {
         "job_id": "job-test",
@@ -111,7 +111,7 @@ def max_weight_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-#: hooks that make a job process fail on purpose (`plora.hooks`, PLORA_TEST_HOOKS)
+#: hooks that make a job process fail on purpose (`plora.train.hooks`, PLORA_TEST_HOOKS)
 FAULT_HOOKS = Path(__file__).with_name("fault_hooks.py")
 
 
@@ -127,7 +127,7 @@ def cost_model_holding(admits: int, *, c0: float = 1.0, c_tok: float = 0.0, c_rt
     """A one-GPU cost model whose GPU holds ``admits`` adapters within ``load_factor`` (each
     adapter 1 byte, the base model none) and whose packed step costs ``c0`` plus the token
     terms (rows of 10 tokens)."""
-    from plora.costmodel import CostModel, MemoryCoeffs, TimeCoeffs
+    from plora.cost.model import CostModel, MemoryCoeffs, TimeCoeffs
 
     return CostModel((admits + 0.5) / load_factor, 10, {1: TimeCoeffs(c0, c_tok, c_rtok, 0.0, c_bkt)},
                      {1: MemoryCoeffs(0.0, 1.0, 0.0, 0.0, 0.0)}, job_overhead_s=overhead_s)
@@ -151,7 +151,7 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
     import yaml
 
     from plora.planner.plan import Job, Plan
-    from plora.spec import load_spec
+    from plora.spec.schema import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
     data = {
@@ -179,7 +179,7 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
 
 #: a chat template for the swept run's model (the shipped tiny Llama has none)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-#: the swept run's command-line overrides (`plora.overrides`): what its spec.yaml must show
+#: the swept run's command-line overrides (`plora.spec.overrides`): what its spec.yaml must show
 SWEPT_OVERRIDES = ["training.steps=6", "training.epochs=null", "eval.every_steps=3", "planner.max_adapters_per_job=2"]
 
 
@@ -187,7 +187,7 @@ def _model_with_chat_template(out: Path) -> Path:
     """The shipped tiny Llama with `CHAT_TEMPLATE` in its tokenizer_config.json."""
     import shutil
 
-    from plora.spec import ASSETS_DIR
+    from plora.spec.schema import ASSETS_DIR
 
     shutil.copytree(ASSETS_DIR / "tiny-llama", out)
     cfg = json.loads((out / "tokenizer_config.json").read_text())

@@ -12,8 +12,8 @@ import yaml
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.data import DataError, load_split
-from plora.jobconfig import JobData
+from plora.data.dataset import DataError, load_split
+from plora.job.config import JobData
 
 runner = CliRunner()
 GOOD = [{"input": "abc+", "output": "bca"}, {"input": "hello+", "output": "elloh"}, {"input": "xy+", "output": "yx"}]
@@ -131,7 +131,7 @@ def test_answer_cut_away_refused_with_line_or_dropped(tmp_path):
 
 
 def test_dropped_rows_do_not_count_in_the_epoch(tmp_path):
-    from plora.spec import load_spec
+    from plora.spec.schema import load_spec
     from plora.sweep import dataset_size
 
     train = tmp_path / "train.jsonl"

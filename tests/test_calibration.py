@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
-from plora.jobphases import PhaseClock
-from plora.profiling.calibrate import (
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.job.phases import PhaseClock
+from plora.cost.profiling.calibrate import (
     MEMORY_MARGIN,
     Calibration,
     PackFootprint,
@@ -134,7 +134,7 @@ def test_finished_jobs_give_the_job_terms():
 
 
 def test_a_first_sweeps_kernel_compilation_is_not_a_job_term_of_the_next():
-    from plora.profiling.calibrate import job_terms_runs
+    from plora.cost.profiling.calibrate import job_terms_runs
 
     def run(first_s, eval_s, cold):
         return {"start_s": 9.0, "load_s": 0.0, "setup_s": 1.5, "cold": cold,
@@ -217,7 +217,7 @@ def test_calibrator_sees_room_for_larger_packs():
 
 
 def test_a_quick_calibration_probe_is_the_sweeps_pack_cut_to_a_safe_size():
-    from plora.profiling.profile import QUICK_PROBE_SHARE, quick_probe
+    from plora.cost.profiling.profile import QUICK_PROBE_SHARE, quick_probe
 
     p = prior(memory_gb=40.0)
     pack = [AdapterLoad(f"a{i}", r, 4, 10) for i, r in enumerate([8, 16, 32, 64] * 4)]
@@ -229,7 +229,7 @@ def test_a_quick_calibration_probe_is_the_sweeps_pack_cut_to_a_safe_size():
 
 def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
     from plora import sweep
-    from plora.profiling import profile
+    from plora.cost.profiling import profile
 
     calls = []
 
@@ -242,7 +242,7 @@ def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
                                           prior_model.memory(pk, 1))])
 
     monkeypatch.setattr(profile, "quick_calibration", fake_quick)
-    monkeypatch.setattr("plora.profiling.cache.remember_calibration", lambda spec, cal: None)
+    monkeypatch.setattr("plora.cost.profiling.cache.remember_calibration", lambda spec, cal: None)
 
     class Spec:
         class planner:
@@ -271,7 +271,7 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
     import yaml
 
     from plora.engine.journal import Journal
-    from plora.spec import load_spec
+    from plora.spec.schema import load_spec
     from plora.sweep import Hardware, prepare, run_prepared, write_run_files
 
     configs = [{"rank": r, "alpha": 2 * r, "learning_rate": 1e-3, "batch_size": 2} for r in (2, 4, 8, 16)]
@@ -292,7 +292,7 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
     # a GPU sweep as the engine sees it (its jobs run on the CPU slots given below)
     prep = prepare(spec, cost_model=wrong, hardware=Hardware(True, 2, 80 * GIB, local=False))
     prep.prior = wrong
-    from plora.profiling.calibrate import Calibration as Cal
+    from plora.cost.profiling.calibrate import Calibration as Cal
 
     prep.calibration = Cal()
     write_run_files(prep)
@@ -316,7 +316,7 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
 
 def test_a_cpu_sweep_keeps_its_plan_and_model():
     """The calibration is a GPU sweep's: a CPU sweep (the demo) plans as before."""
-    from plora.spec import load_spec
+    from plora.spec.schema import load_spec
     from plora.sweep import ANALYTIC_SOURCE, prepare, sweep_calibrator
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "sweeps" / "demo.yaml")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, resolve_lora_targets
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, resolve_lora_targets
 
 GIB = 2**30
 
@@ -150,7 +150,7 @@ def test_unknown_preset():
 
 def test_each_rank_bucket_adds_its_cost_while_it_is_in_the_pack():
     """Ranks 8 and 16 share the kernels' bucket 16; 32 and 128 are buckets of their own."""
-    from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs, rank_bucket
+    from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs, rank_bucket
 
     from plora.kernels import rank_bucket as kernels_rank_bucket
 

@@ -17,7 +17,7 @@ import yaml
 from conftest import inject_fault
 from plora.engine.journal import Journal
 from plora.planner.plan import Job, Plan
-from plora.spec import load_spec
+from plora.spec.schema import load_spec
 from plora.sweep import prepare, run_prepared, write_run_files
 
 
@@ -155,8 +155,8 @@ def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
 
 def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     """A cost model 100× too optimistic: after the first job, the waiting ones are re-planned."""
-    from plora.profiling.cache import sweep_cache_path
-    from plora.profiling.record import Profile
+    from plora.cost.profiling.cache import sweep_cache_path
+    from plora.cost.profiling.record import Profile
 
     spec = load_spec(space(tmp_path, per_job=1))
     first = prepare(spec)
@@ -204,7 +204,7 @@ def test_replan_corrects_step_time_and_job_overhead_apart():
     """Jobs that spend 20 s outside their steps and run their steps as predicted: the
     re-plan keeps the step coefficients and learns the 20 s overhead (one factor for both
     would make every step 3x slower, and packing look no better than running alone)."""
-    from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+    from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
     from plora.engine.runner import Drift
     from plora.sweep import recalibrated
 

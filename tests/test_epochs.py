@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import inject_fault
-from plora import hooks
+from plora.train import hooks
 from plora.planner.plan import Job, Plan
-from plora.recipes.epochs import better_epoch, epoch_ends
-from plora.spec import load_spec
+from plora.train.epochs import better_epoch, epoch_ends
+from plora.spec.schema import load_spec
 from plora.sweep import job_config, prepare, run_prepared, write_run_files
 
 ONE = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8}]
@@ -79,8 +79,8 @@ def job_dict(prep, out: Path | None = None) -> dict:
 def run_in_process(cfg: dict, snapshots: Path | None = None):
     """The job in this process; with ``snapshots``, every adapter's PEFT files at each of
     its epoch ends (``<snapshots>/<id>/e<epoch>``), as its own save would write them."""
-    from plora.packed.peft_format import save_peft_adapter
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed.peft_format import save_peft_adapter
+    from plora.train.packed_lora import PackedLoRARecipe
 
     def snap(recipe, step):
         for r in recipe.runs:
@@ -140,8 +140,8 @@ def test_bad_eval_settings_are_one_line_exit_2(tmp_path, section, field):
 
 
 def test_per_epoch_scoring_is_on_for_more_than_one_epoch_only(tmp_path):
-    from plora.data_check import eval_config
-    from plora.spec import parse_spec
+    from plora.data.check import eval_config
+    from plora.spec.schema import parse_spec
 
     assert eval_config(parse_spec({"name": "x", "training": {"epochs": 3}})).each_epoch
     assert eval_config(parse_spec({"name": "x", "training": {"epochs": 1.5}})).each_epoch
@@ -158,7 +158,7 @@ def test_per_epoch_scoring_is_on_for_more_than_one_epoch_only(tmp_path):
 
 
 def test_epoch_end_evals_are_priced():
-    from plora.jobcost import EvalLoad, JobOverheads
+    from plora.cost.job import EvalLoad, JobOverheads
 
     terms = JobOverheads(eval_call_s=1.0, eval_tok_s=0.01, save_s=0.5)
     once = EvalLoad(8, 32.0, 26.0, 4)
@@ -174,7 +174,7 @@ def test_a_three_epoch_sweep_lists_every_epoch_and_keeps_the_best(tmp_path):
     is scored three times, results.parquet lists each epoch's scores and the epoch kept,
     and the adapter's scores are that epoch's."""
     from plora import views
-    from plora.report import load_run, results_table
+    from plora.results.report import load_run, results_table
 
     prep = prepared(tmp_path, configs=TWO)
     frame = run_prepared(prep, slots=["cpu:0"])
@@ -276,7 +276,7 @@ def test_a_job_killed_after_epoch_1_resumes_with_its_score_and_weights(tmp_path,
 def test_intermediate_evals_score_the_objective_on_a_fixed_slice(tmp_path, monkeypatch):
     """Every step: the loss on the eval set, and exact match on 3 of its 8 rows, the same
     rows at every eval and for every adapter, the adapters due together in one packed eval."""
-    import plora.evaluate as evaluate
+    import plora.results.evaluate as evaluate
 
     seen: list[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]] = []
     packed: list[int] = []
@@ -287,7 +287,7 @@ def test_intermediate_evals_score_the_objective_on_a_fixed_slice(tmp_path, monke
         packed.append(len(adapters))
         return real(pm, adapters, samples, examples, tok, metrics=metrics, **kw)
 
-    monkeypatch.setattr("plora.recipes.packed_lora.evaluate_adapters", spy)
+    monkeypatch.setattr("plora.train.packed_lora.evaluate_adapters", spy)
     prep = prepared(tmp_path, configs=TWO, num_eval=8, training={"epochs": 1},
                     eval_section={"max_new_tokens": 2, "metrics": ["loss", "exact_match"], "every_steps": 1,
                                   "intermediate_samples": 3})
@@ -375,8 +375,8 @@ def _render(table) -> str:
 
 def test_resuming_a_run_directory_of_other_intermediate_samples(tmp_path):
     """How many rows intermediate evals score changes no result: a run directory resumes."""
-    from plora.preflight import check_resumable
-    from plora.spec import parse_spec
+    from plora.engine.preflight import check_resumable
+    from plora.spec.schema import parse_spec
 
     prep = prepared(tmp_path, training={"steps": 1}, eval_section={"metrics": ["loss"]})
     run_prepared(prep, slots=["cpu:0"])

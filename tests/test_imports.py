@@ -3,15 +3,15 @@
 Every ``import`` in plora's modules counts, at module level or inside a function (a lazy
 import is still a dependency), except those under ``if TYPE_CHECKING:``.
 
-The planner, the cost model and the profiler sit below the recipe (`plora.recipes`): they
+The planner, the cost model and the profiler sit below the recipe (`plora.train`): they
 describe and measure training jobs, and a change to how a job trains must not reach them
 except through what they measure. One module is the exception, by necessity:
-`plora.profiling.measure` builds a probe's packed job with the recipe and steps it in this
+`plora.cost.profiling.measure` builds a probe's packed job with the recipe and steps it in this
 process, because a probe's times and peaks are only a job's when it runs as a job does. It
-is imported by one module, `plora.profiling.profile`, which runs the probes; the probes,
+is imported by one module, `plora.cost.profiling.profile`, which runs the probes; the probes,
 the fit, the validation, the profile record and the cache never reach the recipe, so that
 what the planner reads of a profile loads no training code. What the recipe and the
-profiler must agree on (CUDA graphs, the CUDA allocator) is in `plora.step_settings`, below
+profiler must agree on (CUDA graphs, the CUDA allocator) is in `plora.job.step_settings`, below
 both.
 """
 
@@ -110,18 +110,18 @@ def _reach(graph: dict[str, set[str]], start: str, avoid: frozenset[str] = froze
 
 
 def _recipes(modules: set[str]) -> list[str]:
-    return sorted(m for m in modules if m == "plora.recipes" or m.startswith("plora.recipes."))
+    return sorted(m for m in modules if m == "plora.train" or m.startswith("plora.train."))
 
 
 #: the one module of the profiler that imports the recipe: it runs a probe's job in-process
-MEASURES_IN_PROCESS = "plora.profiling.measure"
+MEASURES_IN_PROCESS = "plora.cost.profiling.measure"
 #: the one module that imports it: the profiler proper, which runs the probes
-RUNS_PROBES = "plora.profiling.profile"
+RUNS_PROBES = "plora.cost.profiling.profile"
 
 
 def test_planning_never_imports_the_training_loop():
     graph = _graph()
-    planning = [m for m in graph if m == "plora.costmodel" or m.startswith("plora.planner")]
+    planning = [m for m in graph if m == "plora.cost.model" or m.startswith("plora.planner")]
     assert planning
     bad = {m: _recipes(_reach(graph, m)) for m in planning}
     assert not {m: r for m, r in bad.items() if r}, bad
@@ -129,9 +129,9 @@ def test_planning_never_imports_the_training_loop():
 
 def test_the_profiler_reaches_the_recipe_only_through_its_in_process_measurement():
     graph = _graph()
-    profiler = {m for m in graph if m == "plora.profiling" or m.startswith("plora.profiling.")}
-    profiler |= {"plora.jobcost", "plora.jobprobe"}  # the job terms: a real job, run as the engine runs it
-    shared = {"plora.step_settings", "plora.heap", "plora.jobphases"}  # what the recipe imports from below
+    profiler = {m for m in graph if m == "plora.cost.profiling" or m.startswith("plora.cost.profiling.")}
+    profiler |= {"plora.cost.job", "plora.cost.profiling.job_probe"}  # the job terms: a real job, run as the engine runs it
+    shared = {"plora.job.step_settings", "plora.train.heap", "plora.job.phases"}  # what the recipe imports from below
     assert {MEASURES_IN_PROCESS, RUNS_PROBES} <= profiler and shared <= set(graph)
 
     below = sorted((profiler | shared) - {MEASURES_IN_PROCESS, RUNS_PROBES})

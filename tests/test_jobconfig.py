@@ -13,12 +13,12 @@ from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from conftest import job_config
-from plora import hooks
-from plora.jobconfig import JobConfig
+from plora.train import hooks
+from plora.job.config import JobConfig
 
 
 def _sweep_job(tmp_path, **training):
-    from plora.spec import AdapterConfig, parse_spec
+    from plora.spec.schema import AdapterConfig, parse_spec
     from plora.planner.plan import Job
     from plora.sweep import job_config as sweep_job_config
 
@@ -65,7 +65,7 @@ def test_job_dir_defaults_under_the_run_directory(tiny_model, reverse_data, tmp_
 def test_a_job_whose_config_does_not_validate_fails_as_unfixable(tmp_path):
     """The engine fails such a job's adapters at once (exit 4 and error.json) instead of
     retrying what would fail the same way."""
-    from plora.recipes.packed_lora import EXIT_UNFIXABLE, UNFIXABLE_FILE, recipe_main
+    from plora.train.packed_lora import EXIT_UNFIXABLE, UNFIXABLE_FILE, recipe_main
 
     _, cfg = _sweep_job(tmp_path)
     raw = cfg.to_dict()
@@ -89,7 +89,7 @@ def test_hooks_fire_only_while_installed():
 def test_hooks_named_in_the_environment_are_loaded_once(tmp_path, monkeypatch):
     module = tmp_path / "my_hooks.py"
     module.write_text(textwrap.dedent("""
-        from plora import hooks
+        from plora.train import hooks
         SEEN = []
         hooks.register("probe_event", lambda **kw: SEEN.append(kw))
     """))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from plora.row_layout import AUTO_LENGTH_BUCKETS, auto_length_buckets, bucketed_row_tokens
+from plora.data.row_layout import AUTO_LENGTH_BUCKETS, auto_length_buckets, bucketed_row_tokens
 
 
 def _varied(n: int = 512, seed: int = 1) -> list[int]:
@@ -34,8 +34,8 @@ def test_each_shape_costs_captures_so_short_jobs_take_fewer_buckets():
 def test_a_sweep_resolves_auto_once_for_every_job(tmp_path):
     import yaml
 
-    from plora.jobcost import sweep_length_buckets
-    from plora.spec import load_spec
+    from plora.cost.job import sweep_length_buckets
+    from plora.spec.schema import load_spec
 
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump({

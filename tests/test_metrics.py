@@ -16,9 +16,9 @@ import yaml
 from typer.testing import CliRunner
 
 from conftest import job_config
-from plora.data import IGNORE_INDEX
-from plora.evaluate import evaluate_adapters
-from plora.metrics import (
+from plora.data.dataset import IGNORE_INDEX
+from plora.results.evaluate import evaluate_adapters
+from plora.results.metrics import (
     MetricError,
     check_metric,
     choice_accuracy,
@@ -27,7 +27,7 @@ from plora.metrics import (
     metric_paths,
     score_predictions,
 )
-from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.train.packed_lora import PackedLoRARecipe
 
 LABELS = ["yes", "no"]
 ADAPTERS = [
@@ -160,7 +160,7 @@ def test_rouge_l_and_bleu_are_the_packages_own_scores():
     from rouge_score.rouge_scorer import RougeScorer
     from sacrebleu.metrics import BLEU
 
-    from plora.metrics import bleu, rouge_l
+    from plora.results.metrics import bleu, rouge_l
 
     # ROUGE-L F1 by hand: a common subsequence of 5 words of 6 and 6; 3 of 4 and 5; 1 ("it")
     # of 4 and 4 (rouge-score reads letters and digits: "wasn't" is "wasn t"); nothing
@@ -176,8 +176,8 @@ def test_rouge_l_and_bleu_are_the_packages_own_scores():
 
 
 def test_perplexity_and_the_direction_of_each_metric():
-    from plora.metrics import lower_is_better, minimize, perplexity
-    from plora.spec import parse_spec
+    from plora.results.metrics import lower_is_better, minimize, perplexity
+    from plora.spec.schema import parse_spec
 
     assert perplexity(0.0) == 1.0 and perplexity(math.log(7.5)) == pytest.approx(7.5)
     assert perplexity(1e6) == math.inf and math.isnan(perplexity(math.nan))

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from plora.cli import app
 from plora.planner.plan import Plan
-from plora.spec import ASSETS_DIR, AdapterConfig, parse_spec
+from plora.spec.schema import ASSETS_DIR, AdapterConfig, parse_spec
 from plora.tuning import base as tbase
 from plora.tuning import loop as tloop
 from plora.tuning import samplers as tsamp
@@ -224,7 +224,7 @@ PRUNE_CONFIGS = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}
 
 
 def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_model):
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     # The pruner's verdict reaches the job through the engine's poll (every 0.25 s); the
     # budget leaves it seconds to land, however fast this machine trains.
@@ -282,7 +282,7 @@ def test_async_tune_records_every_trial_once(tmp_path, demo_model):
     """--async: 5 trials, 2 at a time, each told as soon as its adapter finishes and the next
     one sent into the job it left; study, results, journal and plan hold each trial once."""
     from plora.engine.journal import Journal
-    from plora.jobcontrol import read_joins
+    from plora.job.control import read_joins
 
     path = write(tmp_path, space(tmp_path, demo_model))
     result = runner.invoke(app, ["tune", str(path), "--sampler", "random", "--trials", "5", "--batch", "2",
@@ -332,7 +332,7 @@ class PruneFirst(optuna.pruners.BasePruner):
 def test_async_tune_fills_a_pruned_slot_at_once(tmp_path, demo_model):
     """Two trials train in one job; trial 0 is pruned and trial 2 takes its slot at the very
     step boundary where trial 0 leaves (the prune and the join are one control.json write)."""
-    from plora.jobcontrol import read_joins
+    from plora.job.control import read_joins
 
     budget, every = 240, 20
     data = space(tmp_path, demo_model, space={"strategy": "list", "configs": PRUNE_CONFIGS},
@@ -369,7 +369,7 @@ def test_async_tune_joins_a_trial_only_where_the_cost_model_says_it_fits(tmp_pat
     adapter: the second trial waits for the first to leave instead of joining beside it,
     no step ever trains two adapters, and every trial is told once."""
     from conftest import cost_model_holding
-    from plora.jobcontrol import read_joins
+    from plora.job.control import read_joins
 
     spec = parse_spec(space(tmp_path, demo_model))
     told = []

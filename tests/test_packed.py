@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import adapter_weights, job_config, max_weight_diff
-from plora import hooks
-from plora.recipes.packed_lora import PackedLoRARecipe, lr_factor
+from plora.train import hooks
+from plora.train.packed_lora import PackedLoRARecipe, lr_factor
 
 ATOL = 2e-6
 
@@ -170,7 +170,7 @@ def test_job_warmup_is_the_space_files_warmup(tmp_path):
     """A warm-up ratio gives each adapter the warm-up the validated spec computes for its own
     step count (one rounding, in one place): the sweep writes it into each adapter's job
     config, and the job trains with it."""
-    from plora.spec import AdapterConfig, parse_spec
+    from plora.spec.schema import AdapterConfig, parse_spec
     from plora.planner.plan import Job
     from plora.sweep import job_config as sweep_job_config
 

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from conftest import adapter_weights, job_config
-from plora import evaluate as ev
-from plora import hooks
-from plora.data import IGNORE_INDEX, Sample, collate
-from plora.packed.head_loss import adapter_mean_losses, final_hidden, head_loss_sum
-from plora.packed.rows import MIN_TOKENS, flatten_rows, held_sizes, padded_label_parts
-from plora.packed.step_batch import build_step_batch
-from plora.packed.varlen_attention import install_row_attention, row_attention
-from plora.recipes import packed_lora
-from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.results import evaluate as ev
+from plora.train import hooks
+from plora.data.dataset import IGNORE_INDEX, Sample, collate
+from plora.train.packed.head_loss import adapter_mean_losses, final_hidden, head_loss_sum
+from plora.train.packed.rows import MIN_TOKENS, flatten_rows, held_sizes, padded_label_parts
+from plora.train.packed.step_batch import build_step_batch
+from plora.train.packed.varlen_attention import install_row_attention, row_attention
+from plora.train import packed_lora
+from plora.train.packed_lora import PackedLoRARecipe
 
 #: padded and flattened rows attend through different SDPA shapes (a row alone, or padded
 #: to the widest row), so they round differently; AdamW's first steps turn that noise of a
@@ -366,7 +366,7 @@ def test_generation_flattened_equals_padded(tiny_model, mixed_data, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_varlen_kernel_equals_per_row_attention_on_gpu():
-    from plora.packed.varlen_attention import RowAttention, _per_row, _RowAttentionCall
+    from plora.train.packed.varlen_attention import RowAttention, _per_row, _RowAttentionCall
 
     if not RowAttention.graph_safe(torch.device("cuda"), torch.bfloat16):
         pytest.skip("this torch has no varlen attention kernel")

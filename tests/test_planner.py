@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
 from plora.planner import (
     GUROBI_SIZE_LIMIT,
     Job,

@@ -14,16 +14,16 @@ import yaml
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
-from plora.profiling import profile as profiler
-from plora.profiling.errors import ProfileError
-from plora.profiling.fit import _nnls_relative, _time_row, fit_cost_model
-from plora.profiling.measure import run_probe
-from plora.profiling.probes import Measurement, Probe, calibration_probes, fit_probes, holdout_probes, limit_probes
-from plora.profiling.profile import profile_sweep
-from plora.profiling.record import Profile
-from plora.profiling.validate import prediction_errors
-from plora.spec import parse_spec
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.cost.profiling import profile as profiler
+from plora.cost.profiling.errors import ProfileError
+from plora.cost.profiling.fit import _nnls_relative, _time_row, fit_cost_model
+from plora.cost.profiling.measure import run_probe
+from plora.cost.profiling.probes import Measurement, Probe, calibration_probes, fit_probes, holdout_probes, limit_probes
+from plora.cost.profiling.profile import profile_sweep
+from plora.cost.profiling.record import Profile
+from plora.cost.profiling.validate import prediction_errors
+from plora.spec.schema import parse_spec
 
 SHAPE = ModelShape.preset("qwen2.5-7b")
 SEQ = 1024
@@ -296,7 +296,7 @@ def test_real_probe_on_the_tiny_model(tiny_model):
 def test_out_of_memory_is_a_result(tiny_model, monkeypatch):
     import torch
 
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     def boom(self, active, step):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -308,8 +308,8 @@ def test_out_of_memory_is_a_result(tiny_model, monkeypatch):
 
 
 def test_deadline_skips_validation_after_min_checks(tmp_path, tiny_model, fake_probes):
-    from plora.profiling.cache import shape_from_model
-    from plora.profiling.profile import profile_model
+    from plora.cost.profiling.cache import shape_from_model
+    from plora.cost.profiling.profile import profile_model
 
     shape = shape_from_model(tiny_model, dtype="float32")
     prof = profile_model(tiny_model, shape, seq_len=32, dtype="float32", device="cpu", gpu_memory_bytes=4 * 2**30,
@@ -321,7 +321,7 @@ def test_deadline_skips_validation_after_min_checks(tmp_path, tiny_model, fake_p
 def test_job_overhead_a_sweep_measured_is_kept_for_the_next(tmp_path, tiny_model, fake_probes):
     """Probes cannot see a job's start-up and evaluation; once a sweep has measured them,
     the cached profile carries them to the next sweep's first plan, without probing."""
-    from plora.profiling.cache import remember_job_overhead
+    from plora.cost.profiling.cache import remember_job_overhead
 
     spec = parse_spec(yaml.safe_load(space(tmp_path, tiny_model).read_text()))
     assert remember_job_overhead(spec, 12.5, 3) is None  # nothing cached yet: nothing written
@@ -337,9 +337,9 @@ def test_job_overhead_a_sweep_measured_is_kept_for_the_next(tmp_path, tiny_model
 def test_fill_probes_join_the_fit_at_the_memory_limit(tiny_model, fake_probes):
     """The largest fit probes are placed by the first fit's memory model just under the
     load factor (the planner's packs are that large), and the final fit includes them."""
-    from plora.profiling.cache import shape_from_model
-    from plora.profiling.probes import FILL_SHARE
-    from plora.profiling.profile import profile_model
+    from plora.cost.profiling.cache import shape_from_model
+    from plora.cost.profiling.probes import FILL_SHARE
+    from plora.cost.profiling.profile import profile_model
 
     shape = shape_from_model(tiny_model, dtype="float32")
     gpu = 4 * 2**30
@@ -419,7 +419,7 @@ def test_trace_script_reports_a_step(tmp_path):
 
 
 def test_gpu_probes_are_sized_to_the_sweeps_largest_pack(tmp_path, tiny_model):
-    from plora.profiling.probes import far_from_limit, sweep_pack_rows
+    from plora.cost.profiling.probes import far_from_limit, sweep_pack_rows
 
     spec = parse_spec(yaml.safe_load(space(tmp_path, tiny_model).read_text()))
     sizes = sorted((c.batch_size for c in spec.expand()), reverse=True)

@@ -15,10 +15,10 @@ import yaml
 from optuna.trial import TrialState
 from typer.testing import CliRunner
 
-from plora import report as R
+from plora.results import report as R
 from plora.cli import app
 from plora.planner.plan import Plan
-from plora.spec import ASSETS_DIR, parse_spec
+from plora.spec.schema import ASSETS_DIR, parse_spec
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]

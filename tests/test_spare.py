@@ -90,7 +90,7 @@ def test_the_order_a_spare_reads_has_a_schema():
 
 
 def test_a_job_clock_counts_from_its_launch_when_handed_to_a_spare(monkeypatch):
-    from plora.jobphases import PhaseClock, process_started_at
+    from plora.job.phases import PhaseClock, process_started_at
 
     monkeypatch.setenv("PLORA_HANDED_AT", "1000.5")
     assert process_started_at() == 1000.5

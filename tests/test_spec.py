@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import plora.spec as spec
-from plora.spec import AdapterConfig, SpecError, SweepSpec, load_spec, parse_spec, resolve_targets
+import plora.spec.schema as spec
+from plora.spec.schema import AdapterConfig, SpecError, SweepSpec, load_spec, parse_spec, resolve_targets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,9 +23,9 @@ def _isolated(tmp_path_factory, monkeypatch):
     (assets / "tiny-llama").mkdir()
     (assets / "other-model").mkdir()
     monkeypatch.setattr(spec, "ASSETS_DIR", assets)
-    tasks = types.ModuleType("plora.tasks")
+    tasks = types.ModuleType("plora.data.tasks")
     tasks.BUILTIN_TASKS = {"shift": object(), "reverse": object()}
-    monkeypatch.setitem(sys.modules, "plora.tasks", tasks)
+    monkeypatch.setitem(sys.modules, "plora.data.tasks", tasks)
 
 
 def make(**sections) -> SweepSpec:
@@ -261,7 +261,7 @@ def test_unknown_builtin_model_with_no_assets(monkeypatch, tmp_path):
 
 
 def test_any_builtin_task_is_accepted_while_the_tasks_module_is_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, "plora.tasks", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "plora.data.tasks", None)  # makes the import fail
     assert make(data={"task": "builtin:whatever"}).data.task_name == "whatever"
 
 

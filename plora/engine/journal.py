@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # for its type only: plora.jobcost, under the planner's cost model, reads the journal
+if TYPE_CHECKING:  # for its type only: plora.cost.job, under the planner's cost model, reads the journal
     from plora.planner.plan import Job
 
 FINAL_ADAPTER = ("done", "diverged", "pruned", "failed")

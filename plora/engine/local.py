@@ -21,8 +21,8 @@ from plora.engine import spare
 from plora.engine.job_env import job_env, visible_gpu_ids  # noqa: F401 - visible_gpu_ids: where callers look
 from plora.engine.spare import child_setup
 
-#: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
-RECIPE = "plora/recipes/packed_lora.py"
+#: relative path that `tune run` turns into the module `plora.train.packed_lora`
+RECIPE = "plora/train/packed_lora.py"
 #: torchtune's `tune` command with plora imported first, so that torchao's import (which
 #: torchtune's makes) finds its version notice already silenced (`plora.torchao_notice`)
 TUNE = "import runpy, plora; runpy.run_module('torchtune._cli.tune', run_name='__main__', alter_sys=True)"

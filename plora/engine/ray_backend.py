@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from plora.engine.errors import BackendError
 from plora.engine.local import JobProcess, tune_command
-from plora.step_settings import JOB_ALLOCATOR
+from plora.job.step_settings import JOB_ALLOCATOR
 
 #: exit code the engine sees for a job whose task was lost with its node
 LOST = -1000

@@ -52,12 +52,12 @@ from plora.engine.join_choice import (
 from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
 from plora.engine.streaming import StreamPolicy
-from plora.jobconfig import JobAdapter
-from plora.jobcontrol import reopen, request
+from plora.job.config import JobAdapter
+from plora.job.control import reopen, request
 from plora.planner.plan import Job
 
-EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
-EXIT_UNFIXABLE = 4  # plora.recipes.packed_lora.EXIT_UNFIXABLE: a model, data or config error
+EXIT_OOM = 3  # plora.train.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
+EXIT_UNFIXABLE = 4  # plora.train.packed_lora.EXIT_UNFIXABLE: a model, data or config error
 UNFIXABLE_FILE = "error.json"  # its message, in the job's folder
 #: re-queues of a job lost with its node before it counts as a crash (a cluster that loses
 #: every node it is given is not going to finish it)
@@ -139,7 +139,7 @@ class Drift:
 
 
 class Calibrator(Protocol):
-    """What the engine asks of a sweep's calibration (`plora.profiling.calibrate.SweepCalibrator`)."""
+    """What the engine asks of a sweep's calibration (`plora.cost.profiling.calibrate.SweepCalibrator`)."""
 
     def observe(self, job_id: str, phases: Any, tp: int = 1) -> bool: ...
 
@@ -514,7 +514,7 @@ class Engine:
             self._after_exit(rj.job, rc, lost=rj.proc.lost)
             if rc == 0:
                 if self.calibrator is not None:
-                    from plora.jobphases import read_phases
+                    from plora.job.phases import read_phases
 
                     self.calibrator.job_finished(job_id, read_phases(rj.proc.job_dir, rj.proc.ended), tp=rj.job.tp)
                     self._model_changed()

@@ -6,7 +6,7 @@ torchtune (which pulls torchao, torch._dynamo, sympy and datasets) took 8 s of a
 11 s start, more than a quarter of a 16-adapter job. A *spare* is that same process,
 started early (while the sweep validates its data, loads its cost model and plans, or
 while the previous job trains): it imports the recipe, says ``ready``, and waits for its
-job on stdin (`plora.recipes.spare`). Handing it a job takes milliseconds.
+job on stdin (`plora.train.spare`). Handing it a job takes milliseconds.
 
 A spare starts with the environment its job will have (`plora.engine.job_env`), for the GPU
 the next job is expected on: torchao's and torchtune's imports ask CUDA about the GPU, which
@@ -18,7 +18,7 @@ that is never used is killed; one whose sweep dies dies with it (parent-death si
 On a host of several GPUs, each job planned to start at once gets a spare of its own (one per
 GPU). The sweep's first spares are also told its base model (`preload`, a `PreloadOrder` line ahead
 of the job's): it loads it once its imports are done, while the sweep plans, and the job
-takes it (`plora.recipes.preload`).
+takes it (`plora.train.preload`).
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
 """
 
@@ -40,7 +40,7 @@ from plora.engine.job_env import job_env
 #: set to 0 to start every job the ordinary way
 ENV_SWITCH = "PLORA_SPARE_JOBS"
 #: the child: imports the recipe, says ready, waits for a `SpareOrder`
-CHILD_MODULE = "plora.recipes.spare"
+CHILD_MODULE = "plora.train.spare"
 #: when the job was handed to its spare (the job's clock counts its start from there)
 HANDED_AT = "PLORA_HANDED_AT"
 #: what the child prints once it has imported the recipe
@@ -70,7 +70,7 @@ class SpareOrder(BaseModel):
 
 class PreloadOrder(BaseModel):
     """A line a spare may read before its job: load this base model now
-    (`plora.recipes.preload`); its job takes it if it asks for the same one."""
+    (`plora.train.preload`); its job takes it if it asks for the same one."""
 
     model_config = ConfigDict(extra="forbid")
 

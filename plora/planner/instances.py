@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plora.costmodel import AdapterLoad, CostModel, ModelShape
+from plora.cost.model import AdapterLoad, CostModel, ModelShape
 
 __all__ = ["Instance", "PROFILES_DIR", "random_instance", "random_instances"]
 

@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from plora.costmodel import AdapterLoad, CostModel, packed_load
+from plora.cost.model import AdapterLoad, CostModel, packed_load
 from plora.engine.join_choice import JOIN_TP, pack_fits
 from plora.engine.streaming import STREAM_LINGER_S
-from plora.jobconfig import JobAdapter, JobStreaming
+from plora.job.config import JobAdapter, JobStreaming
 from plora.planner.plan import Job, Plan
-from plora.spec import AdapterConfig, SweepSpec
+from plora.spec.schema import AdapterConfig, SweepSpec
 from plora.sweep import (
     PreparedSweep,
     collect_results,

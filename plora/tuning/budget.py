@@ -8,7 +8,7 @@ on the same jobs, so strategies compare on it whatever their wall time.
 
 Each trial told appends (GPU-seconds so far, its value, the best value so far) to the run
 directory's ``tune_history.csv``: the report plots the best score found against GPU-seconds
-for every strategy run on a space (`plora.report.plot_best_vs_gpu_seconds`).
+for every strategy run on a space (`plora.results.report.plot_best_vs_gpu_seconds`).
 """
 
 from __future__ import annotations

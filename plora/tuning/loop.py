@@ -15,9 +15,9 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
-from plora.costmodel import CostModel, packed_load
+from plora.cost.model import CostModel, packed_load
 from plora.planner.plan import PLAN_FILE, Job, Plan
-from plora.spec import TRAINING_DIMS, AdapterConfig, Range, SweepSpec
+from plora.spec.schema import TRAINING_DIMS, AdapterConfig, Range, SweepSpec
 from plora.sweep import (
     PreparedSweep,
     collect_results,

@@ -21,7 +21,7 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from plora.spec import AdapterConfig, SweepSpec
+from plora.spec.schema import AdapterConfig, SweepSpec
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.prune import intermediate_value
 from plora.tuning.space import params_of, search_space

@@ -1,0 +1,11 @@
+"""What a packed job costs: memory and step time of a pack, and the profile they come from.
+
+* `plora.cost.model` -- `CostModel`: ``memory(job, d)`` and ``step_time(job, d)``.
+* `plora.cost.job` -- a whole job's terms beyond its steps (start, load, evals, saves).
+* `plora.cost.cpu` -- the CPU prior: what a job costs on CPU cores before anything is measured.
+* `plora.cost.profiling` -- probes, the fit, calibration and the profile cache.
+
+These sit below the planner and the recipe: nothing here imports `plora.train`, except the
+profiler's in-process measurement (`tests/test_imports.py` checks it). Importing this
+package imports none of its modules.
+"""
