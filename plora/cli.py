@@ -351,7 +351,7 @@ def plan(
             cm = CostModel.load(profile)
         except (OSError, ValueError, KeyError) as e:
             fail(f"--profile: cannot read {profile}: {e}")
-        cm.meta["plan_source"] = f"the profile {profile}"
+        cm = cm.with_meta(plan_source=f"the profile {profile}")
     try:
         hw = hardware_for(spec, here=here)
         _note_hardware(spec, hw)

@@ -33,7 +33,9 @@ from plora.cost.profiling.calibrate import CALIBRATED_SOURCE
 from plora.spec.schema import AdapterConfig, SweepSpec
 
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
-    from plora.cost.model import AdapterLoad
+    from plora.cost.model import AdapterLoad, CostModel
+    from plora.cost.profiling.calibrate import Calibration, SweepCalibrator
+    from plora.engine.runner import Drift
     from plora.planner.plan import Job, Plan
     from plora.tuning.fidelity import Rungs  # Optuna is imported where a tune runs
 
@@ -47,7 +49,7 @@ def plan_jobs(
     spec: SweepSpec,
     configs: Sequence[AdapterConfig],
     steps: dict[str, int],
-    cost_model: Any | None = None,
+    cost_model: CostModel | None = None,
     hardware: Hardware | None = None,
 ) -> Plan:
     """Group adapters into jobs with the DTM planner on the sweep's cost model; the jobs
@@ -84,7 +86,7 @@ def plan_jobs(
                    hardware=hw.describe(), cost_model_source=source)
 
 
-def planned(spec: SweepSpec, loads: Sequence[Any], cost_model: Any, gpus: int, time_limit_s: float) -> Plan:
+def planned(spec: SweepSpec, loads: Sequence[AdapterLoad], cost_model: CostModel, gpus: int, time_limit_s: float) -> Plan:
     """The sweep's plan for ``loads``: the packed planner's, or the baseline the space asks
     for (``planner.baseline``), on ``cost_model`` and ``gpus``."""
     from plora.planner import baseline_plan, plan_sweep
@@ -96,7 +98,7 @@ def planned(spec: SweepSpec, loads: Sequence[Any], cost_model: Any, gpus: int, t
                       max_adapters_per_job=p.max_adapters_per_job, objective=p.objective, time_limit_s=time_limit_s)
 
 
-def targets_cost_model(spec: SweepSpec, targets: str, hw: Hardware) -> Any:
+def targets_cost_model(spec: SweepSpec, targets: str, hw: Hardware) -> CostModel:
     """The sweep's cost model for adapters of another target set (`plora.spec.schema.target_key`):
     the same model, file and hardware, with ``lora.targets`` set to it."""
     from plora.spec.schema import target_names
@@ -178,7 +180,7 @@ def cluster_hardware(spec: SweepSpec) -> Hardware:
     return Hardware(True, slots, hw.gpu_memory_gb * 2**30, local=False, max_tp=hw.per_node)
 
 
-def within_node(cost_model: Any, max_tp: int | None) -> Any:
+def within_node(cost_model: CostModel, max_tp: int | None) -> CostModel:
     """The cost model without the TP degrees wider than a node (the planner then never
     plans a job across nodes)."""
     if max_tp is None or max(cost_model.degrees) <= max_tp:
@@ -213,7 +215,7 @@ def gpu_prior(device_name: str | None) -> dict[str, float]:
     return dict(GPU_PRIORS["H100"])
 
 
-def analytic_prior(spec: SweepSpec, hw: Hardware) -> Any:
+def analytic_prior(spec: SweepSpec, hw: Hardware) -> CostModel:
     """The analytic cost model of the sweep's model on ``hw``: FLOPs and bytes from the model's
     shape, the step as the sweep's jobs run it (activation checkpointing or not)."""
     from plora.cost.model import CostModel
@@ -236,7 +238,7 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> Any:
 
 
 def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
-                   hardware: Hardware | None = None) -> tuple[Any, str]:
+                   hardware: Hardware | None = None) -> tuple[CostModel, str]:
     """The cost model a sweep plans with, and where it came from.
 
     In order: the run directory's profile.json; a cached profile of this model on this
@@ -262,7 +264,7 @@ def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False
     return conservative(prior), ANALYTIC_SOURCE
 
 
-def profiled_model(spec: SweepSpec, run_dir: Path | None, hw: Hardware) -> tuple[Any, str] | None:
+def profiled_model(spec: SweepSpec, run_dir: Path | None, hw: Hardware) -> tuple[CostModel, str] | None:
     """A measured model of the sweep's model, and where it came from: the run directory's
     profile.json, else a profile cached on this machine; None where there is neither."""
     from plora.cost.model import CostModel
@@ -274,7 +276,7 @@ def profiled_model(spec: SweepSpec, run_dir: Path | None, hw: Hardware) -> tuple
     return (cm, "a profile measured on this machine") if cm is not None else None
 
 
-def cached_calibration(spec: SweepSpec, hw: Hardware) -> Any:
+def cached_calibration(spec: SweepSpec, hw: Hardware) -> Calibration:
     """What earlier sweeps of the model measured on this machine (empty elsewhere)."""
     from plora.cost.profiling.cache import load_calibration
     from plora.cost.profiling.calibrate import Calibration
@@ -282,15 +284,15 @@ def cached_calibration(spec: SweepSpec, hw: Hardware) -> Any:
     return (load_calibration(spec) if hw.local else None) or Calibration()
 
 
-def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buckets: int | str | None = None,
-                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> Any:
+def priced_for_sweep(spec: SweepSpec, cost_model: CostModel, hw: Hardware, length_buckets: int | str | None = None,
+                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> CostModel:
     """A cost model priced on this sweep's own rows (their ``row_lengths`` when already
     tokenized, in its jobs' ``length_buckets``) and eval (`CostModel.for_eval`,
     `CostModel.for_rows`), unless it already is: any model of a GPU sweep, and one with
     measured job terms on a CPU (the CPU's analytic prior stays as it is)."""
     if cost_model.eval_load is not None or (getattr(cost_model, "overheads", None) is None and not hw.gpu):
         return cost_model
-    from plora.cost.job import eval_load_for, train_row_lengths, train_row_tokens, widest_train_row
+    from plora.cost.sweep_rows import eval_load_for, train_row_lengths, train_row_tokens, widest_train_row
 
     graphed = graphed_steps(spec, hw)
     lengths = row_lengths if row_lengths is not None else train_row_lengths(spec)
@@ -302,7 +304,7 @@ def priced_for_sweep(spec: SweepSpec, cost_model: Any, hw: Hardware, length_buck
 
 def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
                      hardware: Hardware | None = None, length_buckets: int | str | None = None,
-                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> Any:
+                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> CostModel:
     """The cost model a sweep runs with: `cost_model_for`'s (its source in
     ``meta["plan_source"]``), priced on the sweep's rows (`priced_for_sweep`)."""
     return sweep_models(spec, run_dir, hardware=hardware, length_buckets=length_buckets,
@@ -315,9 +317,9 @@ class SweepModels:
     (``prior``: the analytic prior, or a profile, priced on the sweep's rows) and the
     measurements so far (``calibration``; `plora.cost.profiling.calibrate`)."""
 
-    model: Any
-    prior: Any
-    calibration: Any
+    model: CostModel
+    prior: CostModel
+    calibration: Calibration
     source: str
 
 
@@ -332,9 +334,8 @@ def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | 
 
     hw = hardware or hardware_for(spec)
 
-    def priced(model: Any, source: str) -> Any:
-        model.meta["plan_source"] = source
-        return priced_for_sweep(spec, model, hw, length_buckets, row_lengths, row_layout)
+    def priced(model: CostModel, source: str) -> CostModel:
+        return priced_for_sweep(spec, model.with_meta(plan_source=source), hw, length_buckets, row_lengths, row_layout)
 
     found = profiled_model(spec, run_dir, hw)
     if found is not None or not hw.gpu:
@@ -361,7 +362,7 @@ def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
                          activation_checkpointing=bool(spec.training.activation_checkpointing))
 
 
-def recalibrated(cost_model: Any, drift: Any) -> Any:
+def recalibrated(cost_model: CostModel, drift: Drift) -> CostModel:
     """The cost model corrected by what finished jobs measured (`plora.engine.runner.Drift`).
 
     With the jobs' step time known, the steps are scaled by their own drift and the fixed
@@ -377,7 +378,7 @@ def recalibrated(cost_model: Any, drift: Any) -> Any:
     if overhead is None or not drift.step_s or predicted_steps <= 0:
         return cost_model.scaled(drift.factor)
     model = cost_model.scaled(drift.step_s / predicted_steps)
-    return replace(model, job_overhead_s=overhead, meta={**model.meta, "job_overhead_measured": True})
+    return replace(model, job_overhead_s=overhead).with_meta(job_overhead_measured=True)
 
 
 def model_targets(spec: SweepSpec, targets: str | Sequence[str] | None = None) -> list[str]:
@@ -493,19 +494,19 @@ class PreparedSweep:
     configs: list[AdapterConfig]
     steps: dict[str, int]
     plan: Plan
-    cost_model: Any = None
+    cost_model: CostModel | None = None
     hardware: Hardware | None = None
     data: DataReport | None = None  # rows checked, cut or dropped (notes for the user)
     #: every job's streaming section, for a caller that sends joins itself (None: job_config's default)
     streaming: JobStreaming | None = None
-    #: ``training.length_buckets`` as every job of the sweep gets it (`plora.cost.job.sweep_length_buckets`)
+    #: ``training.length_buckets`` as every job of the sweep gets it (`plora.cost.sweep_rows.sweep_length_buckets`)
     length_buckets: int | str = "auto"
-    #: ``training.row_layout`` as every job of the sweep gets it (`plora.cost.job.sweep_row_layout`)
+    #: ``training.row_layout`` as every job of the sweep gets it (`plora.cost.sweep_rows.sweep_row_layout`)
     row_layout: str = "auto"
     #: what measurements correct while the sweep runs (the priced analytic prior, or a profile)
     #: and the measurements so far (`plora.cost.profiling.calibrate`); None: the cost model as it is
-    prior: Any = None
-    calibration: Any = None
+    prior: CostModel | None = None
+    calibration: Calibration | None = None
     #: a tune's pruner's rungs: every adapter is scored at them (`plora.tuning.fidelity`)
     rungs: Rungs | None = None
 
@@ -537,7 +538,7 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
 
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
-            hardware: Hardware | None = None, cost_model: Any | None = None,
+            hardware: Hardware | None = None, cost_model: CostModel | None = None,
             log: Callable[[str], None] | None = None, fresh: bool = False) -> PreparedSweep:
     """Everything a sweep decides before training: configurations, step budgets, the plan.
 
@@ -559,7 +560,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
-    from plora.cost.job import sweep_length_buckets, sweep_row_layout, train_row_lengths
+    from plora.cost.sweep_rows import sweep_length_buckets, sweep_row_layout, train_row_lengths
 
     graphed = graphed_steps(spec, hw)
     # tokenized once here for all three: the layout, the bucket count and the rows' price
@@ -610,12 +611,12 @@ def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int],
     return [packed_load(c.id, c.rank, c.batch_size, steps[c.id], micro_batch_size) for c in configs]
 
 
-def micro_batch_size_of(spec: Any) -> int | None:
+def micro_batch_size_of(spec: SweepSpec) -> int | None:
     """The sweep's ``training.micro_batch_size`` (None where a spec-like object has none)."""
     return getattr(getattr(spec, "training", None), "micro_batch_size", None)
 
 
-def largest_pack(spec: Any, configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
+def largest_pack(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
     """The heaviest pack the sweep may form: its `max_adapters_per_job` adapters of most rows
     and rank."""
     loads = sweep_loads(configs, steps, micro_batch_size_of(spec))
@@ -623,8 +624,8 @@ def largest_pack(spec: Any, configs: Sequence[AdapterConfig], steps: Mapping[str
     return loads[: max(1, int(spec.planner.max_adapters_per_job))]
 
 
-def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int], prior: Any,
-                    conservative_model: Any, hw: Hardware, log: Callable[[str], None] | None) -> tuple[Any, Any]:
+def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int], prior: CostModel,
+                    conservative_model: CostModel, hw: Hardware, log: Callable[[str], None] | None) -> tuple[CostModel, Calibration]:
     """The model to plan on before any job runs: the conservative prior where even then the
     sweep's largest pack fits one GPU (memory cannot decide the plan), else the prior
     corrected by a quick calibration (kept in plora's cache for the next sweep)."""
@@ -643,8 +644,7 @@ def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Ma
     except OSError:
         pass
     model = calibration.apply(prior, loads=sweep_loads(configs, steps, micro_batch_size_of(spec)))
-    model.meta["plan_source"] = CALIBRATED_SOURCE_NOW
-    return model, calibration
+    return model.with_meta(plan_source=CALIBRATED_SOURCE_NOW), calibration
 
 
 def write_plan(prep: PreparedSweep) -> Path:
@@ -774,7 +774,7 @@ def run_prepared(
 
     calibrator = sweep_calibrator(prep)
 
-    def use_model(model: Any) -> None:  # joins fit, and re-plans plan, by the corrected model
+    def use_model(model: CostModel) -> None:  # joins fit, and re-plans plan, by the corrected model
         prep.cost_model = model
 
     study_ready = open_study_meanwhile(prep)
@@ -827,7 +827,7 @@ def run_prepared(
     study_ready.join(timeout=60)
     from plora.tuning.study import record_sweep  # the sweep as an Optuna study; warns, never raises
 
-    record_sweep(prep, frame)
+    record_sweep(prep.spec, prep.run_dir, prep.configs, prep.plan, frame)
     return frame
 
 
@@ -852,7 +852,7 @@ def open_study_meanwhile(prep: PreparedSweep) -> threading.Thread:
     return thread
 
 
-def sweep_calibrator(prep: PreparedSweep) -> Any:
+def sweep_calibrator(prep: PreparedSweep) -> SweepCalibrator | None:
     """The calibration a GPU sweep keeps while it runs (`plora.cost.profiling.calibrate`), or None
     (a CPU sweep, or a prepared sweep without a prior)."""
     if prep.prior is None or prep.hardware is None or not prep.hardware.gpu:

@@ -8,7 +8,6 @@ Library code that only builds rich renderables; the CLI decides where they go.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from plora import settings as settings_mod
 from plora.engine.journal import FINAL_ADAPTER
 
 if TYPE_CHECKING:
@@ -61,16 +61,13 @@ def new_events(seen: list[str], events: list[str]) -> list[str]:
 
 #: seconds between two progress lines of a running job in a log (`EventLog`); the
 #: environment variable of that name sets another interval
-LOG_PROGRESS_ENV = "PLORA_LOG_PROGRESS_S"
-LOG_PROGRESS_S = 30.0
+LOG_PROGRESS_ENV = settings_mod.LOG_PROGRESS_S
+LOG_PROGRESS_S = settings_mod.DEFAULT_LOG_PROGRESS_S
 
 
 def log_progress_interval() -> float:
     """`LOG_PROGRESS_S`, or what ``PLORA_LOG_PROGRESS_S`` says (a number of seconds)."""
-    try:
-        return max(0.0, float(os.environ.get(LOG_PROGRESS_ENV, LOG_PROGRESS_S)))
-    except ValueError:
-        return LOG_PROGRESS_S
+    return settings_mod.settings().log_progress_s
 
 
 def finished_counts(counts: dict[str, int]) -> str:
@@ -208,13 +205,9 @@ def joins_note(progress: dict, *, running: bool) -> str:
 
 
 def _read_progress(job_dir: Path) -> dict:
-    import json
+    from plora.job.outputs import read_progress
 
-    try:
-        progress = json.loads((job_dir / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return progress if isinstance(progress, dict) else {}
+    return dict(read_progress(job_dir))
 
 
 def status_tables(run_dir: Path) -> list:

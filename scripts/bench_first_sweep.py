@@ -119,7 +119,7 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
 
 def sweep_facts(args, space: Path, label: str) -> dict:
     from plora.engine.journal import Journal
-    from plora.cost.job import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
     from plora.spec.schema import load_spec
 
@@ -185,7 +185,7 @@ def sweep_facts(args, space: Path, label: str) -> dict:
 
 
 def mean_real_row(spec) -> float:
-    from plora.cost.job import train_row_lengths
+    from plora.cost.sweep_rows import train_row_lengths
 
     lengths = train_row_lengths(spec) or [spec.model.max_seq_len]
     return sum(lengths) / len(lengths)

@@ -38,7 +38,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from plora.cost.model import AdapterLoad, CostModel, ModelShape, steps_for  # noqa: E402
+from plora.cost.model import AdapterLoad, CostModel  # noqa: E402
+from plora.data.accumulation import steps_for  # noqa: E402
+from plora.models.shape import ModelShape  # noqa: E402
 from plora.planner import PLANNING_BUDGET_S, PlannerError, plan_sweep, simulate  # noqa: E402
 
 DEFAULT_SPACE = REPO / "sweeps" / "paper-qwen2.5-7b.yaml"

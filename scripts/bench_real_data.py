@@ -90,7 +90,7 @@ def real_tokens(spec) -> tuple[int, int]:
 
 
 def run_plora(args, variant: str, data_dir: Path) -> dict:
-    from plora.cost.job import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
     from plora.spec.schema import load_spec
 

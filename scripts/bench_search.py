@@ -237,7 +237,7 @@ def grid_curve(run: Path, metric: str, minimize: bool) -> list[dict]:
 def run_grid(args: argparse.Namespace, task: str) -> dict:
     import pandas as pd
 
-    from plora.cost.job import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.results.metrics import minimize
 
     path = space_file(args, task)

@@ -289,7 +289,7 @@ def run_sweep(part: str, s: dict[str, Any]) -> dict[str, Any]:
     import pandas as pd
     from bench_real_data import real_tokens
 
-    from plora.cost.job import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
     from plora.spec.schema import load_spec
 
@@ -357,7 +357,7 @@ def trial_times(study_path: Path, name: str, t0: float) -> dict[str, Any]:
 
 
 def run_tune(part: str, s: dict[str, Any]) -> dict[str, Any]:
-    from plora.cost.job import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.spec.schema import load_spec
 
     path = write_space(part, s)

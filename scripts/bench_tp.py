@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from plora.cost.model import ModelShape
+from plora.models.families.targets import LLAMA_TARGETS
+from plora.models.shape import ModelShape
 from plora.engine.local import tune_command
 from plora.job.config import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
 from plora.models.loading import write_shape_folder
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = list(LLAMA_TARGETS)
 REPO = Path(__file__).resolve().parent.parent
 #: |loss(TP=d) - loss(TP=1)| allowed, per dtype (losses are ~12 on a random-init model)
 TOLERANCE = {"float32": 5e-3, "bfloat16": 1e-1, "float16": 5e-2}

@@ -47,7 +47,7 @@ MIN_CHECKS = 3
 
 def preset(name: str):
     """A `ModelShape` preset, or ``tiny-qwen`` (a toy shape for trying the script on a CPU)."""
-    from plora.cost.model import ModelShape
+    from plora.models.shape import ModelShape
 
     if name == "tiny-qwen":
         return ModelShape("tiny-qwen", 107_072, 64, 128, 2, 4, 2, 16, 512, 2, True)
@@ -268,7 +268,7 @@ def fit_config(work: Path, config: str, refit: bool):
         backend=meta.get("backend", "?"), targets=cm.meta["targets"], activation_checkpointing=ac)
     timings = prof.timings if prof is not None else dict(meta.get("timings", {}))
     new = Profile(cm, fit, held, key, float(meta.get("load_factor", 0.9)), timings)
-    new.cost_model.meta["holdout"] = new.summary()
+    new.cost_model = new.cost_model.with_meta(holdout=new.summary())
     new.save(path)
     return new, "refitted" if prof is not None or refit else "fitted from raw measurements"
 

@@ -130,7 +130,7 @@ def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
     from types import SimpleNamespace
 
     from plora.data.balanced_stream import balanced_row_tokens
-    from plora.cost.job import sweep_row_layout
+    from plora.cost.sweep_rows import sweep_row_layout
     from plora.data.row_layout import priced_row_tokens
 
     spec = SimpleNamespace(training=SimpleNamespace(row_layout="auto"), model=SimpleNamespace(max_seq_len=512))

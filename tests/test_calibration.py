@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+
+from plora.models.shape import ModelShape
 from plora.job.phases import PhaseClock
 from plora.cost.profiling.calibrate import (
     MEMORY_MARGIN,
@@ -288,7 +290,7 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
     spec = load_spec(tmp_path / "space.yaml")
     base = prepare(spec)
     wrong = base.cost_model.scaled(0.01)
-    wrong.meta["source"] = "analytic"
+    wrong = wrong.with_meta(source="analytic")
     # a GPU sweep as the engine sees it (its jobs run on the CPU slots given below)
     prep = prepare(spec, cost_model=wrong, hardware=Hardware(True, 2, 80 * GIB, local=False))
     prep.prior = wrong

@@ -129,7 +129,7 @@ def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
     import time
 
     from plora.engine.local import launch
-    from plora.train.checkpoint import EXIT_STOPPED
+    from plora.job.outputs import EXIT_STOPPED
     from plora.sweep import job_config
 
     prep = prepared(tmp_path, every_steps=1000)  # no periodic checkpoint before the signal

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from plora.cost.model import AdapterLoad, ModelShape
+from plora.cost.model import AdapterLoad
+
+from plora.models.shape import ModelShape
 from plora.cost.cpu import cpu_cost_model
 from plora.cost.job import EvalLoad
 from plora.sweep import CPU_PRIOR

@@ -161,7 +161,7 @@ def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     spec = load_spec(space(tmp_path, per_job=1))
     first = prepare(spec)
     wrong = first.cost_model.scaled(0.01)
-    wrong.meta["plan_source"] = "a cost model 100x too fast"
+    wrong = wrong.with_meta(plan_source="a cost model 100x too fast")
     cached = sweep_cache_path(spec)  # as if this machine had a profile of the model
     Profile(wrong, [], [], {"model": "test"}).save(cached)
     prep = prepare(spec, cost_model=wrong)

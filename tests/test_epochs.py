@@ -84,9 +84,9 @@ def run_in_process(cfg: dict, snapshots: Path | None = None):
 
     def snap(recipe, step):
         for r in recipe.runs:
-            if r.active and r.step in recipe._ends(r):
+            if r.active and r.step in recipe.epochs.ends(r):
                 state = recipe.bank.host_states([r.index])[0]
-                save_peft_adapter(snapshots / r.id / f"e{recipe._ends(r).index(r.step) + 1}", state, recipe.info,
+                save_peft_adapter(snapshots / r.id / f"e{recipe.epochs.ends(r).index(r.step) + 1}", state, recipe.info,
                                   rank=r.cfg.rank, alpha=r.cfg.alpha, targets=recipe.targets, dropout=r.cfg.dropout or 0.0,
                                   rslora=bool(r.cfg.rslora))
 
@@ -287,7 +287,7 @@ def test_intermediate_evals_score_the_objective_on_a_fixed_slice(tmp_path, monke
         packed.append(len(adapters))
         return real(pm, adapters, samples, examples, tok, metrics=metrics, **kw)
 
-    monkeypatch.setattr("plora.train.packed_lora.evaluate_adapters", spy)
+    monkeypatch.setattr("plora.train.evaluator.evaluate_adapters", spy)
     prep = prepared(tmp_path, configs=TWO, num_eval=8, training={"epochs": 1},
                     eval_section={"max_new_tokens": 2, "metrics": ["loss", "exact_match"], "every_steps": 1,
                                   "intermediate_samples": 3})

@@ -65,7 +65,8 @@ def test_job_dir_defaults_under_the_run_directory(tiny_model, reverse_data, tmp_
 def test_a_job_whose_config_does_not_validate_fails_as_unfixable(tmp_path):
     """The engine fails such a job's adapters at once (exit 4 and error.json) instead of
     retrying what would fail the same way."""
-    from plora.train.packed_lora import EXIT_UNFIXABLE, UNFIXABLE_FILE, recipe_main
+    from plora.job.outputs import ERROR_FILE as UNFIXABLE_FILE, EXIT_UNFIXABLE
+    from plora.train.packed_lora import recipe_main
 
     _, cfg = _sweep_job(tmp_path)
     raw = cfg.to_dict()

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from plora.cost.model import EVAL_HEAD_BYTES, AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.cost.model import EVAL_HEAD_BYTES, AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+
+from plora.models.shape import ModelShape
 from plora.cost.job import EvalLoad, JobOverheads, eval_features, fit_overheads
 from plora.job.phases import PhaseClock, read_phases
 from plora.cost.profiling.probes import Measurement, Probe
@@ -213,7 +215,7 @@ def sweep_space(tmp_path: Path, num_train: int) -> Path:
 def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
     """Profile (probes and the job probe), plan, run: the engine's makespan against the plan's.
     CPU timing on a shared machine is noisy, so the bound is loose; the ratio is printed."""
-    from plora.cost.job import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.cost.profiling.profile import profile_sweep
     from plora.spec.schema import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files

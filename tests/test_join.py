@@ -105,7 +105,7 @@ def test_a_pruned_adapters_slot_is_filled_by_a_waiting_join_at_the_next_step(tin
             request = json.loads((recipe.job_dir / "control.json").read_text())
             (recipe.job_dir / "control.json").write_text(json.dumps({**request, "prune": ["c"]}))
         slots[step] = {r.id: r.index for r in recipe.runs if r.active}
-        waiting.append(len(recipe._pending_joins))
+        waiting.append(len(recipe.pending_joins))
         banks.add(id(recipe.bank))
 
     with hooks.installed("after_step", look):

@@ -34,7 +34,7 @@ def test_each_shape_costs_captures_so_short_jobs_take_fewer_buckets():
 def test_a_sweep_resolves_auto_once_for_every_job(tmp_path):
     import yaml
 
-    from plora.cost.job import sweep_length_buckets
+    from plora.cost.sweep_rows import sweep_length_buckets
     from plora.spec.schema import load_spec
 
     path = tmp_path / "space.yaml"

@@ -18,7 +18,8 @@ import torch
 
 from conftest import adapter_weights, job_config, max_weight_diff
 from plora.train import hooks
-from plora.train.packed_lora import PackedLoRARecipe, lr_factor
+from plora.train.adapter_run import lr_factor
+from plora.train.packed_lora import PackedLoRARecipe
 
 ATOL = 2e-6
 

@@ -14,7 +14,8 @@ import yaml
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+from plora.models.shape import ModelShape
 from plora.cost.profiling import profile as profiler
 from plora.cost.profiling.errors import ProfileError
 from plora.cost.profiling.fit import _nnls_relative, _time_row, fit_cost_model

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import optuna
+import pandas as pd
 import pytest
 import yaml
 from optuna.trial import TrialState
@@ -167,7 +168,7 @@ def test_sweep_is_an_optuna_study(demo_run):
                                          if e["adapter"] == a["adapter_id"]}
     # recording the same results again adds nothing
     prep = prepare(spec, demo_run)
-    record_sweep(prep, collect_results(prep))
+    record_sweep(prep.spec, prep.run_dir, prep.configs, prep.plan, collect_results(prep))
     assert len(optuna.load_study(study_name="demo", storage=f"sqlite:///{demo_run / 'study.sqlite'}").trials) == 3
 
 
@@ -229,3 +230,22 @@ def test_report_draws_the_curves_of_the_runs_given(demo_run, tmp_path):
     assert folder.count("data:image/png;base64,") >= 1 and "No tune history" not in folder
     missing = runner.invoke(app, ["report", str(demo_run), str(tmp_path / "nope")])
     assert missing.exit_code == 2 and missing.output.strip().startswith("error:")
+
+
+def test_report_ranks_a_lower_is_better_user_metric_lowest_first(tmp_path):
+    """``eval.greater_is_better: false`` on a user metric: the report's best adapter is the
+    one with the lowest score, whatever the metric's name."""
+    run_dir = tmp_path / "lower"
+    run_dir.mkdir()
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump({
+        "name": "lower", "eval": {"metrics": ["loss", "mymetrics:edit_distance"], "objective": "edit_distance",
+                                  "greater_is_better": False}}))
+    pd.DataFrame({"adapter_id": ["a", "b", "c"], "status": ["done"] * 3, "rank": [2, 4, 8],
+                  "eval_edit_distance": [3.0, 1.0, 2.0], "eval_loss": [1.0, 1.0, 1.0]}).to_parquet(
+        run_dir / "results.parquet", index=False)
+    run = R.load_run(run_dir)
+    assert run.minimize and list(run.done()["adapter_id"]) == ["b", "c", "a"]
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump({
+        "name": "lower", "eval": {"metrics": ["loss", "mymetrics:edit_distance"], "objective": "edit_distance",
+                                  "greater_is_better": True}}))
+    assert list(R.load_run(run_dir).done()["adapter_id"]) == ["a", "c", "b"]

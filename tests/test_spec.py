@@ -164,7 +164,7 @@ BAD = [
         {"space": {"strategy": "list", "configs": [{"rank": 8, "alpha": 16, "learning_rate": 1, "batch_size": 4, "lr": 1}]}},
         "space.configs[0].lr",
     ),
-    ({"space": {"rank": {"low": 1, "high": 1000, "num": 1000}, "learning_rate": {"low": 1e-5, "high": 1, "num": 1000}}}, "space"),
+    ({"space": {"rank": {"low": 1, "high": 256, "num": 256}, "learning_rate": {"low": 1e-5, "high": 1, "num": 1000}}}, "space"),
     ({"training": {"epochs": 1, "steps": 10}}, "training"),
     ({"training": {"epochs": 0}}, "training.epochs"),
     ({"training": {"steps": 0}}, "training.steps"),
@@ -566,3 +566,23 @@ def test_example_file_uses_every_field_and_loads():
             given |= {"train", "eval"}
         assert given == set(getattr(SweepSpec.model_fields[section].annotation, "model_fields")), section
     assert math.isclose(s.space.values("learning_rate")[0], 1e-4)
+
+
+# --------------------------------------------------------------------------- rank limit
+
+
+def test_rank_over_the_kernels_limit_is_a_spec_error():
+    base = {"model": {"path": "builtin:tiny-llama"}, "data": {"task": "builtin:shift"}}
+    space = {"alpha": [16], "learning_rate": [1e-3], "batch_size": [4]}
+    err = error_of({"name": "t", **base, "space": {**space, "rank": [8, 512]}})
+    assert_field(err, "space.rank")
+    assert "at most 256" in str(err)
+    err = error_of({"name": "t", **base, "space": {**space, "rank": {"low": 8, "high": 300}}})
+    assert_field(err, "space.rank.high")
+    make(**base, space={**space, "rank": [256]})  # the limit itself is fine
+
+
+def test_the_rank_limit_is_the_kernels():
+    import plora.kernels
+
+    assert spec.MAX_RANK == plora.kernels.MAX_RANK

@@ -31,7 +31,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from plora.cost.model import CostModel, ModelShape, TimeCoeffs, resolve_lora_targets
+from plora.cost.model import CostModel, TimeCoeffs
+
+from plora.models.families.targets import resolve_lora_targets
+
+from plora.models.shape import ModelShape
 from plora.cost.job import JobOverheads
 
 __all__ = ["CPU_RATES", "CpuRates", "cpu_cost_model"]
@@ -103,7 +107,7 @@ def cpu_cost_model(shape: ModelShape, seq_len: int, targets: str | Iterable[str]
         c_ad=ADAPTER_PER_LINEAR_S * shape.n_layers * len(names),
     )
     cm = CostModel.analytic(shape, seq_len, memory_bytes, names, tp_degrees=[1], **memory)
-    cm = replace(cm, time={1: step}, host_time={}, meta={**cm.meta, "source": "cpu prior"})
+    cm = replace(cm, time={1: step}, host_time={}).with_meta(source="cpu prior")
     weights = shape.n_params * shape.dtype_bytes
     eval_token = EVAL_SHARE * per_token
     return cm.with_overheads(JobOverheads(

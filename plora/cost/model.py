@@ -49,17 +49,20 @@ are evaluated, the job's memory is its weights, the adapters' state and the eval
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from collections.abc import Iterator, Mapping
 from typing import Any, Iterable, Sequence
 
 from plora.data.accumulation import accumulation_steps, micro_rows
 from plora.cost.job import EvalLoad, JobOverheads
+from plora.models.families.targets import resolve_lora_targets
+from plora.models.shape import ModelShape
 
 __all__ = [
     "AdapterLoad",
     "rank_bucket",
+    "CostMeta",
     "CostModel",
     "MemoryCoeffs",
     "ModelShape",
@@ -74,14 +77,6 @@ EVAL_HIDDEN_COPIES = 16
 #: full logits)
 EVAL_HEAD_BYTES = 256 * 2**20
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-# Megatron-style TP: these shard their output features (column parallel) ...
-_COLWISE = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
-# ... and these their input features (row parallel).
-_ROWWISE = frozenset({"o_proj", "down_proj"})
-
-
 def rank_bucket(rank: int) -> int:
     """The kernels' launch group of a rank: the next power of two, at least 16
     (`plora.kernels.rank_bucket`, repeated here so the cost model needs no torch)."""
@@ -93,23 +88,6 @@ def rank_bucket(rank: int) -> int:
 
 def num_buckets(ranks: Iterable[int]) -> int:
     return len({rank_bucket(int(r)) for r in ranks})
-
-
-def resolve_lora_targets(targets: str | Iterable[str] | None) -> tuple[str, ...]:
-    """HF linear names; ``"all-linear"`` (alone or in a list) means every linear of a block."""
-    if targets is None:
-        return DEFAULT_TARGETS
-    if isinstance(targets, str):
-        targets = [targets]
-    out: list[str] = []
-    for t in targets:
-        names = ALL_LINEAR if t == "all-linear" else (t,)
-        for n in names:
-            if n not in ALL_LINEAR:
-                raise ValueError(f"unknown LoRA target {n!r}; expected one of {', '.join(ALL_LINEAR)} or all-linear")
-            if n not in out:
-                out.append(n)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -138,111 +116,6 @@ def packed_load(adapter_id: str, rank: int, batch_size: int, steps: int, micro_b
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """The architecture numbers of a decoder-only transformer that the cost model needs."""
-
-    name: str
-    n_params: int
-    hidden: int
-    intermediate: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab: int
-    dtype_bytes: int = 2
-    tied_embeddings: bool = False
-
-    def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear of one block."""
-        h, i = self.hidden, self.intermediate
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    def lora_params_per_rank(self, targets: str | Iterable[str] | None = None) -> int:
-        """LoRA parameters per unit of rank: sum over targeted linears of (in + out), times layers."""
-        dims = self.linear_dims()
-        return self.n_layers * sum(sum(dims[t]) for t in resolve_lora_targets(targets))
-
-    def lora_split_per_rank(self, targets: str | Iterable[str] | None = None) -> tuple[int, int]:
-        """(replicated, sharded) LoRA parameters per rank under Megatron TP.
-
-        A column-parallel linear keeps A (r x in) whole and shards B (out x r); a
-        row-parallel one shards A and keeps B whole. Only the sharded part shrinks with d.
-        """
-        dims = self.linear_dims()
-        rep = shard = 0
-        for t in resolve_lora_targets(targets):
-            i, o = dims[t]
-            if t in _COLWISE:
-                rep, shard = rep + i, shard + o
-            else:
-                rep, shard = rep + o, shard + i
-        return rep * self.n_layers, shard * self.n_layers
-
-    def tp_degrees(self, max_tp: int = 8) -> tuple[int, ...]:
-        """Powers of two up to ``max_tp`` that split attention heads and KV heads evenly.
-
-        Sharding attention by heads needs d | n_heads and d | n_kv_heads; a degree that
-        splits a head would change the computation, so it is not offered.
-        """
-        out, d = [], 1
-        while d <= max_tp:
-            if self.n_heads % d == 0 and self.n_kv_heads % d == 0:
-                out.append(d)
-            d *= 2
-        return tuple(out)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelShape":
-        return cls(**d)
-
-    @classmethod
-    def preset(cls, name: str) -> "ModelShape":
-        """Shapes of common base models (numbers from their HF ``config.json``)."""
-        key = name.lower()
-        if key not in _PRESETS:
-            raise KeyError(f"unknown model preset {name!r}; known: {', '.join(sorted(_PRESETS))}")
-        return _PRESETS[key]
-
-    @staticmethod
-    def presets() -> tuple[str, ...]:
-        return tuple(sorted(_PRESETS))
-
-
-def _shape(name, n_params, hidden, inter, layers, heads, kv, head_dim, vocab, tied) -> ModelShape:
-    return ModelShape(name, n_params, hidden, inter, layers, heads, kv, head_dim, vocab, 2, tied)
-
-
-_PRESETS: dict[str, ModelShape] = {
-    s.name: s
-    for s in (
-        _shape("qwen2.5-0.5b", 494_032_768, 896, 4864, 24, 14, 2, 64, 151936, True),
-        _shape("qwen2.5-1.5b", 1_543_714_304, 1536, 8960, 28, 12, 2, 128, 151936, True),
-        _shape("qwen2.5-3b", 3_085_938_688, 2048, 11008, 36, 16, 2, 128, 151936, True),
-        _shape("qwen2.5-7b", 7_615_616_512, 3584, 18944, 28, 28, 4, 128, 152064, False),
-        _shape("qwen2.5-14b", 14_770_033_664, 5120, 13824, 48, 40, 8, 128, 152064, False),
-        _shape("qwen2.5-32b", 32_763_876_352, 5120, 27648, 64, 40, 8, 128, 152064, False),
-        _shape("llama-3.2-1b", 1_235_814_400, 2048, 8192, 16, 32, 8, 64, 128256, True),
-        _shape("llama-3.2-3b", 3_212_749_824, 3072, 8192, 28, 24, 8, 128, 128256, True),
-        _shape("llama-3.1-8b", 8_030_261_248, 4096, 14336, 32, 32, 8, 128, 128256, False),
-        _shape("mistral-7b-v0.3", 7_248_023_552, 4096, 14336, 32, 32, 8, 128, 32768, False),
-    )
-}
-
-
-@dataclass(frozen=True)
 class TimeCoeffs:
     """Step-time coefficients at one TP degree (seconds; per step, per token, per rank*token,
     per adapter, per rank bucket)."""
@@ -265,14 +138,102 @@ class MemoryCoeffs:
     rank_tok: float
 
 
-@dataclass
+#: CostMeta's typed keys, in the order profile.json writes them
+_META_FIELDS = (
+    "source", "plan_source", "name", "shape", "targets", "device", "backend", "dtype", "seq_len", "warmup", "iters",
+    "probe_rows", "sized_by", "measured_degrees", "extrapolated_degrees", "step_time_pieces", "probes_used",
+    "calibration", "memory_margin", "time_scale", "job_terms", "job_overhead", "job_overhead_measured",
+    "profiling_s", "holdout",
+)
+
+
+@dataclass(frozen=True)
+class CostMeta(Mapping[str, Any]):
+    """Where a cost model comes from and what was done to it, typed: what ``profile.json``
+    keeps under ``meta``. Frozen like the model: `with_` gives a changed copy. Read as a
+    mapping (``meta["source"]``, ``meta.get("calibration")``) it holds the keys that are set
+    (not None), and ``extra`` holds any other key a profile carries (how it was measured:
+    device FLOPs, fit errors...), kept as it was."""
+
+    #: "analytic", "profile" or "cpu prior"
+    source: str | None = None
+    #: what the sweep planned with, in words (`plora.sweep`)
+    plan_source: str | None = None
+    name: str | None = None
+    #: `plora.models.shape.ModelShape.to_dict` of the model it prices
+    shape: dict[str, Any] | None = None
+    targets: list[str] | None = None
+    device: str | None = None
+    backend: str | None = None
+    dtype: str | None = None
+    seq_len: int | None = None
+    warmup: int | None = None
+    iters: int | None = None
+    #: the rows of the largest probes, and what sized them ("rows": the sweep's largest pack; "memory")
+    probe_rows: int | None = None
+    sized_by: str | None = None
+    measured_degrees: list[int] | None = None
+    extrapolated_degrees: list[int] | None = None
+    step_time_pieces: int | None = None
+    probes_used: int | None = None
+    #: what calibration changed (`plora.cost.profiling.calibrate.Calibration.apply`)
+    calibration: dict[str, Any] | None = None
+    memory_margin: float | None = None
+    time_scale: float | None = None
+    job_terms: dict[str, Any] | None = None
+    #: {"measured_s", "jobs", "at"}: the job overhead learned from finished sweeps
+    job_overhead: dict[str, Any] | None = None
+    job_overhead_measured: bool | None = None
+    profiling_s: float | None = None
+    #: predicted against measured on held-out packs (`plora.cost.profiling.record.Profile.summary`)
+    holdout: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "CostMeta":
+        if isinstance(data, CostMeta):
+            return data
+        data = dict(data or {})
+        typed = {k: data.pop(k) for k in _META_FIELDS if k in data}
+        return cls(**typed, extra=data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.items())
+
+    def with_(self, **changes: Any) -> "CostMeta":
+        """A copy with ``changes`` (a key outside the typed ones goes to ``extra``)."""
+        typed = {k: v for k, v in changes.items() if k in _META_FIELDS}
+        other = {k: v for k, v in changes.items() if k not in _META_FIELDS}
+        return replace(self, **typed, extra={**self.extra, **other}) if other else replace(self, **typed)
+
+    def only(self, keys: Sequence[str]) -> "CostMeta":
+        """A copy keeping ``keys`` alone."""
+        return CostMeta.from_dict({k: v for k, v in self.items() if k in keys})
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _META_FIELDS:
+            value = getattr(self, key)
+            if value is None:
+                raise KeyError(key)
+            return value
+        return self.extra[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in _META_FIELDS if getattr(self, k) is not None)
+        yield from self.extra
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Linear memory and (piecewise-)linear time model of packed jobs, one set of
     coefficients per TP degree.
 
     ``time`` and ``memory`` are keyed by TP degree; a degree missing from them is one
-    the model cannot run at. Treat instances as immutable: the planner caches
-    values derived from them.
+    the model cannot run at. Frozen (the planner caches values derived from a model): a
+    changed model is a copy (`dataclasses.replace`, `with_meta`, `for_rows`...).
     """
 
     gpu_memory_bytes: float
@@ -280,7 +241,7 @@ class CostModel:
     time: dict[int, TimeCoeffs]
     memory_coeffs: dict[int, MemoryCoeffs]
     name: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: CostMeta = field(default_factory=CostMeta)
     job_overhead_s: float = 0.0  # process start, imports, model load: paid once per job
     #: the host piece per TP degree (empty: the step is the GPU piece alone)
     host_time: dict[int, TimeCoeffs] = field(default_factory=dict)
@@ -298,6 +259,8 @@ class CostModel:
     memory_row_tokens: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.meta, CostMeta):  # a plain mapping given (tests, older callers): typed here
+            object.__setattr__(self, "meta", CostMeta.from_dict(self.meta))
         if set(self.time) != set(self.memory_coeffs):
             raise ValueError("time and memory coefficients must cover the same TP degrees")
         if not self.time:
@@ -433,7 +396,7 @@ class CostModel:
         if overheads is None:
             return replace(self, overheads=None)
         return replace(self, overheads=overheads, job_overhead_s=overheads.fixed_s,
-                       meta={**self.meta, "job_terms": overheads.to_dict()})
+                       meta=self.meta.with_(job_terms=overheads.to_dict()))
 
     def for_rows(self, row_tokens: float | None, memory_row_tokens: float | None = None) -> "CostModel":
         """The same model timing steps by a sweep's mean real tokens per row (`row_tokens`)
@@ -441,11 +404,15 @@ class CostModel:
         if row_tokens is not None:
             row_tokens = min(float(row_tokens), float(self.seq_len))
         widest = self.memory_row_tokens if memory_row_tokens is None else float(memory_row_tokens)
-        return replace(self, row_tokens=row_tokens, memory_row_tokens=widest, meta=dict(self.meta))
+        return replace(self, row_tokens=row_tokens, memory_row_tokens=widest)
 
     def for_eval(self, load: EvalLoad | None) -> "CostModel":
         """The same model pricing a sweep's eval (`eval_load`)."""
-        return replace(self, eval_load=load, meta=dict(self.meta))
+        return replace(self, eval_load=load)
+
+    def with_meta(self, **changes: Any) -> "CostModel":
+        """The same model with ``changes`` to its `meta`."""
+        return replace(self, meta=self.meta.with_(**changes))
 
     def fits(self, adapters: Sequence[AdapterLoad], d: int, load_factor: float = 0.9) -> bool:
         """Whether the job runs at degree ``d`` within ``load_factor`` of GPU memory."""
@@ -458,7 +425,7 @@ class CostModel:
             return TimeCoeffs(c.c0 * factor, c.c_tok * factor, c.c_rtok * factor, c.c_ad * factor, c.c_bkt * factor)
 
         return CostModel(self.gpu_memory_bytes, self.seq_len, {d: scale(c) for d, c in self.time.items()},
-                         dict(self.memory_coeffs), name=self.name, meta={**self.meta, "time_scale": factor},
+                         dict(self.memory_coeffs), name=self.name, meta=self.meta.with_(time_scale=factor),
                          job_overhead_s=self.job_overhead_s * factor,
                          host_time={d: scale(c) for d, c in self.host_time.items()},
                          overheads=self.overheads.scaled(factor) if self.overheads is not None else None,
@@ -480,7 +447,7 @@ class CostModel:
             **({"eval_load": self.eval_load.to_dict()} if self.eval_load is not None else {}),
             **({"row_tokens": self.row_tokens} if self.row_tokens is not None else {}),
             **({"memory_row_tokens": self.memory_row_tokens} if self.memory_row_tokens is not None else {}),
-            "meta": self.meta,
+            "meta": self.meta.to_dict(),
         }
 
     @classmethod
@@ -491,7 +458,7 @@ class CostModel:
             time={int(d): TimeCoeffs(**c) for d, c in data["time"].items()},
             memory_coeffs={int(d): MemoryCoeffs(**c) for d, c in data["memory"].items()},
             name=str(data.get("name", "")),
-            meta=dict(data.get("meta", {})),
+            meta=CostMeta.from_dict(data.get("meta")),
             job_overhead_s=float(data.get("job_overhead_s", 0.0)),
             host_time={int(d): TimeCoeffs(**c) for d, c in data.get("host_time", {}).items()},
             overheads=JobOverheads.from_dict(data["overheads"]) if data.get("overheads") else None,
@@ -617,15 +584,4 @@ class CostModel:
             "mfu": mfu,
             "activation_checkpointing": bool(ckpt),
         }
-        return cls(gpu_memory_bytes, seq_len, time, memory, name=f"{shape.name}@{seq_len}", meta=meta)
-
-
-def steps_for(num_train: int, batch_size: int, epochs: float = 1.0) -> int:
-    """Optimizer steps of an adapter that sees ``epochs`` passes over ``num_train`` samples:
-    ``ceil(epochs * num_train / batch_size)``, computed exactly (0.3 epochs of 10 samples at
-    batch size 3 is 1 step, not the 2 that float rounding would give)."""
-    from fractions import Fraction
-
-    if num_train < 1:
-        raise ValueError(f"num_train must be >= 1, got {num_train}")
-    return max(1, math.ceil(Fraction(repr(float(epochs))) * num_train / batch_size))
+        return cls(gpu_memory_bytes, seq_len, time, memory, name=f"{shape.name}@{seq_len}", meta=CostMeta.from_dict(meta))

@@ -17,6 +17,8 @@ largest part's rows per step, for its optimizer steps × parts packed steps
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -44,3 +46,14 @@ def split_batch(rows: Sequence[T], parts: int) -> list[list[T]]:
         out.append(list(rows[start : start + n]))
         start += n
     return out
+
+
+def steps_for(num_train: int, batch_size: int, epochs: float = 1.0) -> int:
+    """Optimizer steps of an adapter that sees ``epochs`` passes over ``num_train`` samples:
+    ``ceil(epochs * num_train / batch_size)``, computed exactly (0.3 epochs of 10 samples at
+    batch size 3 is 1 step, not the 2 that float rounding would give)."""
+    from fractions import Fraction
+
+    if num_train < 1:
+        raise ValueError(f"num_train must be >= 1, got {num_train}")
+    return max(1, math.ceil(Fraction(repr(float(epochs))) * num_train / batch_size))

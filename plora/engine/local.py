@@ -8,7 +8,6 @@ one-thread jobs side by side keep both cores busy.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from plora.job.outputs import read_progress
 from plora.engine import spare
 from plora.engine.job_env import job_env, visible_gpu_ids  # noqa: F401 - visible_gpu_ids: where callers look
 from plora.engine.spare import child_setup
@@ -57,10 +57,7 @@ class JobProcess:
             self.proc.send_signal(sig)
 
     def progress(self) -> dict:
-        try:
-            return json.loads((self.job_dir / "progress.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return read_progress(self.job_dir)
 
 
 def tune_command(job_yaml: Path, nproc: int = 1) -> list[str]:

@@ -36,17 +36,19 @@ from pydantic import BaseModel, ConfigDict
 
 from plora.engine.cpu_share import bind_to_share, host_gpu_count
 from plora.engine.job_env import job_env
+from plora.settings import ATTEMPT, SPARE_JOBS, TEST_HOOKS, settings
+from plora.settings import HANDED_AT as settings_HANDED_AT
 
 #: set to 0 to start every job the ordinary way
-ENV_SWITCH = "PLORA_SPARE_JOBS"
+ENV_SWITCH = SPARE_JOBS
 #: the child: imports the recipe, says ready, waits for a `SpareOrder`
 CHILD_MODULE = "plora.train.spare"
 #: when the job was handed to its spare (the job's clock counts its start from there)
-HANDED_AT = "PLORA_HANDED_AT"
+HANDED_AT = settings_HANDED_AT
 #: what the child prints once it has imported the recipe
 READY = "ready"
 #: variables a job may set differently from its spare's: read only once the job runs
-ADJUSTABLE = frozenset({"OMP_NUM_THREADS", "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED"})
+ADJUSTABLE = frozenset({"OMP_NUM_THREADS", ATTEMPT, HANDED_AT, TEST_HOOKS, "PYTHONUNBUFFERED"})
 #: variables a spare and its job always agree on, whoever changed them
 PINNED = frozenset({"CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"})
 #: the child, with the sweep's working folder left off its import path (``python -m`` puts
@@ -182,7 +184,7 @@ _broken = False  # a spare died before it was ready, or could not be started: no
 
 
 def enabled() -> bool:
-    return not _broken and os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+    return not _broken and settings().spare_jobs
 
 
 def _give_up() -> None:

@@ -11,7 +11,8 @@ The space file's sections (`plora.spec.schema`) say what a user asks for; these 
 does, with the sweep's decisions already made: the adapters' step budgets and warm-ups,
 the LoRA targets resolved for the model's family, the model's folder on disk.
 
-No plora imports: the spec, the sweep, the profiler and the recipe all sit above this.
+Its defaults are the space file's (`plora.spec.defaults`); nothing else of plora is imported:
+the spec's schema, the sweep, the profiler and the recipe all sit above this.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from plora.spec import defaults as D
 
 __all__ = [
     "JobAdapter",
@@ -57,7 +60,7 @@ class _Section(BaseModel):
 class JobModel(_Section):
     path: str  # the model folder on disk (the spec's ``model.path`` resolved)
     family: str = "auto"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = D.DTYPE
     max_seq_len: int = Field(ge=1)
     random_init: bool = False  # a shape-only folder: weights drawn at random (planning, probes)
 
@@ -79,14 +82,14 @@ class JobData(_Section):
     eval: str | None = None
     train_split: str | None = None  # the split of a folder of splits (a DatasetDict)
     eval_split: str | None = None
-    format: Literal["auto", "plain", "instruction", "chat", "sharegpt"] = "auto"
-    input_column: str = "input"
-    output_column: str = "output"
-    instruction_column: str = "instruction"
-    messages_column: str = "messages"
-    conversations_column: str = "conversations"
+    format: Literal["auto", "plain", "instruction", "chat", "sharegpt"] = D.DATA_FORMAT
+    input_column: str = D.INPUT_COLUMN
+    output_column: str = D.OUTPUT_COLUMN
+    instruction_column: str = D.INSTRUCTION_COLUMN
+    messages_column: str = D.MESSAGES_COLUMN
+    conversations_column: str = D.CONVERSATIONS_COLUMN
     prompt_template: str | None = None
-    on_bad_rows: Literal["error", "drop"] = "error"
+    on_bad_rows: Literal["error", "drop"] = D.ON_BAD_ROWS
     num_train: int | None = Field(None, ge=1)  # a built-in task's rows
     num_eval: int | None = Field(None, ge=1)
     synthetic: SyntheticRows | None = None  # instead of any of the above
@@ -94,7 +97,7 @@ class JobData(_Section):
 
 class JobLora(_Section):
     targets: list[str] = Field(min_length=1)  # resolved for the model's family
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(D.LORA_DROPOUT, ge=0.0, lt=1.0)
 
 
 class JobAdapter(_Section):
@@ -127,23 +130,23 @@ class JobAdapter(_Section):
 
 
 class JobTraining(_Section):
-    scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    grad_clip: float | None = Field(1.0, gt=0)  # per adapter; None: no clipping
-    weight_decay: float = Field(0.0, ge=0)
+    scheduler: Literal["constant", "linear", "cosine"] = D.SCHEDULER
+    grad_clip: float | None = Field(D.GRAD_CLIP, gt=0)  # per adapter; None: no clipping
+    weight_decay: float = Field(D.WEIGHT_DECAY, ge=0)
     divergence_loss: float | None = Field(None, gt=0)  # a finite loss above this also diverges
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = D.ACTIVATION_CHECKPOINTING
     # "auto": on one CUDA device without activation checkpointing (`plora.train.step_graph`);
     # YAML's and the space file's on/off arrive as booleans
-    cuda_graphs: Literal["auto"] | bool = "auto"
-    row_layout: Literal["auto", "flat", "padded", "balanced"] = "auto"
-    length_buckets: Literal["auto"] | int = "auto"  # `plora.data.row_layout.length_buckets_for`
+    cuda_graphs: Literal["auto"] | bool = D.CUDA_GRAPHS
+    row_layout: Literal["auto", "flat", "padded", "balanced"] = D.ROW_LAYOUT
+    length_buckets: Literal["auto"] | int = D.LENGTH_BUCKETS  # `plora.data.row_layout.length_buckets_for`
     # a pack with a freed slot (or a slot refilled by a smaller batch) may replay a fuller
     # pack's CUDA graph, padding rows where it has fewer, while that costs less than a capture
     # (`plora.train.step_graph`); the job probe turns it off, so that each pack it runs is
     # captured and the cost model sees what a capture costs
     cover_vacant_slots: bool = True
-    checkpoint_every_steps: int | None = Field(500, ge=1)  # None turns that trigger off
-    checkpoint_every_minutes: float | None = Field(10.0, gt=0)
+    checkpoint_every_steps: int | None = Field(D.CHECKPOINT_EVERY_STEPS, ge=1)  # None turns that trigger off
+    checkpoint_every_minutes: float | None = Field(D.CHECKPOINT_EVERY_MINUTES, gt=0)
     # an adapter's rows per packed step at most; a larger batch accumulates (`plora.data.accumulation`)
     micro_batch_size: int | None = Field(None, ge=1)
 
@@ -163,9 +166,9 @@ class JobStreaming(_Section):
 
 
 class JobEval(_Section):
-    metrics: list[str] = Field(default_factory=lambda: ["loss", "exact_match"])
-    max_new_tokens: int = Field(16, ge=1)
-    max_eval_samples: int = Field(256, ge=1)
+    metrics: list[str] = Field(default_factory=lambda: list(D.EVAL_METRICS))
+    max_new_tokens: int = Field(D.MAX_NEW_TOKENS, ge=1)
+    max_eval_samples: int = Field(D.MAX_EVAL_SAMPLES, ge=1)
     every_steps: int | None = Field(None, ge=1)  # intermediate eval loss every N adapter steps
     #: the metric that ranks adapters, by its results name (``eval_<objective>``); None: the
     #: loss. Intermediate evals also score it (on `intermediate_samples` rows) where it is not
@@ -173,14 +176,14 @@ class JobEval(_Section):
     objective: str | None = None
     greater_is_better: bool = False  # the objective's direction, resolved by the spec
     #: eval rows an intermediate eval scores the objective on: the same rows each time, for every adapter
-    intermediate_samples: int = Field(32, ge=1)
+    intermediate_samples: int = Field(D.INTERMEDIATE_SAMPLES, ge=1)
     #: score every adapter on the eval set at each of its epoch ends and keep its best epoch's
     #: weights (`plora.train.epochs`)
     each_epoch: bool = False
     choices: list[str] | None = None  # choice_accuracy: the labels of every row
     choices_column: str | None = None  # or a column of each row's own choices
     python_path: list[str] = Field(default_factory=list)  # where user metrics are imported from
-    batch_rows: int = Field(256, ge=1)  # rows an eval forward takes at once
+    batch_rows: int = Field(D.EVAL_BATCH_ROWS, ge=1)  # rows an eval forward takes at once
     token_budget: int | None = Field(None, ge=1)  # tokens of one eval batch; None: from device memory
 
 

@@ -19,18 +19,17 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from plora.settings import HANDED_AT, settings
+
 __all__ = ["PhaseClock", "device_footprint", "outside_allocator", "process_started_at", "read_phases"]
 
 
 def process_started_at() -> float | None:
     """When this process became its job (``time.time()`` scale), or None where unknown: its
     creation, or for a process started ahead (`plora.engine.spare`) when the job was launched."""
-    handed = os.environ.get("PLORA_HANDED_AT")
-    if handed:
-        try:
-            return float(handed)
-        except ValueError:
-            pass
+    handed = settings().handed_at
+    if handed is not None:
+        return handed
     try:
         import psutil
 
@@ -76,7 +75,7 @@ class PhaseClock:
         self.created_at = created
         self.start_s = max(0.0, self.t0 - created) if created is not None else None
         #: whether this process was started ahead of its job (`plora.engine.spare`)
-        self.spare = bool(os.environ.get("PLORA_HANDED_AT"))
+        self.spare = bool(os.environ.get(HANDED_AT))
         self.load_s = 0.0
         self.setup_s = 0.0
         self.eval_base_s = 0.0
@@ -204,13 +203,9 @@ def outside_allocator(device: Any) -> float:
 def read_phases(job_dir: Any, exited_at: float | None = None) -> dict[str, Any] | None:
     """The ``phases`` a finished job wrote to its summary.json (with ``exited_at`` when given),
     or None when it wrote none."""
-    import json
-    from pathlib import Path
+    from plora.job.outputs import read_summary
 
-    try:
-        phases = json.loads((Path(job_dir) / "summary.json").read_text()).get("phases")
-    except (OSError, ValueError, AttributeError):
-        return None
+    phases = (read_summary(job_dir) or {}).get("phases")
     if not isinstance(phases, dict):
         return None
     return {**phases, **({"exited_at": float(exited_at)} if exited_at is not None else {})}

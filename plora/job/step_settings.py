@@ -9,9 +9,9 @@ nor the engine to know them.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
+from plora.settings import CUDA_GRAPHS, settings
 from plora.spec.schema import cuda_graphs_setting
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ JOB_ALLOCATOR = "expandable_segments:True"
 
 #: ``training.cuda_graphs``: "auto" (on for one CUDA device without activation
 #: checkpointing), "on" or "off"; the environment variable overrides the config.
-CUDA_GRAPHS_ENV = "PLORA_CUDA_GRAPHS"
+CUDA_GRAPHS_ENV = CUDA_GRAPHS
 
 
 def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_checkpointing: bool) -> bool:
@@ -34,7 +34,8 @@ def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_ch
     restores RNG state, which a capture does not allow).
     """
     try:
-        value = cuda_graphs_setting(os.environ.get(CUDA_GRAPHS_ENV, setting if setting is not None else "auto"))
+        env = settings().cuda_graphs
+        value = cuda_graphs_setting(env if env is not None else setting if setting is not None else "auto")
     except ValueError as e:
         raise ValueError(f"cuda_graphs: {e}") from None
     if value is False or device.type != "cuda":

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from plora.settings import settings
 from plora.models.families import ModelError
 from plora.data.json_errors import json_error_text
-from plora.models.loading import ModelInfo, build_model, read_model_info, resolve_model_path
+from plora.models.info import ModelInfo
+from plora.models.loading import build_model, read_model_info, resolve_model_path
 
 __all__ = ["check_model", "check_spec_model", "expected_weights"]
 
@@ -73,8 +74,7 @@ def _checker_version() -> str:
 def _passed_marker(folder: Path, family: str, random_init: bool, max_seq_len: int, stamp: tuple) -> Path:
     ident = json.dumps([str(folder.resolve()), family, random_init, max_seq_len, stamp, _checker_version()],
                        default=str)
-    root = Path(os.environ.get("PLORA_CACHE_DIR", Path.home() / ".cache" / "plora")).expanduser()
-    return root / "model-checks" / hashlib.sha1(ident.encode()).hexdigest()[:16]
+    return settings().cache_dir / "model-checks" / hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
 @lru_cache(maxsize=32)

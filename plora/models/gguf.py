@@ -26,6 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from plora.settings import settings
+
 __all__ = [
     "BUILTIN_GGUF",
     "GGUFError",
@@ -81,8 +83,8 @@ BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
 
 
 def cache_dir() -> Path:
-    """plora's cache (``PLORA_CACHE_DIR``, default ``~/.cache/plora``)."""
-    return Path(os.environ.get("PLORA_CACHE_DIR", Path.home() / ".cache" / "plora")).expanduser()
+    """plora's cache (``PLORA_CACHE_DIR``, default ``~/.cache/plora``: `plora.settings`)."""
+    return settings().cache_dir
 
 
 def is_gguf(path: str | Path) -> bool:

@@ -9,7 +9,6 @@ Face weights into it; adapter weights map back to Hugging Face names in
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,57 +17,15 @@ from torch import nn
 
 from plora.models.families.base import ModelError, check_seq_len, rope_settings
 from plora.models.families.table import get_family
+from plora.models.info import FAMILIES, ModelInfo
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-
-#: config.json ``model_type`` -> (our family name, torchtune's checkpointer model type, or
-#: "" where torchtune 0.6.1 has none). The weights are converted by the family itself
-#: (`plora.models.families.table`); the second name is for tools that speak torchtune's terms.
-FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LLAMA3"),
-    "mistral": ("mistral", "MISTRAL"),
-    "qwen2": ("qwen2", "QWEN2"),
-    "qwen3": ("qwen3", ""),
-    "gemma2": ("gemma2", "GEMMA2"),
-    "phi3": ("phi3", "PHI3_MINI"),
-}
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the rest of plora needs to know about a base model, read from config.json.
-
-    `options` holds the family's own settings (RoPE scaling, soft-capping, the sliding
-    window...), as its reader in `plora.models.families` returned them.
-    """
-
-    path: Path
-    family: str
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    embed_dim: int
-    head_dim: int
-    intermediate_dim: int
-    max_position_embeddings: int
-    norm_eps: float
-    rope_base: float
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
-    pad_token_id: int | None
-    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
-
-    @property
-    def checkpointer_type(self) -> str:
-        return FAMILIES[self.family][1]
 
 
 def resolve_model_path(path: str | Path, dtype: str = "float32") -> Path:
@@ -240,9 +197,9 @@ def _rebuild_rope_caches(model: nn.Module, device: str | torch.device) -> None:
 
 def shape_folder(shape) -> Path:
     """A config-only folder for a `ModelShape`, kept in plora's cache (PLORA_CACHE_DIR)."""
-    import os
+    from plora.settings import settings
 
-    root = Path(os.environ.get("PLORA_CACHE_DIR", Path.home() / ".cache" / "plora")) / "shapes" / shape.name
+    root = settings().cache_dir / "shapes" / shape.name
     if not (root / "config.json").is_file():
         write_shape_folder(shape, root)
     return root

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from plora.job.outputs import PROGRESS_FILE, SUMMARY_FILE
 from plora.job.control import read_joins
 
 __all__ = ["SPAN_COLUMNS", "AdapterSpan", "JobRun", "adapter_spans"]
@@ -99,7 +100,7 @@ def planned_adapters(job_dir: Path) -> list[str]:
 
 def _recipe_origin(job_dir: Path, run: JobRun) -> float:
     """The wall-clock time the job's latest attempt started its clock (metrics' ``time`` 0)."""
-    for name, key in (("progress.json", "elapsed_s"), ("summary.json", "wall_time_s")):
+    for name, key in ((PROGRESS_FILE, "elapsed_s"), (SUMMARY_FILE, "wall_time_s")):
         rec = read_json(job_dir / name)
         if isinstance(rec, dict) and isinstance(rec.get(key), (int, float)):
             with contextlib.suppress(OSError):
@@ -111,7 +112,7 @@ def _recipe_origin(job_dir: Path, run: JobRun) -> float:
 def _job_spans(run_dir: Path, run: JobRun) -> list[AdapterSpan]:
     job_dir = run_dir / "jobs" / run.job_id
     rows = read_jsonl(job_dir / "metrics.jsonl")
-    progress = read_json(job_dir / "progress.json") or {}
+    progress = read_json(job_dir / PROGRESS_FILE) or {}
     attempt = max([int(r.get("attempt") or 1) for r in rows] + [int(progress.get("attempt") or 1)])
     rows = [r for r in rows if int(r.get("attempt") or 1) == attempt and isinstance(r.get("time"), (int, float))]
     origin = _recipe_origin(job_dir, run)
@@ -126,7 +127,7 @@ def _job_spans(run_dir: Path, run: JobRun) -> list[AdapterSpan]:
             a = str(r["adapter"])
             first[a] = min(first.get(a, t), t)
             last[a] = max(last.get(a, t), t)
-    summary = read_json(job_dir / "summary.json") or {}
+    summary = read_json(job_dir / SUMMARY_FILE) or {}
     joined_at = {str(k): int(v) for k, v in (summary.get("joined") or {}).items() if isinstance(v, int)}
     records = {}
     for rec in read_joins(job_dir):

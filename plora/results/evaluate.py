@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from plora.data.dataset import IGNORE_INDEX, Sample, TextTokenizer
+from plora.spec.defaults import EVAL_BATCH_ROWS
 from plora.results.metrics import choice_accuracy, generated_metrics, needs_eval_loss, perplexity, score_predictions
 from plora.train.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to, last_position_logits
 from plora.train.packed.inject import PackedModel
@@ -174,7 +175,7 @@ def evaluate_adapters(
     max_new_tokens: int,
     max_seq_len: int,
     device: torch.device,
-    batch_rows: int = 256,
+    batch_rows: int = EVAL_BATCH_ROWS,
     token_budget: int | None = None,
 ) -> list[dict[str, float]]:
     """Eval metrics (`plora.results.metrics`) for each adapter index (None = the base model alone).

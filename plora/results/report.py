@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import yaml
 
+from plora.job.outputs import PROGRESS_FILE, SUMMARY_FILE
+from plora.settings import REPORT_COMPARE_DIRS, REPORT_RUN_DIR
 from plora.results.adapter_spans import SPAN_COLUMNS, JobRun, adapter_spans, planned_adapters, read_json, read_jsonl
 from plora.job.control import read_joins
 from plora.results.metrics import minimize as minimize_objective
@@ -69,9 +71,9 @@ __all__ = [
 ]
 
 #: The environment variable through which the notebook's parameter cell gets the run directory.
-RUN_DIR_ENV = "PLORA_RUN_DIR"
+RUN_DIR_ENV = REPORT_RUN_DIR
 #: more run directories whose tune histories the report draws beside the run's (os.pathsep-separated)
-COMPARE_ENV = "PLORA_COMPARE_DIRS"
+COMPARE_ENV = REPORT_COMPARE_DIRS
 #: what each tune records as trials are told (`plora.tuning.budget`; named here so that
 #: the report imports no Optuna to find it)
 TUNE_HISTORY_FILE = "tune_history.csv"
@@ -442,9 +444,9 @@ def _recipe_jobs(job_dirs: list[Path]) -> list[dict]:
     after the model is loaded, so process start-up is not included."""
     rows = []
     for jd in job_dirs:
-        summ = read_json(jd / "summary.json") or {}
-        prog = read_json(jd / "progress.json") or {}
-        for name, rec, key in (("summary.json", summ, "wall_time_s"), ("progress.json", prog, "elapsed_s")):
+        summ = read_json(jd / SUMMARY_FILE) or {}
+        prog = read_json(jd / PROGRESS_FILE) or {}
+        for name, rec, key in ((SUMMARY_FILE, summ, "wall_time_s"), (PROGRESS_FILE, prog, "elapsed_s")):
             if rec.get(key) is not None and (jd / name).is_file():
                 end = (jd / name).stat().st_mtime
                 ids = list(summ.get("adapters") or {}) or [

@@ -33,6 +33,9 @@ from pydantic import (
     model_validator,
 )
 
+from plora.models.families.targets import ALL_LINEAR, DEFAULT_TARGETS, LLAMA_TARGETS
+from plora.spec import defaults as D
+
 __all__ = [
     "ALL_LINEAR",
     "SCHEDULERS",
@@ -55,11 +58,16 @@ __all__ = [
 #: A module attribute so that tests can point it elsewhere.
 ASSETS_DIR: Path = Path(__file__).resolve().parents[1] / "assets"
 
-#: Linear layers of a llama-style decoder that LoRA can adapt (Hugging Face names).
-KNOWN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = "all-linear"
+#: Linear layers of a llama-style decoder that LoRA can adapt, and the keyword for all of them
+#: (`plora.models.families.targets`, their one home).
+KNOWN_TARGETS: tuple[str, ...] = LLAMA_TARGETS
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".csv", ".parquet")
 HYPERPARAMETERS: tuple[str, ...] = ("rank", "alpha", "learning_rate", "batch_size")
+#: the hyperparameters that take whole numbers only: grids are rounded, draws and values checked
+INTEGER_HYPERPARAMETERS: frozenset[str] = frozenset({"rank", "batch_size"})
+#: the largest LoRA rank: the packed kernels' limit (`plora.kernels.MAX_RANK`, which imports
+#: torch; `tests/test_spec.py` checks the two agree), refused here rather than at a kernel launch
+MAX_RANK = 256
 #: What else a space may vary per adapter. Each has a sweep-wide value (``lora`` or
 #: ``training``); an `AdapterConfig` holds one only where it differs from that value (None:
 #: the sweep's), so a configuration's id stays what it was before the dimension existed.
@@ -343,7 +351,7 @@ def resolve_targets(targets: str | list[str], family: str | None = None) -> list
 class ModelConfig(_Model):
     path: str = "builtin:tiny-llama"
     family: Literal["auto", "llama", "qwen2", "mistral"] = "auto"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = D.DTYPE
     max_seq_len: int = Field(64, ge=8)
 
     @field_validator("path")
@@ -358,7 +366,7 @@ class ModelConfig(_Model):
                 raise _Issue(f"unknown built-in model {name!r}; available: {avail}")
             return v
         if v.startswith("shape:"):
-            from plora.cost.model import ModelShape
+            from plora.models.shape import ModelShape
 
             name = v.removeprefix("shape:")
             if name not in ModelShape.presets():
@@ -393,7 +401,7 @@ class ModelConfig(_Model):
         if self.path.startswith("builtin:"):
             return ASSETS_DIR / self.path.removeprefix("builtin:")
         if self.path.startswith("shape:"):
-            from plora.cost.model import ModelShape
+            from plora.models.shape import ModelShape
             from plora.models.loading import shape_folder
 
             return shape_folder(ModelShape.preset(self.path.removeprefix("shape:")))
@@ -412,17 +420,17 @@ class DataConfig(_Model):
     eval: Optional[Path] = None
     train_split: Optional[str] = Field(None, min_length=1)  # a folder of splits: the one to read
     eval_split: Optional[str] = Field(None, min_length=1)
-    format: Literal["auto", "plain", "instruction", "chat", "sharegpt"] = "auto"  # auto: from the columns
-    input_column: str = Field("input", min_length=1)
-    output_column: str = Field("output", min_length=1)
-    instruction_column: str = Field("instruction", min_length=1)
-    messages_column: str = Field("messages", min_length=1)
-    conversations_column: str = Field("conversations", min_length=1)  # ShareGPT rows
+    format: Literal["auto", "plain", "instruction", "chat", "sharegpt"] = D.DATA_FORMAT  # auto: from the columns
+    input_column: str = Field(D.INPUT_COLUMN, min_length=1)
+    output_column: str = Field(D.OUTPUT_COLUMN, min_length=1)
+    instruction_column: str = Field(D.INSTRUCTION_COLUMN, min_length=1)
+    messages_column: str = Field(D.MESSAGES_COLUMN, min_length=1)
+    conversations_column: str = Field(D.CONVERSATIONS_COLUMN, min_length=1)  # ShareGPT rows
     prompt_template: Optional[str] = None  # e.g. "Question: {input}\nAnswer:" (plain and instruction rows)
-    on_bad_rows: Literal["error", "drop"] = "error"  # rows without an answer (or cut away by max_seq_len)
+    on_bad_rows: Literal["error", "drop"] = D.ON_BAD_ROWS  # rows without an answer (or cut away by max_seq_len)
     num_train: Optional[int] = Field(None, ge=1)
     num_eval: Optional[int] = Field(None, ge=1)
-    max_eval_samples: int = Field(256, ge=1)
+    max_eval_samples: int = Field(D.MAX_EVAL_SAMPLES, ge=1)
 
     @field_validator("task")
     @classmethod
@@ -519,8 +527,8 @@ class DataConfig(_Model):
 
 
 class LoraConfig(_Model):
-    targets: Union[str, list[str]] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    dropout: float = 0.0
+    targets: Union[str, list[str]] = Field(default_factory=lambda: list(DEFAULT_TARGETS))
+    dropout: float = D.LORA_DROPOUT
     rslora: bool = False  # scale alpha/sqrt(rank) instead of alpha/rank (PEFT's use_rslora)
 
     @field_validator("targets")
@@ -631,6 +639,12 @@ AlphaValues = Annotated[
 _TAG_MODELS: dict[str, Optional[type[BaseModel]]] = {"<values>": None, "<range>": Range, "<relative>": RelativeAlpha}
 
 
+def _check_rank_limit(rank: float, where: str | None) -> None:
+    if rank > MAX_RANK:
+        raise _Issue(f"must be at most {MAX_RANK} (the packed kernels' largest rank), got {_fmt(rank)}",
+                     *(() if where is None else (where,)))
+
+
 class ConfigEntry(_Model):
     """One configuration of a ``strategy: list`` space: rank, alpha, learning rate and batch
     size are required; a `TRAINING_DIMS` value left out is the sweep's."""
@@ -657,6 +671,7 @@ class ConfigEntry(_Model):
         for name in HYPERPARAMETERS:
             if getattr(self, name) <= 0:
                 raise _Issue(f"must be > 0, got {_fmt(getattr(self, name))}", name)
+        _check_rank_limit(self.rank, "rank")
         for name in _FLOAT_DIMS:
             v = getattr(self, name)
             if v is not None:
@@ -767,7 +782,7 @@ class SpaceConfig(_Model):
     @classmethod
     def _check_values(cls, v: Any, info: ValidationInfo) -> Any:
         name = info.field_name
-        integer = name in ("rank", "batch_size")
+        integer = name in INTEGER_HYPERPARAMETERS
         if isinstance(v, list):
             if not v:
                 raise _Issue("must not be empty")
@@ -781,6 +796,11 @@ class SpaceConfig(_Model):
                     raise _Issue(f"must be > 0, got {_fmt(x)}", end)
                 if integer and not float(x).is_integer():
                     raise _Issue(f"must be an integer, got {_fmt(x)}", end)
+        if name == "rank" and isinstance(v, list):
+            for x in v:
+                _check_rank_limit(x, None)
+        elif name == "rank" and isinstance(v, Range):
+            _check_rank_limit(v.high, "high")
         return v
 
     @model_validator(mode="after")
@@ -829,7 +849,7 @@ class SpaceConfig(_Model):
         if isinstance(v, RelativeAlpha):
             return list(v.relative)
         if isinstance(v, Range):
-            return v.grid(integer=name in ("rank", "batch_size"))
+            return v.grid(integer=name in INTEGER_HYPERPARAMETERS)
         return list(dict.fromkeys(v))
 
     def _axes(self) -> list[str]:
@@ -865,7 +885,7 @@ class SpaceConfig(_Model):
 
     def _draw(self, name: str, rng: np.random.Generator) -> Any:
         v = getattr(self, name)
-        integer = name in ("rank", "batch_size")
+        integer = name in INTEGER_HYPERPARAMETERS
         if isinstance(v, Range):
             return v.sample(rng, integer)
         vals = self.values(name)
@@ -922,13 +942,13 @@ class TrainingConfig(_Model):
     steps: Optional[int] = Field(None, ge=1)
     warmup_steps: Optional[int] = Field(None, ge=0)  # defaults to 0 when warmup_ratio is not given
     warmup_ratio: Optional[float] = Field(None, ge=0, le=1)
-    scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    grad_clip: Optional[float] = Field(1.0, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    scheduler: Literal["constant", "linear", "cosine"] = D.SCHEDULER
+    grad_clip: Optional[float] = Field(D.GRAD_CLIP, gt=0)
+    weight_decay: float = Field(D.WEIGHT_DECAY, ge=0)
     divergence_loss: Optional[float] = Field(None, gt=0)
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward: far less memory
+    activation_checkpointing: bool = D.ACTIVATION_CHECKPOINTING  # recompute each decoder layer in backward: far less memory
     # steps replayed from CUDA graphs: "auto" = on one GPU without activation checkpointing
-    cuda_graphs: Any = "auto"
+    cuda_graphs: Any = D.CUDA_GRAPHS
     # rows of a packed step: "flat" (no padding: one token stream, attention confined to each
     # row), "padded" (each row padded to the pack's widest), "balanced" (flat, each adapter's
     # rows dealt into batches of nearly equal tokens, so one segment size holds every step of
@@ -936,18 +956,18 @@ class TrainingConfig(_Model):
     # CUDA graphs, where it is padded, or balanced where rows vary so much in length that
     # padding them would cost 8% or more (H100, 16 adapters of varied rows: 57 ms padded
     # against 427 ms plain flat, whose per-adapter sizes keep growing and recapturing)
-    row_layout: Literal["auto", "flat", "padded", "balanced"] = "auto"
+    row_layout: Literal["auto", "flat", "padded", "balanced"] = D.ROW_LAYOUT
     # padded rows: each adapter draws its rows from this many length buckets in turn (the
     # same bucket at the same step for every batch size), so a step pads to the longest row
     # of one bucket, not of the whole data; "auto": where rows are padded in CUDA-graph
     # steps (one GPU), the count (1-8) that costs the sweep's jobs least for its rows and step
     # budgets (`plora.data.row_layout.auto_length_buckets`; more buckets pad less, each is one more
     # graph to capture), else 1 (a plain shuffle)
-    length_buckets: Union[Literal["auto"], int] = "auto"
+    length_buckets: Union[Literal["auto"], int] = D.LENGTH_BUCKETS
     # mid-job checkpoints (weights, AdamW state, schedule and data position of every adapter
     # in the pack), whichever comes first; null turns that trigger off
-    checkpoint_every_steps: Optional[int] = Field(500, ge=1)
-    checkpoint_every_minutes: Optional[float] = Field(10.0, gt=0)
+    checkpoint_every_steps: Optional[int] = Field(D.CHECKPOINT_EVERY_STEPS, ge=1)
+    checkpoint_every_minutes: Optional[float] = Field(D.CHECKPOINT_EVERY_MINUTES, gt=0)
     # the most rows an adapter puts in one packed step: a larger batch_size (still the
     # effective batch, an optimizer step's rows) accumulates its gradient over
     # ceil(batch_size / micro_batch_size) packed steps in near-equal parts, and trains as
@@ -985,14 +1005,14 @@ class TrainingConfig(_Model):
 
 class EvalConfig(_Model):
     # plora.results.metrics.BUILTIN_METRICS, or a user metric "module:function"
-    metrics: list[str] = Field(default_factory=lambda: ["loss", "exact_match"])
-    max_new_tokens: int = Field(16, ge=1)
+    metrics: list[str] = Field(default_factory=lambda: list(D.EVAL_METRICS))
+    max_new_tokens: int = Field(D.MAX_NEW_TOKENS, ge=1)
     objective: Optional[str] = None  # exact_match if measured, else the first metric
     greater_is_better: Optional[bool] = None  # default: false for loss and perplexity, true for every other metric
     every_steps: Optional[int] = Field(None, ge=1)  # intermediate eval loss every N adapter steps (pruning, curves)
     # eval rows on which intermediate evals also score the objective where it is not the loss
     # (generation is costly): the same rows each time, for every adapter; clipped to the eval set
-    intermediate_samples: int = Field(32, ge=1)
+    intermediate_samples: int = Field(D.INTERMEDIATE_SAMPLES, ge=1)
     choices: Optional[list[str]] = None  # choice_accuracy: the label choices of every row
     choices_column: Optional[str] = Field(None, min_length=1)  # or: a column with each row's own choices
 
@@ -1294,7 +1314,7 @@ class SweepSpec(_Model):
         own epochs (else the sweep's), or ``training.steps``."""
         if self.training.steps is not None:
             return self.training.steps
-        from plora.cost.model import steps_for
+        from plora.data.accumulation import steps_for
 
         epochs = cfg.epochs if cfg.epochs is not None else self.training.epochs
         return steps_for(num_train, cfg.batch_size, epochs or 1.0)

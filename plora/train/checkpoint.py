@@ -36,10 +36,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plora.job.outputs import EXIT_STOPPED
+from plora.settings import settings
 from plora.job.config import NEUTRAL_TRAINING  # left out of the fingerprint
 
 if TYPE_CHECKING:
     from plora.job.config import JobConfig
+    from plora.train.adapter_pack import AdapterPack
+    from plora.train.adapter_run import AdapterRun
+    from plora.train.packed.tp import TensorParallel
 
 VERSION = 1
 
@@ -61,28 +66,31 @@ def _adapter_key(run) -> dict[str, Any]:
     return run.cfg.model_dump(exclude={"id"})
 
 
-#: exit code of a job stopped by SIGTERM after saving its checkpoint (128 + SIGTERM)
-EXIT_STOPPED = 143
-
-
 class JobCheckpointer:
-    """Saves and restores the training state of a `PackedLoRARecipe`'s adapters.
+    """Saves and restores the training state of a packed job's adapters (their slots of the
+    `AdapterPack`, and their `AdapterRun` books).
 
-    The recipe calls `restore()` once before its first step, `maybe_save(step)` after each
-    step (once adapters that finished have left the pack) and `discard()` at the end. In
-    between, SIGTERM (how the engine stops jobs on Ctrl-C) is turned into a checkpoint at
-    the end of the current step and an exit with `EXIT_STOPPED`: an interrupted sweep
-    loses no steps.
+    The recipe calls `restore(runs)` once before its first step, `maybe_save(step, runs)`
+    after each step (once adapters that finished have left the pack) and `discard(runs)` at
+    the end. In between, SIGTERM (how the engine stops jobs on Ctrl-C) is turned into a
+    checkpoint at the end of the current step and an exit with `EXIT_STOPPED`: an
+    interrupted sweep loses no steps.
     """
 
-    def __init__(self, recipe, every_steps: int | None, every_minutes: float | None):
-        self.recipe = recipe
+    def __init__(self, cfg: JobConfig, pack: AdapterPack, *, attempt: int, started_at: float,
+                 tp: TensorParallel | None = None, device: torch.device | None = None):
+        self.pack = pack
+        self.job_id = cfg.job_id
+        self.output_dir = Path(cfg.output_dir)
+        self.attempt = attempt
+        self.started_at = started_at  # the job's start: an adapter's wall time counts from it
+        self.tp, self.device = tp, device
+        every_steps, every_minutes = cfg.training.checkpoint_every_steps, cfg.training.checkpoint_every_minutes
         self.every_steps = int(every_steps) if every_steps else None
         self.every_s = float(every_minutes) * 60 if every_minutes else None
-        tp = recipe.tp
         self.rank, self.world = (tp.rank, tp.size) if tp is not None else (0, 1)
-        self.dir = checkpoint_dir(recipe.job_dir)
-        self.fingerprint = fingerprint(recipe.cfg)
+        self.dir = checkpoint_dir(cfg.job_dir)
+        self.fingerprint = fingerprint(cfg)
         self.last_save = time.monotonic()
         self.saves = 0
         self.job_step = 0  # the job step the latest checkpoint restored from was taken at
@@ -102,45 +110,39 @@ class JobCheckpointer:
         go = bool(self.every_steps and step % self.every_steps == 0)
         go = go or bool(self.every_s is not None and time.monotonic() - self.last_save >= self.every_s)
         stop = self.stop_requested
-        tp = self.recipe.tp
+        tp = self.tp
         if tp is not None and (self.every_s is not None or self._previous_handler is not None):
-            flags = torch.tensor([int(go), int(stop)], dtype=torch.uint8, device=self.recipe.device)
+            flags = torch.tensor([int(go), int(stop)], dtype=torch.uint8, device=self.device)
             go, stop = (bool(x) for x in tp.broadcast_(flags).tolist())
             self.stop_requested = stop
         return go or stop
 
-    def maybe_save(self, step: int) -> bool:
+    def maybe_save(self, step: int, runs: list[AdapterRun]) -> bool:
         """Save when due; after a SIGTERM, save and leave (SystemExit with `EXIT_STOPPED`)."""
         if not self.due(step):
             return False
-        self.save(step)
+        self.save(step, runs)
         if self.stop_requested:
             raise SystemExit(EXIT_STOPPED)
         return True
 
-    def save(self, step: int) -> Path | None:
+    def save(self, step: int, runs: list[AdapterRun]) -> Path | None:
         """Write every training adapter's state at job step ``step``; None when none trains."""
-        r = self.recipe
-        live = [run for run in r.runs if run.active]
+        live = [run for run in runs if run.active]
         self.last_save = time.monotonic()
         if not live:
             return None
-        opt, bank = r.optimizer, r.bank
         adapters = {}
         for run in live:
-            k = run.index
             adapters[run.id] = {
                 "key": _adapter_key(run),
-                "weights": torch.cat(bank.adapter_views(bank.weights, k)).detach().cpu().clone(),
-                "exp_avg": torch.cat(bank.adapter_views(opt.exp_avg, k)).cpu().clone(),
-                "exp_avg_sq": torch.cat(bank.adapter_views(opt.exp_avg_sq, k)).cpu().clone(),
-                "optimizer_steps": int(opt.steps[k]),
+                **self.pack.adapter_state(run.index),  # weights, both moments, optimizer steps
                 "step": int(run.step),
                 "stream": run.stream_state(),  # an adapter mid-batch: where that batch began
                 "losses": list(run.losses),
                 "status": run.status,
                 "joined_at": run.joined_at,
-                "elapsed_s": run.earlier_s + time.time() - r.start_time,  # its wall time so far, every attempt
+                "elapsed_s": run.earlier_s + time.time() - self.started_at,  # its wall time so far, every attempt
                 # epochs as fidelity (`plora.train.epochs`): finished epochs' scores, the best one's weights
                 "epochs": list(run.epochs),
                 "best_epoch": run.best_epoch,
@@ -148,9 +150,9 @@ class JobCheckpointer:
             }
         state = {
             "version": VERSION,
-            "job_id": r.job_id,
+            "job_id": self.job_id,
             "job_step": int(step),
-            "attempt": r.attempt,
+            "attempt": self.attempt,
             "world": self.world,
             "fingerprint": self.fingerprint,
             "saved_at": time.time(),
@@ -166,44 +168,31 @@ class JobCheckpointer:
         for joins, has nothing in it to resume)."""
         (self.dir / f"state.rank{self.rank}.pt").unlink(missing_ok=True)
 
-    def discard(self) -> None:
+    def discard(self, runs: list[AdapterRun]) -> None:
         """Drop this job's checkpoint once none of its adapters trains any more (every one
         has its result): it would only hold states nothing resumes from."""
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
-        if not any(run.active for run in self.recipe.runs):
+        if not any(run.active for run in runs):
             self.drop()
 
     # --------------------------------------------------------------- restore
-    def restore(self) -> dict[str, int]:
+    def restore(self, runs: list[AdapterRun]) -> dict[str, int]:
         """Load each adapter's latest matching state into the pack; returns the adapter-steps
         resumed from, by adapter id (empty: the job starts from step 0)."""
-        r = self.recipe
-        found = self._latest_states({run.id: run for run in r.runs if run.active})
+        found = self._latest_states({run.id: run for run in runs if run.active})
         resumed: dict[str, int] = {}
-        opt, bank = r.optimizer, r.bank
         # only in a job the engine launched (it sets PLORA_ATTEMPT): a recipe run inside
         # another program must not change how that program takes SIGTERM
-        if self.enabled and "PLORA_ATTEMPT" in os.environ and threading.current_thread() is threading.main_thread():
+        if self.enabled and settings().launched_by_engine and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        for run in r.runs:
+        for run in runs:
             saved = found.get(run.id)
             if saved is None or not run.active:
                 continue
-            k = run.index
-            pieces = [(bank.adapter_views(bank.weights, k), saved["weights"]),
-                      (bank.adapter_views(opt.exp_avg, k), saved["exp_avg"]),
-                      (bank.adapter_views(opt.exp_avg_sq, k), saved["exp_avg_sq"])]
-            if any(sum(v.numel() for v in views) != flat.numel() for views, flat in pieces):
+            if not self.pack.load_adapter_state(run.index, saved):
                 continue  # another layout (other targets or shards): train it from the start
-            with torch.no_grad():
-                for views, flat in pieces:
-                    off = 0
-                    for v in views:
-                        v.copy_(flat[off : off + v.numel()].to(device=v.device, dtype=v.dtype))
-                        off += v.numel()
-            opt.steps[k] = int(saved["optimizer_steps"])
             run.step = int(saved["step"])
             run.stream.load_state_dict(saved["stream"])
             run.losses = [float(x) for x in saved["losses"]]
@@ -216,10 +205,10 @@ class JobCheckpointer:
             resumed[run.id] = run.step
             self.job_step = max(self.job_step, int(saved["job_step"]))
         self.last_save = time.monotonic()
-        if r.tp is not None:  # every rank must go on from the same steps (each read its own file)
-            steps = torch.tensor([resumed.get(run.id, -1) for run in r.runs], dtype=torch.int64, device=r.device)
-            if not torch.equal(r.tp.broadcast_(steps.clone()), steps):
-                raise RuntimeError(f"checkpoints of job {r.job_id} disagree between tensor-parallel ranks; "
+        if self.tp is not None:  # every rank must go on from the same steps (each read its own file)
+            steps = torch.tensor([resumed.get(run.id, -1) for run in runs], dtype=torch.int64, device=self.device)
+            if not torch.equal(self.tp.broadcast_(steps.clone()), steps):
+                raise RuntimeError(f"checkpoints of job {self.job_id} disagree between tensor-parallel ranks; "
                                    f"delete {self.dir} to start it over")
         return resumed
 
@@ -229,7 +218,7 @@ class JobCheckpointer:
     def _latest_states(self, wanted: dict[str, Any]) -> dict[str, dict]:
         """For each wanted adapter, its state of the most steps among the run's checkpoints
         (this job's first: a split or retried job finds its parent's too)."""
-        jobs = self.recipe.output_dir / "jobs"
+        jobs = self.output_dir / "jobs"
         own = self.dir / f"state.rank{self.rank}.pt"
         paths = [own] + sorted(p for p in jobs.glob(f"*/checkpoint/state.rank{self.rank}.pt") if p != own)
         best: dict[str, dict] = {}

@@ -6,7 +6,7 @@ epoch by the objective (ties: the lower eval loss, then the earlier epoch) are w
 PEFT folder holds at the end, and its metrics.json lists every epoch's scores and the
 epoch kept. An epoch ends at the adapter step where it has drawn ``e · N`` rows of the
 ``N`` training rows: ``ceil(e · N / batch_size)``, the step count an ``e``-epoch budget
-gives (`plora.cost.model.steps_for`); the last epoch ends with the budget (a fractional
+gives (`plora.data.accumulation.steps_for`); the last epoch ends with the budget (a fractional
 last epoch too).
 
 The best weights so far are kept as a flat host copy of the adapter's pieces of the bank
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["better_epoch", "epoch_ends", "epoch_record", "flat_weights", "load_flat_weights"]
+__all__ = ["EpochBook", "better_epoch", "epoch_ends", "epoch_record", "flat_weights", "load_flat_weights"]
 
 
 def epoch_ends(num_train: int, batch_size: int, total_steps: int) -> list[int]:
@@ -93,3 +93,59 @@ def _number(v: Any) -> float | None:
 
 def _plain(v: Any) -> Any:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+class EpochBook:
+    """Which adapter steps end an adapter's epochs, and its best epoch so far.
+
+    ``num_train``: the job's training rows; ``each_epoch``: score every epoch end (else only
+    the budget's end counts); ``objective``/``minimize``: what ranks epochs."""
+
+    def __init__(self, num_train: int, *, each_epoch: bool, objective: str | None, minimize: bool):
+        self.num_train = num_train
+        self.each_epoch = each_epoch
+        self.objective = f"eval_{objective or 'loss'}"
+        self.minimize = minimize
+
+    def ends(self, r) -> list[int]:
+        """The adapter steps ``r``'s epochs end at (only its budget's end without
+        ``eval.each_epoch``)."""
+        if r.epoch_ends is None:
+            r.epoch_ends = (epoch_ends(self.num_train, r.cfg.batch_size, r.total_steps)
+                            if self.each_epoch else [r.total_steps])
+        return r.epoch_ends
+
+    def due(self, stepped: Sequence[Any]) -> list[Any]:
+        """Adapters of ``stepped`` at the end of an epoch before their last."""
+        return [r for r in stepped if r.active and r.at_boundary and r.step < r.total_steps and r.step in self.ends(r)]
+
+    def record(self, r, m: Mapping[str, float]) -> bool:
+        """Add the epoch ``r`` has just finished to its scores; True when it is its best so far."""
+        ends = self.ends(r)
+        record = epoch_record(ends.index(r.step) + 1 if r.step in ends else len(r.epochs) + 1, r.step, m)
+        r.epochs.append(record)
+        best = next((e for e in r.epochs if e["epoch"] == r.best_epoch), None)
+        if not better_epoch(record, best, self.objective, minimize=self.minimize):
+            return False
+        r.best_epoch = record["epoch"]
+        return True
+
+    def keep_best(self, runs: Sequence[Any], metrics: Sequence[Mapping[str, float]]) -> tuple[list[dict], list[Any]]:
+        """The last epoch's scores join each adapter's; each adapter's metrics.json scores
+        (its best epoch's), and the adapters whose best is an earlier epoch (their kept
+        weights are to be saved over the last one's)."""
+        out, earlier = [], []
+        for r, m in zip(runs, metrics):
+            last_best = self.record(r, m)
+            if not last_best and r.best_weights is None:  # its best's weights unknown (an old checkpoint): the last
+                r.best_epoch = r.epochs[-1]["epoch"]
+            elif not last_best:
+                earlier.append(r)
+            out.append(self.best_scores(r))
+        return out, earlier
+
+    @staticmethod
+    def best_scores(r) -> dict[str, Any]:
+        """The eval scores of ``r``'s best epoch, as metrics.json holds an adapter's."""
+        best = next(e for e in r.epochs if e["epoch"] == r.best_epoch)
+        return {k: v for k, v in best.items() if k.startswith("eval_")}

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from plora.settings import TEST_HOOKS, settings
+
 __all__ = ["ENV", "fire", "installed", "load_env_hooks", "register", "unregister"]
 
 #: modules or .py files a job imports at start to install hooks (tests only)
-ENV = "PLORA_TEST_HOOKS"
+ENV = TEST_HOOKS
 
 Hook = Callable[..., Any]
 _hooks: dict[str, list[Hook]] = {}
@@ -60,8 +61,8 @@ def fire(event: str, **kwargs: Any) -> None:
 
 def load_env_hooks() -> None:
     """Import what ``PLORA_TEST_HOOKS`` names (once per name and process)."""
-    for name in (n.strip() for n in os.environ.get(ENV, "").split(",")):
-        if not name or name in _loaded:
+    for name in settings().test_hooks:
+        if name in _loaded:
             continue
         _loaded.add(name)
         if name.endswith(".py"):

@@ -59,7 +59,7 @@ def hold(key: ModelKey) -> None:
 
 def load(key: ModelKey) -> tuple[Any, Any]:
     """The held model of ``key`` (given away: a job injects its adapters into it), else one
-    loaded now; (model, `plora.models.loading.ModelInfo`)."""
+    loaded now; (model, `plora.models.info.ModelInfo`)."""
     global _held
     held, _held = _held, None
     if held is not None and held[0] == key:

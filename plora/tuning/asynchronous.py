@@ -61,13 +61,13 @@ from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained
 from plora.tuning.fidelity import Rungs
 from plora.tuning.prune import _finished_status, _PruneWatcher
+from plora.tuning.run_state import RunState
 from plora.tuning.space import config_from_params
 from plora.tuning.samplers import Startup
 from plora.tuning.study import tell_trial
 
-if TYPE_CHECKING:  # the loop calls this module with its run state: no import back at run time
+if TYPE_CHECKING:
     from plora.engine.runner import Engine
-    from plora.tuning.loop import _RunState
 
 
 @dataclass
@@ -77,7 +77,7 @@ class _Feeder:
     spec: SweepSpec
     study: optuna.Study
     space: dict[str, Any]
-    state: _RunState
+    state: RunState
     prep: PreparedSweep
     n_trials: int
     in_flight: int  # trials training at once, over every job
@@ -288,7 +288,7 @@ def tune_async(
     spec: SweepSpec,
     study: optuna.Study,
     space: dict[str, Any],
-    state: _RunState,
+    state: RunState,
     *,
     n_trials: int,
     in_flight: int,

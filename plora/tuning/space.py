@@ -15,7 +15,7 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from plora.spec.schema import TRAINING_DIMS, AdapterConfig, Range, RelativeAlpha, SweepSpec, _norm_float
+from plora.spec.schema import INTEGER_HYPERPARAMETERS, TRAINING_DIMS, AdapterConfig, Range, RelativeAlpha, SweepSpec, _norm_float
 from plora.tuning.base import TuneError, _quiet_optuna
 
 
@@ -26,7 +26,7 @@ _CHOICES = ("scheduler", "rslora", "targets")
 def _dist(name: str, values: Any) -> BaseDistribution:
     """A list is categorical; a range is an int or float distribution (log when the range is).
     A scheduler, rsLoRA switch or target set (`plora.spec.schema.target_key`) is a choice."""
-    integer = name in ("rank", "batch_size")
+    integer = name in INTEGER_HYPERPARAMETERS
     if isinstance(values, Range):
         if integer:
             return IntDistribution(int(values.low), int(values.high), log=values.log)

@@ -15,26 +15,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from plora.cost.model import ModelShape
+from plora.settings import settings
+from plora.models.shape import ModelShape
 from plora.cost.job import fit_overheads
 from plora.cost.profiling.calibrate import Calibration
 from plora.cost.profiling.errors import ProfileError
 from plora.cost.profiling.record import Profile
 from plora.job.step_settings import graphs_wanted
 
-CACHE_ENV = "PLORA_CACHE_DIR"
-
-
 def cache_dir() -> Path:
-    """Where profiles are cached: ``$PLORA_CACHE_DIR`` or ``~/.cache/plora/profiles``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "plora" / "profiles"
+    """Where profiles are cached: ``$PLORA_CACHE_DIR`` or ``~/.cache/plora/profiles`` (`plora.settings`)."""
+    return settings().profile_dir
 
 
 def profile_key(shape: ModelShape, *, seq_len: int, dtype: str, device_name: str, backend: str,
@@ -95,7 +92,7 @@ def _backend(device: str, activation_checkpointing: bool = False, cuda_graphs: A
         return "torch"
     import torch
 
-    kernels = "torch" if os.environ.get("PLORA_KERNELS", "auto").lower() == "torch" else "triton"
+    kernels = "torch" if settings().kernels == "torch" else "triton"
     graphed = graphs_wanted(cuda_graphs, torch.device(device), tp=False,
                             activation_checkpointing=activation_checkpointing)
     return kernels + ("+graph" if graphed else "")
@@ -133,9 +130,8 @@ def remember_job_overhead(spec, overhead_s: float, jobs: int) -> Path | None:
         prof = Profile.load(path)
     except ProfileError:
         return None
-    cm = prof.cost_model
-    cm.job_overhead_s = float(overhead_s)
-    cm.meta["job_overhead"] = {"measured_s": float(overhead_s), "jobs": int(jobs), "at": time.time()}
+    prof.cost_model = replace(prof.cost_model, job_overhead_s=float(overhead_s)).with_meta(
+        job_overhead={"measured_s": float(overhead_s), "jobs": int(jobs), "at": time.time()})
     return prof.save(path)
 
 

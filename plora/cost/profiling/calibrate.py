@@ -169,7 +169,7 @@ def conservative(prior: CostModel, margin: float = MEMORY_MARGIN, loads: Sequenc
     adapter, and the job's own footprint corrects the rest."""
     if loads:
         margin = min(margin, max(1.0, _largest_margin(prior, loads, load_factor)))
-    return replace(adapter_memory_scaled(prior, margin), meta={**prior.meta, "memory_margin": float(margin)})
+    return adapter_memory_scaled(prior, margin).with_meta(memory_margin=float(margin))
 
 
 def adapter_memory_scaled(model: CostModel, factor: float) -> CostModel:
@@ -339,7 +339,7 @@ class Calibration:
                 model = model.with_overheads(fit_overheads(job_terms_runs(self.job_runs)))
             except ValueError:
                 pass
-        return replace(model, meta={**model.meta, "calibration": info})
+        return model.with_meta(calibration=info)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "plora.calibration/v1", "timings": [t.to_dict() for t in self.timings],

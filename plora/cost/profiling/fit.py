@@ -23,7 +23,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from plora.cost.model import CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, num_buckets, resolve_lora_targets
+from plora.cost.model import CostModel, MemoryCoeffs, TimeCoeffs, num_buckets
+
+from plora.models.families.targets import resolve_lora_targets
+
+from plora.models.shape import ModelShape
 from plora.cost.profiling.errors import ProfileError
 from plora.cost.profiling.probes import Measurement, Probe
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from plora.job.outputs import read_summary
 from plora.job.config import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining
 
 __all__ = ["job_probe_config", "run_job_probe", "text_rows"]
@@ -117,10 +118,8 @@ def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: st
         exited = time.time()
         if proc.log:
             proc.log.close()
-        summary = job_dir / "summary.json"
-        if rc != 0 or not summary.is_file():
-            return None
-        phases = json.loads(summary.read_text()).get("phases")
+        summary = read_summary(job_dir) if rc == 0 else None
+        phases = (summary or {}).get("phases")
         if not phases:
             return None
         return {**phases, "exited_at": exited, "launched_at": proc.started}

@@ -18,7 +18,11 @@ from pathlib import Path
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
-from plora.cost.model import AdapterLoad, CostModel, ModelShape, resolve_lora_targets
+from plora.cost.model import AdapterLoad, CostModel
+
+from plora.models.families.targets import resolve_lora_targets
+
+from plora.models.shape import ModelShape
 from plora.cost.job import fit_overheads
 from plora.cost.profiling.job_probe import run_job_probe
 from plora.cost.profiling.calibrate import Calibration, PackFootprint, PackTiming
@@ -165,7 +169,7 @@ def profile_model(
                 f"first step +{o.warm_s:.2f} s, capture {o.capture_s:.2f} s, save {o.save_s:.2f} s/adapter "
                 f"({time.time() - t_job:.0f} s)")
     profiling_s = time.time() - t_start
-    cm.meta["profiling_s"] = profiling_s
+    cm = cm.with_meta(profiling_s=profiling_s)
 
     t_val = time.time()
     checks = holdout_probes(rows, kmax, n=holdout)
@@ -180,7 +184,7 @@ def profile_model(
         held.append(measure(p))
     prof = Profile(cm, fit_set, held, key, load_factor,
                    timings={"profiling_s": profiling_s, "validation_s": time.time() - t_val}, job_runs=job_runs)
-    prof.cost_model.meta["holdout"] = prof.summary()
+    prof.cost_model = prof.cost_model.with_meta(holdout=prof.summary())
     return prof
 
 
@@ -219,13 +223,13 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
         say(f"reusing the cached profile {path}")
         cm = prof.cost_model
         if set(cm.degrees) != set(degrees) or cm.gpu_memory_bytes != gpu_memory:
-            keep = {k: v for k, v in cm.meta.items() if k in ("device", "backend", "dtype", "seq_len", "warmup",
-                                                              "iters", "probe_rows", "profiling_s", "holdout",
-                                                              "sized_by")}
+            keep = cm.meta.only(("device", "backend", "dtype", "seq_len", "warmup", "iters", "probe_rows",
+                                 "profiling_s", "holdout", "sized_by"))
             overhead, terms = cm.job_overhead_s, cm.overheads
             prof.cost_model = fit_cost_model(prof.measurements, shape, seq, gpu_memory, targets=targets,
                                              tp_degrees=degrees, meta=keep)
-            prof.cost_model.job_overhead_s = overhead  # learned from sweeps (remember_job_overhead)
+            # the job overhead learned from sweeps (remember_job_overhead)
+            prof.cost_model = replace(prof.cost_model, job_overhead_s=overhead)
             if terms is not None:
                 prof.cost_model = prof.cost_model.with_overheads(terms)
         prof.reused, prof.load_factor = True, load_factor

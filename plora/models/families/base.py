@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from plora.models.loading import ModelInfo
+    from plora.models.info import ModelInfo
 
 
 class ModelError(ValueError):

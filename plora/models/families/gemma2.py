@@ -30,7 +30,7 @@ from plora.models.families.base import (
 )
 
 if TYPE_CHECKING:
-    from plora.models.loading import ModelInfo
+    from plora.models.info import ModelInfo
 
 _GELU = ("gelu_pytorch_tanh", "gelu_tanh")
 

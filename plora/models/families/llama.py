@@ -28,7 +28,7 @@ from plora.models.families.base import (
 )
 
 if TYPE_CHECKING:
-    from plora.models.loading import ModelInfo
+    from plora.models.info import ModelInfo
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

@@ -18,7 +18,7 @@ from torch import nn
 from plora.models.families.base import ModelError, check_activation, head_dim_of, map_keys, refuse_if, rope_settings, sliding_window, top_keys
 
 if TYPE_CHECKING:
-    from plora.models.loading import ModelInfo
+    from plora.models.info import ModelInfo
 
 _LAYER_KEYS = {
     "self_attn.qkv_proj.weight": "attn.qkv_proj.weight",

@@ -24,7 +24,7 @@ from plora.models.families.base import (
 )
 
 if TYPE_CHECKING:
-    from plora.models.loading import ModelInfo
+    from plora.models.info import ModelInfo
 
 
 def read_qwen2(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:

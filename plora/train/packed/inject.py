@@ -26,7 +26,6 @@ HF_TO_TUNE: dict[str, tuple[str, str]] = {
     "qkv_proj": ("attn", "qkv_proj"),
     "gate_up_proj": ("mlp", "gate_up_proj"),
 }
-ALL_LINEAR = list(HF_TO_TUNE)
 
 
 class PackedModel:
@@ -62,7 +61,7 @@ def inject_packed_lora(
         adapters = [replace(a, dropout=float(dropout)) for a in adapters]
     unknown = [t for t in targets if t not in HF_TO_TUNE]
     if unknown:
-        raise ValueError(f"unknown LoRA targets {unknown}; known: {ALL_LINEAR}")
+        raise ValueError(f"unknown LoRA targets {unknown}; known: {list(HF_TO_TUNE)}")
     state = PackState(adapters=list(adapters))
     layers: dict[str, PackedLoRALinear] = {}
     for i, block in enumerate(model.layers):

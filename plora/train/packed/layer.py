@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from plora.kernels import LoRAMeta, build_lora_meta, packed_lora_linear
+from plora.spec.schema import lora_scale
 from plora.train.packed.dropout import adapter_key, hash_dropout, key32, token_keys
 
 
@@ -38,7 +39,7 @@ class AdapterSpec:
 
     @property
     def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+        return lora_scale(self.alpha, self.rank, self.rslora)
 
 
 @dataclass

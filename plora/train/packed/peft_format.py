@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from plora.models.families.table import get_family
-from plora.models.loading import ModelInfo
+from plora.models.info import ModelInfo
 
 #: torchtune module path pieces -> Hugging Face ones
 _TUNE_TO_HF = {
