@@ -83,7 +83,8 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
     only if they start first."""
     from plora.engine import spare
     from plora.models.check import check_spec_model
-    from plora.spec.schema import SpecError, load_spec
+    from plora.spec.base import SpecError
+    from plora.spec.loading import load_spec
 
     try:
         spec = load_spec(space, sampled=sampled, overrides=overrides or ())
@@ -315,7 +316,7 @@ def report(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="HTML file (default: RUN/report.html)."),
 ) -> None:
     """Execute the report notebook on RUN and write report.html (tables and plots)."""
-    from plora.results.report import ReportError, render_report
+    from plora.results.notebook import ReportError, render_report
 
     runs = [_load(r, sampled=True).run_dir() if r.is_file() and r.suffix in (".yaml", ".yml") else r for r in runs]
     run, others = runs[0], runs[1:]

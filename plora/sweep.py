@@ -30,7 +30,8 @@ from plora.job.config import (
     JobTraining,
 )
 from plora.cost.profiling.calibrate import CALIBRATED_SOURCE
-from plora.spec.schema import AdapterConfig, SweepSpec
+from plora.spec.adapter import AdapterConfig
+from plora.spec.schema import SweepSpec
 
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
     from plora.cost.model import AdapterLoad, CostModel
@@ -99,9 +100,9 @@ def planned(spec: SweepSpec, loads: Sequence[AdapterLoad], cost_model: CostModel
 
 
 def targets_cost_model(spec: SweepSpec, targets: str, hw: Hardware) -> CostModel:
-    """The sweep's cost model for adapters of another target set (`plora.spec.schema.target_key`):
+    """The sweep's cost model for adapters of another target set (`plora.spec.adapter.target_key`):
     the same model, file and hardware, with ``lora.targets`` set to it."""
-    from plora.spec.schema import target_names
+    from plora.spec.adapter import target_names
 
     lora = spec.lora.model_copy(update={"targets": target_names(targets)})
     return sweep_models(spec.model_copy(update={"lora": lora}), None, hardware=hw).model
@@ -386,7 +387,7 @@ def model_targets(spec: SweepSpec, targets: str | Sequence[str] | None = None) -
     model's family (Phi-3's ``all-linear`` is its fused qkv_proj/gate_up_proj, not llama's
     seven layers)."""
     from plora.models.loading import read_model_info
-    from plora.spec.schema import resolve_targets
+    from plora.spec.model import resolve_targets
 
     family = read_model_info(spec.model.resolved_path(), spec.model.family).family
     return resolve_targets(spec.lora.targets if targets is None else list(targets), family)
@@ -419,7 +420,7 @@ def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int, rungs: Rungs | 
 def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[str]:
     """The layers a job of ``configs`` adapts, resolved for the model's family: their one
     target set (adapters of different sets never share a job: `plan_jobs`)."""
-    from plora.spec.schema import target_names
+    from plora.spec.adapter import target_names
 
     sets = spec.target_sets(configs)
     if len(sets) > 1:
@@ -432,7 +433,8 @@ def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[s
 def check_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> None:
     """Every target set the space searches names layers the model's family has (a
     `SpecError` naming ``space.targets`` otherwise), before anything runs."""
-    from plora.spec.schema import SpecError, target_names
+    from plora.spec.adapter import target_names
+    from plora.spec.base import SpecError
 
     sweep_set = spec.sweep_values()["targets"]
     for targets in spec.target_sets(configs):

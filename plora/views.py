@@ -278,7 +278,7 @@ def configs_table(prep: PreparedSweep) -> Table:
     return t
 
 
-#: column heads of the dimensions a space searches per adapter (`plora.spec.schema.TRAINING_DIMS`)
+#: column heads of the dimensions a space searches per adapter (`plora.spec.adapter.TRAINING_DIMS`)
 _DIM_HEADS = {"dropout": "dropout", "weight_decay": "wd", "warmup_ratio": "warm-up", "scheduler": "scheduler",
               "rslora": "rsLoRA", "targets": "targets", "epochs": "epochs"}
 

@@ -121,7 +121,7 @@ def sweep_facts(args, space: Path, label: str) -> dict:
     from plora.engine.journal import Journal
     from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     spec = load_spec(space)
     run = spec.run_dir(None)
@@ -235,7 +235,7 @@ def part_smollm2(args) -> dict:
 def part_peft(args) -> dict:
     """N PEFT processes at once, a fresh one a configuration (`bench_real_data.peft_worker`)."""
     import bench_real_data as brd
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     variant = "fixed"
     space = write_space(args, f"first-{variant}", space_0p5b(args, variant))

@@ -140,7 +140,7 @@ def sweep(args, space: dict, label: str, env: dict | None = None) -> dict:
 def job_rows(space: Path) -> list[dict]:
     """Each job of the run: adapters, TP, GPUs, wall (launch to exit), the full pack's step."""
     from plora.engine.journal import Journal
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     run = load_spec(space).run_dir(None)
     journal = Journal(run / "journal.sqlite")
@@ -218,7 +218,7 @@ def alone(args, space: dict, jobs: list[dict]) -> list[dict]:
 
     from plora.engine.local import launch
     from plora.job.config import JobConfig, JobStreaming
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
 
     run = parse_spec(space, args.out).run_dir(None)
     rows = []
@@ -268,7 +268,7 @@ def part_baseline(args, shape: str, baseline: str) -> dict:
                 name)
     per_bs: dict[int, list[float]] = {}
     tp_of: dict[int, int] = {}
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
 
     spec = parse_spec(fig4_space(args, shape, name, configs), args.out)
     by_id = {cfg.id: cfg.batch_size for cfg in spec.expand()}
@@ -297,7 +297,7 @@ def part_baseline(args, shape: str, baseline: str) -> dict:
 def part_peft(args, shape: str) -> dict:
     """PEFT, N processes per GPU at once, a fresh process a configuration, on a sample."""
     import bench_real_data as brd
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
 
     spec = parse_spec(fig4_space(args, shape, f"fig4-{shape}-peft"), args.out)
     folder = args.out / f"peft-{shape}"

@@ -54,7 +54,7 @@ MAX_PLANNING_S = 60.0
 def loads_from_space(raw: dict, num_train: int) -> tuple[list[AdapterLoad], str]:
     """The space's adapters as planning loads, and how they were obtained."""
     try:
-        from plora.spec.schema import parse_spec
+        from plora.spec.loading import parse_spec
     except ImportError:
         return _loads_fallback(raw, num_train), "pyyaml fallback sampler"
     data = copy.deepcopy(raw)

@@ -92,7 +92,7 @@ def real_tokens(spec) -> tuple[int, int]:
 def run_plora(args, variant: str, data_dir: Path) -> dict:
     from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     path = args.out / f"{variant}.yaml"  # written by main() with the data
     plora = [sys.executable, "-m", "plora.cli"]
@@ -155,7 +155,7 @@ def run_baseline(args, variant: str, data_dir: Path) -> dict:
     adapter) per configuration, one after another. Each configuration's result is kept in
     ``baseline-<variant>/config-NN.json`` and a rerun trains only the missing ones, so the
     baseline can be spread over several calls of a machine with a per-call time limit."""
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     spec = load_spec(args.out / f"{variant}.yaml")
     folder = args.out / f"baseline-{variant}"

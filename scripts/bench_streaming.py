@@ -291,7 +291,7 @@ def run_sweep(part: str, s: dict[str, Any]) -> dict[str, Any]:
 
     from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     path = write_space(part, s)
     spec = load_spec(path)
@@ -358,7 +358,7 @@ def trial_times(study_path: Path, name: str, t0: float) -> dict[str, Any]:
 
 def run_tune(part: str, s: dict[str, Any]) -> dict[str, Any]:
     from plora.engine.journal import measured_makespan
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     path = write_space(part, s)
     spec = load_spec(path, sampled=True)

@@ -86,7 +86,7 @@ def main() -> None:
     if args.profile is not None:  # a private cache holding the given profile, for both runs
         from plora.cost.profiling.cache import sweep_cache_path
         from plora.cost.profiling.record import Profile
-        from plora.spec.schema import load_spec
+        from plora.spec.loading import load_spec
 
         os.environ["PLORA_CACHE_DIR"] = str((args.out / "cache").resolve())
         try:

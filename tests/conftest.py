@@ -151,7 +151,7 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
     import yaml
 
     from plora.planner.plan import Job, Plan
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
     data = {
@@ -187,7 +187,7 @@ def _model_with_chat_template(out: Path) -> Path:
     """The shipped tiny Llama with `CHAT_TEMPLATE` in its tokenizer_config.json."""
     import shutil
 
-    from plora.spec.schema import ASSETS_DIR
+    from plora.spec.model import ASSETS_DIR
 
     shutil.copytree(ASSETS_DIR / "tiny-llama", out)
     cfg = json.loads((out / "tokenizer_config.json").read_text())

@@ -188,7 +188,7 @@ def test_a_bad_micro_batch_size_is_one_line_naming_the_field(tmp_path, value):
 def test_micro_batch_size_keeps_ids_and_reaches_the_jobs(tmp_path):
     """The micro-batch size changes how adapters train, not what they learn: the adapter
     ids are the same with and without it, and every job gets it."""
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
     from plora.sweep import prepare
 
     base = {"name": "x", "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import adapter_weights, job_config, max_weight_diff
-from plora.spec.schema import TRAINING_DIMS, AdapterConfig, SpecError, load_spec, parse_spec
+from plora.spec.adapter import TRAINING_DIMS, AdapterConfig
+from plora.spec.base import SpecError
+from plora.spec.loading import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

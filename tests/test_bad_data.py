@@ -131,7 +131,7 @@ def test_answer_cut_away_refused_with_line_or_dropped(tmp_path):
 
 
 def test_dropped_rows_do_not_count_in_the_epoch(tmp_path):
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import dataset_size
 
     train = tmp_path / "train.jsonl"

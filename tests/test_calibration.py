@@ -273,7 +273,7 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
     import yaml
 
     from plora.engine.journal import Journal
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import Hardware, prepare, run_prepared, write_run_files
 
     configs = [{"rank": r, "alpha": 2 * r, "learning_rate": 1e-3, "batch_size": 2} for r in (2, 4, 8, 16)]
@@ -318,7 +318,7 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
 
 def test_a_cpu_sweep_keeps_its_plan_and_model():
     """The calibration is a GPU sweep's: a CPU sweep (the demo) plans as before."""
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import ANALYTIC_SOURCE, prepare, sweep_calibrator
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "sweeps" / "demo.yaml")

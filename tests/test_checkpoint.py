@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from conftest import inject_fault
 from plora.engine.journal import Journal
 from plora.planner.plan import Job, Plan
-from plora.spec.schema import load_spec
+from plora.spec.loading import load_spec
 from plora.sweep import prepare, run_prepared, write_run_files
 
 CONFIGS = [
@@ -46,7 +46,7 @@ def prepared(tmp_path: Path, every_steps: int = 5):
 
 
 def test_spec_checkpoint_settings_are_validated(tmp_path):
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
 
     with pytest.raises(ValueError, match="checkpoint_every_steps"):
         parse_spec({"name": "x", "training": {"checkpoint_every_steps": 0}})

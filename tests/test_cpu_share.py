@@ -126,7 +126,7 @@ def test_baseline_plans_put_one_adapter_in_each_job():
 
 
 def test_a_baseline_sweep_streams_nothing():
-    from plora.spec.schema import PlannerConfig
+    from plora.spec.sections import PlannerConfig
 
     assert PlannerConfig().streams(gpu=True)
     assert not PlannerConfig(baseline="min_gpu").streams(gpu=True)

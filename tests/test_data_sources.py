@@ -74,7 +74,7 @@ def samples(space: Path):
     from plora.data.dataset import TextTokenizer, prepare_data
     from plora.data.check import data_config, eval_config
     from plora.models.loading import read_model_info
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     spec = load_spec(space)
     info = read_model_info(spec.model.resolved_path())
@@ -141,7 +141,7 @@ def saved(tmp_path) -> dict[str, Path]:
 
 def test_saved_dataset_folders_are_data(tmp_path, saved):
     from plora.data.check import check_data
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     cases = [({"train": str(saved["single"])}, 7, 0, None, None),
              ({"train": str(saved["dict"]), "eval": str(saved["dict"])}, 5, 1, "train", "validation"),
@@ -187,7 +187,7 @@ def fake_hub_cache(root: Path, repo_id: str) -> Path:
 
 @pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
 def test_a_hub_id_is_read_from_the_local_cache(tmp_path, monkeypatch, variable):
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     root = tmp_path / "hf"
     cache = root if variable == "HF_HUB_CACHE" else root / "hub"
@@ -212,7 +212,7 @@ def test_a_hub_id_not_in_the_cache_says_what_to_run(tmp_path, monkeypatch):
 
 
 def test_a_folder_beside_the_space_file_wins_over_a_hub_id(tmp_path, monkeypatch):
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     fake_hub_cache(tmp_path / "hf", "acme/tiny-llama")

@@ -17,7 +17,7 @@ import yaml
 from conftest import inject_fault
 from plora.engine.journal import Journal
 from plora.planner.plan import Job, Plan
-from plora.spec.schema import load_spec
+from plora.spec.loading import load_spec
 from plora.sweep import prepare, run_prepared, write_run_files
 
 

@@ -23,7 +23,7 @@ from conftest import inject_fault
 from plora.train import hooks
 from plora.planner.plan import Job, Plan
 from plora.train.epochs import better_epoch, epoch_ends
-from plora.spec.schema import load_spec
+from plora.spec.loading import load_spec
 from plora.sweep import job_config, prepare, run_prepared, write_run_files
 
 ONE = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8}]
@@ -141,7 +141,7 @@ def test_bad_eval_settings_are_one_line_exit_2(tmp_path, section, field):
 
 def test_per_epoch_scoring_is_on_for_more_than_one_epoch_only(tmp_path):
     from plora.data.check import eval_config
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
 
     assert eval_config(parse_spec({"name": "x", "training": {"epochs": 3}})).each_epoch
     assert eval_config(parse_spec({"name": "x", "training": {"epochs": 1.5}})).each_epoch
@@ -174,7 +174,8 @@ def test_a_three_epoch_sweep_lists_every_epoch_and_keeps_the_best(tmp_path):
     is scored three times, results.parquet lists each epoch's scores and the epoch kept,
     and the adapter's scores are that epoch's."""
     from plora import views
-    from plora.results.report import load_run, results_table
+    from plora.results.plots import results_table
+    from plora.results.run_data import load_run
 
     prep = prepared(tmp_path, configs=TWO)
     frame = run_prepared(prep, slots=["cpu:0"])
@@ -376,7 +377,7 @@ def _render(table) -> str:
 def test_resuming_a_run_directory_of_other_intermediate_samples(tmp_path):
     """How many rows intermediate evals score changes no result: a run directory resumes."""
     from plora.engine.preflight import check_resumable
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
 
     prep = prepared(tmp_path, training={"steps": 1}, eval_section={"metrics": ["loss"]})
     run_prepared(prep, slots=["cpu:0"])

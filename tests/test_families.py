@@ -25,7 +25,8 @@ from conftest import job_config
 from family_models import CASES, hf_model, make_model
 from plora.models.loading import ModelError, load_base_model, read_model_info
 from plora.train.packed_lora import PackedLoRARecipe
-from plora.spec.schema import SpecError, resolve_targets
+from plora.spec.base import SpecError
+from plora.spec.model import resolve_targets
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -18,7 +18,8 @@ from plora.job.config import JobConfig
 
 
 def _sweep_job(tmp_path, **training):
-    from plora.spec.schema import AdapterConfig, parse_spec
+    from plora.spec.adapter import AdapterConfig
+    from plora.spec.loading import parse_spec
     from plora.planner.plan import Job
     from plora.sweep import job_config as sweep_job_config
 

@@ -217,7 +217,7 @@ def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
     CPU timing on a shared machine is noisy, so the bound is loose; the ratio is printed."""
     from plora.engine.journal import measured_makespan
     from plora.cost.profiling.profile import profile_sweep
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
     spec = load_spec(sweep_space(tmp_path, 512))

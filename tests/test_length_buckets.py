@@ -35,7 +35,7 @@ def test_a_sweep_resolves_auto_once_for_every_job(tmp_path):
     import yaml
 
     from plora.cost.sweep_rows import sweep_length_buckets
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump({

@@ -177,7 +177,7 @@ def test_rouge_l_and_bleu_are_the_packages_own_scores():
 
 def test_perplexity_and_the_direction_of_each_metric():
     from plora.results.metrics import lower_is_better, minimize, perplexity
-    from plora.spec.schema import parse_spec
+    from plora.spec.loading import parse_spec
 
     assert perplexity(0.0) == 1.0 and perplexity(math.log(7.5)) == pytest.approx(7.5)
     assert perplexity(1e6) == math.inf and math.isnan(perplexity(math.nan))

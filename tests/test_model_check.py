@@ -175,7 +175,7 @@ def test_a_missing_gguf_file_is_refused(tmp_path):
 
 def test_a_model_error_inside_a_job_fails_its_adapters_at_once(tmp_path):
     """Weights that vanish after validation: the job exits 4 and is not retried."""
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
     folder = model_copy(tmp_path)

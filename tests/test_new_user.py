@@ -309,7 +309,7 @@ def test_interrupted_goes_on_its_own_line(tmp_path, monkeypatch):
 
 
 def test_curves_keep_the_latest_attempt():
-    from plora.results.report import latest_attempts
+    from plora.results.run_data import latest_attempts
 
     rows = [("job-000", 1, s) for s in range(6)]  # interrupted at step 5
     rows += [("job-000", 2, s) for s in range(10)]  # started over
@@ -345,7 +345,7 @@ def test_interrupt_and_resume_in_a_log(tmp_path):
     log has the first started line and "interrupted:" on its own line; metrics.jsonl marks
     both attempts, and the report's curves hold each step once, the second attempt going on
     from the first's checkpoint."""
-    from plora.results.report import load_run
+    from plora.results.run_data import load_run
 
     space = write_space(tmp_path, space={"strategy": "list", "configs": [
         {"rank": 2, "alpha": 4, "learning_rate": 1e-3, "batch_size": 4}]}, training={"steps": 600},

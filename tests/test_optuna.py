@@ -23,7 +23,9 @@ from typer.testing import CliRunner
 
 from plora.cli import app
 from plora.planner.plan import Plan
-from plora.spec.schema import ASSETS_DIR, AdapterConfig, parse_spec
+from plora.spec.adapter import AdapterConfig
+from plora.spec.loading import parse_spec
+from plora.spec.model import ASSETS_DIR
 from plora.tuning import base as tbase
 from plora.tuning import loop as tloop
 from plora.tuning import samplers as tsamp

@@ -171,7 +171,8 @@ def test_job_warmup_is_the_space_files_warmup(tmp_path):
     """A warm-up ratio gives each adapter the warm-up the validated spec computes for its own
     step count (one rounding, in one place): the sweep writes it into each adapter's job
     config, and the job trains with it."""
-    from plora.spec.schema import AdapterConfig, parse_spec
+    from plora.spec.adapter import AdapterConfig
+    from plora.spec.loading import parse_spec
     from plora.planner.plan import Job
     from plora.sweep import job_config as sweep_job_config
 

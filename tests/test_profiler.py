@@ -24,7 +24,7 @@ from plora.cost.profiling.probes import Measurement, Probe, calibration_probes, 
 from plora.cost.profiling.profile import profile_sweep
 from plora.cost.profiling.record import Profile
 from plora.cost.profiling.validate import prediction_errors
-from plora.spec.schema import parse_spec
+from plora.spec.loading import parse_spec
 
 SHAPE = ModelShape.preset("qwen2.5-7b")
 SEQ = 1024

@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from plora.engine.journal import Journal  # noqa: E402
 from plora.planner.plan import Job, Plan  # noqa: E402
-from plora.spec.schema import load_spec  # noqa: E402
+from plora.spec.loading import load_spec  # noqa: E402
 from plora.sweep import prepare, run_prepared, write_run_files  # noqa: E402
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}

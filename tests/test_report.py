@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from plora.results import report as R
 from plora.cli import app
 from plora.planner.plan import Plan
-from plora.spec.schema import ASSETS_DIR, parse_spec
+from plora.spec.loading import parse_spec
+from plora.spec.model import ASSETS_DIR
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]

@@ -137,7 +137,7 @@ def test_the_shipped_space_file_validates(folder):
     """The space file trains in bfloat16: its model is a bfloat16 folder of its own, beside
     the float32 one, half its size."""
     from plora.models.check import check_spec_model
-    from plora.spec.schema import load_spec
+    from plora.spec.loading import load_spec
 
     spec = load_spec(Path(__file__).resolve().parents[1] / "sweeps" / "smollm2.yaml")
     half = check_spec_model(spec).path

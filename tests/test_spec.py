@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+import plora.spec.adapter as spec_adapter
+import plora.spec.model as spec_model
 import plora.spec.schema as spec
-from plora.spec.schema import AdapterConfig, SpecError, SweepSpec, load_spec, parse_spec, resolve_targets
+from plora.spec.adapter import AdapterConfig
+from plora.spec.base import SpecError
+from plora.spec.loading import load_spec, parse_spec
+from plora.spec.model import resolve_targets
+from plora.spec.schema import SweepSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +28,7 @@ def _isolated(tmp_path_factory, monkeypatch):
     assets = tmp_path_factory.mktemp("assets")
     (assets / "tiny-llama").mkdir()
     (assets / "other-model").mkdir()
-    monkeypatch.setattr(spec, "ASSETS_DIR", assets)
+    monkeypatch.setattr(spec_model, "ASSETS_DIR", assets)
     tasks = types.ModuleType("plora.data.tasks")
     tasks.BUILTIN_TASKS = {"shift": object(), "reverse": object()}
     monkeypatch.setitem(sys.modules, "plora.data.tasks", tasks)
@@ -87,7 +93,7 @@ def test_objective_defaults_to_the_measured_metric():
 
 def test_builtin_model_resolves_into_assets():
     s = make(model={"path": "builtin:other-model"})
-    assert s.model.resolved_path() == spec.ASSETS_DIR / "other-model"
+    assert s.model.resolved_path() == spec_model.ASSETS_DIR / "other-model"
 
 
 # --------------------------------------------------------------------------- validation
@@ -256,7 +262,7 @@ def test_local_model_needs_config_json(tmp_path):
 
 
 def test_unknown_builtin_model_with_no_assets(monkeypatch, tmp_path):
-    monkeypatch.setattr(spec, "ASSETS_DIR", tmp_path / "none")
+    monkeypatch.setattr(spec_model, "ASSETS_DIR", tmp_path / "none")
     assert str(error_of({"name": "t"})) == "model.path: unknown built-in model 'tiny-llama'; available: none installed"
 
 
@@ -286,9 +292,9 @@ def test_supported_data_suffixes(tmp_path, suffix):
 
 
 def test_resolve_targets():
-    assert resolve_targets("all-linear") == list(spec.KNOWN_TARGETS)
+    assert resolve_targets("all-linear") == list(spec_model.KNOWN_TARGETS)
     assert resolve_targets(["v_proj", "q_proj", "v_proj"]) == ["v_proj", "q_proj"]
-    assert make(lora={"targets": "all-linear"}).lora.resolved_targets() == list(spec.KNOWN_TARGETS)
+    assert make(lora={"targets": "all-linear"}).lora.resolved_targets() == list(spec_model.KNOWN_TARGETS)
     assert make(lora={"targets": "q_proj"}).lora.targets == ["q_proj"]
     with pytest.raises(SpecError) as info:
         resolve_targets(["qkv"])
@@ -585,4 +591,4 @@ def test_rank_over_the_kernels_limit_is_a_spec_error():
 def test_the_rank_limit_is_the_kernels():
     import plora.kernels
 
-    assert spec.MAX_RANK == plora.kernels.MAX_RANK
+    assert spec_adapter.MAX_RANK == plora.kernels.MAX_RANK

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.spec.schema import parse_spec
+from plora.spec.loading import parse_spec
 from plora.tuning import loop as tloop
 from plora.tuning import samplers as tsamp
 from plora.tuning.base import TuneError

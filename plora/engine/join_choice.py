@@ -76,7 +76,7 @@ class RunningPack:
 
     job_id: str
     training: tuple[AdapterLoad, ...]
-    #: the layers its adapters adapt (a `plora.spec.schema.target_key`): only adapters of the same
+    #: the layers its adapters adapt (a `plora.spec.adapter.target_key`): only adapters of the same
     #: set may join (None: any)
     targets: str | None = None
 

@@ -35,7 +35,7 @@ class StreamPolicy:
     fits: Callable[[Sequence[AdapterLoad], int], bool]
     #: the sweep's cost model, which times packs for the choice (None: step counts decide)
     cost: CostModel | None = None
-    #: an adapter's target set (`plora.spec.schema.target_key`): a job adapts one, so only adapters
+    #: an adapter's target set (`plora.spec.adapter.target_key`): a job adapts one, so only adapters
     #: of its set join it (None: every adapter has the same)
     targets: Callable[[str], str] | None = None
     #: the sweep's ``training.micro_batch_size`` (`plora.data.accumulation`)

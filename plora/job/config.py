@@ -110,7 +110,7 @@ class JobAdapter(_Section):
     batch_size: int = Field(ge=1)
     seed: int
     steps: int = Field(ge=0)
-    #: computed by whoever builds the job (the sweep: `plora.spec.schema.warmup_steps_for`), never by the job
+    #: computed by whoever builds the job (the sweep: `plora.spec.sections.warmup_steps_for`), never by the job
     warmup_steps: int = Field(0, ge=0)
     #: the adapter's own training settings; None: the job's (``lora.dropout``,
     #: ``training.weight_decay``, ``training.scheduler``). The sweep gives every one.

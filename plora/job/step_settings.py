@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from plora.settings import CUDA_GRAPHS, settings
-from plora.spec.schema import cuda_graphs_setting
+from plora.spec.sections import cuda_graphs_setting
 
 if TYPE_CHECKING:
     import torch

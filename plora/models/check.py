@@ -186,7 +186,7 @@ def check_spec_model(spec: Any) -> ModelInfo:
     loaded, so `sweep`, `plan`, `profile` and `tune` refuse a broken model before they plan,
     profile or write anything.
     """
-    from plora.spec.schema import SpecError
+    from plora.spec.base import SpecError
 
     try:
         return check_model(spec.model.resolved_path(), spec.model.family, random_init=spec.model.random_init,

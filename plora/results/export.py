@@ -119,7 +119,8 @@ def base_model_folder(run_dir: Path, *, merge: bool = False) -> Path:
     """The base model's folder of a run, as its spec.yaml names it (`ModelConfig.resolved_path`:
     a shipped model, a Hugging Face folder, a GGUF file's dequantized copy in plora's cache).
     A ``shape:`` model was drawn at random and never saved: nothing to merge into."""
-    from plora.spec.schema import SpecError, parse_model_section
+    from plora.spec.base import SpecError
+    from plora.spec.loading import parse_model_section
 
     try:
         cfg = parse_model_section(_run_spec(Path(run_dir)).get("model"), Path(run_dir))

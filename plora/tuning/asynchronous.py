@@ -48,7 +48,8 @@ from plora.engine.join_choice import JOIN_TP, pack_fits
 from plora.engine.streaming import STREAM_LINGER_S
 from plora.job.config import JobAdapter, JobStreaming
 from plora.planner.plan import Job, Plan
-from plora.spec.schema import AdapterConfig, SweepSpec
+from plora.spec.adapter import AdapterConfig
+from plora.spec.schema import SweepSpec
 from plora.sweep import (
     PreparedSweep,
     collect_results,

@@ -15,7 +15,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from plora.cost.model import CostModel
 from plora.planner.plan import Job
-from plora.spec.schema import TRAINING_DIMS, AdapterConfig, Range, SweepSpec
+from plora.spec.adapter import TRAINING_DIMS, AdapterConfig
+from plora.spec.schema import SweepSpec
+from plora.spec.space import Range
 from plora.sweep import (
     PreparedSweep,
     collect_results,

@@ -16,7 +16,8 @@ import pandas as pd
 
 from plora.cost.model import packed_load
 from plora.planner.plan import PLAN_FILE, Job, Plan
-from plora.spec.schema import TRAINING_DIMS, AdapterConfig, SweepSpec
+from plora.spec.adapter import TRAINING_DIMS, AdapterConfig
+from plora.spec.schema import SweepSpec
 from plora.sweep import PreparedSweep, configs_frame
 
 

@@ -21,7 +21,8 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from plora.spec.schema import AdapterConfig, SweepSpec
+from plora.spec.adapter import AdapterConfig
+from plora.spec.schema import SweepSpec
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.prune import intermediate_value
 from plora.tuning.space import params_of, search_space

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from plora.kernels import LoRAMeta, build_lora_meta, packed_lora_linear
-from plora.spec.schema import lora_scale
+from plora.spec.adapter import lora_scale
 from plora.train.packed.dropout import adapter_key, hash_dropout, key32, token_keys
 
 
