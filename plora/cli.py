@@ -170,7 +170,8 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
     from plora.data.dataset import DataError
     from plora.models.loading import ModelError
     from plora.planner import PlannerError
-    from plora.sweep import hardware_for, prepare
+    from plora.hardware import hardware_for
+    from plora.sweep import prepare
 
     try:
         hw = hardware_for(spec)
@@ -210,7 +211,8 @@ def sweep(
 
     from plora.engine import spare
     from plora.engine.backends import BackendError
-    from plora.sweep import base_metrics, run_prepared, write_run_files
+    from plora.results.collect import base_metrics
+    from plora.sweep import run_prepared, write_run_files
 
     start = time.time()
     try:
@@ -268,7 +270,7 @@ def tune(
                         on_budget if on_budget is not None else spec.optuna.on_budget)
     except ValueError as e:
         fail(str(e))
-    from plora.sweep import hardware_for
+    from plora.hardware import hardware_for
 
     try:
         _note_hardware(spec, hardware_for(spec))
@@ -340,7 +342,8 @@ def plan(
 
     Prints the job queue and the predicted makespan against the baselines; writes plan.json.
     """
-    from plora.sweep import hardware_for, prepare, write_plan
+    from plora.hardware import hardware_for
+    from plora.sweep import prepare, write_plan
 
     spec = _load(space, overrides=overrides)
     _check_output(spec.run_dir(output))

@@ -8,7 +8,6 @@ CLI only renders what it returns.
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -19,24 +18,30 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from plora.data.accumulation import micro_rows
-from plora.data.check import DataReport, check_data, data_config, eval_config
-from plora.engine.streaming import STREAM_LINGER_S, StreamPolicy
-from plora.job.config import (
-    JobAdapter,
-    JobConfig,
-    JobLora,
-    JobModel,
-    JobStreaming,
-    JobTraining,
-)
+from plora.data.check import DataReport, check_data
+from plora.engine.streaming import StreamPolicy
+from plora.job.config import JobAdapter, JobStreaming
 from plora.cost.profiling.calibrate import CALIBRATED_SOURCE
+from plora.cost.sweep_model import (
+    ANALYTIC_SOURCE,
+    CALIBRATED_SOURCE_NOW,
+    cost_model_for,
+    graphed_steps,
+    priced_for_sweep,
+    recalibrated,
+    sweep_models,
+    targets_cost_model,
+    within_node,
+)
+from plora.hardware import Hardware, hardware_for, sweep_on_gpu
+from plora.job.from_spec import check_target_sets, job_adapter, job_config
+from plora.results.collect import has_eval_data, write_results, write_unmeasured_base_metrics
 from plora.spec.adapter import AdapterConfig
 from plora.spec.schema import SweepSpec
 
 if TYPE_CHECKING:  # the planner (and its solvers) is imported where a sweep plans
     from plora.cost.model import AdapterLoad, CostModel
     from plora.cost.profiling.calibrate import Calibration, SweepCalibrator
-    from plora.engine.runner import Drift
     from plora.planner.plan import Job, Plan
     from plora.tuning.fidelity import Rungs  # Optuna is imported where a tune runs
 
@@ -62,7 +67,6 @@ def plan_jobs(
     planned on its own, priced for its layers (`targets_cost_model`), and the plans run one
     after the other.
     """
-    from plora.cost.model import packed_load
     from plora.planner import PLANNING_BUDGET_S
 
     hw = hardware or hardware_for(spec)
@@ -99,15 +103,6 @@ def planned(spec: SweepSpec, loads: Sequence[AdapterLoad], cost_model: CostModel
                       max_adapters_per_job=p.max_adapters_per_job, objective=p.objective, time_limit_s=time_limit_s)
 
 
-def targets_cost_model(spec: SweepSpec, targets: str, hw: Hardware) -> CostModel:
-    """The sweep's cost model for adapters of another target set (`plora.spec.adapter.target_key`):
-    the same model, file and hardware, with ``lora.targets`` set to it."""
-    from plora.spec.adapter import target_names
-
-    lora = spec.lora.model_copy(update={"targets": target_names(targets)})
-    return sweep_models(spec.model_copy(update={"lora": lora}), None, hardware=hw).model
-
-
 def one_after_another(plans: Sequence[Plan], names: Sequence[str]) -> Plan:
     """Plans of disjoint adapter groups as one queue: each starts where the one before ends
     (the engine starts a job as soon as a slot is free, so groups overlap at their seams;
@@ -127,366 +122,6 @@ def one_after_another(plans: Sequence[Plan], names: Sequence[str]) -> Plan:
                    packed_makespan=sum(p.packed_makespan for p in plans),
                    planning_seconds=sum(p.planning_seconds for p in plans), notes=notes,
                    optimal=False, strategy="+".join(dict.fromkeys(p.strategy for p in plans)))
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What a sweep is planned for: GPUs (how many, how much memory each) or CPU slots."""
-
-    gpu: bool
-    slots: int
-    gpu_memory_bytes: float | None = None
-    local: bool = True  # this machine's (profiles can be measured and looked up here)
-    max_tp: int | None = None  # GPUs of one node on a cluster: no job spans nodes
-
-    def describe(self) -> str:
-        if self.gpu:
-            return f"{self.slots} GPU{'s' if self.slots > 1 else ''} of {self.gpu_memory_bytes / 2**30:.0f} GiB"
-        return f"{self.slots} CPU slot{'s' if self.slots > 1 else ''}"
-
-    def slot_names(self) -> list[str]:
-        return [f"cuda:{i}" for i in range(self.slots)] if self.gpu else [f"cpu:{i}" for i in range(self.slots)]
-
-
-def hardware_for(spec: SweepSpec, *, here: bool = True) -> Hardware:
-    """This machine's GPUs (at most `hardware.gpus`) or its cores; with `here=False` and no
-    GPU visible, the space file's `hardware` itself (planning a GPU sweep from elsewhere)."""
-    import os
-
-    if spec.hardware.backend == "ray":
-        return cluster_hardware(spec)
-    cpu = Hardware(False, max(1, os.cpu_count() or 1))
-    if spec.hardware.device == "cpu":
-        return cpu
-    import torch
-
-    if torch.cuda.is_available():
-        n = max(1, min(spec.hardware.gpus, torch.cuda.device_count()))
-        return Hardware(True, n, float(torch.cuda.get_device_properties(0).total_memory))
-    if not here:
-        return Hardware(True, spec.hardware.gpus, spec.hardware.gpu_memory_gb * 2**30, local=False)
-    if spec.hardware.device == "cuda":
-        raise ValueError("hardware.device: cuda, but no CUDA device is visible on this machine")
-    return cpu
-
-
-def cluster_hardware(spec: SweepSpec) -> Hardware:
-    """A Ray cluster as the space file describes it: ``nodes × gpus_per_node`` GPUs of
-    ``gpu_memory_gb`` (CPU slots with ``device: cpu``), no job wider than one node. Its GPUs
-    are not this machine's: profiles are not measured here."""
-    hw = spec.hardware
-    slots = hw.nodes * hw.per_node
-    if hw.device == "cpu":
-        return Hardware(False, slots, max_tp=1)
-    return Hardware(True, slots, hw.gpu_memory_gb * 2**30, local=False, max_tp=hw.per_node)
-
-
-def within_node(cost_model: CostModel, max_tp: int | None) -> CostModel:
-    """The cost model without the TP degrees wider than a node (the planner then never
-    plans a job across nodes)."""
-    if max_tp is None or max(cost_model.degrees) <= max_tp:
-        return cost_model
-    keep = [d for d in cost_model.degrees if d <= max_tp] or [min(cost_model.degrees)]
-    return replace(cost_model, time={d: cost_model.time[d] for d in keep},
-                   memory_coeffs={d: cost_model.memory_coeffs[d] for d in keep},
-                   host_time={d: c for d, c in cost_model.host_time.items() if d in keep})
-
-
-#: the CPU prior's memory (`plora.cost.cpu`): what a CPU sweep plans its jobs within, and
-#: the runtime's own share of it
-CPU_PRIOR = dict(memory_bytes=64 * 2**30, overhead_bytes=0.5 * 2**30)
-ANALYTIC_SOURCE = "the analytic cost model (no profile yet: `plora profile` fits one)"
-#: where the plan's model came from after a sweep's quick calibration
-CALIBRATED_SOURCE_NOW = "the analytic cost model calibrated on this GPU just now (two short packs)"
-
-
-#: the analytic prior's device numbers by GPU name (dense bf16 FLOP/s, HBM bytes/s); others
-#: get the H100's. Only a starting point: a sweep calibrates its model from its own jobs.
-GPU_PRIORS = {
-    "H200": dict(device_flops=989e12, device_bandwidth=4.8e12),
-    "H100": dict(device_flops=989e12, device_bandwidth=3.35e12),
-    "A100": dict(device_flops=312e12, device_bandwidth=2.0e12),
-}
-
-
-def gpu_prior(device_name: str | None) -> dict[str, float]:
-    for key, numbers in GPU_PRIORS.items():
-        if device_name and key in device_name:
-            return dict(numbers)
-    return dict(GPU_PRIORS["H100"])
-
-
-def analytic_prior(spec: SweepSpec, hw: Hardware) -> CostModel:
-    """The analytic cost model of the sweep's model on ``hw``: FLOPs and bytes from the model's
-    shape, the step as the sweep's jobs run it (activation checkpointing or not)."""
-    from plora.cost.model import CostModel
-    from plora.cost.cpu import cpu_cost_model
-    from plora.cost.profiling.cache import shape_from_model
-
-    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
-    targets = list(spec.lora.resolved_targets())
-    seq = spec.model.max_seq_len
-    if hw.gpu:
-        name = None
-        if hw.local:
-            import torch
-
-            name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-        return CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots,
-                                  activation_checkpointing=bool(spec.training.activation_checkpointing),
-                                  **gpu_prior(name))
-    return cpu_cost_model(shape, seq, targets, **CPU_PRIOR)
-
-
-def cost_model_for(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
-                   hardware: Hardware | None = None) -> tuple[CostModel, str]:
-    """The cost model a sweep plans with, and where it came from.
-
-    In order: the run directory's profile.json; a cached profile of this model on this
-    machine (`plora profile`); on a GPU here, the analytic prior corrected by the cached
-    calibration of this model here (`plora.cost.profiling.calibrate`, what earlier sweeps
-    measured); else the analytic prior from the model's shape (FLOPs and bytes), on a GPU
-    with its memory per adapter counted `MEMORY_MARGIN` times until something is measured.
-    A sweep never waits for a profile: ``probe`` is accepted for callers of earlier versions
-    and means nothing here (`prepare` measures a few seconds where memory decides the plan).
-    """
-    from plora.cost.profiling.calibrate import conservative
-
-    hw = hardware or hardware_for(spec)
-    found = profiled_model(spec, run_dir, hw)
-    if found is not None:
-        return found
-    prior = analytic_prior(spec, hw)
-    if not hw.gpu:
-        return prior, ANALYTIC_SOURCE
-    calibration = cached_calibration(spec, hw)
-    if not calibration.empty:
-        return calibration.apply(prior), CALIBRATED_SOURCE
-    return conservative(prior), ANALYTIC_SOURCE
-
-
-def profiled_model(spec: SweepSpec, run_dir: Path | None, hw: Hardware) -> tuple[CostModel, str] | None:
-    """A measured model of the sweep's model, and where it came from: the run directory's
-    profile.json, else a profile cached on this machine; None where there is neither."""
-    from plora.cost.model import CostModel
-    from plora.cost.profiling.profile import profile_sweep
-
-    if run_dir is not None and (run_dir / "profile.json").is_file():
-        return CostModel.load(run_dir / "profile.json"), "the run's profile.json"
-    cm = profile_sweep(spec, None, cached_only=True) if hw.local else None
-    return (cm, "a profile measured on this machine") if cm is not None else None
-
-
-def cached_calibration(spec: SweepSpec, hw: Hardware) -> Calibration:
-    """What earlier sweeps of the model measured on this machine (empty elsewhere)."""
-    from plora.cost.profiling.cache import load_calibration
-    from plora.cost.profiling.calibrate import Calibration
-
-    return (load_calibration(spec) if hw.local else None) or Calibration()
-
-
-def priced_for_sweep(spec: SweepSpec, cost_model: CostModel, hw: Hardware, length_buckets: int | str | None = None,
-                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> CostModel:
-    """A cost model priced on this sweep's own rows (their ``row_lengths`` when already
-    tokenized, in its jobs' ``length_buckets``) and eval (`CostModel.for_eval`,
-    `CostModel.for_rows`), unless it already is: any model of a GPU sweep, and one with
-    measured job terms on a CPU (the CPU's analytic prior stays as it is)."""
-    if cost_model.eval_load is not None or (getattr(cost_model, "overheads", None) is None and not hw.gpu):
-        return cost_model
-    from plora.cost.sweep_rows import eval_load_for, train_row_lengths, train_row_tokens, widest_train_row
-
-    graphed = graphed_steps(spec, hw)
-    lengths = row_lengths if row_lengths is not None else train_row_lengths(spec)
-    rows = train_row_tokens(spec, graphed=graphed, length_buckets=length_buckets, lengths=lengths,
-                            row_layout=row_layout)
-    widest = widest_train_row(spec, graphed=graphed, lengths=lengths, row_layout=row_layout) if hw.gpu else None
-    return cost_model.for_eval(eval_load_for(spec)).for_rows(rows, widest)
-
-
-def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,
-                     hardware: Hardware | None = None, length_buckets: int | str | None = None,
-                     row_lengths: list[int] | None = None, row_layout: str | None = None) -> CostModel:
-    """The cost model a sweep runs with: `cost_model_for`'s (its source in
-    ``meta["plan_source"]``), priced on the sweep's rows (`priced_for_sweep`)."""
-    return sweep_models(spec, run_dir, hardware=hardware, length_buckets=length_buckets,
-                        row_lengths=row_lengths, row_layout=row_layout).model
-
-
-@dataclass
-class SweepModels:
-    """A sweep's cost model and what it was made of: the model measurements correct
-    (``prior``: the analytic prior, or a profile, priced on the sweep's rows) and the
-    measurements so far (``calibration``; `plora.cost.profiling.calibrate`)."""
-
-    model: CostModel
-    prior: CostModel
-    calibration: Calibration
-    source: str
-
-
-def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | None = None,
-                 length_buckets: int | str | None = None, row_lengths: list[int] | None = None,
-                 row_layout: str | None = None, loads: Sequence[AdapterLoad] = ()) -> SweepModels:
-    """`cost_model_for`'s model priced for the sweep, with its prior and calibration. On a GPU
-    without a profile, the analytic prior is priced once and the model made from it: corrected
-    by the cached calibration, else with its memory margin, cut where one of the sweep's
-    ``loads`` would fit no GPU with it (`plora.cost.profiling.calibrate.conservative`)."""
-    from plora.cost.profiling.calibrate import Calibration, conservative
-
-    hw = hardware or hardware_for(spec)
-
-    def priced(model: CostModel, source: str) -> CostModel:
-        return priced_for_sweep(spec, model.with_meta(plan_source=source), hw, length_buckets, row_lengths, row_layout)
-
-    found = profiled_model(spec, run_dir, hw)
-    if found is not None or not hw.gpu:
-        model = priced(*(found or (analytic_prior(spec, hw), ANALYTIC_SOURCE)))
-        return SweepModels(model, model, Calibration(), model.meta["plan_source"])
-    calibration = cached_calibration(spec, hw)
-    source = ANALYTIC_SOURCE if calibration.empty else CALIBRATED_SOURCE
-    prior = priced(analytic_prior(spec, hw), source)
-    if calibration.empty:
-        model = conservative(prior, loads=loads, load_factor=spec.planner.memory_load_factor)
-    else:
-        model = calibration.apply(prior, loads=loads)
-    return SweepModels(model, prior, calibration, source)
-
-
-def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
-    """Whether this sweep's (one-GPU) jobs will replay their steps from CUDA graphs."""
-    import torch
-
-    from plora.job.step_settings import graphs_wanted
-
-    device = torch.device("cuda" if hw.gpu else "cpu")
-    return graphs_wanted(spec.training.cuda_graphs, device, tp=False,
-                         activation_checkpointing=bool(spec.training.activation_checkpointing))
-
-
-def recalibrated(cost_model: CostModel, drift: Drift) -> CostModel:
-    """The cost model corrected by what finished jobs measured (`plora.engine.runner.Drift`).
-
-    With the jobs' step time known, the steps are scaled by their own drift and the fixed
-    per-job overhead is replaced by the measured one: on a GPU a profile taken in-process
-    says nothing of process start and model load, which dominate a one-adapter job, and one
-    factor for both would make the packed jobs' steps look slow too. Without it, every time
-    is scaled by the whole jobs' drift.
-    """
-    overhead = drift.overhead_s
-    if getattr(cost_model, "overheads", None) is not None:  # measured job terms: one factor for all
-        return cost_model.scaled(drift.factor)
-    predicted_steps = drift.predicted_s - drift.jobs * cost_model.job_overhead_s
-    if overhead is None or not drift.step_s or predicted_steps <= 0:
-        return cost_model.scaled(drift.factor)
-    model = cost_model.scaled(drift.step_s / predicted_steps)
-    return replace(model, job_overhead_s=overhead).with_meta(job_overhead_measured=True)
-
-
-def model_targets(spec: SweepSpec, targets: str | Sequence[str] | None = None) -> list[str]:
-    """The layers a job adapts: ``targets`` (default ``lora.targets``) resolved for the
-    model's family (Phi-3's ``all-linear`` is its fused qkv_proj/gate_up_proj, not llama's
-    seven layers)."""
-    from plora.models.loading import read_model_info
-    from plora.spec.model import resolve_targets
-
-    family = read_model_info(spec.model.resolved_path(), spec.model.family).family
-    return resolve_targets(spec.lora.targets if targets is None else list(targets), family)
-
-
-def sweep_on_gpu(spec: SweepSpec, hw: Hardware | None = None) -> bool:
-    """Whether the sweep's jobs run on GPUs (what ``planner.streaming: auto`` turns on for):
-    its hardware's, where the sweep has decided it, else as the space file says (``auto``:
-    where CUDA is here)."""
-    if hw is not None:
-        return hw.gpu
-    if spec.hardware.device in ("cpu", "cuda"):
-        return spec.hardware.device == "cuda"
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int, rungs: Rungs | None = None) -> JobAdapter:
-    """One adapter as a job trains it: its configuration, step budget, warm-up, its own
-    training settings (the sweep's where it sets none) and the steps a tune's rungs score
-    it at (`plora.tuning.fidelity`)."""
-    s = spec.settings(cfg)
-    return JobAdapter(id=cfg.id, rank=cfg.rank, alpha=cfg.alpha, learning_rate=cfg.learning_rate,
-                      batch_size=cfg.batch_size, seed=cfg.seed, steps=steps, warmup_steps=spec.warmup_for(cfg, steps),
-                      dropout=s["dropout"], weight_decay=s["weight_decay"], scheduler=s["scheduler"],
-                      rslora=s["rslora"], eval_steps=rungs.eval_steps(steps) if rungs is not None else [])
-
-
-def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[str]:
-    """The layers a job of ``configs`` adapts, resolved for the model's family: their one
-    target set (adapters of different sets never share a job: `plan_jobs`)."""
-    from plora.spec.adapter import target_names
-
-    sets = spec.target_sets(configs)
-    if len(sets) > 1:
-        raise ValueError(f"adapters of different target sets in one job: {', '.join(sets)}")
-    if not sets or sets[0] == spec.sweep_values()["targets"]:
-        return model_targets(spec)
-    return model_targets(spec, target_names(sets[0]))
-
-
-def check_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> None:
-    """Every target set the space searches names layers the model's family has (a
-    `SpecError` naming ``space.targets`` otherwise), before anything runs."""
-    from plora.spec.adapter import target_names
-    from plora.spec.base import SpecError
-
-    sweep_set = spec.sweep_values()["targets"]
-    for targets in spec.target_sets(configs):
-        if targets == sweep_set:
-            continue
-        try:
-            model_targets(spec, target_names(targets))
-        except SpecError as e:
-            raise SpecError("space.targets", e.message) from None
-
-
-def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
-               run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
-               length_buckets: int | str | None = None, row_layout: str | None = None,
-               hardware: Hardware | None = None, rungs: Rungs | None = None) -> JobConfig:
-    """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
-    settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
-    in its order): step budgets, warm-ups, resolved targets. ``streaming``: the job's
-    streaming section when whoever runs it sends it joins itself (default: from
-    ``planner.streaming`` on the sweep's ``hardware``). ``length_buckets``, ``row_layout``:
-    the sweep's resolved ones (default the spec's). ``rungs``: a tune's pruner's, at which
-    each adapter is scored (`plora.tuning.fidelity`)."""
-    t = spec.training
-    return JobConfig(
-        job_id=job.id,
-        tp=job.tp,
-        output_dir=run_dir,
-        job_dir=run_dir / "jobs" / job.id,
-        seed=spec.space.seed,
-        device=spec.hardware.device,
-        num_threads=1 if spec.hardware.device == "cpu" else None,
-        model=JobModel(path=str(spec.model.resolved_path()), family=spec.model.family, dtype=spec.model.dtype,
-                       max_seq_len=spec.model.max_seq_len, random_init=spec.model.random_init),
-        data=data_config(spec),
-        lora=JobLora(targets=adapter_targets(spec, adapters), dropout=spec.lora.dropout),
-        adapters=[job_adapter(spec, a, steps[a.id], rungs) for a in adapters],
-        training=JobTraining(
-            scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
-            divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
-            cuda_graphs=t.cuda_graphs, row_layout=row_layout or t.row_layout,
-            # the sweep's count is for one-GPU graphed jobs; a TP job's steps run eagerly
-            length_buckets=t.length_buckets if length_buckets is None or job.tp > 1 else length_buckets,
-            checkpoint_every_steps=t.checkpoint_every_steps,
-            checkpoint_every_minutes=t.checkpoint_every_minutes,
-            micro_batch_size=t.micro_batch_size,
-        ),
-        eval=eval_config(spec),
-        eval_base=eval_base,
-        streaming=streaming if streaming is not None else (
-            JobStreaming(linger_s=STREAM_LINGER_S, max_active=spec.planner.max_adapters_per_job)
-            if spec.planner.streams(sweep_on_gpu(spec, hardware)) and job.tp == 1 else JobStreaming()),
-    )
 
 
 @dataclass
@@ -724,7 +359,7 @@ def run_prepared(
     slots = backend.slots
     by_id = {c.id: c for c in prep.configs}
     if not has_eval_data(prep.spec) and not (prep.run_dir / "base_metrics.json").is_file():
-        write_unmeasured_base_metrics(prep)  # no job evaluates the base model on nothing
+        write_unmeasured_base_metrics(prep.spec, prep.run_dir)  # no job evaluates the base model on nothing
     journal = Journal(prep.run_dir / "journal.sqlite")
     journal.add_adapters(by_id)
     tracker = Tracker.for_spec(prep.spec, prep.run_dir)  # TensorBoard, W&B: each adapter as it finishes
@@ -873,100 +508,7 @@ def sweep_calibrator(prep: PreparedSweep) -> SweepCalibrator | None:
                            load_factor=prep.spec.planner.memory_load_factor)
 
 
-RESULT_COLUMNS = [
-    "adapter_id", "rank", "alpha", "learning_rate", "batch_size", "seed", "job_id", "status",
-    "steps", "train_loss", "eval_loss", "eval_exact_match", "wall_time_s", "checkpoint_path",
-]
-
-
-def result_columns(spec: SweepSpec) -> list[str]:
-    """RESULT_COLUMNS with the dimensions the space searches per adapter after the seed (each
-    adapter's effective value), the sweep's other metrics (`eval_<name>`) after exact match,
-    and, where each epoch is scored, the epoch kept and each epoch's objective and loss
-    (`epoch_columns`) after them."""
-    extra = [f"eval_{n}" for n in spec.eval.metric_names if f"eval_{n}" not in RESULT_COLUMNS]
-    at = RESULT_COLUMNS.index("eval_exact_match") + 1
-    columns = RESULT_COLUMNS[:at] + extra + epoch_columns(spec) + RESULT_COLUMNS[at:]
-    seed = columns.index("seed") + 1
-    return columns[:seed] + spec.space.searched() + columns[seed:]
-
-
-def epoch_columns(spec: SweepSpec) -> list[str]:
-    """``epoch`` (the epoch whose weights an adapter keeps) and ``<score>_epoch<e>`` for the
-    objective and the loss of each epoch; none where only the end is scored."""
-    count = spec.scored_epochs
-    if count <= 1:
-        return []
-    scores = list(dict.fromkeys([f"eval_{spec.eval.objective}"]
-                                + (["eval_loss"] if "loss" in spec.eval.metric_names else [])))
-    return ["epoch"] + [f"{s}_epoch{e}" for e in range(1, count + 1) for s in scores]
-
-
-def result_row(spec: SweepSpec, run_dir: Path, c: AdapterConfig, job_id: str | None,
-               crashed_jobs: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """An adapter's row of results.parquet, from its metrics.json (``failed`` without one;
-    ``job_id``: the job it was planned in)."""
-    crashed_jobs = crashed_jobs or {}
-    path = run_dir / "adapters" / c.id / "metrics.json"
-    row: dict[str, Any] = {"adapter_id": c.id, **{k: v for k, v in c.to_dict().items() if k != "id"}}
-    settings = spec.settings(c)
-    row.update({n: settings[n] for n in spec.space.searched()})
-    if path.is_file():
-        m = json.loads(path.read_text())
-        if m.get("status") == "failed" and crashed_jobs.get(m.get("job_id", "")):
-            m["reason"] = f"job crashed; see {crashed_jobs[m['job_id']]}"
-        row.update({k: m.get(k) for k in result_columns(spec) if k in m and k not in row})
-        for e in m.get("epochs") or []:
-            row.update({f"{k}_epoch{e['epoch']}": v for k, v in e.items() if k.startswith("eval_")})
-        row["reason"] = m.get("reason") or ""
-    else:
-        row.update({"job_id": job_id, "status": "failed", "steps": 0})
-        log = crashed_jobs.get(job_id or "")
-        row["reason"] = f"job crashed; see {log}" if log else "no result"
-    return row
-
-
 def collect_results(prep: PreparedSweep, crashed_jobs: dict[str, str] | None = None) -> pd.DataFrame:
-    """One row per adapter from adapters/<id>/metrics.json; adapters with none are `failed`."""
-    job_of = prep.plan.job_of()
-    rows = [result_row(prep.spec, prep.run_dir, c, job_of.get(c.id), crashed_jobs) for c in prep.configs]
-    columns = result_columns(prep.spec)
-    frame = pd.DataFrame(rows)
-    for col in columns + ["reason"]:
-        if col not in frame.columns:
-            frame[col] = None
-    frame = frame[columns + ["reason"]]
-    frame.to_parquet(prep.run_dir / "results.parquet", index=False)
-    frame.to_csv(prep.run_dir / "results.csv", index=False)
-    return frame
-
-
-def has_eval_data(spec: SweepSpec) -> bool:
-    """Whether the sweep has eval examples (a built-in task makes its own; files need data.eval)."""
-    return spec.data.task is not None or spec.data.eval is not None
-
-
-def write_unmeasured_base_metrics(prep: PreparedSweep) -> None:
-    """base_metrics.json for a sweep without eval data: every metric null, so that nothing
-    reads an eval loss of 0.0 that was never measured."""
-    prep.run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = {f"eval_{m}": None for m in prep.spec.eval.metric_names}
-    (prep.run_dir / "base_metrics.json").write_text(json.dumps(metrics, indent=2))
-
-
-def base_metrics(run_dir: Path) -> dict[str, float | None]:
-    path = run_dir / "base_metrics.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def ranked(frame: pd.DataFrame, objective: str, minimize: bool) -> pd.DataFrame:
-    """Finished adapters best first by the objective column (`eval_<metric>`)."""
-    column = f"eval_{objective}"
-    done = frame[frame["status"] == "done"].copy()
-    if column not in done.columns or done[column].isna().all():
-        return done
-    keys, ascending = [column], [minimize]
-    if column != "eval_loss" and "eval_loss" in done.columns:
-        keys.append("eval_loss")  # ties (common with exact match) go to the lower loss
-        ascending.append(True)
-    return done.sort_values(keys, ascending=ascending)
+    """The sweep's results table (`plora.results.collect.write_results`): one row per adapter
+    of the sweep, in the job it was planned in."""
+    return write_results(prep.spec, prep.run_dir, prep.configs, prep.plan.job_of(), crashed_jobs)

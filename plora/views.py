@@ -340,7 +340,7 @@ def plan_summary(prep: PreparedSweep) -> Table | None:
 
 def results_table(frame: pd.DataFrame, spec: SweepSpec, base: dict, top: int = 10) -> Table:
     """The best configurations by the objective, and the base model's scores below them."""
-    from plora.sweep import ranked
+    from plora.results.collect import ranked
 
     objective = spec.eval.objective
     best = ranked(frame, objective, spec.eval.minimize).head(top)

@@ -81,7 +81,7 @@ def real_tokens(spec) -> tuple[int, int]:
     """(real training tokens one epoch of one adapter sees, rows), as plora tokenizes them."""
     from plora.data.dataset import TextTokenizer, load_split, tokenize_examples
     from plora.models.loading import read_model_info
-    from plora.sweep import data_config
+    from plora.data.check import data_config
 
     info = read_model_info(spec.model.resolved_path(), spec.model.family)
     tok = TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)

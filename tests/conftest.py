@@ -139,6 +139,49 @@ STREAM_CONFIGS = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8
                   {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
 
 
+#: the model every small test space trains: the shipped tiny Llama
+TINY_MODEL = "builtin:tiny-llama"
+
+
+def tiny_space(root: Path | None = None, *, name: str = "t", model_path: str = TINY_MODEL, max_seq_len: int = 48,
+               num_train: int = 24, num_eval: int = 4, **sections) -> dict:
+    """A small space file's contents, the one the tests share: the tiny Llama (``model_path``,
+    ``max_seq_len``) on the built-in shift task (``num_train``/``num_eval`` rows), LoRA on
+    q_proj and v_proj, on the CPU, writing under ``root``/runs. Each section given in
+    ``sections`` (``space``, ``training``, ``eval``, ``planner``..., or ``model``, ``data``,
+    ``lora``, ``hardware``, ``output``) replaces that default whole; ``None`` leaves the
+    section out."""
+    data: dict = {
+        "name": name,
+        "model": {"path": model_path, "max_seq_len": max_seq_len},
+        "data": {"task": "builtin:shift", "num_train": num_train, "num_eval": num_eval},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "hardware": {"device": "cpu"},
+        **({"output": {"dir": str(Path(root) / "runs")}} if root is not None else {}),
+    }
+    for key, value in sections.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    return data
+
+
+def write_space(path: Path, data: dict) -> Path:
+    """``data`` as a space file at ``path``."""
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def tiny_space_file(root: Path, filename: str = "space.yaml", **kw) -> Path:
+    """`tiny_space` written as ``root``/``filename``."""
+    return write_space(Path(root) / filename, tiny_space(root, **kw))
+
+
 def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=((0, 1), (2,)),
                        slots=("cpu:0",), max_adapters: int = 2, cost_model=None):
     """A sweep with planner.streaming on one CPU slot, planned as two jobs: job-000 (two
@@ -148,26 +191,16 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
     ``configs`` (`STREAM_CONFIGS`), ``groups`` (the configurations of job-000, job-001, ...,
     by index), ``slots``, ``max_adapters`` (``planner.max_adapters_per_job``) and
     ``cost_model`` (the sweep's, default: the analytic one) change that sweep."""
-    import yaml
-
     from plora.planner.plan import Job, Plan
     from plora.spec.loading import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
-    data = {
-        "name": "stream",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs or STREAM_CONFIGS},
-        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "planner": {"max_adapters_per_job": max_adapters, "streaming": True},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(root / "runs")},
-    }
-    path = root / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = tiny_space_file(
+        root, name="stream",
+        space={"strategy": "list", "configs": configs or STREAM_CONFIGS},
+        training={"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]},
+        planner={"max_adapters_per_job": max_adapters, "streaming": True})
     prep = prepare(load_spec(path), cost_model=cost_model)
     ids = [c.id for c in prep.configs]
     prep.plan = Plan([Job(f"job-{j:03d}", [ids[i] for i in g]) for j, g in enumerate(groups)],

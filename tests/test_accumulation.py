@@ -12,7 +12,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from conftest import adapter_weights, job_config
+from conftest import adapter_weights, job_config, tiny_space
 from plora.train import hooks
 from plora.data.accumulation import accumulation_steps, micro_rows, split_batch
 from plora.cost.model import AdapterLoad, packed_load
@@ -191,10 +191,7 @@ def test_micro_batch_size_keeps_ids_and_reaches_the_jobs(tmp_path):
     from plora.spec.loading import parse_spec
     from plora.sweep import prepare
 
-    base = {"name": "x", "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-            "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-            "space": {"batch_size": [2, 8]}, "hardware": {"device": "cpu"},
-            "output": {"dir": str(tmp_path / "runs")}}
+    base = tiny_space(tmp_path, name="x", lora=None, space={"batch_size": [2, 8]})
     plain = prepare(parse_spec(base))
     micro = prepare(parse_spec({**base, "training": {"micro_batch_size": 2}}))
     assert [c.id for c in plain.configs] == [c.id for c in micro.configs]

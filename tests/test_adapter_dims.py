@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import adapter_weights, job_config, max_weight_diff
+from conftest import adapter_weights, job_config, max_weight_diff, tiny_space_file
 from plora.spec.adapter import TRAINING_DIMS, AdapterConfig
 from plora.spec.base import SpecError
 from plora.spec.loading import load_spec, parse_spec
@@ -262,7 +262,7 @@ def test_ranges_are_float_distributions_and_list_values_are_the_entries():
 
 def test_job_adapters_carry_their_own_settings(tmp_path):
     from plora.planner.plan import Job
-    from plora.sweep import job_config as sweep_job_config
+    from plora.job.from_spec import job_config as sweep_job_config
 
     s = spec_of({"strategy": "list", "configs": [
         {"rank": 4, "alpha": 8, "learning_rate": 1e-3, "batch_size": 2},
@@ -280,7 +280,9 @@ def test_job_adapters_carry_their_own_settings(tmp_path):
 def test_adapters_of_different_target_sets_never_share_a_job():
     from plora.cost.model import AdapterLoad
     from plora.engine.join_choice import RunningPack, choose_joins
-    from plora.sweep import Hardware, adapter_targets, plan_jobs
+    from plora.hardware import Hardware
+    from plora.job.from_spec import adapter_targets
+    from plora.sweep import plan_jobs
 
     s = spec_of({"rank": [2, 4], "targets": [["q_proj", "v_proj"], "all-linear"]}, hardware={"device": "cpu"})
     cfgs = s.expand()
@@ -352,6 +354,26 @@ def test_packed_equals_alone_with_differing_training_settings(mixed_run, tiny_mo
         m = json.loads((out / "adapters" / a["id"] / "metrics.json").read_text())
         assert m["steps"] == a["steps"]
         assert m["config"]["dropout"] == a["dropout"] and m["config"]["scheduler"] == a["scheduler"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["auto", "flat"])
+def test_packed_equals_alone_on_the_gpu(tiny_model, reverse_data, tmp_path, layout):
+    """The same on a GPU, with the Triton dropout kernel: in the padded rows of CUDA-graph
+    steps (``auto``) and in flattened rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from plora.train.packed_lora import PackedLoRARecipe
+
+    over = dict(device="cuda", num_threads=None,
+                training={"scheduler": "cosine", "grad_clip": 1.0, "weight_decay": 0.01, "row_layout": layout})
+    packed = tmp_path / "packed"
+    summary = PackedLoRARecipe(job_config(tiny_model, reverse_data, packed, MIXED, **over)).run()
+    assert set(summary["adapters"].values()) == {"done"}
+    for a in MIXED:
+        alone = tmp_path / f"alone-{a['id']}"
+        PackedLoRARecipe(job_config(tiny_model, reverse_data, alone, [a], **over)).run()
+        assert max_weight_diff(adapter_weights(packed, a["id"]), adapter_weights(alone, a["id"])) <= 1e-4, a["id"]
 
 
 def test_dropout_changes_training_and_each_setting_matters(mixed_run, tiny_model, reverse_data, tmp_path):
@@ -474,22 +496,14 @@ def test_killed_job_of_differing_adapters_resumes_to_an_uninterrupted_runs_weigh
     from plora.sweep import prepare, run_prepared, write_run_files
 
     inject_fault(monkeypatch, "kill@job-000@12@1")
-    data = {
-        "name": "ck",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"], "dropout": 0.1},
-        "space": {"strategy": "list", "configs": [
+    path = tiny_space_file(
+        tmp_path, name="ck", lora={"targets": ["q_proj", "v_proj"], "dropout": 0.1},
+        space={"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4, "epochs": 3, "scheduler": "cosine",
              "warmup_ratio": 0.2, "weight_decay": 0.05},
             {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2, "dropout": 0.3, "rslora": True}]},
-        "training": {"epochs": 2, "checkpoint_every_steps": 5, "checkpoint_every_minutes": None},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+        training={"epochs": 2, "checkpoint_every_steps": 5, "checkpoint_every_minutes": None},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]})
     prep = prepare(load_spec(path))
     assert [prep.steps[c.id] for c in prep.configs] == [18, 24]  # each its own epochs
     prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_space_file
 from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
 
 from plora.models.shape import ModelShape
@@ -232,6 +233,8 @@ def test_a_quick_calibration_probe_is_the_sweeps_pack_cut_to_a_safe_size():
 def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
     from plora import sweep
     from plora.cost.profiling import profile
+    from plora.cost.sweep_model import CALIBRATED_SOURCE_NOW
+    from plora.hardware import Hardware
 
     calls = []
 
@@ -257,37 +260,29 @@ def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
 
     small = [Config(i, 8, 1) for i in range(2)]
     large = [Config(i, 64, 8) for i in range(16)]
-    hw = sweep.Hardware(True, 1, 80 * GIB)
+    hw = Hardware(True, 1, 80 * GIB)
     p = prior()
     model, cal = sweep.calibrate_first(Spec, small, {c.id: 10 for c in small}, p, conservative(p), hw, None)
     assert calls == [] and cal.empty and model.meta.get("memory_margin") == MEMORY_MARGIN
     model, cal = sweep.calibrate_first(Spec, large, {c.id: 10 for c in large}, p, conservative(p), hw, None)
     assert calls == [16] and not cal.empty and model.meta["calibration"]["memory_scale"] == pytest.approx(1.0)
-    assert model.meta["plan_source"] == sweep.CALIBRATED_SOURCE_NOW
+    assert model.meta["plan_source"] == CALIBRATED_SOURCE_NOW
 
 
 def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path):
     """Two CPU slots, four one-adapter jobs, a cost model 100x too fast: once the first jobs
     report their steps, the two waiting jobs are planned again while the running ones go on;
     every adapter trains exactly once."""
-    import yaml
 
     from plora.engine.journal import Journal
     from plora.spec.loading import load_spec
-    from plora.sweep import Hardware, prepare, run_prepared, write_run_files
+    from plora.hardware import Hardware
+    from plora.sweep import prepare, run_prepared, write_run_files
 
     configs = [{"rank": r, "alpha": 2 * r, "learning_rate": 1e-3, "batch_size": 2} for r in (2, 4, 8, 16)]
-    data = {
-        "name": "cal", "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"epochs": 2}, "eval": {"metrics": ["loss"]},
-        "hardware": {"device": "cpu"}, "planner": {"max_adapters_per_job": 1, "streaming": False},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    (tmp_path / "space.yaml").write_text(yaml.safe_dump(data))
-    spec = load_spec(tmp_path / "space.yaml")
+    spec = load_spec(tiny_space_file(
+        tmp_path, name="cal", num_train=64, space={"strategy": "list", "configs": configs},
+        training={"epochs": 2}, eval={"metrics": ["loss"]}, planner={"max_adapters_per_job": 1, "streaming": False}))
     base = prepare(spec)
     wrong = base.cost_model.scaled(0.01)
     wrong = wrong.with_meta(source="analytic")
@@ -319,7 +314,8 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
 def test_a_cpu_sweep_keeps_its_plan_and_model():
     """The calibration is a GPU sweep's: a CPU sweep (the demo) plans as before."""
     from plora.spec.loading import load_spec
-    from plora.sweep import ANALYTIC_SOURCE, prepare, sweep_calibrator
+    from plora.cost.sweep_model import ANALYTIC_SOURCE
+    from plora.sweep import prepare, sweep_calibrator
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "sweeps" / "demo.yaml")
     prep = prepare(spec)

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import inject_fault
+from conftest import inject_fault, tiny_space_file
 from plora.engine.journal import Journal
 from plora.planner.plan import Job, Plan
 from plora.spec.loading import load_spec
@@ -25,20 +25,11 @@ CONFIGS = [
 
 
 def prepared(tmp_path: Path, every_steps: int = 5):
-    data = {
-        "name": "ck",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": CONFIGS},
-        "training": {"steps": 20, "scheduler": "cosine", "warmup_steps": 3, "weight_decay": 0.01,
-                     "checkpoint_every_steps": every_steps, "checkpoint_every_minutes": None},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = tiny_space_file(
+        tmp_path, name="ck", space={"strategy": "list", "configs": CONFIGS},
+        training={"steps": 20, "scheduler": "cosine", "warmup_steps": 3, "weight_decay": 0.01,
+                  "checkpoint_every_steps": every_steps, "checkpoint_every_minutes": None},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]})
     prep = prepare(load_spec(path))
     prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")
     write_run_files(prep)
@@ -130,7 +121,7 @@ def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
 
     from plora.engine.local import launch
     from plora.job.outputs import EXIT_STOPPED
-    from plora.sweep import job_config
+    from plora.job.from_spec import job_config
 
     prep = prepared(tmp_path, every_steps=1000)  # no periodic checkpoint before the signal
     prep.spec.training.steps = 400

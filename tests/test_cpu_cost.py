@@ -18,7 +18,7 @@ from plora.cost.model import AdapterLoad
 from plora.models.shape import ModelShape
 from plora.cost.cpu import cpu_cost_model
 from plora.cost.job import EvalLoad
-from plora.sweep import CPU_PRIOR
+from plora.cost.sweep_model import CPU_PRIOR
 
 #: the shipped demo model (plora/assets/tiny-llama), float32
 TINY = ModelShape("tiny-llama", 310_144, 128, 256, 2, 4, 2, 32, 57, 4, False)

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
+from conftest import TINY_MODEL, tiny_space_file
 from plora.cli import app
 
 runner = CliRunner()
@@ -22,20 +22,9 @@ TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }
             "{% else %}{{ m.content }}={% endif %}{% endfor %}")
 
 
-def write_space(tmp_path: Path, data: dict, model: str = "builtin:tiny-llama", name: str = "space.yaml") -> Path:
-    space = {
-        "name": "t",
-        "model": {"path": model, "max_seq_len": 32},
-        "data": data,
-        "space": {"rank": [2], "batch_size": [2]},
-        "training": {"steps": 2},
-        "eval": {"metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(space))
-    return path
+def write_space(tmp_path: Path, data: dict, model: str = TINY_MODEL, name: str = "space.yaml") -> Path:
+    return tiny_space_file(tmp_path, name, model_path=model, max_seq_len=32, data=data, lora=None,
+                           space={"rank": [2], "batch_size": [2]}, training={"steps": 2}, eval={"metrics": ["loss"]})
 
 
 def one_error_line(result) -> str:

@@ -19,12 +19,13 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import inject_fault
+from conftest import inject_fault, tiny_space_file
 from plora.train import hooks
 from plora.planner.plan import Job, Plan
 from plora.train.epochs import better_epoch, epoch_ends
 from plora.spec.loading import load_spec
-from plora.sweep import job_config, prepare, run_prepared, write_run_files
+from plora.job.from_spec import job_config
+from plora.sweep import prepare, run_prepared, write_run_files
 
 ONE = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8}]
 TWO = ONE + [{"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 12}]
@@ -48,20 +49,11 @@ def scripted_metric(tmp_path: Path, scores: list[float]) -> tuple[str, Path]:
 
 
 def prepared(tmp_path: Path, *, configs=ONE, eval_section=None, training=None, num_eval: int = 4):
-    data = {
-        "name": "ep",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": num_eval},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"scheduler": "constant", "checkpoint_every_steps": 1000, "checkpoint_every_minutes": None,
-                     **(training or {"epochs": 3})},
-        "eval": eval_section or {"max_new_tokens": 2, "metrics": ["loss", "exact_match"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = tiny_space_file(
+        tmp_path, name="ep", num_eval=num_eval, space={"strategy": "list", "configs": configs},
+        training={"scheduler": "constant", "checkpoint_every_steps": 1000, "checkpoint_every_minutes": None,
+                  **(training or {"epochs": 3})},
+        eval=eval_section or {"max_new_tokens": 2, "metrics": ["loss", "exact_match"]})
     prep = prepare(load_spec(path))
     prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")
     write_run_files(prep)

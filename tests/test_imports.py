@@ -9,7 +9,8 @@ describe and measure training jobs, and a change to how a job trains must not re
 except through what they measure. One module is the exception, by necessity:
 `plora.cost.profiling.measure` builds a probe's packed job with the recipe and steps it in this
 process, because a probe's times and peaks are only a job's when it runs as a job does. It
-is imported by one module, `plora.cost.profiling.profile`, which runs the probes; the probes,
+is imported by one module, `plora.cost.profiling.profile`, which runs the probes (and which
+the sweep's choice of its cost model, `plora.cost.sweep_model`, may call); the probes,
 the fit, the validation, the profile record and the cache never reach the recipe, so that
 what the planner reads of a profile loads no training code. What the recipe and the
 profiler must agree on (CUDA graphs, the CUDA allocator) is in `plora.job.step_settings`, below
@@ -106,12 +107,14 @@ def _recipes(modules: set[str]) -> list[str]:
 MEASURES_IN_PROCESS = "plora.cost.profiling.measure"
 #: the one module that imports it: the profiler proper, which runs the probes
 RUNS_PROBES = "plora.cost.profiling.profile"
+#: the sweep's choice of its cost model, which may profile (through `RUNS_PROBES`)
+CHOOSES_BY_PROBING = "plora.cost.sweep_model"
 
 
 def test_planning_never_imports_the_training_loop():
     graph = _graph()
     planning = [m for m in graph if m.startswith(("plora.cost", "plora.planner"))
-                and m not in (MEASURES_IN_PROCESS, RUNS_PROBES)]
+                and m not in (MEASURES_IN_PROCESS, RUNS_PROBES, CHOOSES_BY_PROBING)]
     assert "plora.cost.model" in planning and "plora.cost.job" in planning
     assert planning
     bad = {m: _recipes(_reach(graph, m)) for m in planning}
@@ -130,8 +133,9 @@ def test_the_profiler_reaches_the_recipe_only_through_its_in_process_measurement
     assert not {m: r for m, r in bad.items() if r}, bad
     importers = sorted(m for m in graph if MEASURES_IN_PROCESS in graph[m])
     assert importers == [RUNS_PROBES], f"only {RUNS_PROBES} may import {MEASURES_IN_PROCESS}, not {importers}"
-    around = _recipes(_reach(graph, RUNS_PROBES, avoid=frozenset({MEASURES_IN_PROCESS})))
-    assert not around, f"{RUNS_PROBES} reaches {around} other than through {MEASURES_IN_PROCESS}"
+    for runs in (RUNS_PROBES, CHOOSES_BY_PROBING):
+        around = _recipes(_reach(graph, runs, avoid=frozenset({MEASURES_IN_PROCESS})))
+        assert not around, f"{runs} reaches {around} other than through {MEASURES_IN_PROCESS}"
 
 
 def test_type_checking_imports_count(tmp_path):

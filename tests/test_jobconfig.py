@@ -21,7 +21,7 @@ def _sweep_job(tmp_path, **training):
     from plora.spec.adapter import AdapterConfig
     from plora.spec.loading import parse_spec
     from plora.planner.plan import Job
-    from plora.sweep import job_config as sweep_job_config
+    from plora.job.from_spec import job_config as sweep_job_config
 
     spec = parse_spec({"name": "j", "hardware": {"device": "cpu"}, "training": {"steps": 30, **training}})
     adapters = [AdapterConfig.make(4, 8.0, 1e-3, 2, 0), AdapterConfig.make(8, 16.0, 3e-3, 4, 1)]

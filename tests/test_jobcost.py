@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
+from conftest import tiny_space_file
 from plora.cost.model import EVAL_HEAD_BYTES, AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
 
 from plora.models.shape import ModelShape
@@ -195,20 +195,13 @@ def test_real_job_probe_on_the_tiny_model(tiny_model):
 
 
 def sweep_space(tmp_path: Path, num_train: int) -> Path:
-    data = {
-        "name": "cm", "model": {"path": "builtin:tiny-llama", "max_seq_len": 32},
-        "data": {"task": "builtin:shift", "num_train": num_train, "num_eval": 32},
-        "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "space": {"strategy": "grid", "rank": [2, 8], "alpha": {"relative": [2]},
-                  "learning_rate": [1e-3, 1e-2], "batch_size": [4, 16]},
-        "training": {"epochs": 1, "scheduler": "constant", "grad_clip": 1.0},
-        "eval": {"metrics": ["loss", "exact_match"], "max_new_tokens": 8},
-        "hardware": {"device": "cpu"}, "planner": {"max_adapters_per_job": 4},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_space_file(
+        tmp_path, name="cm", max_seq_len=32, num_train=num_train, num_eval=32,
+        lora={"targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        space={"strategy": "grid", "rank": [2, 8], "alpha": {"relative": [2]},
+               "learning_rate": [1e-3, 1e-2], "batch_size": [4, 16]},
+        training={"epochs": 1, "scheduler": "constant", "grad_clip": 1.0},
+        eval={"metrics": ["loss", "exact_match"], "max_new_tokens": 8}, planner={"max_adapters_per_job": 4})
 
 
 @pytest.mark.slow

@@ -12,10 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import yaml
 from typer.testing import CliRunner
 
-from conftest import job_config
+from conftest import job_config, tiny_space, write_space
 from plora.data.dataset import IGNORE_INDEX
 from plora.results.evaluate import evaluate_adapters
 from plora.results.metrics import (
@@ -126,20 +125,15 @@ def test_choice_accuracy_in_a_tiny_job(tiny_model, label_data, tmp_path):
 @pytest.mark.slow  # a real sweep: about 50 s on a shared 2-core machine
 def test_choice_accuracy_and_a_user_metric_through_the_cli(label_data, tmp_path):
     """A sweep ranked by choice accuracy, with a user metric from a module next to the space file."""
-    space = {
-        "name": "labels",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 32},
-        "data": {"train": str(label_data["train"]), "eval": str(label_data["eval"]), "max_eval_samples": 8},
-        "space": {"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
-                                                   {"rank": 4, "alpha": 8, "learning_rate": 1e-3, "batch_size": 4}]},
-        "training": {"steps": 3},
-        "eval": {"metrics": ["loss", "choice_accuracy", "plora_test_metrics_mod:first_letter"], "choices": LABELS,
-                 "objective": "choice_accuracy", "max_new_tokens": 4},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = label_data["dir"] / "space.yaml"
-    path.write_text(yaml.safe_dump(space))
+    space = tiny_space(
+        tmp_path, name="labels", max_seq_len=32, lora=None,
+        data={"train": str(label_data["train"]), "eval": str(label_data["eval"]), "max_eval_samples": 8},
+        space={"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+                                               {"rank": 4, "alpha": 8, "learning_rate": 1e-3, "batch_size": 4}]},
+        training={"steps": 3},
+        eval={"metrics": ["loss", "choice_accuracy", "plora_test_metrics_mod:first_letter"], "choices": LABELS,
+              "objective": "choice_accuracy", "max_new_tokens": 4})
+    path = write_space(label_data["dir"] / "space.yaml", space)
     result = CliRunner().invoke(__import__("plora.cli", fromlist=["app"]).app, ["sweep", str(path)],
                                 terminal_width=200)
     assert result.exit_code == 0, result.output
@@ -197,9 +191,7 @@ def test_perplexity_and_the_direction_of_each_metric():
                                                      ("bleu", "sacrebleu", "sacrebleu")])
 def test_a_missing_metric_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, metric, module, package):
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed
-    space = {"name": "t", "model": {"path": "builtin:tiny-llama"}, "eval": {"metrics": ["loss", metric]},
-             "hardware": {"device": "cpu"}, "output": {"dir": str(tmp_path / "runs")}}
-    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    write_space(tmp_path / "space.yaml", tiny_space(tmp_path, eval={"metrics": ["loss", metric]}))
     result = CliRunner().invoke(__import__("plora.cli", fromlist=["app"]).app, ["sweep", str(tmp_path / "space.yaml")])
     assert result.exit_code == 2
     assert result.output.strip() == f'error: eval.metrics[1]: {metric} needs the {package} package: pip install "plora[metrics]"'

@@ -20,9 +20,9 @@ from pathlib import Path
 import optuna
 import pandas as pd
 import pytest
-import yaml
 from typer.testing import CliRunner
 
+from conftest import tiny_space_file
 import plora
 from plora.cli import app
 from plora.data.tasks import load_builtin_task
@@ -32,25 +32,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write_space(tmp_path: Path, name: str = "space.yaml", **sections) -> Path:
-    data = {
-        "name": "t",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 32, "num_eval": 8},
-        "lora": {"targets": ["q_proj", "v_proj"]},
+    defaults = {
         "space": {"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
         ]},
         "training": {"steps": 4},
         "eval": {"max_new_tokens": 4},
-        "hardware": {"device": "cpu"},
         "planner": {"max_adapters_per_job": 2},
-        "output": {"dir": str(tmp_path / "runs")},
     }
-    data.update(sections)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_space_file(tmp_path, name, num_train=32, num_eval=8, **{**defaults, **sections})
 
 
 def one_error_line(result, exit_code: int = 2) -> str:

@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from conftest import tiny_space
 from plora.cli import app
 from plora.planner.plan import Plan
 from plora.spec.adapter import AdapterConfig
@@ -46,22 +47,16 @@ def demo_model(tmp_path_factory) -> str:
 
 
 def space(tmp_path: Path, model: str, **over) -> dict:
-    data = {
-        "name": "tune",
-        "model": {"path": model, "max_seq_len": 48},
+    defaults = {
         "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
-        "lora": {"targets": ["q_proj", "v_proj"]},
         "space": {"strategy": "random", "num_samples": 6, "seed": 0, "rank": [2, 4, 8],
                   "alpha": {"relative": [1, 2]}, "learning_rate": {"low": 1e-4, "high": 3e-2, "log": True},
                   "batch_size": [4, 8]},
         "training": {"steps": 8},
         "eval": {"metrics": ["loss", "exact_match"], "max_new_tokens": 8, "objective": "loss"},
-        "hardware": {"device": "cpu"},
         "planner": {"max_adapters_per_job": 4},
-        "output": {"dir": str(tmp_path / "runs")},
     }
-    data.update(over)
-    return data
+    return tiny_space(tmp_path, name="tune", model_path=model, **{**defaults, **over})
 
 
 def write(tmp_path: Path, data: dict) -> Path:

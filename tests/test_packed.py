@@ -174,7 +174,7 @@ def test_job_warmup_is_the_space_files_warmup(tmp_path):
     from plora.spec.adapter import AdapterConfig
     from plora.spec.loading import parse_spec
     from plora.planner.plan import Job
-    from plora.sweep import job_config as sweep_job_config
+    from plora.job.from_spec import job_config as sweep_job_config
 
     spec = parse_spec({"name": "w", "training": {"warmup_ratio": 0.1}, "hardware": {"device": "cpu"}})
     a, b = AdapterConfig.make(4, 8.0, 1e-3, 2, 0), AdapterConfig.make(4, 8.0, 1e-3, 4, 0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -361,11 +363,9 @@ def test_fill_probes_join_the_fit_at_the_memory_limit(tiny_model, fake_probes):
 
 
 def test_acceptance_script_refits_from_raw_measurements(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("profile_models", Path(__file__).parents[1] / "scripts" / "profile_models.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    """scripts/profile_models.py run as a program: ``--refit`` fits again from a run's raw
+    measurements and tabulates them, ``--extract`` writes the profiles out."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_models.py"
     raw = tmp_path / "work" / "raw"
     raw.mkdir(parents=True)
     truth = CostModel(GPU, 1024, TRUE.time, TRUE.memory_coeffs)
@@ -373,18 +373,17 @@ def test_acceptance_script_refits_from_raw_measurements(tmp_path):
     meta = {"device": "X", "backend": "triton", "gpu_memory_bytes": GPU, "targets": "all-linear", "max_tp": 8}
     (raw / "qwen2.5-7b-seq1024.jsonl").write_text(
         "\n".join(json.dumps(x) for x in [{"meta": meta}, *(m.to_dict() for m in ms)]) + "\n")
-    import sys
-
-    argv, sys.argv = sys.argv, ["profile_models.py", "--refit", str(tmp_path)]
-    try:
-        assert script.main() == 0
-    finally:
-        sys.argv = argv
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    refit = subprocess.run([sys.executable, str(script), "--refit", str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert refit.returncode == 0, refit.stdout[-2000:] + refit.stderr[-2000:]
     table = (tmp_path / "table.md").read_text()
     assert f"| qwen2.5-7b:1024 | {len(all_fit_probes())} |" in table
     prof = Profile.load(tmp_path / "work" / "profiles" / "qwen2.5-7b-seq1024.json")
     assert prof.cost_model.degrees == (1, 2, 4) and prof.summary()["memory_max_abs_err"] < 1e-6
-    script.extract(tmp_path, tmp_path / "exported")
+    extract = subprocess.run([sys.executable, str(script), "--extract", str(tmp_path), "--to", str(tmp_path / "exported")],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert extract.returncode == 0, extract.stdout[-2000:] + extract.stderr[-2000:]
     assert CostModel.load(tmp_path / "exported" / "qwen2.5-7b-seq1024.json").degrees == (1, 2, 4)
 
 

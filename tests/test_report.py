@@ -16,6 +16,7 @@ import yaml
 from optuna.trial import TrialState
 from typer.testing import CliRunner
 
+from conftest import tiny_space
 from plora.results import report as R
 from plora.cli import app
 from plora.planner.plan import Plan
@@ -38,21 +39,14 @@ def demo_run(tmp_path_factory) -> Path:
         from conftest import make_tiny_llama
 
         model = str(make_tiny_llama(tmp / "tiny-llama"))
-    spec = parse_spec({
-        "name": "demo",
-        "model": {"path": model, "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": [
+    spec = parse_spec(tiny_space(
+        tmp, name="demo", model_path=model,
+        data={"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
+        space={"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8},
             {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]},
-        "training": {"steps": 8},
-        "eval": {"max_new_tokens": 8, "every_steps": 2},
-        "hardware": {"device": "cpu"},
-        "planner": {"max_adapters_per_job": 2},
-        "output": {"dir": str(tmp / "runs")},
-    })
+        training={"steps": 8}, eval={"max_new_tokens": 8, "every_steps": 2}, planner={"max_adapters_per_job": 2}))
     prep = prepare(spec)
     write_run_files(prep)
     frame = run_prepared(prep)

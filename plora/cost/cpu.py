@@ -17,13 +17,13 @@ adapter, its pass through each adapted linear; per step, a fixed part and one pe
 job adds its process start (interpreter, torch and torchtune imports), the model load and,
 for each adapter leaving, its packed eval (a forward of each eval row, then one forward per
 generated token over the prompt so far) and its save. The sweep prices the rows and the
-eval on its own data (`plora.sweep.priced_for_sweep`).
+eval on its own data (`plora.cost.sweep_model.priced_for_sweep`).
 
 The rates are per dtype, fitted on one core of a 2-core AMD EPYC (Zen 4) machine, in CPU
 seconds (a shared machine's wall clock measures its neighbours): the shipped tiny Llama
 (hidden 128, 2 layers), a random Llama of hidden 384 and 8 layers, and SmolLM2-135M
 (hidden 576, 30 layers, all linear layers adapted). A measured profile or the sweep's own
-finished jobs (`plora.sweep.recalibrated`) replace them.
+finished jobs (`plora.cost.sweep_model.recalibrated`) replace them.
 """
 
 from __future__ import annotations

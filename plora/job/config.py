@@ -1,7 +1,7 @@
 """The job config: everything one packed job reads, typed, with every job default here.
 
 A job (`plora.train.packed_lora`) is a process of its own that reads its ``job.yaml``.
-The sweep (`plora.sweep.job_config`), the profiler's probes and the job probe build a
+The sweep (`plora.job.from_spec.job_config`), the profiler's probes and the job probe build a
 `JobConfig`; ``job.yaml`` is its dump (`JobConfig.to_yaml`); the recipe validates what it
 is given back into a `JobConfig` before anything else and then reads typed attributes
 only. Unknown keys are errors, so a typo in a job file fails the job at once (as an

@@ -81,10 +81,10 @@ def select_adapters(run_dir: Path, adapter_id: str | None = None, *, best: bool 
                     every: bool = False) -> list[str]:
     """The adapters to export: ``adapter_id``; with ``best``, the best finished one by the
     sweep's objective in its direction (``eval.greater_is_better``, else the metric's own:
-    `plora.results.metrics.minimize`), ties to the lower eval loss as `plora.sweep.ranked` breaks
+    `plora.results.metrics.minimize`), ties to the lower eval loss as `plora.results.collect.ranked` breaks
     them; with ``every``, each one that has weights. Exactly one of the three."""
     from plora.results.metrics import minimize
-    from plora.sweep import ranked
+    from plora.results.collect import ranked
 
     run_dir = Path(run_dir)
     if sum([adapter_id is not None, best, every]) != 1:

@@ -90,7 +90,7 @@ def results_table(run: RunData) -> pd.DataFrame:
     table = pd.concat([done, rest])
     cols = ["adapter_id", "rank", "alpha", "learning_rate", "batch_size", "seed", "status", "steps", "train_loss",
             "eval_loss", "eval_exact_match", "wall_time_s", "job_id"]
-    # per-epoch scoring: the epoch kept, then each epoch's scores (`plora.sweep.epoch_columns`)
+    # per-epoch scoring: the epoch kept, then each epoch's scores (`plora.results.collect.epoch_columns`)
     at = cols.index("wall_time_s")
     cols[at:at] = [c for c in table.columns if c == "epoch" or "_epoch" in c and c.startswith("eval_")]
     table = table[[c for c in cols if c in table.columns]].copy()

@@ -9,7 +9,6 @@ spent, and reported as a one-line :class:`SpecError` that names the offending fi
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence

@@ -50,14 +50,10 @@ from plora.job.config import JobAdapter, JobStreaming
 from plora.planner.plan import Job, Plan
 from plora.spec.adapter import AdapterConfig
 from plora.spec.schema import SweepSpec
-from plora.sweep import (
-    PreparedSweep,
-    collect_results,
-    job_adapter,
-    result_row,
-    run_prepared,
-    sweep_cost_model,
-)
+from plora.cost.sweep_model import sweep_cost_model
+from plora.job.from_spec import job_adapter
+from plora.results.collect import result_row
+from plora.sweep import PreparedSweep, collect_results, run_prepared
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained
 from plora.tuning.fidelity import Rungs

@@ -18,13 +18,7 @@ from plora.planner.plan import Job
 from plora.spec.adapter import TRAINING_DIMS, AdapterConfig
 from plora.spec.schema import SweepSpec
 from plora.spec.space import Range
-from plora.sweep import (
-    PreparedSweep,
-    collect_results,
-    dataset_size,
-    plan_jobs,
-    run_prepared,
-)
+from plora.sweep import PreparedSweep, collect_results, dataset_size, plan_jobs, run_prepared
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained, strategy_name
 from plora.tuning.fidelity import Rungs

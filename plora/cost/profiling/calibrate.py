@@ -70,7 +70,7 @@ TELLING_SHARE = 0.5
 MIN_MEMORY_SCALE = 0.75
 #: at most this many samples of each kind are kept (the newest)
 MAX_SAMPLES = 256
-#: where a calibrated model came from, as `plora.sweep.cost_model_for` reports it
+#: where a calibrated model came from, as `plora.cost.sweep_model.cost_model_for` reports it
 CALIBRATED_SOURCE = "a calibration of the analytic model measured on this machine"
 
 

@@ -47,7 +47,7 @@ def job_probe_config(model_dir: str | Path, work: Path, *, seq_len: int, dtype: 
                      targets: Sequence[str], family: str, dropout: float, random_init: bool,
                      activation_checkpointing: bool, cuda_graphs: Any, samples: int, max_new_tokens: int,
                      steps: Sequence[int], ranks: Sequence[int], batch_size: int, every_steps: int) -> JobConfig:
-    """The job config of the probe job (laid out as `plora.sweep.job_config`'s)."""
+    """The job config of the probe job (laid out as `plora.job.from_spec.job_config`'s)."""
     return JobConfig(
         job_id="job-probe",
         output_dir=work,

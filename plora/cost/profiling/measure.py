@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from plora.train.heap import frozen_heap
-from plora.job.config import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
+from plora.job.config import JobConfig
+from plora.job.synthetic import synthetic_job_config
 from plora.job.phases import outside_allocator
 from plora.cost.profiling.probes import Measurement, Probe
 from plora.job.step_settings import JOB_ALLOCATOR
@@ -60,24 +61,11 @@ def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype
                      output_dir: str | Path = ".", num_threads: int | None = None,
                      activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> JobConfig:
     """The recipe config of a probe: a random-init model, fixed-length synthetic rows."""
-    return JobConfig(
-        job_id=f"probe-{probe.name}",
-        output_dir=Path(output_dir),
-        device=device,
-        num_threads=num_threads,
-        seed=0,
-        model=JobModel(path=str(model_dir), family=family, max_seq_len=int(seq_len), dtype=dtype, random_init=True),
-        data=JobData(synthetic=SyntheticRows(seq_len=int(seq_len), num_samples=max(16, max(probe.batch_sizes)))),
-        lora=JobLora(targets=list(targets), dropout=float(dropout)),
-        adapters=[
-            JobAdapter(id=f"{probe.name}-{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=b, seed=k,
-                       steps=10**9)
-            for k, (r, b) in enumerate(zip(probe.ranks, probe.batch_sizes))
-        ],
-        training=JobTraining(scheduler="constant", grad_clip=1.0, weight_decay=0.0,
-                             activation_checkpointing=bool(activation_checkpointing), cuda_graphs=cuda_graphs),
-        eval=JobEval(metrics=[]),
-    )
+    return synthetic_job_config(f"probe-{probe.name}", model_dir, list(zip(probe.ranks, probe.batch_sizes)),
+                                seq_len=seq_len, dtype=dtype, device=device, targets=targets, family=family,
+                                dropout=dropout, output_dir=output_dir, num_threads=num_threads,
+                                adapter_ids=[f"{probe.name}-{k}" for k in range(probe.adapters)],
+                                activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
 
 
 def run_probe(

@@ -18,7 +18,7 @@ from plora.kernels import build_lora_meta
 from plora.kernels.reference import rel_err
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import fused_linear as FL  # noqa: E402  (a benchmark experiment, not the runtime package)
 
 TOL = {torch.float32: 2e-5, torch.float16: 6e-3, torch.bfloat16: 2e-2}

@@ -1,4 +1,5 @@
-"""scripts/bench_streaming.py's bookkeeping, without running a sweep: its tables are built
+"""scripts/bench_streaming.py's bookkeeping (a test of the benchmark, beside it: the library's tests in
+`tests/` import only the library), without running a sweep: its tables are built
 from whatever parts a resumed benchmark has (missing, failed or partial), and its token
 estimate of the fullest pack reads each step's adapters from metrics.jsonl."""
 
@@ -8,7 +9,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_streaming.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench_streaming.py"
 
 
 def _bench():
