@@ -7,8 +7,9 @@ What the engine *sets* for a job (``PLORA_ATTEMPT``, ``PLORA_HANDED_AT``, ``PLOR
 uses the same names. The variables are read on each call, never cached, so that a test or a
 job process that changes its environment is seen at once.
 
-``plora.kernels`` (the top-level ``kernels/`` folder) imports no plora module and reads
-``PLORA_KERNELS`` itself (`plora.kernels.backend_for`), with the same values and default.
+``plora.kernels`` (the top-level ``kernels/`` folder) reads ``PLORA_KERNELS`` from here too
+(`plora.kernels.backend_for`, which refuses a value other than auto, torch or triton); this
+module imports nothing of plora, so the kernels depend on nothing else of it.
 """
 
 from __future__ import annotations

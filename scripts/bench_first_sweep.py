@@ -47,11 +47,13 @@ import sys
 import time
 from pathlib import Path
 
+from plora.models.families.targets import LLAMA_TARGETS
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LLAMA_TARGETS)
 RANKS = [8, 16, 32, 64]
 
 

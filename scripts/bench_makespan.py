@@ -49,8 +49,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import bench_first_sweep as bfs  # noqa: E402
+from plora.models.families.targets import LLAMA_TARGETS  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LLAMA_TARGETS)
 FIG4_RANKS, FIG4_ALPHAS, FIG4_LRS, FIG4_BATCHES = [8, 32, 128], [1, 2], [1e-4, 3e-4], [1, 2, 4, 8]
 SAMPLE_CONFIG = {"rank": 32, "alpha_factor": 2, "learning_rate": 1e-4}
 

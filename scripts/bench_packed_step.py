@@ -125,7 +125,7 @@ def main() -> None:
                 if args.varied:
                     recipe.rows.samples = varied_samples(256, args.seq, shape.vocab, args.answer)
                 if layout == "padded":
-                    recipe.rows.row_attention = None  # rows padded to the pack's longest, as before
+                    recipe.rows.row_attention = recipe.stepper.row_attention = None  # rows padded to the pack's longest
                 real0 = recipe.real_tokens
                 times = time_steps(recipe, args.warmup, args.steps)
                 real_per_step = (recipe.real_tokens - real0) / (args.warmup + args.steps)

@@ -47,8 +47,10 @@ import sys
 import time
 from pathlib import Path
 
+from plora.models.families.targets import LLAMA_TARGETS
+
 REPO = Path(__file__).resolve().parent.parent
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LLAMA_TARGETS)
 
 
 # ------------------------------------------------------------------------------ data

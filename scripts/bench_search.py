@@ -69,6 +69,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from plora.models.families.targets import ALL_LINEAR, DEFAULT_TARGETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -535,7 +536,7 @@ def main() -> None:
     if args.budget_fraction is None:
         args.budget_fraction = 1.0 if args.smoke else 0.25
     args.per_job = args.per_job or (8 if args.smoke else 32)
-    args.targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if args.smoke else "all-linear"
+    args.targets = list(DEFAULT_TARGETS) if args.smoke else ALL_LINEAR
     if args.smoke:  # the demo model knows letters only: its own task stands in for both
         args.model, args.dtype, args.seq, args.smoke_task = "builtin:tiny-llama", "float32", 32, "shift"
         rows, args.max_new_tokens = (160, 32), 8

@@ -37,7 +37,7 @@ def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
         if "kernels" in path.relative_to(ROOT).parts[:1]:
-            continue  # plora.kernels: a link to the kernels/ package, which imports no plora module
+            continue  # plora.kernels: a link to the kernels/ package, which imports only plora.settings
         out[_module_name(path)] = path
     return out
 

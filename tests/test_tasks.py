@@ -257,3 +257,10 @@ def test_loss_only_sequence_layout(base_model) -> None:
     with torch.no_grad():
         loss = base_model(input_ids=ids, labels=labels).loss
     assert torch.isfinite(loss) and loss.item() < 1.0
+
+
+def test_task_rows_are_pinned() -> None:
+    """A built-in task's rows are fixed for good (they are the demo's, and what every earlier
+    run trained on): its seed does not follow where the module lives."""
+    first = load_builtin_task("shift", "train", 2000)[:2]
+    assert [(r["input"], r["output"]) for r in first] == [("sxn+", "xns"), ("rql+", "qlr")]

@@ -168,7 +168,7 @@ def load_builtin_task(name: str, split: str, n: int | None = None, seed: int = 0
         n = info.default_num_train if split == "train" else info.default_num_eval
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    rng = _rng("plora.data.tasks", name, split, seed)
+    rng = _rng("plora.tasks", name, split, seed)  # the seed key: fixed, whatever this module is called
     seen: set[str] = set()
     out: list[dict] = []
     attempts, max_attempts = 0, 50 * n + 1000
@@ -200,7 +200,7 @@ def iter_examples(name: str, split: str, seed: int = 0) -> Iterator[dict]:
     (``range``) can be mixed in at any rate.
     """
     info = _check(name, split)
-    rng = _rng("plora.data.tasks.stream", name, split, seed)
+    rng = _rng("plora.tasks.stream", name, split, seed)  # likewise
     while True:
         payload, example = _example(info, rng)
         if split_of(payload) == split:

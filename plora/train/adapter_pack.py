@@ -67,6 +67,26 @@ class AdapterPack:
     def learning_rate(self, k: int) -> float:
         return self.optimizer.lrs[k]
 
+    def planned(self, slots: Sequence[int]) -> torch.Tensor:
+        """The optimizer's per-slot hyperparameters of a step of ``slots`` (a vacant slot's
+        row says "leave alone")."""
+        return self.optimizer.planned_hyperparams(slots)
+
+    def zero_grad(self, where: torch.Tensor | None = None) -> None:
+        """Every slot's gradient to zero, or only where ``where`` (a bool per slot) says."""
+        if where is None:
+            self.bank.zero_grad()
+        else:
+            self.bank.zero_grad_where(where)
+
+    def step_where(self, planned: torch.Tensor, go: torch.Tensor, coef: torch.Tensor) -> None:
+        """AdamW on the device for the slots ``go`` marks, gradients scaled by ``coef``."""
+        self.optimizer.step_where(planned, go, coef)
+
+    def count_steps(self, slots: Sequence[int]) -> None:
+        """The optimizer steps ``slots`` took (bias correction)."""
+        self.optimizer.count_steps(list(slots))
+
     def sq_norms(self, of_weights: bool = False) -> torch.Tensor:
         """Every adapter's squared L2 norm (gradient, or weights) over the whole model: one
         launch, one all-reduce under TP; a device tensor [K]."""

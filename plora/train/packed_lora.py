@@ -168,7 +168,8 @@ class PackedLoRARecipe:
         self.runs: list[AdapterRun] = [self.rows.adapter_run(i, a, joined_at.get(a.id)) for i, a in enumerate(adapters)]
         # after TP sharding: the bank lays out the local shards
         self.pack = AdapterPack(self.pm, adapters, self.tp)
-        self.stepper = PackedStep(self.pack, self.rows, t, device=self.device, vocab_size=self.info.vocab_size,
+        self.stepper = PackedStep(self.pm, self.pack, self.rows, t, device=self.device,
+                                  vocab_size=self.info.vocab_size, row_attention=self.row_attn,
                                   graphs=self.graphs, tp=self.tp,
                                   # where a capture would bake the scales in, a graph is only for those it saw
                                   scales_in_key=graphed and not scales_on_device(self.device))

@@ -19,6 +19,7 @@ import torch
 from plora.job.config import JobTraining
 from plora.train.adapter_pack import AdapterPack
 from plora.train.adapter_run import AdapterRun
+from plora.train.packed.inject import PackedModel
 from plora.train.packed.head_loss import adapter_loss_sums, adapter_mean_losses, chunk_rows, final_hidden
 from plora.train.packed.rows import LabelParts
 from plora.train.packed.step_batch import StepBatch
@@ -39,11 +40,14 @@ class StepBooks:
 class PackedStep:
     """Runs packed steps on a pack (`AdapterPack`) over its rows (`TrainRows`)."""
 
-    def __init__(self, pack: AdapterPack, rows: TrainRows, training: JobTraining, *, device: torch.device,
-                 vocab_size: int, graphs: StepGraph | None = None, tp: TensorParallel | None = None,
-                 scales_in_key: bool = False):
+    def __init__(self, pm: PackedModel, pack: AdapterPack, rows: TrainRows, training: JobTraining, *,
+                 device: torch.device, vocab_size: int, row_attention=None, graphs: StepGraph | None = None,
+                 tp: TensorParallel | None = None, scales_in_key: bool = False):
+        self.pm = pm
         self.pack = pack
         self.rows = rows
+        #: the model's per-row attention (`install_row_attention`; None: rows are padded)
+        self.row_attention = row_attention
         self.graphs = graphs
         self.tp = tp
         self.device = device
@@ -56,10 +60,6 @@ class PackedStep:
         self.real_tokens = 0  # non-padding tokens trained on (throughput)
         self.stepped_tokens = 0  # tokens the steps ran, padding included (a covering graph's too)
 
-    @property
-    def pm(self):
-        return self.pack.pm
-
     def run(self, active: list[AdapterRun], steps_left: int | None) -> list[list[float]]:
         """One optimizer step of ``active``; what the device reported (`device_step`'s ``out``).
         ``steps_left``: how many more steps this pack runs as it is (None: a join may change
@@ -69,7 +69,7 @@ class PackedStep:
         ids = [r.index for r in active]
         graphed = self.graphs is not None and self.graphs.enabled
         self.pack.set_learning_rates(active)
-        planned = self.pack.optimizer.planned_hyperparams(ids)  # a vacant slot's row says "leave alone"
+        planned = self.pack.planned(ids)  # a vacant slot's row says "leave alone"
         own = self.composition(ids, rows)
         use, batch = own, None
         if graphed:
@@ -146,13 +146,13 @@ class PackedStep:
         flattened rows attend only within themselves while the step runs (forward and the
         recomputations of backward). ``spec``: this step's batch on the host (a replayed
         graph keeps the sizes of the one it was captured with, which ``spec`` shares)."""
-        bank, pm, row_attn = self.pack.bank, self.pm, self.rows.row_attention
+        pm, row_attn, slots = self.pm, self.row_attention, self.pack.num_slots
         acc = b.inputs.get("accum")  # `accumulation_inputs`; None: every adapter in one pass
         if acc is None:
-            bank.zero_grad()
+            self.pack.zero_grad()
         else:  # an adapter mid-batch keeps its gradient; every other one (in the batch or not) starts at 0
-            zero = torch.ones(bank.num_adapters, dtype=torch.bool, device=acc.device)
-            bank.zero_grad_where(zero.index_copy_(0, b.active, acc[1] > 0))
+            zero = torch.ones(slots, dtype=torch.bool, device=acc.device)
+            self.pack.zero_grad(zero.index_copy_(0, b.active, acc[1] > 0))
         # under TP, the parts summed so far stay out of this step's all-reduce
         held = self.tp.take_reduced_grads() if self.tp is not None and acc is not None else None
         if pm.state.has_dropout:  # each adapter's masks follow its own step (`plora.train.packed.dropout`)
@@ -189,7 +189,7 @@ class PackedStep:
             self.tp.reduce_grads()
             if held is not None:
                 self.tp.give_back_grads(held)
-        k = bank.num_adapters
+        k = slots
         loss_k = torch.full((k,), float("nan"), dtype=torch.float32, device=values.device)
         loss_k.index_copy_(0, b.active, total)
         go = torch.zeros(k, dtype=torch.bool, device=values.device)
@@ -200,7 +200,7 @@ class PackedStep:
             coef = (self.grad_clip / (norms + 1e-6)).clamp(max=1.0)
         else:
             coef = torch.ones_like(norms)
-        self.pack.optimizer.step_where(b.planned, go, coef)
+        self.pack.step_where(b.planned, go, coef)
         b.out[0].copy_(loss_k)
         b.out[1].copy_(norms)
         b.out[2].copy_(self.pack.sq_norms(of_weights=True).sqrt())
@@ -233,7 +233,7 @@ class PackedStep:
             books.logged.append({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": value,
                                  "lr": self.pack.learning_rate(k), "grad_norm": norms[k]})
             stepped.append(r)
-        self.pack.optimizer.count_steps([r.index for r in stepped])
+        self.pack.count_steps([r.index for r in stepped])
         for r in stepped:
             r.step += 1
             if not math.isfinite(weight_norms[r.index]):

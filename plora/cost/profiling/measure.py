@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from plora.models.families.targets import DEFAULT_TARGETS
 from plora.train.heap import frozen_heap
 from plora.job.config import JobConfig
 from plora.job.synthetic import synthetic_job_config
@@ -75,7 +76,7 @@ def run_probe(
     seq_len: int,
     dtype: str = "bfloat16",
     device: str = "cuda",
-    targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    targets: Sequence[str] = DEFAULT_TARGETS,
     family: str = "auto",
     dropout: float = 0.0,
     warmup: int = DEFAULT_WARMUP,
