@@ -231,3 +231,20 @@ def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
     from plora.cost.profiling.cache import sweep_cache_path
 
     assert Profile.load(sweep_cache_path(spec)).cost_model.overheads.jobs == 1 + len(prep.plan.jobs)
+
+
+def test_the_eval_load_counts_the_rows_a_job_scores(tmp_path):
+    """The eval a sweep's cost model prices is the job's: the rows left after tokenizing,
+    at most ``data.max_eval_samples`` of them."""
+    from plora.cost.sweep_rows import eval_load_for
+    from plora.spec.loading import load_spec
+
+    def load(**data):
+        path = tiny_space_file(tmp_path, data={"task": "builtin:shift", "num_train": 24, "num_eval": 8, **data},
+                               space={"rank": [2], "batch_size": [2]}, training={"steps": 2},
+                               eval={"metrics": ["loss", "exact_match"], "max_new_tokens": 4})
+        return eval_load_for(load_spec(path))
+
+    assert load().samples == 8
+    capped = load(max_eval_samples=3)
+    assert capped.samples == 3 and capped.max_new_tokens == 4 and 0 < capped.prompt_tokens < capped.row_tokens

@@ -102,7 +102,7 @@ def sweep_length_buckets(spec: "SweepSpec", steps: Mapping[str, int], *, graphed
 def train_row_tokens(spec: "SweepSpec", *, graphed: bool = False, length_buckets: int | str | None = None,
                      lengths: list[int] | None = None, row_layout: str | None = None,
                      batch_sizes: Sequence[int] | None = None) -> float | None:
-    """What a sweep's training row costs a step, in tokens (`plora.job.step_settings.priced_row_tokens`):
+    """What a sweep's training row costs a step, in tokens (`plora.data.row_layout.priced_row_tokens`):
     the mean real tokens of its rows (``lengths``, else `train_row_lengths`) where jobs flatten
     them, the width they are padded to where jobs pad them (``graphed``: steps replayed from
     CUDA graphs), in ``length_buckets`` (default: the spec's). None where they cannot be
