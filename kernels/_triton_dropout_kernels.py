@@ -1,4 +1,4 @@
-"""Triton kernel of the per-adapter LoRA dropout (`plora.packed.dropout`): one pass over
+"""Triton kernel of the per-adapter LoRA dropout (`plora.train.packed.dropout`): one pass over
 x, the mask drawn in registers from the same integer hash as the torch path."""
 
 import triton

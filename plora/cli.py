@@ -50,7 +50,7 @@ def write_timings(run_dir: Path, **moments: float) -> None:
     never needed to resume."""
     import json
 
-    from plora.jobphases import process_started_at
+    from plora.job.phases import process_started_at
 
     origin = process_started_at() or _IMPORTED_AT
     row = {"process_started_at": origin, **{k.removesuffix("_at") + "_s": round(v - origin, 3)
@@ -67,7 +67,7 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
-#: the space file's values changed on the command line (`plora.overrides`)
+#: the space file's values changed on the command line (`plora.spec.overrides`)
 OVERRIDES_HELP = "Overrides of the space file's values, KEY=VALUE (a dotted field, a YAML value): training.epochs=2 space.rank=[8,16]."
 
 
@@ -82,8 +82,9 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
     H100 machine a job's imports take 12 s, which the sweep's validation and planning hide
     only if they start first."""
     from plora.engine import spare
-    from plora.model_check import check_spec_model
-    from plora.spec import SpecError, load_spec
+    from plora.models.check import check_spec_model
+    from plora.spec.base import SpecError
+    from plora.spec.loading import load_spec
 
     try:
         spec = load_spec(space, sampled=sampled, overrides=overrides or ())
@@ -106,7 +107,7 @@ def _interrupted(what: str) -> None:
 
 def _check_output(run_dir: Path) -> None:
     """The run directory must be writable before anything runs."""
-    from plora.preflight import OutputDirError, check_output_dir
+    from plora.engine.preflight import OutputDirError, check_output_dir
 
     try:
         check_output_dir(run_dir)
@@ -117,7 +118,7 @@ def _check_output(run_dir: Path) -> None:
 def _check_resumable(spec, output: Optional[Path]) -> None:
     """A run directory holds one space: another one's sweep is refused, before profiling or
     planning, with what differs and what to do."""
-    from plora.preflight import RunDirError, check_resumable
+    from plora.engine.preflight import RunDirError, check_resumable
 
     try:
         check_resumable(spec.run_dir(output), spec, (c.id for c in spec.expand()))
@@ -126,7 +127,7 @@ def _check_resumable(spec, output: Optional[Path]) -> None:
 
 
 def _note_hardware(spec, hw) -> None:
-    from plora.preflight import hardware_note
+    from plora.engine.preflight import hardware_note
 
     note = hardware_note(spec, hw)
     if note:
@@ -166,10 +167,11 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
 
 
 def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
-    from plora.data import DataError
-    from plora.models import ModelError
+    from plora.data.dataset import DataError
+    from plora.models.loading import ModelError
     from plora.planner import PlannerError
-    from plora.sweep import hardware_for, prepare
+    from plora.hardware import hardware_for
+    from plora.sweep import prepare
 
     try:
         hw = hardware_for(spec)
@@ -209,7 +211,8 @@ def sweep(
 
     from plora.engine import spare
     from plora.engine.backends import BackendError
-    from plora.sweep import base_metrics, run_prepared, write_run_files
+    from plora.results.collect import base_metrics
+    from plora.sweep import run_prepared, write_run_files
 
     start = time.time()
     try:
@@ -252,8 +255,8 @@ def tune(
     on_budget: Optional[str] = typer.Option(None, "--on-budget", help="Once the budget is spent: finish (running trials end) or stop (they are pruned) (default: optuna.on_budget, finish)."),
 ) -> None:
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
-    from plora.data import DataError
-    from plora.models import ModelError
+    from plora.data.dataset import DataError
+    from plora.models.loading import ModelError
     from plora.tuning.budget import Budget
     from plora.tuning.loop import check_tune_request, run_tune
     from plora.tuning.study import storage_url, study_name
@@ -267,7 +270,7 @@ def tune(
                         on_budget if on_budget is not None else spec.optuna.on_budget)
     except ValueError as e:
         fail(str(e))
-    from plora.sweep import hardware_for
+    from plora.hardware import hardware_for
 
     try:
         _note_hardware(spec, hardware_for(spec))
@@ -315,7 +318,7 @@ def report(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="HTML file (default: RUN/report.html)."),
 ) -> None:
     """Execute the report notebook on RUN and write report.html (tables and plots)."""
-    from plora.report import ReportError, render_report
+    from plora.results.notebook import ReportError, render_report
 
     runs = [_load(r, sampled=True).run_dir() if r.is_file() and r.suffix in (".yaml", ".yml") else r for r in runs]
     run, others = runs[0], runs[1:]
@@ -339,19 +342,20 @@ def plan(
 
     Prints the job queue and the predicted makespan against the baselines; writes plan.json.
     """
-    from plora.sweep import hardware_for, prepare, write_plan
+    from plora.hardware import hardware_for
+    from plora.sweep import prepare, write_plan
 
     spec = _load(space, overrides=overrides)
     _check_output(spec.run_dir(output))
     cm = None
     if profile is not None:
-        from plora.costmodel import CostModel
+        from plora.cost.model import CostModel
 
         try:
             cm = CostModel.load(profile)
         except (OSError, ValueError, KeyError) as e:
             fail(f"--profile: cannot read {profile}: {e}")
-        cm.meta["plan_source"] = f"the profile {profile}"
+        cm = cm.with_meta(plan_source=f"the profile {profile}")
     try:
         hw = hardware_for(spec, here=here)
         _note_hardware(spec, hw)
@@ -381,7 +385,7 @@ def export(
     merge: bool = typer.Option(False, "--merge", help="A whole Hugging Face model with the adapter merged into its weights."),
 ) -> None:
     """Export adapters of RUN: a PEFT folder with the base model's tokenizer, or with --merge a merged model."""
-    from plora.export import ExportError, export_adapters, select_adapters
+    from plora.results.export import ExportError, export_adapters, select_adapters
 
     try:
         ids = select_adapters(run, adapter_id, best=best, every=every)
@@ -410,10 +414,10 @@ def profile(
     force: bool = typer.Option(False, "--force", help="Probe again even when a cached profile matches."),
 ) -> None:
     """Fit SPACE's memory and step-time model from short probe jobs on this machine; print it and its held-out error."""
-    from plora.models import ModelError
-    from plora.profiling.errors import ProfileError
-    from plora.profiling.profile import profile_sweep
-    from plora.profiling.record import load_profile
+    from plora.models.loading import ModelError
+    from plora.cost.profiling.errors import ProfileError
+    from plora.cost.profiling.profile import profile_sweep
+    from plora.cost.profiling.record import load_profile
 
     spec = _load(space, overrides=overrides)
     run_dir = spec.run_dir(output)

@@ -8,7 +8,6 @@ Library code that only builds rich renderables; the CLI decides where they go.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,14 +18,15 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from plora import settings as settings_mod
 from plora.engine.journal import FINAL_ADAPTER
 
 if TYPE_CHECKING:
     import optuna
     import pandas as pd
 
-    from plora.profiling.record import Profile
-    from plora.spec import SweepSpec
+    from plora.cost.profiling.record import Profile
+    from plora.spec.schema import SweepSpec
     from plora.sweep import PreparedSweep
 
 #: Width of output that is not a terminal (a log file, CI): wide enough that no table is
@@ -61,16 +61,13 @@ def new_events(seen: list[str], events: list[str]) -> list[str]:
 
 #: seconds between two progress lines of a running job in a log (`EventLog`); the
 #: environment variable of that name sets another interval
-LOG_PROGRESS_ENV = "PLORA_LOG_PROGRESS_S"
-LOG_PROGRESS_S = 30.0
+LOG_PROGRESS_ENV = settings_mod.LOG_PROGRESS_S
+LOG_PROGRESS_S = settings_mod.DEFAULT_LOG_PROGRESS_S
 
 
 def log_progress_interval() -> float:
     """`LOG_PROGRESS_S`, or what ``PLORA_LOG_PROGRESS_S`` says (a number of seconds)."""
-    try:
-        return max(0.0, float(os.environ.get(LOG_PROGRESS_ENV, LOG_PROGRESS_S)))
-    except ValueError:
-        return LOG_PROGRESS_S
+    return settings_mod.settings().log_progress_s
 
 
 def finished_counts(counts: dict[str, int]) -> str:
@@ -208,13 +205,9 @@ def joins_note(progress: dict, *, running: bool) -> str:
 
 
 def _read_progress(job_dir: Path) -> dict:
-    import json
+    from plora.job.outputs import read_progress
 
-    try:
-        progress = json.loads((job_dir / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return progress if isinstance(progress, dict) else {}
+    return dict(read_progress(job_dir))
 
 
 def status_tables(run_dir: Path) -> list:
@@ -285,7 +278,7 @@ def configs_table(prep: PreparedSweep) -> Table:
     return t
 
 
-#: column heads of the dimensions a space searches per adapter (`plora.spec.TRAINING_DIMS`)
+#: column heads of the dimensions a space searches per adapter (`plora.spec.adapter.TRAINING_DIMS`)
 _DIM_HEADS = {"dropout": "dropout", "weight_decay": "wd", "warmup_ratio": "warm-up", "scheduler": "scheduler",
               "rslora": "rsLoRA", "targets": "targets", "epochs": "epochs"}
 
@@ -347,7 +340,7 @@ def plan_summary(prep: PreparedSweep) -> Table | None:
 
 def results_table(frame: pd.DataFrame, spec: SweepSpec, base: dict, top: int = 10) -> Table:
     """The best configurations by the objective, and the base model's scores below them."""
-    from plora.sweep import ranked
+    from plora.results.collect import ranked
 
     objective = spec.eval.objective
     best = ranked(frame, objective, spec.eval.minimize).head(top)
@@ -474,7 +467,7 @@ def trials_line(study: optuna.Study, seconds: float, name: str, url: str) -> str
 
 
 def cost_model_table(cm: Any) -> Table:
-    """A fitted `plora.costmodel.CostModel`'s coefficients, one column per TP degree."""
+    """A fitted `plora.cost.model.CostModel`'s coefficients, one column per TP degree."""
     extra = set(cm.meta.get("extrapolated_degrees", []))
     t = Table(title=f"cost model of {cm.name} on {cm.meta.get('device', '?')} ({cm.meta.get('dtype', '')})",
               title_justify="left")

@@ -47,11 +47,13 @@ import sys
 import time
 from pathlib import Path
 
+from plora.models.families.targets import LLAMA_TARGETS
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LLAMA_TARGETS)
 RANKS = [8, 16, 32, 64]
 
 
@@ -119,9 +121,9 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
 
 def sweep_facts(args, space: Path, label: str) -> dict:
     from plora.engine.journal import Journal
-    from plora.jobcost import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     spec = load_spec(space)
     run = spec.run_dir(None)
@@ -185,7 +187,7 @@ def sweep_facts(args, space: Path, label: str) -> dict:
 
 
 def mean_real_row(spec) -> float:
-    from plora.jobcost import train_row_lengths
+    from plora.cost.sweep_rows import train_row_lengths
 
     lengths = train_row_lengths(spec) or [spec.model.max_seq_len]
     return sum(lengths) / len(lengths)
@@ -207,7 +209,7 @@ def part_imports(args) -> dict:
     job imports (torch with a CUDA context, torchtune, the recipe), timed by ``-X importtime``."""
     device = "cpu" if args.smoke else "cuda"
     code = (f"import time, torch; t=time.time(); torch.zeros(1, device='{device}'); "
-            "print('cuda_context_s', time.time() - t, flush=True); import plora.recipes.spare, plora.recipes.packed_lora")
+            "print('cuda_context_s', time.time() - t, flush=True); import plora.train.spare, plora.train.packed_lora")
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=str(REPO))
     wall = time.time() - t0
@@ -235,7 +237,7 @@ def part_smollm2(args) -> dict:
 def part_peft(args) -> dict:
     """N PEFT processes at once, a fresh one a configuration (`bench_real_data.peft_worker`)."""
     import bench_real_data as brd
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     variant = "fixed"
     space = write_space(args, f"first-{variant}", space_0p5b(args, variant))

@@ -49,8 +49,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import bench_first_sweep as bfs  # noqa: E402
+from plora.models.families.targets import LLAMA_TARGETS  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LLAMA_TARGETS)
 FIG4_RANKS, FIG4_ALPHAS, FIG4_LRS, FIG4_BATCHES = [8, 32, 128], [1, 2], [1e-4, 3e-4], [1, 2, 4, 8]
 SAMPLE_CONFIG = {"rank": 32, "alpha_factor": 2, "learning_rate": 1e-4}
 
@@ -140,7 +141,7 @@ def sweep(args, space: dict, label: str, env: dict | None = None) -> dict:
 def job_rows(space: Path) -> list[dict]:
     """Each job of the run: adapters, TP, GPUs, wall (launch to exit), the full pack's step."""
     from plora.engine.journal import Journal
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     run = load_spec(space).run_dir(None)
     journal = Journal(run / "journal.sqlite")
@@ -217,8 +218,8 @@ def alone(args, space: dict, jobs: list[dict]) -> list[dict]:
     import yaml
 
     from plora.engine.local import launch
-    from plora.jobconfig import JobConfig, JobStreaming
-    from plora.spec import parse_spec
+    from plora.job.config import JobConfig, JobStreaming
+    from plora.spec.loading import parse_spec
 
     run = parse_spec(space, args.out).run_dir(None)
     rows = []
@@ -268,7 +269,7 @@ def part_baseline(args, shape: str, baseline: str) -> dict:
                 name)
     per_bs: dict[int, list[float]] = {}
     tp_of: dict[int, int] = {}
-    from plora.spec import parse_spec
+    from plora.spec.loading import parse_spec
 
     spec = parse_spec(fig4_space(args, shape, name, configs), args.out)
     by_id = {cfg.id: cfg.batch_size for cfg in spec.expand()}
@@ -297,7 +298,7 @@ def part_baseline(args, shape: str, baseline: str) -> dict:
 def part_peft(args, shape: str) -> dict:
     """PEFT, N processes per GPU at once, a fresh process a configuration, on a sample."""
     import bench_real_data as brd
-    from plora.spec import parse_spec
+    from plora.spec.loading import parse_spec
 
     spec = parse_spec(fig4_space(args, shape, f"fig4-{shape}-peft"), args.out)
     folder = args.out / f"peft-{shape}"

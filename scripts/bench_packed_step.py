@@ -29,15 +29,16 @@ from pathlib import Path
 
 import torch
 
-from plora.costmodel import ModelShape
-from plora.data import IGNORE_INDEX, Sample
-from plora.heap import frozen_heap
-from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
-from plora.models import write_shape_folder
-from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV
+from plora.models.families.targets import LLAMA_TARGETS
+from plora.models.shape import ModelShape
+from plora.data.dataset import IGNORE_INDEX, Sample
+from plora.train.heap import frozen_heap
+from plora.job.config import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
+from plora.models.loading import write_shape_folder
+from plora.train.packed_lora import PackedLoRARecipe
+from plora.job.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = list(LLAMA_TARGETS)
 
 
 def make_recipe(model_dir: Path, out: Path, ranks: Sequence[int], batch_size: int, seq: int,
@@ -122,9 +123,9 @@ def main() -> None:
                     torch.cuda.reset_peak_memory_stats()
                 recipe = make_recipe(model_dir, Path(tmp) / "out", [args.rank] * k, bs, args.seq, args.dtype)
                 if args.varied:
-                    recipe.train_samples = varied_samples(256, args.seq, shape.vocab, args.answer)
+                    recipe.rows.samples = varied_samples(256, args.seq, shape.vocab, args.answer)
                 if layout == "padded":
-                    recipe.row_attn = None  # rows padded to the pack's longest, as before
+                    recipe.rows.row_attention = recipe.stepper.row_attention = None  # rows padded to the pack's longest
                 real0 = recipe.real_tokens
                 times = time_steps(recipe, args.warmup, args.steps)
                 real_per_step = (recipe.real_tokens - real0) / (args.warmup + args.steps)

@@ -17,7 +17,7 @@ the fitted profiles in scripts/profiles/ and the analytic model; memory binding 
 `plora.planner.instances`) without the exact solver, solves each exactly
 (`plora.planner.exact`) and prints plan / optimum per GPU count and cost model.
 
-Adapters come from the space file through `plora.spec` (the same configurations a sweep
+Adapters come from the space file through `plora.spec.schema` (the same configurations a sweep
 trains; model.path need not exist); steps = ceil(epochs * num_train / batch size), with
 num_train from ``--num-train``, else data.num_train, else 10,000.
 """
@@ -38,7 +38,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from plora.costmodel import AdapterLoad, CostModel, ModelShape, steps_for  # noqa: E402
+from plora.cost.model import AdapterLoad, CostModel  # noqa: E402
+from plora.data.accumulation import steps_for  # noqa: E402
+from plora.models.shape import ModelShape  # noqa: E402
 from plora.planner import PLANNING_BUDGET_S, PlannerError, plan_sweep, simulate  # noqa: E402
 
 DEFAULT_SPACE = REPO / "sweeps" / "paper-qwen2.5-7b.yaml"
@@ -52,7 +54,7 @@ MAX_PLANNING_S = 60.0
 def loads_from_space(raw: dict, num_train: int) -> tuple[list[AdapterLoad], str]:
     """The space's adapters as planning loads, and how they were obtained."""
     try:
-        from plora.spec import parse_spec
+        from plora.spec.loading import parse_spec
     except ImportError:
         return _loads_fallback(raw, num_train), "pyyaml fallback sampler"
     data = copy.deepcopy(raw)
@@ -63,7 +65,7 @@ def loads_from_space(raw: dict, num_train: int) -> tuple[list[AdapterLoad], str]
     loads = [
         AdapterLoad(c.id, c.rank, c.batch_size, spec.steps_for(c, num_train)) for c in spec.expand()
     ]
-    return loads, "plora.spec expansion"
+    return loads, "plora.spec.schema expansion"
 
 
 def _loads_fallback(raw: dict, num_train: int) -> list[AdapterLoad]:

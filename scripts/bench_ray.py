@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import yaml
+from plora.models.families.targets import DEFAULT_TARGETS  # noqa: E402
 
 RAY = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
 
@@ -116,7 +117,7 @@ def space(args: argparse.Namespace, name: str, nodes: int, address: str) -> dict
         "model": {"path": args.model or f"shape:{args.shape}", "dtype": "float32" if args.smoke else "bfloat16",
                   "max_seq_len": args.seq},
         "data": {"task": "builtin:shift", "num_train": 4096, "num_eval": 32, "max_eval_samples": 32},
-        "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "lora": {"targets": list(DEFAULT_TARGETS)},
         "space": {"strategy": "grid", **grid},
         "training": {"steps": args.steps, "scheduler": "cosine", "warmup_ratio": 0.03,
                      "checkpoint_every_steps": args.checkpoint_every, "checkpoint_every_minutes": 5},

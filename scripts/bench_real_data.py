@@ -47,8 +47,10 @@ import sys
 import time
 from pathlib import Path
 
+from plora.models.families.targets import LLAMA_TARGETS
+
 REPO = Path(__file__).resolve().parent.parent
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LLAMA_TARGETS)
 
 
 # ------------------------------------------------------------------------------ data
@@ -79,9 +81,9 @@ def space(args, variant: str, data_dir: Path) -> dict:
 
 def real_tokens(spec) -> tuple[int, int]:
     """(real training tokens one epoch of one adapter sees, rows), as plora tokenizes them."""
-    from plora.data import TextTokenizer, load_split, tokenize_examples
-    from plora.models import read_model_info
-    from plora.sweep import data_config
+    from plora.data.dataset import TextTokenizer, load_split, tokenize_examples
+    from plora.models.loading import read_model_info
+    from plora.data.check import data_config
 
     info = read_model_info(spec.model.resolved_path(), spec.model.family)
     tok = TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)
@@ -90,9 +92,9 @@ def real_tokens(spec) -> tuple[int, int]:
 
 
 def run_plora(args, variant: str, data_dir: Path) -> dict:
-    from plora.jobcost import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     path = args.out / f"{variant}.yaml"  # written by main() with the data
     plora = [sys.executable, "-m", "plora.cli"]
@@ -155,7 +157,7 @@ def run_baseline(args, variant: str, data_dir: Path) -> dict:
     adapter) per configuration, one after another. Each configuration's result is kept in
     ``baseline-<variant>/config-NN.json`` and a rerun trains only the missing ones, so the
     baseline can be spread over several calls of a machine with a per-call time limit."""
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     spec = load_spec(args.out / f"{variant}.yaml")
     folder = args.out / f"baseline-{variant}"
@@ -340,7 +342,7 @@ def smoke_model(out: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from plora.data import char_tokenizer
+    from plora.data.dataset import char_tokenizer
 
     folder = out / "tiny-qwen2"
     if (folder / "config.json").is_file():

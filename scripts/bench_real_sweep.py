@@ -272,7 +272,7 @@ def main() -> None:
     if args.smoke:
         args.baseline_configs = min(args.baseline_configs, 2)
 
-    from plora.gguf import gguf_folder
+    from plora.models.gguf import gguf_folder
 
     t0 = time.time()
     folder = gguf_folder(args.model, args.dtype)  # converted once, before anything is timed

@@ -69,6 +69,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from plora.models.families.targets import ALL_LINEAR, DEFAULT_TARGETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -109,7 +110,7 @@ def space(args: argparse.Namespace, task: str) -> dict:
                              "max_new_tokens": args.max_new_tokens}
     if metric == "choice_accuracy":
         evals["metrics"].append("choice_accuracy")
-        from plora.tasks import VERDICT_LABELS
+        from plora.data.tasks import VERDICT_LABELS
 
         evals["choices"] = list(VERDICT_LABELS)
     return {
@@ -237,8 +238,8 @@ def grid_curve(run: Path, metric: str, minimize: bool) -> list[dict]:
 def run_grid(args: argparse.Namespace, task: str) -> dict:
     import pandas as pd
 
-    from plora.jobcost import measured_makespan
-    from plora.metrics import minimize
+    from plora.engine.journal import measured_makespan
+    from plora.results.metrics import minimize
 
     path = space_file(args, task)
     run = args.work / f"search-{task}"
@@ -300,7 +301,7 @@ def reached(curve: list[dict], target: float, minimize: bool) -> float | None:
 
 
 def run_tune(args: argparse.Namespace, task: str, part: str, seed: int, grid: dict) -> dict:
-    from plora.metrics import minimize
+    from plora.results.metrics import minimize
 
     sampler, asynchronous = STRATEGY[part]
     budget = args.budget_fraction * grid["makespan_s"]
@@ -390,7 +391,7 @@ def median_score(xs: list[float | None], minimize: bool) -> float | None:
 
 def summarize(args: argparse.Namespace, result: dict) -> None:
     """Medians over seeds and the two verdicts, per task (in place)."""
-    from plora.metrics import minimize
+    from plora.results.metrics import minimize
 
     for task, t in result.get("tasks", {}).items():
         grid = t.get("grid") or {}
@@ -611,7 +612,7 @@ def main() -> None:
     if args.budget_fraction is None:
         args.budget_fraction = 1.0 if args.smoke else 0.25
     args.per_job = args.per_job or (8 if args.smoke else 32)
-    args.targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if args.smoke else "all-linear"
+    args.targets = list(DEFAULT_TARGETS) if args.smoke else ALL_LINEAR
     if args.smoke:  # the demo model knows letters only: its own task stands in for both
         args.model, args.dtype, args.seq, args.smoke_task = "builtin:tiny-llama", "float32", 32, "shift"
         rows, args.max_new_tokens = (160, 32), 8
@@ -633,7 +634,7 @@ def main() -> None:
         store.data["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     store.save()
     if not args.smoke:  # the GGUF dequantized into plora's cache once, before anything is timed
-        code = subprocess.run([sys.executable, "-c", "import sys; from plora.gguf import gguf_folder; "
+        code = subprocess.run([sys.executable, "-c", "import sys; from plora.models.gguf import gguf_folder; "
                                f"print(gguf_folder(sys.argv[1], {args.dtype!r}))", args.model],
                               env=plora_env(args), cwd=str(REPO)).returncode
         if code:

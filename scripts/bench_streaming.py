@@ -289,9 +289,9 @@ def run_sweep(part: str, s: dict[str, Any]) -> dict[str, Any]:
     import pandas as pd
     from bench_real_data import real_tokens
 
-    from plora.jobcost import measured_makespan
+    from plora.engine.journal import measured_makespan
     from plora.planner.plan import Plan
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     path = write_space(part, s)
     spec = load_spec(path)
@@ -357,8 +357,8 @@ def trial_times(study_path: Path, name: str, t0: float) -> dict[str, Any]:
 
 
 def run_tune(part: str, s: dict[str, Any]) -> dict[str, Any]:
-    from plora.jobcost import measured_makespan
-    from plora.spec import load_spec
+    from plora.engine.journal import measured_makespan
+    from plora.spec.loading import load_spec
 
     path = write_space(part, s)
     spec = load_spec(path, sampled=True)

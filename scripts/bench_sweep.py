@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import yaml
+from plora.models.families.targets import LLAMA_TARGETS  # noqa: E402
 
 
 def space(args: argparse.Namespace, one_per_job: bool) -> dict:
@@ -33,7 +34,7 @@ def space(args: argparse.Namespace, one_per_job: bool) -> dict:
         "name": "one-per-job" if one_per_job else "packed",
         "model": {"path": args.model or f"shape:{args.shape}", "dtype": args.dtype, "max_seq_len": args.seq},
         "data": {"task": "builtin:shift", "num_train": args.num_train, "num_eval": 64, "max_eval_samples": 64},
-        "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "dropout": 0.0},
+        "lora": {"targets": list(LLAMA_TARGETS), "dropout": 0.0},
         "space": {
             "strategy": "grid",
             "rank": [8, 16, 32, 64],
@@ -84,9 +85,9 @@ def main() -> None:
     first = args.out / f"{'one-per-job' if variants[0] else 'packed'}.yaml"
     first.write_text(yaml.safe_dump(space(args, variants[0]), sort_keys=False))
     if args.profile is not None:  # a private cache holding the given profile, for both runs
-        from plora.profiling.cache import sweep_cache_path
-        from plora.profiling.record import Profile
-        from plora.spec import load_spec
+        from plora.cost.profiling.cache import sweep_cache_path
+        from plora.cost.profiling.record import Profile
+        from plora.spec.loading import load_spec
 
         os.environ["PLORA_CACHE_DIR"] = str((args.out / "cache").resolve())
         try:

@@ -1,6 +1,6 @@
 """Tensor-parallel packed jobs on the GPU: TP = 1, 2, 4 agree, and what each step costs.
 
-Runs the real job the engine runs (`tune run [--nproc_per_node d] plora/recipes/packed_lora.py`,
+Runs the real job the engine runs (`tune run [--nproc_per_node d] plora/train/packed_lora.py`,
 CUDA_VISIBLE_DEVICES = the job's GPUs) on a random-init model of a preset shape with
 synthetic data, once per TP degree, then (``--concurrent``) two jobs at once on disjoint
 GPU sets (TP=2 on GPUs 0,1 and 2,3; TP=1 on GPUs 0 and 1 of a 2-GPU machine), as the
@@ -9,7 +9,6 @@ the recipe's own metrics.jsonl timestamps: every step ends in a host sync, so th
 step boundaries), tokens/s, and the largest per-step loss difference from TP = 1.
 
     python scripts/bench_tp.py --shape qwen2.5-3b --tp 1,2,4 --steps 10 --concurrent --out DIR
-    (add --launcher torchrun where the `tune` CLI does not import)
 
 Writes DIR/tp_bench.json and prints a table; exits 1 if a job fails or the losses of a TP
 degree differ from TP = 1 by more than the tolerance (float rounding of the split
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,69 +27,48 @@ from pathlib import Path
 
 import torch
 
-from plora.costmodel import ModelShape
-from plora.engine.local import tune_command
-from plora.jobconfig import JobAdapter, JobConfig, JobData, JobEval, JobLora, JobModel, JobTraining, SyntheticRows
-from plora.models import write_shape_folder
+from plora.models.families.targets import LLAMA_TARGETS
+from plora.engine.local import JobProcess, launch
+from plora.job.config import JobConfig
+from plora.job.synthetic import synthetic_job_config
+from plora.models.loading import write_shape_folder
+from plora.models.shape import ModelShape
+from plora.settings import settings
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-REPO = Path(__file__).resolve().parent.parent
 #: |loss(TP=d) - loss(TP=1)| allowed, per dtype (losses are ~12 on a random-init model)
 TOLERANCE = {"float32": 5e-3, "bfloat16": 1e-1, "float16": 5e-2}
 
 
 def job_config(model_dir: Path, out: Path, job_id: str, args: argparse.Namespace, tp: int) -> JobConfig:
+    """The bench's job: the library's synthetic job (`plora.job.synthetic`) of ``args.adapters``
+    adapters cycling through ``args.ranks``, on every linear layer."""
     ranks = [int(r) for r in args.ranks.split(",")]
-    return JobConfig(
-        job_id=job_id,
-        output_dir=out,
-        device=args.device,
-        tp=tp,
-        model=JobModel(path=str(model_dir), max_seq_len=args.seq, dtype=args.dtype, random_init=True),
-        data=JobData(synthetic=SyntheticRows(seq_len=args.seq, num_samples=512)),
-        lora=JobLora(targets=ALL_LINEAR, dropout=0.0),
-        adapters=[JobAdapter(id=f"a{k}-r{ranks[k % len(ranks)]}", rank=ranks[k % len(ranks)],
-                             alpha=2.0 * ranks[k % len(ranks)], learning_rate=args.lr, batch_size=args.batch_size,
-                             seed=k, steps=args.steps)
-                  for k in range(args.adapters)],
-        training=JobTraining(scheduler="constant", grad_clip=1.0),
-        eval=JobEval(metrics=[]),
-    )
+    adapters = [(ranks[k % len(ranks)], args.batch_size) for k in range(args.adapters)]
+    return synthetic_job_config(job_id, model_dir, adapters, seq_len=args.seq, dtype=args.dtype, device=args.device,
+                                targets=LLAMA_TARGETS, output_dir=out, tp=tp, steps=args.steps, learning_rate=args.lr,
+                                num_samples=512, adapter_ids=[f"a{k}-r{r}" for k, (r, _) in enumerate(adapters)])
 
 
-def command(job_yaml: Path, nproc: int, launcher: str) -> list[str]:
-    """The engine's command (`tune run`), or torchrun on the recipe module directly: the same
-    processes and environment, without the `tune` CLI's own imports (its download command
-    needs kagglehub's dependencies, which a bare GPU image may lack)."""
-    if launcher == "tune":
-        return tune_command(job_yaml, nproc)
-    recipe = ["-m", "plora.recipes.packed_lora", "--config", str(job_yaml)]
-    if nproc == 1:
-        return [sys.executable, *recipe]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *recipe]
-
-
-def launch(cfg: JobConfig, work: Path, gpus: list[int], launcher: str) -> tuple[subprocess.Popen, Path, float]:
-    job_dir = work / cfg.job_id
+def start(cfg: JobConfig, gpus: list[int]) -> tuple[JobProcess, Path, float]:
+    """The job started as the engine starts it (`plora.engine.local.launch`: its environment,
+    its GPUs, `tune run` with ``--nproc_per_node`` for TP)."""
+    job_dir = cfg.job_dir
     job_dir.mkdir(parents=True, exist_ok=True)
     cfg.write(job_dir / "job.yaml")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cfg.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    else:  # a CPU smoke run: gloo, one thread per rank
-        env.setdefault("OMP_NUM_THREADS", "1")
-    log = open(job_dir / "log.txt", "w")
-    proc = subprocess.Popen(command(job_dir / "job.yaml", len(gpus), launcher), cwd=str(REPO), env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    return proc, job_dir, time.time()
+    slot = f"cuda:{gpus[0]}" if cfg.device == "cuda" else "cpu:0"
+    job = launch(cfg.job_id, job_dir, slot, gpus=gpus if cfg.device == "cuda" else (), nproc=len(gpus),
+                 extra_env={"PYTHONUNBUFFERED": "1"})
+    return job, job_dir, job.started
 
 
-def collect(cfg: JobConfig, proc: subprocess.Popen, job_dir: Path, started: float, gpus: list[int], timeout: float) -> dict:
+def collect(cfg: JobConfig, job: JobProcess, job_dir: Path, started: float, gpus: list[int], timeout: float) -> dict:
     try:
-        rc = proc.wait(timeout=timeout)
+        rc = job.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        job.proc.kill()
         rc = "timeout"
+    if job.log:
+        job.log.close()
     wall = time.time() - started
     metrics = cfg.job_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -135,13 +112,11 @@ def main() -> None:
     ap.add_argument("--concurrent", action="store_true",
                     help="also two jobs at once on disjoint GPUs: TP=2 on 0,1 and 2,3 (4 GPUs), TP=1 on 0 and 1 (2 GPUs)")
     ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--launcher", choices=["tune", "torchrun"], default="tune")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     args = ap.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "jobs"
     n_gpus = torch.cuda.device_count() if args.device == "cuda" else 4  # CPU: ranks, not GPUs
     shape = ModelShape.preset(args.shape)
     model_dir = write_shape_folder(shape, args.out / "model")
@@ -154,7 +129,7 @@ def main() -> None:
             continue
         cfg = job_config(model_dir, args.out / f"tp{d}", f"tp{d}", args, d)
         gpus = list(range(d))
-        res = collect(cfg, *launch(cfg, work, gpus, args.launcher), gpus, args.timeout)
+        res = collect(cfg, *start(cfg, gpus), gpus, args.timeout)
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     if args.concurrent and n_gpus >= 2:
@@ -162,7 +137,7 @@ def main() -> None:
         pairs = [list(range(half)), list(range(half, 2 * half))]
         cfgs = [job_config(model_dir, args.out / f"pair{i}", f"tp{half}-gpus{''.join(map(str, p))}", args, half)
                 for i, p in enumerate(pairs)]
-        running = [(cfg, launch(cfg, work, p, args.launcher), p) for cfg, p in zip(cfgs, pairs)]
+        running = [(cfg, start(cfg, p), p) for cfg, p in zip(cfgs, pairs)]
         for cfg, launched, p in running:
             res = collect(cfg, *launched, p, args.timeout)
             res["concurrent"] = True
@@ -178,7 +153,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     summary = {"shape": args.shape, "device": device, "gpus": n_gpus, "dtype": args.dtype, "seq": args.seq,
                "adapters": args.adapters, "ranks": args.ranks, "batch_size": args.batch_size, "steps": args.steps,
-               "kernels": os.environ.get("PLORA_KERNELS", "auto"), "launcher": args.launcher, "tolerance": tol, "ok": ok,
+               "kernels": settings().kernels, "tolerance": tol, "ok": ok,
                "jobs": [{k: v for k, v in r.items() if k != "losses"} for r in results]}
     (args.out / "tp_bench.json").write_text(json.dumps(summary, indent=2, default=str))
 

@@ -3,7 +3,7 @@
 Why a model of our own: the demo and the tests must run offline on a laptop CPU in
 minutes, yet show a real LoRA sweep in which the hyperparameters matter. No public
 checkpoint is that small *and* one small step away from a task it cannot do yet, so we
-pretrain one from scratch on the synthetic tasks of ``plora.tasks``.
+pretrain one from scratch on the synthetic tasks of ``plora.data.tasks``.
 
 Recipe (the defaults of this script; about 2-3 minutes on 2 idle CPU cores):
 
@@ -16,7 +16,7 @@ Recipe (the defaults of this script; about 2-3 minutes on 2 idle CPU cores):
 * Model: ``LlamaForCausalLM``, hidden 128, 2 layers, 4 heads of 32, 2 KV heads,
   intermediate 256, RoPE (theta 10000, no scaling), 64 positions, untied embeddings,
   fp32: 310k parameters, 1.2 MB.
-* Data: the ``train`` split streams of ``plora.tasks.PRETRAIN_TASKS`` (copy, reverse, sort,
+* Data: the ``train`` split streams of ``plora.data.tasks.PRETRAIN_TASKS`` (copy, reverse, sort,
   count, range), mixed uniformly. The demo task ``shift`` ("+") is never shown.
 * Sequence: ``[bos] + enc(input) + enc(output) + [eos]``, right-padded; the loss covers
   ``enc(output) + [eos]`` only, exactly like the fine-tuning recipe.
@@ -51,7 +51,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from plora.tasks import PRETRAIN_TASKS, iter_examples, load_builtin_task  # noqa: E402
+from plora.data.tasks import PRETRAIN_TASKS, iter_examples, load_builtin_task  # noqa: E402
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = 0, 1, 2, 3

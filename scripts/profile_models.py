@@ -1,6 +1,6 @@
 """Profile random-init model shapes on this GPU and check the cost model on held-out packs.
 
-For each MODEL:SEQ configuration: probe jobs (`plora.profiling.profile.profile_model`) fit the
+For each MODEL:SEQ configuration: probe jobs (`plora.cost.profiling.profile.profile_model`) fit the
 memory and step-time model; then packs not used in the fit are run as fresh jobs --
 random mixes of ranks and batch sizes, and packs the model predicts *just* fit at the load
 factor (which shows whether a predicted fit really fits) -- and compared with the
@@ -47,7 +47,7 @@ MIN_CHECKS = 3
 
 def preset(name: str):
     """A `ModelShape` preset, or ``tiny-qwen`` (a toy shape for trying the script on a CPU)."""
-    from plora.costmodel import ModelShape
+    from plora.models.shape import ModelShape
 
     if name == "tiny-qwen":
         return ModelShape("tiny-qwen", 107_072, 64, 128, 2, 4, 2, 16, 512, 2, True)
@@ -92,10 +92,10 @@ def worker(args: argparse.Namespace) -> int:
     as it is taken, so a configuration stopped by the budget can still be fitted."""
     import torch
 
-    from plora.models import write_shape_folder
-    from plora.profiling.cache import _backend
-    from plora.profiling.probes import Measurement
-    from plora.profiling.profile import profile_model
+    from plora.models.loading import write_shape_folder
+    from plora.cost.profiling.cache import _backend
+    from plora.cost.profiling.probes import Measurement
+    from plora.cost.profiling.profile import profile_model
 
     model, seq, ac = parse_config(args.config)
     shape = preset(model)
@@ -139,7 +139,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> int:
-    from plora.step_settings import JOB_ALLOCATOR
+    from plora.job.step_settings import JOB_ALLOCATOR
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +218,7 @@ def _run_worker(args: argparse.Namespace, config: str, share: float, env: dict, 
 
 def _read_raw(path: Path):
     """(meta, measurements) of a raw JSONL file written by a worker."""
-    from plora.profiling.probes import Measurement
+    from plora.cost.profiling.probes import Measurement
 
     if not path.is_file():
         return {}, []
@@ -236,10 +236,10 @@ def _read_raw(path: Path):
 def fit_config(work: Path, config: str, refit: bool):
     """The configuration's profile: the worker's, or fitted anew from its raw measurements
     (when the worker was stopped before writing it, or when ``refit`` asks)."""
-    from plora.profiling.cache import profile_key
-    from plora.profiling.errors import ProfileError
-    from plora.profiling.fit import fit_cost_model
-    from plora.profiling.record import Profile
+    from plora.cost.profiling.cache import profile_key
+    from plora.cost.profiling.errors import ProfileError
+    from plora.cost.profiling.fit import fit_cost_model
+    from plora.cost.profiling.record import Profile
 
     path = work / "profiles" / f"{tag_of(config)}.json"
     prof = Profile.load(path) if path.is_file() else None
@@ -268,7 +268,7 @@ def fit_config(work: Path, config: str, refit: bool):
         backend=meta.get("backend", "?"), targets=cm.meta["targets"], activation_checkpointing=ac)
     timings = prof.timings if prof is not None else dict(meta.get("timings", {}))
     new = Profile(cm, fit, held, key, float(meta.get("load_factor", 0.9)), timings)
-    new.cost_model.meta["holdout"] = new.summary()
+    new.cost_model = new.cost_model.with_meta(holdout=new.summary())
     new.save(path)
     return new, "refitted" if prof is not None or refit else "fitted from raw measurements"
 
@@ -286,7 +286,7 @@ def _gib(x) -> str:
 
 
 def report(args: argparse.Namespace, configs: list[str], note: str, wall_s: float, refit: bool = False) -> int:
-    from plora.profiling.validate import summarize_errors
+    from plora.cost.profiling.validate import summarize_errors
 
     rows, packs = [], []
     results = {"note": note, "wall_s": wall_s, "configs": {}, "profiles": {}, "raw": {}}

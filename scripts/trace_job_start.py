@@ -26,8 +26,8 @@ STAGES = [
     ("cuda context", "import torch; torch.zeros(1, device='{device}'); torch.cuda.synchronize() if '{device}' == 'cuda' else None"),
     ("import triton", "import torch, triton; torch.zeros(1, device='{device}')"),
     ("import torchtune", "import torch, torchtune; torch.zeros(1, device='{device}')"),
-    ("import recipe", "import torch; torch.zeros(1, device='{device}'); import plora.recipes.packed_lora"),
-    ("tune CLI + recipe", "import torch; torch.zeros(1, device='{device}'); import torchtune._cli.tune, plora.recipes.packed_lora"),
+    ("import recipe", "import torch; torch.zeros(1, device='{device}'); import plora.train.packed_lora"),
+    ("tune CLI + recipe", "import torch; torch.zeros(1, device='{device}'); import torchtune._cli.tune, plora.train.packed_lora"),
 ]
 
 

@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_packed_step import make_recipe, time_steps  # noqa: E402
 
-from plora.costmodel import ModelShape  # noqa: E402
-from plora.heap import frozen_heap  # noqa: E402
-from plora.models import write_shape_folder  # noqa: E402
+from plora.models.shape import ModelShape  # noqa: E402
+from plora.train.heap import frozen_heap  # noqa: E402
+from plora.models.loading import write_shape_folder  # noqa: E402
 
 
 #: the 0.5B shape's depth and adapted layers at tiny widths: its host work without its FLOPs

@@ -45,7 +45,7 @@ def make_tiny_llama(out: Path, *, seed: int = 0, layers: int = 2) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from plora.data import char_tokenizer
+    from plora.data.dataset import char_tokenizer
 
     tok = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789+-=>< ")
     cfg = LlamaConfig(
@@ -79,7 +79,7 @@ def reverse_data(tmp_path_factory) -> dict[str, Path]:
 
 
 def job_config(model: Path, data: dict, out: Path, adapters: list[dict], **over) -> dict:
-    """A recipe config as `plora sweep` writes it (`plora.jobconfig.JobConfig`'s layout),
+    """A recipe config as `plora sweep` writes it (`plora.job.config.JobConfig`'s layout),
     for in-process runs; each adapter warms up for 2 of its steps unless it says otherwise."""
     cfg = {
         "job_id": "job-test",
@@ -111,7 +111,7 @@ def max_weight_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-#: hooks that make a job process fail on purpose (`plora.hooks`, PLORA_TEST_HOOKS)
+#: hooks that make a job process fail on purpose (`plora.train.hooks`, PLORA_TEST_HOOKS)
 FAULT_HOOKS = Path(__file__).with_name("fault_hooks.py")
 
 
@@ -127,7 +127,7 @@ def cost_model_holding(admits: int, *, c0: float = 1.0, c_tok: float = 0.0, c_rt
     """A one-GPU cost model whose GPU holds ``admits`` adapters within ``load_factor`` (each
     adapter 1 byte, the base model none) and whose packed step costs ``c0`` plus the token
     terms (rows of 10 tokens)."""
-    from plora.costmodel import CostModel, MemoryCoeffs, TimeCoeffs
+    from plora.cost.model import CostModel, MemoryCoeffs, TimeCoeffs
 
     return CostModel((admits + 0.5) / load_factor, 10, {1: TimeCoeffs(c0, c_tok, c_rtok, 0.0, c_bkt)},
                      {1: MemoryCoeffs(0.0, 1.0, 0.0, 0.0, 0.0)}, job_overhead_s=overhead_s)
@@ -139,6 +139,49 @@ STREAM_CONFIGS = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8
                   {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 4}]
 
 
+#: the model every small test space trains: the shipped tiny Llama
+TINY_MODEL = "builtin:tiny-llama"
+
+
+def tiny_space(root: Path | None = None, *, name: str = "t", model_path: str = TINY_MODEL, max_seq_len: int = 48,
+               num_train: int = 24, num_eval: int = 4, **sections) -> dict:
+    """A small space file's contents, the one the tests share: the tiny Llama (``model_path``,
+    ``max_seq_len``) on the built-in shift task (``num_train``/``num_eval`` rows), LoRA on
+    q_proj and v_proj, on the CPU, writing under ``root``/runs. Each section given in
+    ``sections`` (``space``, ``training``, ``eval``, ``planner``..., or ``model``, ``data``,
+    ``lora``, ``hardware``, ``output``) replaces that default whole; ``None`` leaves the
+    section out."""
+    data: dict = {
+        "name": name,
+        "model": {"path": model_path, "max_seq_len": max_seq_len},
+        "data": {"task": "builtin:shift", "num_train": num_train, "num_eval": num_eval},
+        "lora": {"targets": ["q_proj", "v_proj"]},
+        "hardware": {"device": "cpu"},
+        **({"output": {"dir": str(Path(root) / "runs")}} if root is not None else {}),
+    }
+    for key, value in sections.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    return data
+
+
+def write_space(path: Path, data: dict) -> Path:
+    """``data`` as a space file at ``path``."""
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def tiny_space_file(root: Path, filename: str = "space.yaml", **kw) -> Path:
+    """`tiny_space` written as ``root``/``filename``."""
+    return write_space(Path(root) / filename, tiny_space(root, **kw))
+
+
 def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=((0, 1), (2,)),
                        slots=("cpu:0",), max_adapters: int = 2, cost_model=None):
     """A sweep with planner.streaming on one CPU slot, planned as two jobs: job-000 (two
@@ -148,26 +191,16 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
     ``configs`` (`STREAM_CONFIGS`), ``groups`` (the configurations of job-000, job-001, ...,
     by index), ``slots``, ``max_adapters`` (``planner.max_adapters_per_job``) and
     ``cost_model`` (the sweep's, default: the analytic one) change that sweep."""
-    import yaml
-
     from plora.planner.plan import Job, Plan
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
-    data = {
-        "name": "stream",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs or STREAM_CONFIGS},
-        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "planner": {"max_adapters_per_job": max_adapters, "streaming": True},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(root / "runs")},
-    }
-    path = root / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = tiny_space_file(
+        root, name="stream",
+        space={"strategy": "list", "configs": configs or STREAM_CONFIGS},
+        training={"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]},
+        planner={"max_adapters_per_job": max_adapters, "streaming": True})
     prep = prepare(load_spec(path), cost_model=cost_model)
     ids = [c.id for c in prep.configs]
     prep.plan = Plan([Job(f"job-{j:03d}", [ids[i] for i in g]) for j, g in enumerate(groups)],
@@ -179,7 +212,7 @@ def run_streamed_sweep(root: Path, *, configs: list[dict] | None = None, groups=
 
 #: a chat template for the swept run's model (the shipped tiny Llama has none)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-#: the swept run's command-line overrides (`plora.overrides`): what its spec.yaml must show
+#: the swept run's command-line overrides (`plora.spec.overrides`): what its spec.yaml must show
 SWEPT_OVERRIDES = ["training.steps=6", "training.epochs=null", "eval.every_steps=3", "planner.max_adapters_per_job=2"]
 
 
@@ -187,7 +220,7 @@ def _model_with_chat_template(out: Path) -> Path:
     """The shipped tiny Llama with `CHAT_TEMPLATE` in its tokenizer_config.json."""
     import shutil
 
-    from plora.spec import ASSETS_DIR
+    from plora.spec.model import ASSETS_DIR
 
     shutil.copytree(ASSETS_DIR / "tiny-llama", out)
     cfg = json.loads((out / "tokenizer_config.json").read_text())

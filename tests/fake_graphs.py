@@ -1,4 +1,4 @@
-"""A `plora.recipes.step_graph.GraphBackend` without a GPU, for driving `StepGraph`'s books
+"""A `plora.train.step_graph.GraphBackend` without a GPU, for driving `StepGraph`'s books
 (and a whole job's) on a CPU.
 
 An eager step runs the body. A capture records the body it was given and the buffers; a
@@ -6,7 +6,7 @@ replay runs that recorded body on those buffers, so a replayed step reads what a
 graph would read from the device: the held buffers (batch, optimizer table, segment
 metadata) filled for this step, and the pack's tensors where they are. What it cannot
 show is a host number that a real capture would bake in: those are kept out of the
-graphs by construction (`plora.recipes.step_graph`'s module docstring) and checked on a GPU.
+graphs by construction (`plora.train.step_graph`'s module docstring) and checked on a GPU.
 Memory is numbers the test sets: the room beside the held graphs, and what a step takes
 per batch token.
 """

@@ -43,7 +43,7 @@ def make_model(name: str, out: Path, *, seed: int = 0, v4_spelling: bool = False
     import torch
     import transformers
 
-    from plora.data import char_tokenizer
+    from plora.data.dataset import char_tokenizer
 
     cfg_cls, model_cls, extra = CASES[name]
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})

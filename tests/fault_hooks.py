@@ -1,4 +1,4 @@
-"""Faults injected into the job processes a test launches (`plora.hooks`).
+"""Faults injected into the job processes a test launches (`plora.train.hooks`).
 
 A job imports this module when ``PLORA_TEST_HOOKS`` names it (`inject_fault` in conftest
 sets both variables). ``PLORA_INJECT_FAULT="<oom|crash|kill|slow>@<job id>@<step>[@<attempts>]"``,
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from plora import hooks
+from plora.train import hooks
 
 ENV = "PLORA_INJECT_FAULT"
 #: seconds a ``slow`` fault adds to its step

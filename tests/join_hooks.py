@@ -1,8 +1,8 @@
-"""Joins sent to a job process at given steps (`plora.hooks`), as a sender would.
+"""Joins sent to a job process at given steps (`plora.train.hooks`), as a sender would.
 
 A job imports this module when ``PLORA_TEST_HOOKS`` names it. ``PLORA_TEST_JOIN`` is a JSON
 list of ``{"after_step": s, "adapters": [<JobAdapter entries>]}``: after job step s the
-job's control.json asks for those adapters (`plora.jobcontrol.request_join`), so they join
+job's control.json asks for those adapters (`plora.job.control.request_join`), so they join
 at step s + 1. On a relaunched attempt the request is made again, and ignored by the job
 (it knows them from its joins.jsonl).
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import os
 
-from plora import hooks
-from plora.jobconfig import JobAdapter
-from plora.jobcontrol import request_join
+from plora.train import hooks
+from plora.job.config import JobAdapter
+from plora.job.control import request_join
 
 ENV = "PLORA_TEST_JOIN"
 

@@ -12,11 +12,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from conftest import adapter_weights, job_config
-from plora import hooks
-from plora.accumulation import accumulation_steps, micro_rows, split_batch
-from plora.costmodel import AdapterLoad, packed_load
-from plora.recipes.packed_lora import PackedLoRARecipe
+from conftest import adapter_weights, job_config, tiny_space
+from plora.train import hooks
+from plora.data.accumulation import accumulation_steps, micro_rows, split_batch
+from plora.cost.model import AdapterLoad, packed_load
+from plora.train.packed_lora import PackedLoRARecipe
 
 #: batch 8: four parts of 2 under micro 2
 BIG = dict(id="big", rank=4, alpha=8.0, learning_rate=3e-3, batch_size=8, seed=11, steps=4)
@@ -66,7 +66,7 @@ def test_the_planner_sees_micro_batches_and_packed_steps():
 
 def test_the_engine_prices_a_joining_adapter_by_its_micro_batch():
     from plora.engine.streaming import StreamPolicy
-    from plora.jobconfig import JobAdapter
+    from plora.job.config import JobAdapter
 
     entry = JobAdapter(**BIG)
     policy = StreamPolicy(entry=lambda _: entry, fits=lambda loads, tp: True, micro_batch_size=2)
@@ -188,13 +188,10 @@ def test_a_bad_micro_batch_size_is_one_line_naming_the_field(tmp_path, value):
 def test_micro_batch_size_keeps_ids_and_reaches_the_jobs(tmp_path):
     """The micro-batch size changes how adapters train, not what they learn: the adapter
     ids are the same with and without it, and every job gets it."""
-    from plora.spec import parse_spec
+    from plora.spec.loading import parse_spec
     from plora.sweep import prepare
 
-    base = {"name": "x", "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-            "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-            "space": {"batch_size": [2, 8]}, "hardware": {"device": "cpu"},
-            "output": {"dir": str(tmp_path / "runs")}}
+    base = tiny_space(tmp_path, name="x", lora=None, space={"batch_size": [2, 8]})
     plain = prepare(parse_spec(base))
     micro = prepare(parse_spec({**base, "training": {"micro_batch_size": 2}}))
     assert [c.id for c in plain.configs] == [c.id for c in micro.configs]
@@ -206,7 +203,7 @@ def test_micro_batch_size_keeps_ids_and_reaches_the_jobs(tmp_path):
 
 
 def test_balanced_rows_accumulate_as_one_pass(tiny_model, reverse_data, tmp_path):
-    """Balanced batches (`plora.balanced_stream`) are dealt for the effective batch, then
+    """Balanced batches (`plora.data.balanced_stream`) are dealt for the effective batch, then
     cut in parts: the adapter equals its one-pass self of the same layout."""
     _run(tiny_model, reverse_data, tmp_path / "one", [BIG], row_layout="balanced")
     _run(tiny_model, reverse_data, tmp_path / "parts", [BIG, SMALL], micro=2, row_layout="balanced")
@@ -216,10 +213,10 @@ def test_balanced_rows_accumulate_as_one_pass(tiny_model, reverse_data, tmp_path
 def test_the_bank_zeroes_the_gradients_of_the_adapters_it_is_told(tiny_model):
     """Per-adapter zeroing keeps an accumulating adapter's gradient and clears the others',
     a non-finite one too (a fill, not a product)."""
-    from plora.models import load_base_model
-    from plora.packed.bank import LoRABank
-    from plora.packed.inject import inject_packed_lora
-    from plora.packed.layer import AdapterSpec
+    from plora.models.loading import load_base_model
+    from plora.train.packed.bank import LoRABank
+    from plora.train.packed.inject import inject_packed_lora
+    from plora.train.packed.layer import AdapterSpec
 
     model, _ = load_base_model(tiny_model, max_seq_len=32, random_init=True)
     specs = [AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 2, 2.0, 3)]
@@ -253,7 +250,7 @@ def test_tp2_accumulation_equals_one_pass_in_one_process(tiny_model, reverse_dat
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", "2",
-                           "plora/recipes/packed_lora.py",
+                           "plora/train/packed_lora.py",
                            "--config", str(job_yaml)], cwd=str(tmp_path), env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

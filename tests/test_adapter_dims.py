@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import adapter_weights, job_config, max_weight_diff
-from plora.spec import TRAINING_DIMS, AdapterConfig, SpecError, load_spec, parse_spec
+from conftest import adapter_weights, job_config, max_weight_diff, tiny_space_file
+from plora.spec.adapter import TRAINING_DIMS, AdapterConfig
+from plora.spec.base import SpecError
+from plora.spec.loading import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -260,7 +262,7 @@ def test_ranges_are_float_distributions_and_list_values_are_the_entries():
 
 def test_job_adapters_carry_their_own_settings(tmp_path):
     from plora.planner.plan import Job
-    from plora.sweep import job_config as sweep_job_config
+    from plora.job.from_spec import job_config as sweep_job_config
 
     s = spec_of({"strategy": "list", "configs": [
         {"rank": 4, "alpha": 8, "learning_rate": 1e-3, "batch_size": 2},
@@ -276,9 +278,11 @@ def test_job_adapters_carry_their_own_settings(tmp_path):
 
 
 def test_adapters_of_different_target_sets_never_share_a_job():
-    from plora.costmodel import AdapterLoad
+    from plora.cost.model import AdapterLoad
     from plora.engine.join_choice import RunningPack, choose_joins
-    from plora.sweep import Hardware, adapter_targets, plan_jobs
+    from plora.hardware import Hardware
+    from plora.job.from_spec import adapter_targets
+    from plora.sweep import plan_jobs
 
     s = spec_of({"rank": [2, 4], "targets": [["q_proj", "v_proj"], "all-linear"]}, hardware={"device": "cpu"})
     cfgs = s.expand()
@@ -302,8 +306,8 @@ def test_adapters_of_different_target_sets_never_share_a_job():
 
 
 def test_saved_adapter_config_carries_dropout_rslora_and_targets(tmp_path, tiny_model):
-    from plora.models import read_model_info
-    from plora.packed.peft_format import save_peft_adapter
+    from plora.models.loading import read_model_info
+    from plora.train.packed.peft_format import save_peft_adapter
 
     info = read_model_info(tiny_model)
     out = save_peft_adapter(tmp_path / "a", {}, info, rank=4, alpha=8.0, targets=["v_proj", "q_proj"],
@@ -329,7 +333,7 @@ MIXED = [
 
 @pytest.fixture(scope="module")
 def mixed_run(tiny_model, reverse_data, tmp_path_factory):
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     out = tmp_path_factory.mktemp("mixed")
     summary = PackedLoRARecipe(job_config(tiny_model, reverse_data, out, MIXED)).run()
@@ -337,7 +341,7 @@ def mixed_run(tiny_model, reverse_data, tmp_path_factory):
 
 
 def test_packed_equals_alone_with_differing_training_settings(mixed_run, tiny_model, reverse_data, tmp_path):
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     out, summary = mixed_run
     assert set(summary["adapters"].values()) == {"done"}
@@ -352,10 +356,30 @@ def test_packed_equals_alone_with_differing_training_settings(mixed_run, tiny_mo
         assert m["config"]["dropout"] == a["dropout"] and m["config"]["scheduler"] == a["scheduler"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["auto", "flat"])
+def test_packed_equals_alone_on_the_gpu(tiny_model, reverse_data, tmp_path, layout):
+    """The same on a GPU, with the Triton dropout kernel: in the padded rows of CUDA-graph
+    steps (``auto``) and in flattened rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from plora.train.packed_lora import PackedLoRARecipe
+
+    over = dict(device="cuda", num_threads=None,
+                training={"scheduler": "cosine", "grad_clip": 1.0, "weight_decay": 0.01, "row_layout": layout})
+    packed = tmp_path / "packed"
+    summary = PackedLoRARecipe(job_config(tiny_model, reverse_data, packed, MIXED, **over)).run()
+    assert set(summary["adapters"].values()) == {"done"}
+    for a in MIXED:
+        alone = tmp_path / f"alone-{a['id']}"
+        PackedLoRARecipe(job_config(tiny_model, reverse_data, alone, [a], **over)).run()
+        assert max_weight_diff(adapter_weights(packed, a["id"]), adapter_weights(alone, a["id"])) <= 1e-4, a["id"]
+
+
 def test_dropout_changes_training_and_each_setting_matters(mixed_run, tiny_model, reverse_data, tmp_path):
     """The settings are not ignored: the same adapter without its dropout (or with the job's
     weight decay) trains to other weights."""
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     out, _ = mixed_run
     for change in ({"dropout": 0.0}, {"weight_decay": 0.0}, {"scheduler": "constant"}):
@@ -368,7 +392,7 @@ def test_dropout_changes_training_and_each_setting_matters(mixed_run, tiny_model
 def test_dropout_masks_follow_the_adapter_not_the_pack():
     """A token's mask depends on its adapter's key and step and its index in the adapter's
     own rows: the same rows give the same mask wherever the adapter sits in the pack."""
-    from plora.packed.dropout import adapter_key, hash_dropout, token_keys
+    from plora.train.packed.dropout import adapter_key, hash_dropout, token_keys
 
     x = torch.randn(10, 16, dtype=torch.float64)
     keys = torch.tensor([adapter_key(1), adapter_key(2)])
@@ -399,7 +423,7 @@ def test_dropout_masks_follow_the_adapter_not_the_pack():
 def test_rslora_adapter_loads_in_peft_with_plora_logits(tiny_model, reverse_data, tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     adapters = [dict(id="rs", rank=4, alpha=8.0, learning_rate=3e-2, batch_size=4, seed=1, steps=6, rslora=True,
                      dropout=0.1)]
@@ -426,7 +450,7 @@ def test_rslora_adapter_loads_in_peft_with_plora_logits(tiny_model, reverse_data
     assert float((ours - base).abs().max()) > 1e-3
     assert float((ours - theirs).abs().max()) < 1e-5
     # the merged export scales by alpha/sqrt(r) too
-    from plora.packed.peft_format import merge_adapter
+    from plora.train.packed.peft_format import merge_adapter
 
     merged = merge_adapter(tiny_model, tmp_path / "adapters" / "rs", tmp_path / "merged")
     with torch.no_grad():
@@ -440,7 +464,7 @@ def test_triton_dropout_kernel_draws_the_torch_bits():
     pytest.importorskip("triton")
     import os
 
-    from plora.packed.dropout import _mask, adapter_key, token_keys
+    from plora.train.packed.dropout import _mask, adapter_key, token_keys
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or Triton's interpreter")
@@ -468,26 +492,18 @@ def test_killed_job_of_differing_adapters_resumes_to_an_uninterrupted_runs_weigh
 
     from conftest import inject_fault
     from plora.planner.plan import Job, Plan
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
     from plora.sweep import prepare, run_prepared, write_run_files
 
     inject_fault(monkeypatch, "kill@job-000@12@1")
-    data = {
-        "name": "ck",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"], "dropout": 0.1},
-        "space": {"strategy": "list", "configs": [
+    path = tiny_space_file(
+        tmp_path, name="ck", lora={"targets": ["q_proj", "v_proj"], "dropout": 0.1},
+        space={"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4, "epochs": 3, "scheduler": "cosine",
              "warmup_ratio": 0.2, "weight_decay": 0.05},
             {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2, "dropout": 0.3, "rslora": True}]},
-        "training": {"epochs": 2, "checkpoint_every_steps": 5, "checkpoint_every_minutes": None},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+        training={"epochs": 2, "checkpoint_every_steps": 5, "checkpoint_every_minutes": None},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]})
     prep = prepare(load_spec(path))
     assert [prep.steps[c.id] for c in prep.configs] == [18, 24]  # each its own epochs
     prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")

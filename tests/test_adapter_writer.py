@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plora.models import load_base_model
-from plora.recipes import adapter_writer as aw
-from plora.recipes.adapter_writer import AdapterWriter
+from plora.models.loading import load_base_model
+from plora.train import adapter_writer as aw
+from plora.train.adapter_writer import AdapterWriter
 
 
 @pytest.fixture()
@@ -76,9 +76,9 @@ def test_a_failed_save_is_raised_at_drain_and_its_adapter_gets_no_result(tmp_pat
 
 
 def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own(tiny_model):
-    from plora.packed.bank import LoRABank
-    from plora.packed.inject import inject_packed_lora
-    from plora.packed.layer import AdapterSpec
+    from plora.train.packed.bank import LoRABank
+    from plora.train.packed.inject import inject_packed_lora
+    from plora.train.packed.layer import AdapterSpec
 
     model, _ = load_base_model(tiny_model, max_seq_len=32, random_init=True)
     specs = [AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 2, 2.0, 3)]

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 from typer.testing import CliRunner
 
+from conftest import tiny_space_file
 from plora.cli import app
-from plora.data import DataError, load_split
-from plora.jobconfig import JobData
+from plora.data.dataset import DataError, load_split
+from plora.job.config import JobData
 
 runner = CliRunner()
 GOOD = [{"input": "abc+", "output": "bca"}, {"input": "hello+", "output": "elloh"}, {"input": "xy+", "output": "yx"}]
@@ -25,19 +25,9 @@ def jsonl(rows: list) -> str:
 
 def space_for(tmp_path: Path, train: Path, eval_file: Path | None = None, **over) -> Path:
     data = {"train": str(train), **({"eval": str(eval_file)} if eval_file else {}), **over.pop("data", {})}
-    space = {
-        "name": "bad",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": over.pop("max_seq_len", 48)},
-        "data": data,
-        "space": {"rank": [2], "batch_size": [2]},
-        "training": {"steps": 2},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-        **over,
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(space))
-    return path
+    sections = {"space": {"rank": [2], "batch_size": [2]}, "training": {"steps": 2}, **over}
+    return tiny_space_file(tmp_path, name="bad", max_seq_len=sections.pop("max_seq_len", 48), data=data, lora=None,
+                           **sections)
 
 
 def refused(tmp_path: Path, space: Path, *expected: str) -> str:
@@ -131,7 +121,7 @@ def test_answer_cut_away_refused_with_line_or_dropped(tmp_path):
 
 
 def test_dropped_rows_do_not_count_in_the_epoch(tmp_path):
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import dataset_size
 
     train = tmp_path / "train.jsonl"

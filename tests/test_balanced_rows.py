@@ -1,4 +1,4 @@
-"""Rows of varied length in batches of nearly equal tokens (`plora.balanced_stream`): every row
+"""Rows of varied length in batches of nearly equal tokens (`plora.data.balanced_stream`): every row
 once an epoch, an order of the adapter's own, one step shape for all of an adapter's steps,
 packed still equal to alone."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import adapter_weights, job_config
-from plora.balanced_stream import BalancedStream, balanced_batches
-from plora.data import AdapterStream, Sample
-from plora.packed.step_batch import build_step_batch
-from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.row_layout import bucketed_row_tokens, rows_flattened
+from plora.data.balanced_stream import BalancedStream, balanced_batches
+from plora.data.dataset import AdapterStream, Sample
+from plora.train.packed.step_batch import build_step_batch
+from plora.train.packed_lora import PackedLoRARecipe
+from plora.data.row_layout import bucketed_row_tokens, rows_flattened
 
 _RNG = random.Random(3)
 LENGTHS = [_RNG.randint(66, 440) for _ in range(512)]
@@ -129,9 +129,9 @@ def test_balanced_packs_equal_alone_bit_for_bit(tiny_model, reverse_data, tmp_pa
 def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
     from types import SimpleNamespace
 
-    from plora.balanced_stream import balanced_row_tokens
-    from plora.jobcost import sweep_row_layout
-    from plora.row_layout import priced_row_tokens
+    from plora.data.balanced_stream import balanced_row_tokens
+    from plora.cost.sweep_rows import sweep_row_layout
+    from plora.data.row_layout import priced_row_tokens
 
     spec = SimpleNamespace(training=SimpleNamespace(row_layout="auto"), model=SimpleNamespace(max_seq_len=512))
     assert sweep_row_layout(spec, graphed=True, lengths=LENGTHS) == "balanced"

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
-from plora.jobphases import PhaseClock
-from plora.profiling.calibrate import (
+from conftest import tiny_space_file
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+
+from plora.models.shape import ModelShape
+from plora.job.phases import PhaseClock
+from plora.cost.profiling.calibrate import (
     MEMORY_MARGIN,
     Calibration,
     PackFootprint,
@@ -134,7 +137,7 @@ def test_finished_jobs_give_the_job_terms():
 
 
 def test_a_first_sweeps_kernel_compilation_is_not_a_job_term_of_the_next():
-    from plora.profiling.calibrate import job_terms_runs
+    from plora.cost.profiling.calibrate import job_terms_runs
 
     def run(first_s, eval_s, cold):
         return {"start_s": 9.0, "load_s": 0.0, "setup_s": 1.5, "cold": cold,
@@ -217,7 +220,7 @@ def test_calibrator_sees_room_for_larger_packs():
 
 
 def test_a_quick_calibration_probe_is_the_sweeps_pack_cut_to_a_safe_size():
-    from plora.profiling.profile import QUICK_PROBE_SHARE, quick_probe
+    from plora.cost.profiling.profile import QUICK_PROBE_SHARE, quick_probe
 
     p = prior(memory_gb=40.0)
     pack = [AdapterLoad(f"a{i}", r, 4, 10) for i, r in enumerate([8, 16, 32, 64] * 4)]
@@ -229,7 +232,9 @@ def test_a_quick_calibration_probe_is_the_sweeps_pack_cut_to_a_safe_size():
 
 def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
     from plora import sweep
-    from plora.profiling import profile
+    from plora.cost.profiling import profile
+    from plora.cost.sweep_model import CALIBRATED_SOURCE_NOW
+    from plora.hardware import Hardware
 
     calls = []
 
@@ -242,7 +247,7 @@ def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
                                           prior_model.memory(pk, 1))])
 
     monkeypatch.setattr(profile, "quick_calibration", fake_quick)
-    monkeypatch.setattr("plora.profiling.cache.remember_calibration", lambda spec, cal: None)
+    monkeypatch.setattr("plora.cost.profiling.cache.remember_calibration", lambda spec, cal: None)
 
     class Spec:
         class planner:
@@ -255,44 +260,36 @@ def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
 
     small = [Config(i, 8, 1) for i in range(2)]
     large = [Config(i, 64, 8) for i in range(16)]
-    hw = sweep.Hardware(True, 1, 80 * GIB)
+    hw = Hardware(True, 1, 80 * GIB)
     p = prior()
     model, cal = sweep.calibrate_first(Spec, small, {c.id: 10 for c in small}, p, conservative(p), hw, None)
     assert calls == [] and cal.empty and model.meta.get("memory_margin") == MEMORY_MARGIN
     model, cal = sweep.calibrate_first(Spec, large, {c.id: 10 for c in large}, p, conservative(p), hw, None)
     assert calls == [16] and not cal.empty and model.meta["calibration"]["memory_scale"] == pytest.approx(1.0)
-    assert model.meta["plan_source"] == sweep.CALIBRATED_SOURCE_NOW
+    assert model.meta["plan_source"] == CALIBRATED_SOURCE_NOW
 
 
 def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path):
     """Two CPU slots, four one-adapter jobs, a cost model 100x too fast: once the first jobs
     report their steps, the two waiting jobs are planned again while the running ones go on;
     every adapter trains exactly once."""
-    import yaml
 
     from plora.engine.journal import Journal
-    from plora.spec import load_spec
-    from plora.sweep import Hardware, prepare, run_prepared, write_run_files
+    from plora.spec.loading import load_spec
+    from plora.hardware import Hardware
+    from plora.sweep import prepare, run_prepared, write_run_files
 
     configs = [{"rank": r, "alpha": 2 * r, "learning_rate": 1e-3, "batch_size": 2} for r in (2, 4, 8, 16)]
-    data = {
-        "name": "cal", "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"epochs": 2}, "eval": {"metrics": ["loss"]},
-        "hardware": {"device": "cpu"}, "planner": {"max_adapters_per_job": 1, "streaming": False},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    (tmp_path / "space.yaml").write_text(yaml.safe_dump(data))
-    spec = load_spec(tmp_path / "space.yaml")
+    spec = load_spec(tiny_space_file(
+        tmp_path, name="cal", num_train=64, space={"strategy": "list", "configs": configs},
+        training={"epochs": 2}, eval={"metrics": ["loss"]}, planner={"max_adapters_per_job": 1, "streaming": False}))
     base = prepare(spec)
     wrong = base.cost_model.scaled(0.01)
-    wrong.meta["source"] = "analytic"
+    wrong = wrong.with_meta(source="analytic")
     # a GPU sweep as the engine sees it (its jobs run on the CPU slots given below)
     prep = prepare(spec, cost_model=wrong, hardware=Hardware(True, 2, 80 * GIB, local=False))
     prep.prior = wrong
-    from plora.profiling.calibrate import Calibration as Cal
+    from plora.cost.profiling.calibrate import Calibration as Cal
 
     prep.calibration = Cal()
     write_run_files(prep)
@@ -316,8 +313,9 @@ def test_running_jobs_recalibrate_and_replan_only_the_jobs_not_started(tmp_path)
 
 def test_a_cpu_sweep_keeps_its_plan_and_model():
     """The calibration is a GPU sweep's: a CPU sweep (the demo) plans as before."""
-    from plora.spec import load_spec
-    from plora.sweep import ANALYTIC_SOURCE, prepare, sweep_calibrator
+    from plora.spec.loading import load_spec
+    from plora.cost.sweep_model import ANALYTIC_SOURCE
+    from plora.sweep import prepare, sweep_calibrator
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "sweeps" / "demo.yaml")
     prep = prepare(spec)

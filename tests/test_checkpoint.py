@@ -12,10 +12,10 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import inject_fault
+from conftest import inject_fault, tiny_space_file
 from plora.engine.journal import Journal
 from plora.planner.plan import Job, Plan
-from plora.spec import load_spec
+from plora.spec.loading import load_spec
 from plora.sweep import prepare, run_prepared, write_run_files
 
 CONFIGS = [
@@ -25,20 +25,11 @@ CONFIGS = [
 
 
 def prepared(tmp_path: Path, every_steps: int = 5):
-    data = {
-        "name": "ck",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": CONFIGS},
-        "training": {"steps": 20, "scheduler": "cosine", "warmup_steps": 3, "weight_decay": 0.01,
-                     "checkpoint_every_steps": every_steps, "checkpoint_every_minutes": None},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = tiny_space_file(
+        tmp_path, name="ck", space={"strategy": "list", "configs": CONFIGS},
+        training={"steps": 20, "scheduler": "cosine", "warmup_steps": 3, "weight_decay": 0.01,
+                  "checkpoint_every_steps": every_steps, "checkpoint_every_minutes": None},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]})
     prep = prepare(load_spec(path))
     prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")
     write_run_files(prep)
@@ -46,7 +37,7 @@ def prepared(tmp_path: Path, every_steps: int = 5):
 
 
 def test_spec_checkpoint_settings_are_validated(tmp_path):
-    from plora.spec import parse_spec
+    from plora.spec.loading import parse_spec
 
     with pytest.raises(ValueError, match="checkpoint_every_steps"):
         parse_spec({"name": "x", "training": {"checkpoint_every_steps": 0}})
@@ -80,7 +71,7 @@ def test_sigkilled_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_
     assert first[:10] == list(range(10)) and set(first) <= set(range(13)) and second == list(range(10, 20))
 
     # the same job, uninterrupted, in this process
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     cfg = yaml.safe_load((job_dir / "job.yaml").read_text())
     ref_dir = tmp_path / "ref"
@@ -105,8 +96,8 @@ def test_sigkilled_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_
 
 def test_a_checkpoint_of_other_training_settings_is_not_resumed(tmp_path):
     """A changed spec (another learning-rate schedule) must not pick up old states."""
-    from plora.jobconfig import JobConfig
-    from plora.recipes.checkpoint import fingerprint
+    from plora.job.config import JobConfig
+    from plora.train.checkpoint import fingerprint
 
     base = {"job_id": "j", "output_dir": "out", "seed": 0, "model": {"path": "m", "max_seq_len": 64},
             "data": {"task": "t"}, "lora": {"targets": ["q_proj"]},
@@ -129,8 +120,8 @@ def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_stops(tmp_path):
     import time
 
     from plora.engine.local import launch
-    from plora.recipes.checkpoint import EXIT_STOPPED
-    from plora.sweep import job_config
+    from plora.job.outputs import EXIT_STOPPED
+    from plora.job.from_spec import job_config
 
     prep = prepared(tmp_path, every_steps=1000)  # no periodic checkpoint before the signal
     prep.spec.training.steps = 400

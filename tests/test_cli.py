@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import inject_fault
+from conftest import inject_fault, tiny_space_file
 from plora.cli import app
 from plora.planner.plan import Plan
 
@@ -26,10 +26,7 @@ def write_space(path: Path, **sections) -> Path:
 
 
 def small_space(tmp_path: Path, **over) -> Path:
-    space = {
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16},
-        "lora": {"targets": ["q_proj", "v_proj"]},
+    sections = {
         "space": {"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8},
@@ -37,12 +34,10 @@ def small_space(tmp_path: Path, **over) -> Path:
         ]},
         "training": {"epochs": 1},
         "eval": {"max_new_tokens": 8},
-        "hardware": {"device": "cpu"},
         "planner": {"max_adapters_per_job": 2},
-        "output": {"dir": str(tmp_path / "runs")},
+        **over,
     }
-    space.update(over)
-    return write_space(tmp_path / "space.yaml", **space)
+    return tiny_space_file(tmp_path, num_train=64, num_eval=16, **sections)
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs, resolve_lora_targets
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+
+from plora.models.families.targets import resolve_lora_targets
+
+from plora.models.shape import ModelShape
 
 GIB = 2**30
 
@@ -49,7 +54,7 @@ def test_job_time_with_adapters_finishing_at_different_steps():
 
 def test_job_overhead_is_paid_once_per_job(tmp_path):
     cm = toy_model()
-    cm.job_overhead_s = 7.0
+    cm = replace(cm, job_overhead_s=7.0)
     a, b = AdapterLoad("a", 4, 2, 10), AdapterLoad("b", 8, 1, 30)
     assert cm.job_time([a, b], 1) == pytest.approx(7.0 + 10 * cm.step_time([a, b], 1) + 20 * cm.step_time([b], 1))
     assert cm.job_time([], 1) == 0.0
@@ -150,7 +155,7 @@ def test_unknown_preset():
 
 def test_each_rank_bucket_adds_its_cost_while_it_is_in_the_pack():
     """Ranks 8 and 16 share the kernels' bucket 16; 32 and 128 are buckets of their own."""
-    from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs, rank_bucket
+    from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs, rank_bucket
 
     from plora.kernels import rank_bucket as kernels_rank_bucket
 

@@ -1,4 +1,4 @@
-"""The CPU prior (`plora.cpu_cost`) against what jobs measured on one core of a 2-core AMD
+"""The CPU prior (`plora.cost.cpu`) against what jobs measured on one core of a 2-core AMD
 EPYC (Zen 4) machine: the GPU prior it replaces predicted 13.2 min for a SmolLM2 sweep that
 took 4.9 and 29 s for the demo that took 42 (issue 46); both shapes are now within 25% of
 every measurement.
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from plora.costmodel import AdapterLoad, ModelShape
-from plora.cpu_cost import cpu_cost_model
-from plora.jobcost import EvalLoad
-from plora.sweep import CPU_PRIOR
+from plora.cost.model import AdapterLoad
+
+from plora.models.shape import ModelShape
+from plora.cost.cpu import cpu_cost_model
+from plora.cost.job import EvalLoad
+from plora.cost.sweep_model import CPU_PRIOR
 
 #: the shipped demo model (plora/assets/tiny-llama), float32
 TINY = ModelShape("tiny-llama", 310_144, 128, 256, 2, 4, 2, 32, 57, 4, False)

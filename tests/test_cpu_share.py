@@ -108,7 +108,8 @@ def test_a_job_process_runs_bound_to_its_share_with_as_many_torch_threads(monkey
 
 
 def test_baseline_plans_put_one_adapter_in_each_job():
-    from plora.costmodel import AdapterLoad, CostModel, ModelShape
+    from plora.cost.model import AdapterLoad, CostModel
+    from plora.models.shape import ModelShape
     from plora.planner import baseline_plan, plan_sweep
 
     cm = CostModel.analytic(ModelShape.preset("qwen2.5-3b"), 512, 80 * 2**30)
@@ -125,7 +126,7 @@ def test_baseline_plans_put_one_adapter_in_each_job():
 
 
 def test_a_baseline_sweep_streams_nothing():
-    from plora.spec import PlannerConfig
+    from plora.spec.sections import PlannerConfig
 
     assert PlannerConfig().streams(gpu=True)
     assert not PlannerConfig(baseline="min_gpu").streams(gpu=True)

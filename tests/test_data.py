@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from plora.data import IGNORE_INDEX, AdapterStream, DataError, Sample, collate, read_examples
+from plora.data.dataset import IGNORE_INDEX, AdapterStream, DataError, Sample, collate, read_examples
 
 
 def test_stream_is_seeded_and_covers_each_epoch():

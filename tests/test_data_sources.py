@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
+from conftest import TINY_MODEL, tiny_space_file
 from plora.cli import app
 
 runner = CliRunner()
@@ -22,20 +22,9 @@ TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }
             "{% else %}{{ m.content }}={% endif %}{% endfor %}")
 
 
-def write_space(tmp_path: Path, data: dict, model: str = "builtin:tiny-llama", name: str = "space.yaml") -> Path:
-    space = {
-        "name": "t",
-        "model": {"path": model, "max_seq_len": 32},
-        "data": data,
-        "space": {"rank": [2], "batch_size": [2]},
-        "training": {"steps": 2},
-        "eval": {"metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(space))
-    return path
+def write_space(tmp_path: Path, data: dict, model: str = TINY_MODEL, name: str = "space.yaml") -> Path:
+    return tiny_space_file(tmp_path, name, model_path=model, max_seq_len=32, data=data, lora=None,
+                           space={"rank": [2], "batch_size": [2]}, training={"steps": 2}, eval={"metrics": ["loss"]})
 
 
 def one_error_line(result) -> str:
@@ -71,10 +60,10 @@ def sharegpt(tmp_path: Path, column: str = "conversations", turns: list | None =
 
 
 def samples(space: Path):
-    from plora.data import TextTokenizer, prepare_data
-    from plora.data_check import data_config, eval_config
-    from plora.models import read_model_info
-    from plora.spec import load_spec
+    from plora.data.dataset import TextTokenizer, prepare_data
+    from plora.data.check import data_config, eval_config
+    from plora.models.loading import read_model_info
+    from plora.spec.loading import load_spec
 
     spec = load_spec(space)
     info = read_model_info(spec.model.resolved_path())
@@ -140,8 +129,8 @@ def saved(tmp_path) -> dict[str, Path]:
 
 
 def test_saved_dataset_folders_are_data(tmp_path, saved):
-    from plora.data_check import check_data
-    from plora.spec import load_spec
+    from plora.data.check import check_data
+    from plora.spec.loading import load_spec
 
     cases = [({"train": str(saved["single"])}, 7, 0, None, None),
              ({"train": str(saved["dict"]), "eval": str(saved["dict"])}, 5, 1, "train", "validation"),
@@ -187,7 +176,7 @@ def fake_hub_cache(root: Path, repo_id: str) -> Path:
 
 @pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
 def test_a_hub_id_is_read_from_the_local_cache(tmp_path, monkeypatch, variable):
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     root = tmp_path / "hf"
     cache = root if variable == "HF_HUB_CACHE" else root / "hub"
@@ -212,7 +201,7 @@ def test_a_hub_id_not_in_the_cache_says_what_to_run(tmp_path, monkeypatch):
 
 
 def test_a_folder_beside_the_space_file_wins_over_a_hub_id(tmp_path, monkeypatch):
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     fake_hub_cache(tmp_path / "hf", "acme/tiny-llama")

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
-from conftest import inject_fault
+from conftest import inject_fault, tiny_space_file
 from plora.engine.journal import Journal
 from plora.planner.plan import Job, Plan
-from plora.spec import load_spec
+from plora.spec.loading import load_spec
 from plora.sweep import prepare, run_prepared, write_run_files
 
 
@@ -28,21 +27,10 @@ def space(tmp_path: Path, steps: list[int] | None = None, per_job: int = 3, name
         {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 1},
         {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 8},
     ]
-    data = {
-        "name": name,
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 32, "num_eval": 8},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"epochs": 2},  # 16, 32, 64 and 8 steps: adapters leave their packs at different times
-        "eval": {"max_new_tokens": 4, "metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "planner": {"max_adapters_per_job": per_job},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_space_file(
+        tmp_path, name=name, num_train=32, num_eval=8, space={"strategy": "list", "configs": configs},
+        training={"epochs": 2},  # 16, 32, 64 and 8 steps: adapters leave their packs at different times
+        eval={"max_new_tokens": 4, "metrics": ["loss"]}, planner={"max_adapters_per_job": per_job})
 
 
 def prepared(tmp_path: Path, groups=((0, 1, 2), (3,))):
@@ -155,13 +143,13 @@ def test_sigkill_mid_job_resumes_and_trains_each_adapter_once(tmp_path):
 
 def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     """A cost model 100× too optimistic: after the first job, the waiting ones are re-planned."""
-    from plora.profiling.cache import sweep_cache_path
-    from plora.profiling.record import Profile
+    from plora.cost.profiling.cache import sweep_cache_path
+    from plora.cost.profiling.record import Profile
 
     spec = load_spec(space(tmp_path, per_job=1))
     first = prepare(spec)
     wrong = first.cost_model.scaled(0.01)
-    wrong.meta["plan_source"] = "a cost model 100x too fast"
+    wrong = wrong.with_meta(plan_source="a cost model 100x too fast")
     cached = sweep_cache_path(spec)  # as if this machine had a profile of the model
     Profile(wrong, [], [], {"model": "test"}).save(cached)
     prep = prepare(spec, cost_model=wrong)
@@ -204,9 +192,9 @@ def test_replan_corrects_step_time_and_job_overhead_apart():
     """Jobs that spend 20 s outside their steps and run their steps as predicted: the
     re-plan keeps the step coefficients and learns the 20 s overhead (one factor for both
     would make every step 3x slower, and packing look no better than running alone)."""
-    from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+    from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
     from plora.engine.runner import Drift
-    from plora.sweep import recalibrated
+    from plora.cost.sweep_model import recalibrated
 
     cm = CostModel(80 * 2**30, 256, {1: TimeCoeffs(0.1, 1e-5, 0.0, 0.0, 0.0)},
                    {1: MemoryCoeffs(2**30, 0.0, 0.0, 0.0, 0.0)})

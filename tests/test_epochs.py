@@ -19,12 +19,13 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import inject_fault
-from plora import hooks
+from conftest import inject_fault, tiny_space_file
+from plora.train import hooks
 from plora.planner.plan import Job, Plan
-from plora.recipes.epochs import better_epoch, epoch_ends
-from plora.spec import load_spec
-from plora.sweep import job_config, prepare, run_prepared, write_run_files
+from plora.train.epochs import better_epoch, epoch_ends
+from plora.spec.loading import load_spec
+from plora.job.from_spec import job_config
+from plora.sweep import prepare, run_prepared, write_run_files
 
 ONE = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 8}]
 TWO = ONE + [{"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 12}]
@@ -48,20 +49,11 @@ def scripted_metric(tmp_path: Path, scores: list[float]) -> tuple[str, Path]:
 
 
 def prepared(tmp_path: Path, *, configs=ONE, eval_section=None, training=None, num_eval: int = 4):
-    data = {
-        "name": "ep",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 24, "num_eval": num_eval},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"scheduler": "constant", "checkpoint_every_steps": 1000, "checkpoint_every_minutes": None,
-                     **(training or {"epochs": 3})},
-        "eval": eval_section or {"max_new_tokens": 2, "metrics": ["loss", "exact_match"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = tiny_space_file(
+        tmp_path, name="ep", num_eval=num_eval, space={"strategy": "list", "configs": configs},
+        training={"scheduler": "constant", "checkpoint_every_steps": 1000, "checkpoint_every_minutes": None,
+                  **(training or {"epochs": 3})},
+        eval=eval_section or {"max_new_tokens": 2, "metrics": ["loss", "exact_match"]})
     prep = prepare(load_spec(path))
     prep.plan = Plan([Job("job-000", [c.id for c in prep.configs])], grouping="one job for the test")
     write_run_files(prep)
@@ -79,14 +71,14 @@ def job_dict(prep, out: Path | None = None) -> dict:
 def run_in_process(cfg: dict, snapshots: Path | None = None):
     """The job in this process; with ``snapshots``, every adapter's PEFT files at each of
     its epoch ends (``<snapshots>/<id>/e<epoch>``), as its own save would write them."""
-    from plora.packed.peft_format import save_peft_adapter
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed.peft_format import save_peft_adapter
+    from plora.train.packed_lora import PackedLoRARecipe
 
     def snap(recipe, step):
         for r in recipe.runs:
-            if r.active and r.step in recipe._ends(r):
+            if r.active and r.step in recipe.epochs.ends(r):
                 state = recipe.bank.host_states([r.index])[0]
-                save_peft_adapter(snapshots / r.id / f"e{recipe._ends(r).index(r.step) + 1}", state, recipe.info,
+                save_peft_adapter(snapshots / r.id / f"e{recipe.epochs.ends(r).index(r.step) + 1}", state, recipe.info,
                                   rank=r.cfg.rank, alpha=r.cfg.alpha, targets=recipe.targets, dropout=r.cfg.dropout or 0.0,
                                   rslora=bool(r.cfg.rslora))
 
@@ -140,8 +132,8 @@ def test_bad_eval_settings_are_one_line_exit_2(tmp_path, section, field):
 
 
 def test_per_epoch_scoring_is_on_for_more_than_one_epoch_only(tmp_path):
-    from plora.data_check import eval_config
-    from plora.spec import parse_spec
+    from plora.data.check import eval_config
+    from plora.spec.loading import parse_spec
 
     assert eval_config(parse_spec({"name": "x", "training": {"epochs": 3}})).each_epoch
     assert eval_config(parse_spec({"name": "x", "training": {"epochs": 1.5}})).each_epoch
@@ -158,7 +150,7 @@ def test_per_epoch_scoring_is_on_for_more_than_one_epoch_only(tmp_path):
 
 
 def test_epoch_end_evals_are_priced():
-    from plora.jobcost import EvalLoad, JobOverheads
+    from plora.cost.job import EvalLoad, JobOverheads
 
     terms = JobOverheads(eval_call_s=1.0, eval_tok_s=0.01, save_s=0.5)
     once = EvalLoad(8, 32.0, 26.0, 4)
@@ -174,7 +166,8 @@ def test_a_three_epoch_sweep_lists_every_epoch_and_keeps_the_best(tmp_path):
     is scored three times, results.parquet lists each epoch's scores and the epoch kept,
     and the adapter's scores are that epoch's."""
     from plora import views
-    from plora.report import load_run, results_table
+    from plora.results.plots import results_table
+    from plora.results.run_data import load_run
 
     prep = prepared(tmp_path, configs=TWO)
     frame = run_prepared(prep, slots=["cpu:0"])
@@ -276,7 +269,7 @@ def test_a_job_killed_after_epoch_1_resumes_with_its_score_and_weights(tmp_path,
 def test_intermediate_evals_score_the_objective_on_a_fixed_slice(tmp_path, monkeypatch):
     """Every step: the loss on the eval set, and exact match on 3 of its 8 rows, the same
     rows at every eval and for every adapter, the adapters due together in one packed eval."""
-    import plora.evaluate as evaluate
+    import plora.results.evaluate as evaluate
 
     seen: list[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]] = []
     packed: list[int] = []
@@ -287,7 +280,7 @@ def test_intermediate_evals_score_the_objective_on_a_fixed_slice(tmp_path, monke
         packed.append(len(adapters))
         return real(pm, adapters, samples, examples, tok, metrics=metrics, **kw)
 
-    monkeypatch.setattr("plora.recipes.packed_lora.evaluate_adapters", spy)
+    monkeypatch.setattr("plora.train.evaluator.evaluate_adapters", spy)
     prep = prepared(tmp_path, configs=TWO, num_eval=8, training={"epochs": 1},
                     eval_section={"max_new_tokens": 2, "metrics": ["loss", "exact_match"], "every_steps": 1,
                                   "intermediate_samples": 3})
@@ -375,8 +368,8 @@ def _render(table) -> str:
 
 def test_resuming_a_run_directory_of_other_intermediate_samples(tmp_path):
     """How many rows intermediate evals score changes no result: a run directory resumes."""
-    from plora.preflight import check_resumable
-    from plora.spec import parse_spec
+    from plora.engine.preflight import check_resumable
+    from plora.spec.loading import parse_spec
 
     prep = prepared(tmp_path, training={"steps": 1}, eval_section={"metrics": ["loss"]})
     run_prepared(prep, slots=["cpu:0"])

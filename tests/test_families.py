@@ -23,9 +23,10 @@ from safetensors.torch import load_file
 
 from conftest import job_config
 from family_models import CASES, hf_model, make_model
-from plora.models import ModelError, load_base_model, read_model_info
-from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.spec import SpecError, resolve_targets
+from plora.models.loading import ModelError, load_base_model, read_model_info
+from plora.train.packed_lora import PackedLoRARecipe
+from plora.spec.base import SpecError
+from plora.spec.model import resolve_targets
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -143,7 +144,7 @@ def test_peft_round_trip(name, folders, reverse_data, tmp_path):
     assert float((ours - base).abs().max()) > 1e-3  # the adapter changed the model
     assert float((ours - with_adapter).abs().max()) < PEFT_ATOL
 
-    from plora.packed.peft_format import merge_adapter
+    from plora.train.packed.peft_format import merge_adapter
 
     merged = merge_adapter(folder, saved, tmp_path / "merged")
     with torch.no_grad():
@@ -295,8 +296,8 @@ def test_targets_resolve_per_family():
 
 
 def test_injecting_a_layer_the_model_lacks_is_refused(folders):
-    from plora.packed.inject import inject_packed_lora
-    from plora.packed.layer import AdapterSpec
+    from plora.train.packed.inject import inject_packed_lora
+    from plora.train.packed.layer import AdapterSpec
 
     model, _ = load_base_model(folders["phi3"], max_seq_len=32)
     with pytest.raises(ValueError, match=r"LoRA target 'q_proj': this model has no such layer"):
@@ -305,9 +306,9 @@ def test_injecting_a_layer_the_model_lacks_is_refused(folders):
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2", "phi3"])
 def test_tensor_parallel_refused_where_not_supported(name, folders):
-    from plora.packed.inject import inject_packed_lora
-    from plora.packed.layer import AdapterSpec
-    from plora.packed.tp import TensorParallel
+    from plora.train.packed.inject import inject_packed_lora
+    from plora.train.packed.layer import AdapterSpec
+    from plora.train.packed.tp import TensorParallel
 
     model, _ = load_base_model(folders[name], max_seq_len=32)
     pm = inject_packed_lora(model, [AdapterSpec("a", 2, 2.0, 0)], ["o_proj"])

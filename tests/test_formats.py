@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from plora.chat_template import ChatTemplate, load_chat_template
-from plora.data import IGNORE_INDEX, DataError, TextTokenizer, load_split, prepare_data, tokenize_split
-from plora.formats import INSTRUCTION_TEMPLATE, INSTRUCTION_TEMPLATE_NO_INPUT
-from plora.jobconfig import JobData, JobEval
+from plora.data.chat_template import ChatTemplate, load_chat_template
+from plora.data.dataset import IGNORE_INDEX, DataError, TextTokenizer, load_split, prepare_data, tokenize_split
+from plora.data.formats import INSTRUCTION_TEMPLATE, INSTRUCTION_TEMPLATE_NO_INPUT
+from plora.job.config import JobData, JobEval
 
 #: a chat template in the tiny model's alphabet: user turns end with "=", assistant turns with eos
 TINY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
@@ -115,7 +115,7 @@ def test_plain_rows_are_framed_as_the_model_tokenizer_frames_a_text(tmp_path, co
 
 
 def test_generation_stops_at_every_end_token_of_the_model(tmp_path):
-    from plora.special_tokens import stop_ids
+    from plora.data.special_tokens import stop_ids
 
     folder = _framed_model(tmp_path, {}, None)
     assert stop_ids(folder, 2) == {2}  # generation_config.json: eos 2
@@ -264,7 +264,7 @@ def smollm2_tokenizer(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from plora.gguf import GGUFError, builtin_gguf_file
+    from plora.models.gguf import GGUFError, builtin_gguf_file
 
     try:  # the file only: the package's own imports (an llm plugin) are not needed
         gguf = builtin_gguf_file("smollm2-135m-instruct")

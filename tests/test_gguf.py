@@ -9,9 +9,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from plora import gguf
+from plora.models import gguf
 from plora.cli import app
-from plora.models import ModelError, resolve_model_path
+from plora.models.loading import ModelError, resolve_model_path
 
 runner = CliRunner()
 
@@ -86,7 +86,7 @@ def test_converted_once_and_keyed_by_the_file(tmp_path, monkeypatch):
 def test_one_folder_per_dtype_asked_for(tmp_path, monkeypatch):
     """A float32 sweep gets the dequantized weights exactly, a bfloat16 one a folder of half
     the size; neither converts again, and a sweep's model path resolves to its dtype's."""
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
 
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF")

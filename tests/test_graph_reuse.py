@@ -1,4 +1,4 @@
-"""Graphs kept across pack compositions (`plora.recipes.step_graph`), on a CPU with a fake
+"""Graphs kept across pack compositions (`plora.train.step_graph`), on a CPU with a fake
 graph backend (`fake_graphs`): a refilled slot and a composition that comes back replay
 what is held, a composition covered by a held one replays it with padding in its vacant
 slots while that is cheaper than a capture, what is held is bounded in count and memory,
@@ -14,12 +14,12 @@ import torch
 
 from conftest import adapter_weights, job_config, max_weight_diff
 from fake_graphs import FakeGraphs
-from plora import hooks
-from plora.jobconfig import JobAdapter
-from plora.jobcontrol import request, request_join
-from plora.recipes import packed_lora
-from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.recipes.step_graph import Composition, StepBuffers, StepGraph
+from plora.train import hooks
+from plora.job.config import JobAdapter
+from plora.job.control import request, request_join
+from plora.train import packed_lora
+from plora.train.packed_lora import PackedLoRARecipe
+from plora.train.step_graph import Composition, StepBuffers, StepGraph
 
 CPU = torch.device("cpu")
 SHAPE = ("padded", 64, (16,))

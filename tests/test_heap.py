@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from plora.heap import frozen_heap
+from plora.train.heap import frozen_heap
 
 
 def test_frozen_heap_freezes_what_exists_and_unfreezes_on_exit():

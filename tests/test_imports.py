@@ -1,17 +1,19 @@
 """The import graph of plora: no circles, and planning never walks through training.
 
-Every ``import`` in plora's modules counts, at module level or inside a function (a lazy
-import is still a dependency), except those under ``if TYPE_CHECKING:``.
+Every ``import`` in plora's modules counts, at module level, inside a function (a lazy
+import is still a dependency) or under ``if TYPE_CHECKING:`` (a circle closed through a type
+is still a circle: the shared type belongs below both).
 
-The planner, the cost model and the profiler sit below the recipe (`plora.recipes`): they
+The planner, the cost model and the profiler sit below the recipe (`plora.train`): they
 describe and measure training jobs, and a change to how a job trains must not reach them
 except through what they measure. One module is the exception, by necessity:
-`plora.profiling.measure` builds a probe's packed job with the recipe and steps it in this
+`plora.cost.profiling.measure` builds a probe's packed job with the recipe and steps it in this
 process, because a probe's times and peaks are only a job's when it runs as a job does. It
-is imported by one module, `plora.profiling.profile`, which runs the probes; the probes,
+is imported by one module, `plora.cost.profiling.profile`, which runs the probes (and which
+the sweep's choice of its cost model, `plora.cost.sweep_model`, may call); the probes,
 the fit, the validation, the profile record and the cache never reach the recipe, so that
 what the planner reads of a profile loads no training code. What the recipe and the
-profiler must agree on (CUDA graphs, the CUDA allocator) is in `plora.step_settings`, below
+profiler must agree on (CUDA graphs, the CUDA allocator) is in `plora.job.step_settings`, below
 both.
 """
 
@@ -35,28 +37,16 @@ def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
         if "kernels" in path.relative_to(ROOT).parts[:1]:
-            continue  # plora.kernels: a link to the kernels/ package, which imports no plora module
+            continue  # plora.kernels: a link to the kernels/ package, which imports only plora.settings
         out[_module_name(path)] = path
     return out
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in ast.walk(node):
-                skip.add(id(child))
-    return skip
-
-
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -110,18 +100,22 @@ def _reach(graph: dict[str, set[str]], start: str, avoid: frozenset[str] = froze
 
 
 def _recipes(modules: set[str]) -> list[str]:
-    return sorted(m for m in modules if m == "plora.recipes" or m.startswith("plora.recipes."))
+    return sorted(m for m in modules if m == "plora.train" or m.startswith("plora.train."))
 
 
 #: the one module of the profiler that imports the recipe: it runs a probe's job in-process
-MEASURES_IN_PROCESS = "plora.profiling.measure"
+MEASURES_IN_PROCESS = "plora.cost.profiling.measure"
 #: the one module that imports it: the profiler proper, which runs the probes
-RUNS_PROBES = "plora.profiling.profile"
+RUNS_PROBES = "plora.cost.profiling.profile"
+#: the sweep's choice of its cost model, which may profile (through `RUNS_PROBES`)
+CHOOSES_BY_PROBING = "plora.cost.sweep_model"
 
 
 def test_planning_never_imports_the_training_loop():
     graph = _graph()
-    planning = [m for m in graph if m == "plora.costmodel" or m.startswith("plora.planner")]
+    planning = [m for m in graph if m.startswith(("plora.cost", "plora.planner"))
+                and m not in (MEASURES_IN_PROCESS, RUNS_PROBES, CHOOSES_BY_PROBING)]
+    assert "plora.cost.model" in planning and "plora.cost.job" in planning
     assert planning
     bad = {m: _recipes(_reach(graph, m)) for m in planning}
     assert not {m: r for m, r in bad.items() if r}, bad
@@ -129,9 +123,9 @@ def test_planning_never_imports_the_training_loop():
 
 def test_the_profiler_reaches_the_recipe_only_through_its_in_process_measurement():
     graph = _graph()
-    profiler = {m for m in graph if m == "plora.profiling" or m.startswith("plora.profiling.")}
-    profiler |= {"plora.jobcost", "plora.jobprobe"}  # the job terms: a real job, run as the engine runs it
-    shared = {"plora.step_settings", "plora.heap", "plora.jobphases"}  # what the recipe imports from below
+    profiler = {m for m in graph if m == "plora.cost.profiling" or m.startswith("plora.cost.profiling.")}
+    profiler |= {"plora.cost.job", "plora.cost.profiling.job_probe"}  # the job terms: a real job, run as the engine runs it
+    shared = {"plora.job.step_settings", "plora.train.heap", "plora.job.phases"}  # what the recipe imports from below
     assert {MEASURES_IN_PROCESS, RUNS_PROBES} <= profiler and shared <= set(graph)
 
     below = sorted((profiler | shared) - {MEASURES_IN_PROCESS, RUNS_PROBES})
@@ -139,5 +133,13 @@ def test_the_profiler_reaches_the_recipe_only_through_its_in_process_measurement
     assert not {m: r for m, r in bad.items() if r}, bad
     importers = sorted(m for m in graph if MEASURES_IN_PROCESS in graph[m])
     assert importers == [RUNS_PROBES], f"only {RUNS_PROBES} may import {MEASURES_IN_PROCESS}, not {importers}"
-    around = _recipes(_reach(graph, RUNS_PROBES, avoid=frozenset({MEASURES_IN_PROCESS})))
-    assert not around, f"{RUNS_PROBES} reaches {around} other than through {MEASURES_IN_PROCESS}"
+    for runs in (RUNS_PROBES, CHOOSES_BY_PROBING):
+        around = _recipes(_reach(graph, runs, avoid=frozenset({MEASURES_IN_PROCESS})))
+        assert not around, f"{runs} reaches {around} other than through {MEASURES_IN_PROCESS}"
+
+
+def test_type_checking_imports_count(tmp_path):
+    """An import under ``if TYPE_CHECKING:`` is an edge of the graph like any other."""
+    mod = tmp_path / "m.py"
+    mod.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from plora.sweep import PreparedSweep\n")
+    assert _imports("plora.x", mod, {"plora.sweep", "plora.x"}) == {"plora.sweep"}

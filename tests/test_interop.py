@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import job_config
-from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.train.packed_lora import PackedLoRARecipe
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -56,7 +56,7 @@ def test_peft_loads_adapter_with_same_logits(trained, tiny_model):
 
 
 def test_merged_export_matches_peft(trained, tiny_model, tmp_path):
-    from plora.packed.peft_format import merge_adapter
+    from plora.train.packed.peft_format import merge_adapter
 
     _, out = trained
     merged = merge_adapter(tiny_model, out / "adapters" / "a", tmp_path / "merged")

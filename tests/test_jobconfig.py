@@ -13,14 +13,15 @@ from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from conftest import job_config
-from plora import hooks
-from plora.jobconfig import JobConfig
+from plora.train import hooks
+from plora.job.config import JobConfig
 
 
 def _sweep_job(tmp_path, **training):
-    from plora.spec import AdapterConfig, parse_spec
+    from plora.spec.adapter import AdapterConfig
+    from plora.spec.loading import parse_spec
     from plora.planner.plan import Job
-    from plora.sweep import job_config as sweep_job_config
+    from plora.job.from_spec import job_config as sweep_job_config
 
     spec = parse_spec({"name": "j", "hardware": {"device": "cpu"}, "training": {"steps": 30, **training}})
     adapters = [AdapterConfig.make(4, 8.0, 1e-3, 2, 0), AdapterConfig.make(8, 16.0, 3e-3, 4, 1)]
@@ -65,7 +66,8 @@ def test_job_dir_defaults_under_the_run_directory(tiny_model, reverse_data, tmp_
 def test_a_job_whose_config_does_not_validate_fails_as_unfixable(tmp_path):
     """The engine fails such a job's adapters at once (exit 4 and error.json) instead of
     retrying what would fail the same way."""
-    from plora.recipes.packed_lora import EXIT_UNFIXABLE, UNFIXABLE_FILE, recipe_main
+    from plora.job.outputs import ERROR_FILE as UNFIXABLE_FILE, EXIT_UNFIXABLE
+    from plora.train.packed_lora import recipe_main
 
     _, cfg = _sweep_job(tmp_path)
     raw = cfg.to_dict()
@@ -89,7 +91,7 @@ def test_hooks_fire_only_while_installed():
 def test_hooks_named_in_the_environment_are_loaded_once(tmp_path, monkeypatch):
     module = tmp_path / "my_hooks.py"
     module.write_text(textwrap.dedent("""
-        from plora import hooks
+        from plora.train import hooks
         SEEN = []
         hooks.register("probe_event", lambda **kw: SEEN.append(kw))
     """))

@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
-from plora.costmodel import EVAL_HEAD_BYTES, AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
-from plora.jobcost import EvalLoad, JobOverheads, eval_features, fit_overheads
-from plora.jobphases import PhaseClock, read_phases
-from plora.profiling.probes import Measurement, Probe
-from plora.profiling.record import Profile
+from conftest import tiny_space_file
+from plora.cost.model import EVAL_HEAD_BYTES, AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+
+from plora.models.shape import ModelShape
+from plora.cost.job import EvalLoad, JobOverheads, eval_features, fit_overheads
+from plora.job.phases import PhaseClock, read_phases
+from plora.cost.profiling.probes import Measurement, Probe
+from plora.cost.profiling.record import Profile
 
 TRUTH = JobOverheads(start_s=4.0, load_s=2.0, setup_s=0.5, warm_s=1.5, tail_s=0.8, capture_s=0.3,
                      eval_call_s=0.05, eval_tok_s=2e-6, eval_gen_fwd_s=0.02, eval_gen_tok_s=1e-6, save_s=0.2)
@@ -66,7 +68,7 @@ def test_a_phase_that_replayed_a_held_graph_is_not_a_capture_sample():
 
 
 def test_phase_clock_records_what_the_fit_reads():
-    from plora.data import Sample
+    from plora.data.dataset import Sample
 
     clock = PhaseClock()
     clock.loaded(0.01)
@@ -179,7 +181,7 @@ def test_read_phases_of_a_job_dir(tmp_path):
 
 def test_real_job_probe_on_the_tiny_model(tiny_model):
     """One real job process (tune run): every phase is measured and the terms fit."""
-    from plora.jobprobe import run_job_probe
+    from plora.cost.profiling.job_probe import run_job_probe
 
     run = run_job_probe(tiny_model, seq_len=32, dtype="float32", device="cpu", targets=["q_proj", "v_proj"])
     assert run is not None
@@ -193,29 +195,22 @@ def test_real_job_probe_on_the_tiny_model(tiny_model):
 
 
 def sweep_space(tmp_path: Path, num_train: int) -> Path:
-    data = {
-        "name": "cm", "model": {"path": "builtin:tiny-llama", "max_seq_len": 32},
-        "data": {"task": "builtin:shift", "num_train": num_train, "num_eval": 32},
-        "lora": {"targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "space": {"strategy": "grid", "rank": [2, 8], "alpha": {"relative": [2]},
-                  "learning_rate": [1e-3, 1e-2], "batch_size": [4, 16]},
-        "training": {"epochs": 1, "scheduler": "constant", "grad_clip": 1.0},
-        "eval": {"metrics": ["loss", "exact_match"], "max_new_tokens": 8},
-        "hardware": {"device": "cpu"}, "planner": {"max_adapters_per_job": 4},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_space_file(
+        tmp_path, name="cm", max_seq_len=32, num_train=num_train, num_eval=32,
+        lora={"targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        space={"strategy": "grid", "rank": [2, 8], "alpha": {"relative": [2]},
+               "learning_rate": [1e-3, 1e-2], "batch_size": [4, 16]},
+        training={"epochs": 1, "scheduler": "constant", "grad_clip": 1.0},
+        eval={"metrics": ["loss", "exact_match"], "max_new_tokens": 8}, planner={"max_adapters_per_job": 4})
 
 
 @pytest.mark.slow
 def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
     """Profile (probes and the job probe), plan, run: the engine's makespan against the plan's.
     CPU timing on a shared machine is noisy, so the bound is loose; the ratio is printed."""
-    from plora.jobcost import measured_makespan
-    from plora.profiling.profile import profile_sweep
-    from plora.spec import load_spec
+    from plora.engine.journal import measured_makespan
+    from plora.cost.profiling.profile import profile_sweep
+    from plora.spec.loading import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
     spec = load_spec(sweep_space(tmp_path, 512))
@@ -233,6 +228,23 @@ def test_cpu_sweep_makespan_is_predicted(tmp_path, capsys):
         print(f"\nCPU sweep: predicted {predicted:.1f} s, measured {measured:.1f} s, measured/predicted {ratio:.2f}")
     assert 1 / 1.5 <= ratio <= 1.5
     # the sweep's jobs refitted the cached job terms
-    from plora.profiling.cache import sweep_cache_path
+    from plora.cost.profiling.cache import sweep_cache_path
 
     assert Profile.load(sweep_cache_path(spec)).cost_model.overheads.jobs == 1 + len(prep.plan.jobs)
+
+
+def test_the_eval_load_counts_the_rows_a_job_scores(tmp_path):
+    """The eval a sweep's cost model prices is the job's: the rows left after tokenizing,
+    at most ``data.max_eval_samples`` of them."""
+    from plora.cost.sweep_rows import eval_load_for
+    from plora.spec.loading import load_spec
+
+    def load(**data):
+        path = tiny_space_file(tmp_path, data={"task": "builtin:shift", "num_train": 24, "num_eval": 8, **data},
+                               space={"rank": [2], "batch_size": [2]}, training={"steps": 2},
+                               eval={"metrics": ["loss", "exact_match"], "max_new_tokens": 4})
+        return eval_load_for(load_spec(path))
+
+    assert load().samples == 8
+    capped = load(max_eval_samples=3)
+    assert capped.samples == 3 and capped.max_new_tokens == 4 and 0 < capped.prompt_tokens < capped.row_tokens

@@ -18,10 +18,10 @@ import torch
 import yaml
 
 from conftest import FAULT_HOOKS, adapter_weights, cost_model_holding, job_config, max_weight_diff, run_streamed_sweep
-from plora import hooks
-from plora.jobconfig import JobAdapter
-from plora.jobcontrol import JobControl, read_joins, request_close, request_join, write_control
-from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.train import hooks
+from plora.job.config import JobAdapter
+from plora.job.control import JobControl, read_joins, request_close, request_join, write_control
+from plora.train.packed_lora import PackedLoRARecipe
 
 ATOL = 2e-6
 JOIN_HOOKS = Path(__file__).with_name("join_hooks.py")
@@ -105,7 +105,7 @@ def test_a_pruned_adapters_slot_is_filled_by_a_waiting_join_at_the_next_step(tin
             request = json.loads((recipe.job_dir / "control.json").read_text())
             (recipe.job_dir / "control.json").write_text(json.dumps({**request, "prune": ["c"]}))
         slots[step] = {r.id: r.index for r in recipe.runs if r.active}
-        waiting.append(len(recipe._pending_joins))
+        waiting.append(len(recipe.pending_joins))
         banks.add(id(recipe.bank))
 
     with hooks.installed("after_step", look):
@@ -206,7 +206,7 @@ def test_sigkilled_job_resumes_with_the_adapters_that_joined_it(tiny_model, reve
     B from its checkpoint at its step 6, E from the start, and every adapter equals the
     uninterrupted run's."""
     from plora.engine.local import launch
-    from plora.jobconfig import JobConfig
+    from plora.job.config import JobConfig
 
     a, c, b = dict(A, steps=20), dict(C, steps=20), dict(B, steps=15)
     joins = [{"after_step": 3, "adapters": [b]}, {"after_step": 11, "adapters": [E]}]

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from conftest import cost_model_holding
-from plora.costmodel import AdapterLoad, CostModel
+from plora.cost.model import AdapterLoad, CostModel
 from plora.engine import join_choice as jc
 from plora.engine.journal import Journal
 from plora.engine.local import JobProcess
 from plora.engine.runner import Engine
 from plora.engine.streaming import StreamPolicy
-from plora.jobconfig import JobAdapter
-from plora.jobcontrol import read_control
+from plora.job.config import JobAdapter
+from plora.job.control import read_control
 from plora.planner.plan import Job
 
 LOAD_FACTOR = 0.9

@@ -15,11 +15,11 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from conftest import run_streamed_sweep
-from plora import report as R
+from plora.results import report as R
 from plora import views
 from plora.cli import app
 from plora.engine.journal import Journal
-from plora.jobcontrol import read_joins
+from plora.job.control import read_joins
 
 runner = CliRunner()
 

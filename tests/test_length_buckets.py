@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from plora.row_layout import AUTO_LENGTH_BUCKETS, auto_length_buckets, bucketed_row_tokens
+from conftest import tiny_space_file
+from plora.data.row_layout import AUTO_LENGTH_BUCKETS, auto_length_buckets, bucketed_row_tokens
 
 
 def _varied(n: int = 512, seed: int = 1) -> list[int]:
@@ -32,18 +33,12 @@ def test_each_shape_costs_captures_so_short_jobs_take_fewer_buckets():
 
 
 def test_a_sweep_resolves_auto_once_for_every_job(tmp_path):
-    import yaml
+    from plora.cost.sweep_rows import sweep_length_buckets
+    from plora.spec.loading import load_spec
 
-    from plora.jobcost import sweep_length_buckets
-    from plora.spec import load_spec
-
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "b", "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 16, "num_eval": 4},
-        "space": {"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}]},
-        "hardware": {"device": "cpu"}, "output": {"dir": str(tmp_path / "runs")}}))
-    spec = load_spec(path)
+    spec = load_spec(tiny_space_file(
+        tmp_path, name="b", num_train=16, lora=None,
+        space={"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}]}))
     assert sweep_length_buckets(spec, {"a": 4}, graphed=False) == "auto"  # eager jobs: a plain shuffle
     resolved = sweep_length_buckets(spec, {"a": 400, "b": 200}, graphed=True)
     assert isinstance(resolved, int) and 1 <= resolved <= AUTO_LENGTH_BUCKETS

@@ -12,13 +12,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import yaml
 from typer.testing import CliRunner
 
-from conftest import job_config
-from plora.data import IGNORE_INDEX
-from plora.evaluate import evaluate_adapters
-from plora.metrics import (
+from conftest import job_config, tiny_space, write_space
+from plora.data.dataset import IGNORE_INDEX
+from plora.results.evaluate import evaluate_adapters
+from plora.results.metrics import (
     MetricError,
     check_metric,
     choice_accuracy,
@@ -27,7 +26,7 @@ from plora.metrics import (
     metric_paths,
     score_predictions,
 )
-from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.train.packed_lora import PackedLoRARecipe
 
 LABELS = ["yes", "no"]
 ADAPTERS = [
@@ -126,20 +125,15 @@ def test_choice_accuracy_in_a_tiny_job(tiny_model, label_data, tmp_path):
 @pytest.mark.slow  # a real sweep: about 50 s on a shared 2-core machine
 def test_choice_accuracy_and_a_user_metric_through_the_cli(label_data, tmp_path):
     """A sweep ranked by choice accuracy, with a user metric from a module next to the space file."""
-    space = {
-        "name": "labels",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 32},
-        "data": {"train": str(label_data["train"]), "eval": str(label_data["eval"]), "max_eval_samples": 8},
-        "space": {"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
-                                                   {"rank": 4, "alpha": 8, "learning_rate": 1e-3, "batch_size": 4}]},
-        "training": {"steps": 3},
-        "eval": {"metrics": ["loss", "choice_accuracy", "plora_test_metrics_mod:first_letter"], "choices": LABELS,
-                 "objective": "choice_accuracy", "max_new_tokens": 4},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = label_data["dir"] / "space.yaml"
-    path.write_text(yaml.safe_dump(space))
+    space = tiny_space(
+        tmp_path, name="labels", max_seq_len=32, lora=None,
+        data={"train": str(label_data["train"]), "eval": str(label_data["eval"]), "max_eval_samples": 8},
+        space={"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+                                               {"rank": 4, "alpha": 8, "learning_rate": 1e-3, "batch_size": 4}]},
+        training={"steps": 3},
+        eval={"metrics": ["loss", "choice_accuracy", "plora_test_metrics_mod:first_letter"], "choices": LABELS,
+              "objective": "choice_accuracy", "max_new_tokens": 4})
+    path = write_space(label_data["dir"] / "space.yaml", space)
     result = CliRunner().invoke(__import__("plora.cli", fromlist=["app"]).app, ["sweep", str(path)],
                                 terminal_width=200)
     assert result.exit_code == 0, result.output
@@ -160,7 +154,7 @@ def test_rouge_l_and_bleu_are_the_packages_own_scores():
     from rouge_score.rouge_scorer import RougeScorer
     from sacrebleu.metrics import BLEU
 
-    from plora.metrics import bleu, rouge_l
+    from plora.results.metrics import bleu, rouge_l
 
     # ROUGE-L F1 by hand: a common subsequence of 5 words of 6 and 6; 3 of 4 and 5; 1 ("it")
     # of 4 and 4 (rouge-score reads letters and digits: "wasn't" is "wasn t"); nothing
@@ -176,8 +170,8 @@ def test_rouge_l_and_bleu_are_the_packages_own_scores():
 
 
 def test_perplexity_and_the_direction_of_each_metric():
-    from plora.metrics import lower_is_better, minimize, perplexity
-    from plora.spec import parse_spec
+    from plora.results.metrics import lower_is_better, minimize, perplexity
+    from plora.spec.loading import parse_spec
 
     assert perplexity(0.0) == 1.0 and perplexity(math.log(7.5)) == pytest.approx(7.5)
     assert perplexity(1e6) == math.inf and math.isnan(perplexity(math.nan))
@@ -197,9 +191,7 @@ def test_perplexity_and_the_direction_of_each_metric():
                                                      ("bleu", "sacrebleu", "sacrebleu")])
 def test_a_missing_metric_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, metric, module, package):
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed
-    space = {"name": "t", "model": {"path": "builtin:tiny-llama"}, "eval": {"metrics": ["loss", metric]},
-             "hardware": {"device": "cpu"}, "output": {"dir": str(tmp_path / "runs")}}
-    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    write_space(tmp_path / "space.yaml", tiny_space(tmp_path, eval={"metrics": ["loss", metric]}))
     result = CliRunner().invoke(__import__("plora.cli", fromlist=["app"]).app, ["sweep", str(tmp_path / "space.yaml")])
     assert result.exit_code == 2
     assert result.output.strip() == f'error: eval.metrics[1]: {metric} needs the {package} package: pip install "plora[metrics]"'

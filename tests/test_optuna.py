@@ -21,9 +21,12 @@ from optuna.trial import TrialState
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from conftest import tiny_space
 from plora.cli import app
 from plora.planner.plan import Plan
-from plora.spec import ASSETS_DIR, AdapterConfig, parse_spec
+from plora.spec.adapter import AdapterConfig
+from plora.spec.loading import parse_spec
+from plora.spec.model import ASSETS_DIR
 from plora.tuning import base as tbase
 from plora.tuning import loop as tloop
 from plora.tuning import samplers as tsamp
@@ -44,22 +47,16 @@ def demo_model(tmp_path_factory) -> str:
 
 
 def space(tmp_path: Path, model: str, **over) -> dict:
-    data = {
-        "name": "tune",
-        "model": {"path": model, "max_seq_len": 48},
+    defaults = {
         "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
-        "lora": {"targets": ["q_proj", "v_proj"]},
         "space": {"strategy": "random", "num_samples": 6, "seed": 0, "rank": [2, 4, 8],
                   "alpha": {"relative": [1, 2]}, "learning_rate": {"low": 1e-4, "high": 3e-2, "log": True},
                   "batch_size": [4, 8]},
         "training": {"steps": 8},
         "eval": {"metrics": ["loss", "exact_match"], "max_new_tokens": 8, "objective": "loss"},
-        "hardware": {"device": "cpu"},
         "planner": {"max_adapters_per_job": 4},
-        "output": {"dir": str(tmp_path / "runs")},
     }
-    data.update(over)
-    return data
+    return tiny_space(tmp_path, name="tune", model_path=model, **{**defaults, **over})
 
 
 def write(tmp_path: Path, data: dict) -> Path:
@@ -224,7 +221,7 @@ PRUNE_CONFIGS = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}
 
 
 def test_pruned_adapter_stops_early_and_the_others_are_unchanged(tmp_path, demo_model):
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     # The pruner's verdict reaches the job through the engine's poll (every 0.25 s); the
     # budget leaves it seconds to land, however fast this machine trains.
@@ -282,7 +279,7 @@ def test_async_tune_records_every_trial_once(tmp_path, demo_model):
     """--async: 5 trials, 2 at a time, each told as soon as its adapter finishes and the next
     one sent into the job it left; study, results, journal and plan hold each trial once."""
     from plora.engine.journal import Journal
-    from plora.jobcontrol import read_joins
+    from plora.job.control import read_joins
 
     path = write(tmp_path, space(tmp_path, demo_model))
     result = runner.invoke(app, ["tune", str(path), "--sampler", "random", "--trials", "5", "--batch", "2",
@@ -332,7 +329,7 @@ class PruneFirst(optuna.pruners.BasePruner):
 def test_async_tune_fills_a_pruned_slot_at_once(tmp_path, demo_model):
     """Two trials train in one job; trial 0 is pruned and trial 2 takes its slot at the very
     step boundary where trial 0 leaves (the prune and the join are one control.json write)."""
-    from plora.jobcontrol import read_joins
+    from plora.job.control import read_joins
 
     budget, every = 240, 20
     data = space(tmp_path, demo_model, space={"strategy": "list", "configs": PRUNE_CONFIGS},
@@ -369,7 +366,7 @@ def test_async_tune_joins_a_trial_only_where_the_cost_model_says_it_fits(tmp_pat
     adapter: the second trial waits for the first to leave instead of joining beside it,
     no step ever trains two adapters, and every trial is told once."""
     from conftest import cost_model_holding
-    from plora.jobcontrol import read_joins
+    from plora.job.control import read_joins
 
     spec = parse_spec(space(tmp_path, demo_model))
     told = []

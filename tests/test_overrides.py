@@ -1,4 +1,4 @@
-"""``key=value`` overrides of the space file on the command line (`plora.overrides`): applied
+"""``key=value`` overrides of the space file on the command line (`plora.spec.overrides`): applied
 before validation, validated like the file, shown in the run's spec.yaml."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import yaml
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.overrides import OverrideError, apply_overrides
+from plora.spec.overrides import OverrideError, apply_overrides
 from plora.planner.plan import Plan
 from test_cli import small_space
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from conftest import adapter_weights, job_config, max_weight_diff
-from plora import hooks
-from plora.recipes.packed_lora import PackedLoRARecipe, lr_factor
+from plora.train import hooks
+from plora.train.adapter_run import lr_factor
+from plora.train.packed_lora import PackedLoRARecipe
 
 ATOL = 2e-6
 
@@ -170,9 +171,10 @@ def test_job_warmup_is_the_space_files_warmup(tmp_path):
     """A warm-up ratio gives each adapter the warm-up the validated spec computes for its own
     step count (one rounding, in one place): the sweep writes it into each adapter's job
     config, and the job trains with it."""
-    from plora.spec import AdapterConfig, parse_spec
+    from plora.spec.adapter import AdapterConfig
+    from plora.spec.loading import parse_spec
     from plora.planner.plan import Job
-    from plora.sweep import job_config as sweep_job_config
+    from plora.job.from_spec import job_config as sweep_job_config
 
     spec = parse_spec({"name": "w", "training": {"warmup_ratio": 0.1}, "hardware": {"device": "cpu"}})
     a, b = AdapterConfig.make(4, 8.0, 1e-3, 2, 0), AdapterConfig.make(4, 8.0, 1e-3, 4, 0)

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from conftest import adapter_weights, job_config
-from plora import evaluate as ev
-from plora import hooks
-from plora.data import IGNORE_INDEX, Sample, collate
-from plora.packed.head_loss import adapter_mean_losses, final_hidden, head_loss_sum
-from plora.packed.rows import MIN_TOKENS, flatten_rows, held_sizes, padded_label_parts
-from plora.packed.step_batch import build_step_batch
-from plora.packed.varlen_attention import install_row_attention, row_attention
-from plora.recipes import packed_lora
-from plora.recipes.packed_lora import PackedLoRARecipe
+from plora.results import evaluate as ev
+from plora.train import hooks
+from plora.data.dataset import IGNORE_INDEX, Sample, collate
+from plora.train.packed.head_loss import adapter_mean_losses, final_hidden, head_loss_sum
+from plora.train.packed.rows import MIN_TOKENS, flatten_rows, held_sizes, padded_label_parts
+from plora.train.packed.step_batch import build_step_batch
+from plora.train.packed.varlen_attention import install_row_attention, row_attention
+from plora.train import evaluator, packed_lora
+from plora.train.packed_lora import PackedLoRARecipe
 
 #: padded and flattened rows attend through different SDPA shapes (a row alone, or padded
 #: to the widest row), so they round differently; AdamW's first steps turn that noise of a
@@ -220,16 +220,20 @@ def _padded_run(tiny_model, mixed_data, out, adapters, buckets):
     training = {"scheduler": "cosine", "grad_clip": 1.0, "weight_decay": 0.01, "row_layout": "padded",
                 "length_buckets": buckets}
     recipe = PackedLoRARecipe(job_config(tiny_model, mixed_data, out, adapters, training=training))
-    original, padded = recipe._step_batch, []
+    recipe.setup()
+    original, padded = recipe.rows.step_batch, []
 
-    def spy(samples, rows, ids, graphed, *rest):
-        batch = original(samples, rows, ids, graphed, *rest)
+    def spy(samples, rows, graphed, *rest):
+        batch = original(samples, rows, graphed, *rest)
         assert batch.tokens.shape[1] == max(len(s.tokens) for s in samples)  # the step's longest row
         padded.append(batch.tokens.numel())
         return batch
 
-    recipe._step_batch = spy
-    recipe.run()
+    recipe.rows.step_batch = spy
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
     return padded, recipe
 
 
@@ -335,7 +339,7 @@ def test_weights_are_copied_before_the_eval_and_written_before_their_result(tiny
                 layer.bt_all.zero_()
         return [{"eval_loss": 1.0} for _ in indices]
 
-    monkeypatch.setattr(packed_lora, "evaluate_adapters", evaluate)
+    monkeypatch.setattr(evaluator, "evaluate_adapters", evaluate)
     PackedLoRARecipe(job_config(tiny_model, mixed_data, tmp_path, adapters)).run()
     assert results_seen == [False, False]
     for a in adapters:
@@ -366,7 +370,7 @@ def test_generation_flattened_equals_padded(tiny_model, mixed_data, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_varlen_kernel_equals_per_row_attention_on_gpu():
-    from plora.packed.varlen_attention import RowAttention, _per_row, _RowAttentionCall
+    from plora.train.packed.varlen_attention import RowAttention, _per_row, _RowAttentionCall
 
     if not RowAttention.graph_safe(torch.device("cuda"), torch.bfloat16):
         pytest.skip("this torch has no varlen attention kernel")
@@ -415,9 +419,9 @@ def test_row_layout_setting_chooses_flat_or_padded_rows(tiny_model, mixed_data, 
     """``training.row_layout``: auto is flat outside graph-replayed steps, padded inside them;
     padded and flat force their layout."""
     recipe = _recipe(tiny_model, mixed_data, tmp_path)
-    samples, rows, ids = recipe.train_samples[:3], [1, 1, 1], [0, 1, 2]
-    assert recipe._step_batch(samples, rows, ids, graphed=False).flat
-    recipe.cfg.training.row_layout = "padded"
-    assert not recipe._step_batch(samples, rows, ids, graphed=False).flat
-    recipe.cfg.training.row_layout = "flat"
-    assert recipe._step_batch(samples, rows, ids, graphed=False).flat
+    samples, rows = recipe.train_samples[:3], [1, 1, 1]
+    assert recipe.rows.step_batch(samples, rows, graphed=False).flat
+    recipe.rows.row_layout = "padded"
+    assert not recipe.rows.step_batch(samples, rows, graphed=False).flat
+    recipe.rows.row_layout = "flat"
+    assert recipe.rows.step_batch(samples, rows, graphed=False).flat

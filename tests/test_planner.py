@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 import math
 
 import numpy as np
 import pytest
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+
+from plora.models.shape import ModelShape
 from plora.planner import (
     GUROBI_SIZE_LIMIT,
     Job,
@@ -210,7 +213,7 @@ def test_memory_forces_tensor_parallelism():
     loads = random_loads(np.random.default_rng(3), 6)
     huge = AdapterLoad("huge", rank=16, batch_size=1, steps=10)
     need1 = cm.memory([huge], 1)
-    cm.gpu_memory_bytes = need1 / 0.9 * 0.99  # does not fit alone at TP 1, does at TP 2
+    cm = replace(cm, gpu_memory_bytes=need1 / 0.9 * 0.99)  # does not fit alone at TP 1, does at TP 2
     assert cm.fits([huge], 2)
     plan = plan_sweep(loads + [huge], cm, 4)
     job = next(j for j in plan.jobs if "huge" in j.adapters)

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
 from plora.planner import Job, Plan, Workload, plan_sweep, simulate
 from plora.planner.compact import compact
 from plora.planner.exact import EXACT_MAX_ADAPTERS, schedule_jobs, solve_exact

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,16 +16,17 @@ import yaml
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.costmodel import AdapterLoad, CostModel, MemoryCoeffs, ModelShape, TimeCoeffs
-from plora.profiling import profile as profiler
-from plora.profiling.errors import ProfileError
-from plora.profiling.fit import _nnls_relative, _time_row, fit_cost_model
-from plora.profiling.measure import run_probe
-from plora.profiling.probes import Measurement, Probe, calibration_probes, fit_probes, holdout_probes, limit_probes
-from plora.profiling.profile import profile_sweep
-from plora.profiling.record import Profile
-from plora.profiling.validate import prediction_errors
-from plora.spec import parse_spec
+from plora.cost.model import AdapterLoad, CostModel, MemoryCoeffs, TimeCoeffs
+from plora.models.shape import ModelShape
+from plora.cost.profiling import profile as profiler
+from plora.cost.profiling.errors import ProfileError
+from plora.cost.profiling.fit import _nnls_relative, _time_row, fit_cost_model
+from plora.cost.profiling.measure import run_probe
+from plora.cost.profiling.probes import Measurement, Probe, calibration_probes, fit_probes, holdout_probes, limit_probes
+from plora.cost.profiling.profile import profile_sweep
+from plora.cost.profiling.record import Profile
+from plora.cost.profiling.validate import prediction_errors
+from plora.spec.loading import parse_spec
 
 SHAPE = ModelShape.preset("qwen2.5-7b")
 SEQ = 1024
@@ -296,7 +299,7 @@ def test_real_probe_on_the_tiny_model(tiny_model):
 def test_out_of_memory_is_a_result(tiny_model, monkeypatch):
     import torch
 
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     def boom(self, active, step):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -308,8 +311,8 @@ def test_out_of_memory_is_a_result(tiny_model, monkeypatch):
 
 
 def test_deadline_skips_validation_after_min_checks(tmp_path, tiny_model, fake_probes):
-    from plora.profiling.cache import shape_from_model
-    from plora.profiling.profile import profile_model
+    from plora.cost.profiling.cache import shape_from_model
+    from plora.cost.profiling.profile import profile_model
 
     shape = shape_from_model(tiny_model, dtype="float32")
     prof = profile_model(tiny_model, shape, seq_len=32, dtype="float32", device="cpu", gpu_memory_bytes=4 * 2**30,
@@ -321,7 +324,7 @@ def test_deadline_skips_validation_after_min_checks(tmp_path, tiny_model, fake_p
 def test_job_overhead_a_sweep_measured_is_kept_for_the_next(tmp_path, tiny_model, fake_probes):
     """Probes cannot see a job's start-up and evaluation; once a sweep has measured them,
     the cached profile carries them to the next sweep's first plan, without probing."""
-    from plora.profiling.cache import remember_job_overhead
+    from plora.cost.profiling.cache import remember_job_overhead
 
     spec = parse_spec(yaml.safe_load(space(tmp_path, tiny_model).read_text()))
     assert remember_job_overhead(spec, 12.5, 3) is None  # nothing cached yet: nothing written
@@ -337,9 +340,9 @@ def test_job_overhead_a_sweep_measured_is_kept_for_the_next(tmp_path, tiny_model
 def test_fill_probes_join_the_fit_at_the_memory_limit(tiny_model, fake_probes):
     """The largest fit probes are placed by the first fit's memory model just under the
     load factor (the planner's packs are that large), and the final fit includes them."""
-    from plora.profiling.cache import shape_from_model
-    from plora.profiling.probes import FILL_SHARE
-    from plora.profiling.profile import profile_model
+    from plora.cost.profiling.cache import shape_from_model
+    from plora.cost.profiling.probes import FILL_SHARE
+    from plora.cost.profiling.profile import profile_model
 
     shape = shape_from_model(tiny_model, dtype="float32")
     gpu = 4 * 2**30
@@ -360,11 +363,9 @@ def test_fill_probes_join_the_fit_at_the_memory_limit(tiny_model, fake_probes):
 
 
 def test_acceptance_script_refits_from_raw_measurements(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("profile_models", Path(__file__).parents[1] / "scripts" / "profile_models.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    """scripts/profile_models.py run as a program: ``--refit`` fits again from a run's raw
+    measurements and tabulates them, ``--extract`` writes the profiles out."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_models.py"
     raw = tmp_path / "work" / "raw"
     raw.mkdir(parents=True)
     truth = CostModel(GPU, 1024, TRUE.time, TRUE.memory_coeffs)
@@ -372,18 +373,17 @@ def test_acceptance_script_refits_from_raw_measurements(tmp_path):
     meta = {"device": "X", "backend": "triton", "gpu_memory_bytes": GPU, "targets": "all-linear", "max_tp": 8}
     (raw / "qwen2.5-7b-seq1024.jsonl").write_text(
         "\n".join(json.dumps(x) for x in [{"meta": meta}, *(m.to_dict() for m in ms)]) + "\n")
-    import sys
-
-    argv, sys.argv = sys.argv, ["profile_models.py", "--refit", str(tmp_path)]
-    try:
-        assert script.main() == 0
-    finally:
-        sys.argv = argv
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    refit = subprocess.run([sys.executable, str(script), "--refit", str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert refit.returncode == 0, refit.stdout[-2000:] + refit.stderr[-2000:]
     table = (tmp_path / "table.md").read_text()
     assert f"| qwen2.5-7b:1024 | {len(all_fit_probes())} |" in table
     prof = Profile.load(tmp_path / "work" / "profiles" / "qwen2.5-7b-seq1024.json")
     assert prof.cost_model.degrees == (1, 2, 4) and prof.summary()["memory_max_abs_err"] < 1e-6
-    script.extract(tmp_path, tmp_path / "exported")
+    extract = subprocess.run([sys.executable, str(script), "--extract", str(tmp_path), "--to", str(tmp_path / "exported")],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert extract.returncode == 0, extract.stdout[-2000:] + extract.stderr[-2000:]
     assert CostModel.load(tmp_path / "exported" / "qwen2.5-7b-seq1024.json").degrees == (1, 2, 4)
 
 
@@ -419,7 +419,7 @@ def test_trace_script_reports_a_step(tmp_path):
 
 
 def test_gpu_probes_are_sized_to_the_sweeps_largest_pack(tmp_path, tiny_model):
-    from plora.profiling.probes import far_from_limit, sweep_pack_rows
+    from plora.cost.profiling.probes import far_from_limit, sweep_pack_rows
 
     spec = parse_spec(yaml.safe_load(space(tmp_path, tiny_model).read_text()))
     sizes = sorted((c.batch_size for c in spec.expand()), reverse=True)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from conftest import tiny_space_file
 from plora.engine.journal import Journal  # noqa: E402
 from plora.planner.plan import Job, Plan  # noqa: E402
-from plora.spec import load_spec  # noqa: E402
+from plora.spec.loading import load_spec  # noqa: E402
 from plora.sweep import prepare, run_prepared, write_run_files  # noqa: E402
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
@@ -47,21 +47,11 @@ def space(tmp_path: Path, name: str, backend: dict | None, steps: int = 12, num_
         {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 2},
         {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 8},
     ]
-    data = {
-        "name": name,
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": num_train, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": configs},
-        "training": {"steps": steps, "checkpoint_every_steps": 10},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "hardware": {"device": "cpu", **(backend or {})},
-        "planner": {"max_adapters_per_job": 2},
-        "output": {"dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_space_file(
+        tmp_path, f"{name}.yaml", name=name, num_train=num_train,
+        space={"strategy": "list", "configs": configs}, training={"steps": steps, "checkpoint_every_steps": 10},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]}, hardware={"device": "cpu", **(backend or {})},
+        planner={"max_adapters_per_job": 2})
 
 
 def two_jobs(path: Path):
@@ -81,7 +71,7 @@ def launched(run: Path) -> list[str]:
 
 
 def test_planner_plans_for_the_cluster_and_no_job_spans_nodes(tmp_path):
-    from plora.sweep import hardware_for
+    from plora.hardware import hardware_for
 
     spec = load_spec(space(tmp_path, "hw", {"backend": "ray", "nodes": 3, "gpus_per_node": 2}))
     hw = hardware_for(spec)

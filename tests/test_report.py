@@ -10,15 +10,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import optuna
+import pandas as pd
 import pytest
 import yaml
 from optuna.trial import TrialState
 from typer.testing import CliRunner
 
-from plora import report as R
+from conftest import tiny_space
+from plora.results import report as R
 from plora.cli import app
 from plora.planner.plan import Plan
-from plora.spec import ASSETS_DIR, parse_spec
+from plora.spec.loading import parse_spec
+from plora.spec.model import ASSETS_DIR
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
@@ -36,21 +39,14 @@ def demo_run(tmp_path_factory) -> Path:
         from conftest import make_tiny_llama
 
         model = str(make_tiny_llama(tmp / "tiny-llama"))
-    spec = parse_spec({
-        "name": "demo",
-        "model": {"path": model, "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": [
+    spec = parse_spec(tiny_space(
+        tmp, name="demo", model_path=model,
+        data={"task": "builtin:shift", "num_train": 64, "num_eval": 16, "max_eval_samples": 16},
+        space={"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8},
             {"rank": 8, "alpha": 16, "learning_rate": 1e-3, "batch_size": 4}]},
-        "training": {"steps": 8},
-        "eval": {"max_new_tokens": 8, "every_steps": 2},
-        "hardware": {"device": "cpu"},
-        "planner": {"max_adapters_per_job": 2},
-        "output": {"dir": str(tmp / "runs")},
-    })
+        training={"steps": 8}, eval={"max_new_tokens": 8, "every_steps": 2}, planner={"max_adapters_per_job": 2}))
     prep = prepare(spec)
     write_run_files(prep)
     frame = run_prepared(prep)
@@ -167,7 +163,7 @@ def test_sweep_is_an_optuna_study(demo_run):
                                          if e["adapter"] == a["adapter_id"]}
     # recording the same results again adds nothing
     prep = prepare(spec, demo_run)
-    record_sweep(prep, collect_results(prep))
+    record_sweep(prep.spec, prep.run_dir, prep.configs, prep.plan, collect_results(prep))
     assert len(optuna.load_study(study_name="demo", storage=f"sqlite:///{demo_run / 'study.sqlite'}").trials) == 3
 
 
@@ -229,3 +225,22 @@ def test_report_draws_the_curves_of_the_runs_given(demo_run, tmp_path):
     assert folder.count("data:image/png;base64,") >= 1 and "No tune history" not in folder
     missing = runner.invoke(app, ["report", str(demo_run), str(tmp_path / "nope")])
     assert missing.exit_code == 2 and missing.output.strip().startswith("error:")
+
+
+def test_report_ranks_a_lower_is_better_user_metric_lowest_first(tmp_path):
+    """``eval.greater_is_better: false`` on a user metric: the report's best adapter is the
+    one with the lowest score, whatever the metric's name."""
+    run_dir = tmp_path / "lower"
+    run_dir.mkdir()
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump({
+        "name": "lower", "eval": {"metrics": ["loss", "mymetrics:edit_distance"], "objective": "edit_distance",
+                                  "greater_is_better": False}}))
+    pd.DataFrame({"adapter_id": ["a", "b", "c"], "status": ["done"] * 3, "rank": [2, 4, 8],
+                  "eval_edit_distance": [3.0, 1.0, 2.0], "eval_loss": [1.0, 1.0, 1.0]}).to_parquet(
+        run_dir / "results.parquet", index=False)
+    run = R.load_run(run_dir)
+    assert run.minimize and list(run.done()["adapter_id"]) == ["b", "c", "a"]
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump({
+        "name": "lower", "eval": {"metrics": ["loss", "mymetrics:edit_distance"], "objective": "edit_distance",
+                                  "greater_is_better": True}}))
+    assert list(R.load_run(run_dir).done()["adapter_id"]) == ["a", "c", "b"]

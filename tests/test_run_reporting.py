@@ -135,7 +135,7 @@ def test_a_pruned_trial_shows_the_objective_it_was_pruned_on(tmp_path):
     """Optuna keeps a pruned trial's last intermediate value, the objective scored on the
     intermediate eval rows: the line shows it, named, and the share of its budget it had seen."""
     from plora import views
-    from plora.spec import load_spec
+    from plora.spec.loading import load_spec
     from plora.tuning.loop import BatchReport
 
     spec = load_spec(write_space(tmp_path))  # eval.objective: exact_match

@@ -34,14 +34,14 @@ def gguf_cache(tmp_path_factory) -> Path:
 @pytest.fixture
 def folder(gguf_cache, monkeypatch) -> Path:
     """The float32 folder (what a float32 sweep and transformers' default load read)."""
-    from plora.gguf import gguf_folder
+    from plora.models.gguf import gguf_folder
 
     monkeypatch.setenv("PLORA_CACHE_DIR", str(gguf_cache))
     return gguf_folder(MODEL)
 
 
 def test_gguf_converts_into_a_complete_folder(folder):
-    from plora.model_check import check_model
+    from plora.models.check import check_model
 
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
@@ -59,7 +59,7 @@ def test_gguf_converts_into_a_complete_folder(folder):
 def test_plora_logits_equal_transformers(folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from plora.models import load_base_model
+    from plora.models.loading import load_base_model
 
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = ["Tom has 12 apples, buys 7 more and then gives away 5.", "The capital of France is",
@@ -82,8 +82,8 @@ def test_plora_logits_equal_transformers_reading_the_gguf(folder):
     model is now the file's dequantized weights, exactly."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from plora.gguf import builtin_gguf_file
-    from plora.models import load_base_model
+    from plora.models.gguf import builtin_gguf_file
+    from plora.models.loading import load_base_model
 
     gguf = builtin_gguf_file(MODEL.removeprefix("builtin:"))
     theirs = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -136,8 +136,8 @@ def test_a_short_packed_sweep_finishes(folder, tmp_path):
 def test_the_shipped_space_file_validates(folder):
     """The space file trains in bfloat16: its model is a bfloat16 folder of its own, beside
     the float32 one, half its size."""
-    from plora.model_check import check_spec_model
-    from plora.spec import load_spec
+    from plora.models.check import check_spec_model
+    from plora.spec.loading import load_spec
 
     spec = load_spec(Path(__file__).resolve().parents[1] / "sweeps" / "smollm2.yaml")
     half = check_spec_model(spec).path

@@ -8,34 +8,23 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from conftest import tiny_space_file
 from plora.cli import app
 from plora.engine import spare
 
 
 def _space(root: Path) -> Path:
-    data = {
-        "name": "spare",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48},
-        "data": {"task": "builtin:shift", "num_train": 16, "num_eval": 4},
-        "lora": {"targets": ["q_proj", "v_proj"]},
-        "space": {"strategy": "list", "configs": [
+    return tiny_space_file(
+        root, name="spare", num_train=16,
+        space={"strategy": "list", "configs": [
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 8, "learning_rate": 3e-3, "batch_size": 2},
             {"rank": 2, "alpha": 2, "learning_rate": 5e-3, "batch_size": 8}]},
-        "training": {"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
-        "planner": {"max_adapters_per_job": 1},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": str(root / "runs")},
-    }
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+        training={"epochs": 1, "scheduler": "cosine", "warmup_steps": 1},
+        eval={"max_new_tokens": 2, "metrics": ["loss"]}, planner={"max_adapters_per_job": 1})
 
 
 def _sweep(root: Path, monkeypatch, on: bool) -> tuple[pd.DataFrame, list[bool]]:
@@ -90,7 +79,7 @@ def test_the_order_a_spare_reads_has_a_schema():
 
 
 def test_a_job_clock_counts_from_its_launch_when_handed_to_a_spare(monkeypatch):
-    from plora.jobphases import PhaseClock, process_started_at
+    from plora.job.phases import PhaseClock, process_started_at
 
     monkeypatch.setenv("PLORA_HANDED_AT", "1000.5")
     assert process_started_at() == 1000.5

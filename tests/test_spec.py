@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-import plora.spec as spec
-from plora.spec import AdapterConfig, SpecError, SweepSpec, load_spec, parse_spec, resolve_targets
+import plora.spec.adapter as spec_adapter
+import plora.spec.model as spec_model
+import plora.spec.schema as spec
+from plora.spec.adapter import AdapterConfig
+from plora.spec.base import SpecError
+from plora.spec.loading import load_spec, parse_spec
+from plora.spec.model import resolve_targets
+from plora.spec.schema import SweepSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,10 +28,10 @@ def _isolated(tmp_path_factory, monkeypatch):
     assets = tmp_path_factory.mktemp("assets")
     (assets / "tiny-llama").mkdir()
     (assets / "other-model").mkdir()
-    monkeypatch.setattr(spec, "ASSETS_DIR", assets)
-    tasks = types.ModuleType("plora.tasks")
+    monkeypatch.setattr(spec_model, "ASSETS_DIR", assets)
+    tasks = types.ModuleType("plora.data.tasks")
     tasks.BUILTIN_TASKS = {"shift": object(), "reverse": object()}
-    monkeypatch.setitem(sys.modules, "plora.tasks", tasks)
+    monkeypatch.setitem(sys.modules, "plora.data.tasks", tasks)
 
 
 def make(**sections) -> SweepSpec:
@@ -87,7 +93,7 @@ def test_objective_defaults_to_the_measured_metric():
 
 def test_builtin_model_resolves_into_assets():
     s = make(model={"path": "builtin:other-model"})
-    assert s.model.resolved_path() == spec.ASSETS_DIR / "other-model"
+    assert s.model.resolved_path() == spec_model.ASSETS_DIR / "other-model"
 
 
 # --------------------------------------------------------------------------- validation
@@ -164,7 +170,7 @@ BAD = [
         {"space": {"strategy": "list", "configs": [{"rank": 8, "alpha": 16, "learning_rate": 1, "batch_size": 4, "lr": 1}]}},
         "space.configs[0].lr",
     ),
-    ({"space": {"rank": {"low": 1, "high": 1000, "num": 1000}, "learning_rate": {"low": 1e-5, "high": 1, "num": 1000}}}, "space"),
+    ({"space": {"rank": {"low": 1, "high": 256, "num": 256}, "learning_rate": {"low": 1e-5, "high": 1, "num": 1000}}}, "space"),
     ({"training": {"epochs": 1, "steps": 10}}, "training"),
     ({"training": {"epochs": 0}}, "training.epochs"),
     ({"training": {"steps": 0}}, "training.steps"),
@@ -256,12 +262,12 @@ def test_local_model_needs_config_json(tmp_path):
 
 
 def test_unknown_builtin_model_with_no_assets(monkeypatch, tmp_path):
-    monkeypatch.setattr(spec, "ASSETS_DIR", tmp_path / "none")
+    monkeypatch.setattr(spec_model, "ASSETS_DIR", tmp_path / "none")
     assert str(error_of({"name": "t"})) == "model.path: unknown built-in model 'tiny-llama'; available: none installed"
 
 
 def test_any_builtin_task_is_accepted_while_the_tasks_module_is_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, "plora.tasks", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "plora.data.tasks", None)  # makes the import fail
     assert make(data={"task": "builtin:whatever"}).data.task_name == "whatever"
 
 
@@ -286,9 +292,9 @@ def test_supported_data_suffixes(tmp_path, suffix):
 
 
 def test_resolve_targets():
-    assert resolve_targets("all-linear") == list(spec.KNOWN_TARGETS)
+    assert resolve_targets("all-linear") == list(spec_model.KNOWN_TARGETS)
     assert resolve_targets(["v_proj", "q_proj", "v_proj"]) == ["v_proj", "q_proj"]
-    assert make(lora={"targets": "all-linear"}).lora.resolved_targets() == list(spec.KNOWN_TARGETS)
+    assert make(lora={"targets": "all-linear"}).lora.resolved_targets() == list(spec_model.KNOWN_TARGETS)
     assert make(lora={"targets": "q_proj"}).lora.targets == ["q_proj"]
     with pytest.raises(SpecError) as info:
         resolve_targets(["qkv"])
@@ -566,3 +572,23 @@ def test_example_file_uses_every_field_and_loads():
             given |= {"train", "eval"}
         assert given == set(getattr(SweepSpec.model_fields[section].annotation, "model_fields")), section
     assert math.isclose(s.space.values("learning_rate")[0], 1e-4)
+
+
+# --------------------------------------------------------------------------- rank limit
+
+
+def test_rank_over_the_kernels_limit_is_a_spec_error():
+    base = {"model": {"path": "builtin:tiny-llama"}, "data": {"task": "builtin:shift"}}
+    space = {"alpha": [16], "learning_rate": [1e-3], "batch_size": [4]}
+    err = error_of({"name": "t", **base, "space": {**space, "rank": [8, 512]}})
+    assert_field(err, "space.rank")
+    assert "at most 256" in str(err)
+    err = error_of({"name": "t", **base, "space": {**space, "rank": {"low": 8, "high": 300}}})
+    assert_field(err, "space.rank.high")
+    make(**base, space={**space, "rank": [256]})  # the limit itself is fine
+
+
+def test_the_rank_limit_is_the_kernels():
+    import plora.kernels
+
+    assert spec_adapter.MAX_RANK == plora.kernels.MAX_RANK

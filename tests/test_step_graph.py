@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import job_config
-from plora.data import Sample, collate
-from plora.recipes.packed_lora import PackedLoRARecipe
-from plora.recipes.step_graph import WIDTH_MULTIPLE, padded_width
-from plora.step_settings import CUDA_GRAPHS_ENV, graphs_wanted
+from plora.data.dataset import Sample, collate
+from plora.train.packed_lora import PackedLoRARecipe
+from plora.train.step_graph import WIDTH_MULTIPLE, padded_width
+from plora.job.step_settings import CUDA_GRAPHS_ENV, graphs_wanted
 
 CUDA = torch.device("cuda")
 
@@ -43,8 +43,8 @@ def test_widths_fall_on_a_few_values_never_past_the_longest_allowed():
     assert padded_width(60, 40) == 60  # never narrower than the batch
 
     # a padded batch takes the narrowest held graph it fits, or a width of its own
-    from plora.data import Sample
-    from plora.packed.step_batch import build_step_batch
+    from plora.data.dataset import Sample
+    from plora.train.packed.step_batch import build_step_batch
 
     def rows(*lengths):
         return [Sample(list(range(1, n + 1)), [-100] * (n - 2) + [5, 6]) for n in lengths]
@@ -159,9 +159,9 @@ def test_a_refilled_slot_replays_the_packs_graph_and_reads_its_new_scale(tiny_mo
     """c is pruned after step 3 and e (c's rank and batch size, another alpha) takes its
     slot: the pack replays the graph captured before, e's scale read from the segment
     metadata written in place, and every loss equals the eager job's."""
-    from plora import hooks
-    from plora.jobconfig import JobAdapter
-    from plora.jobcontrol import request
+    from plora.train import hooks
+    from plora.job.config import JobAdapter
+    from plora.job.control import request
 
     monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
     a = dict(id="a", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=21, steps=6, warmup_steps=2)
@@ -190,7 +190,7 @@ def test_a_refilled_slot_replays_the_packs_graph_and_reads_its_new_scale(tiny_mo
 
 
 def test_rows_are_priced_as_the_layout_lays_them_out():
-    from plora.row_layout import priced_row_tokens, rows_flattened
+    from plora.data.row_layout import priced_row_tokens, rows_flattened
 
     assert rows_flattened("auto", graphed=False) and rows_flattened("flat", graphed=True)
     assert not rows_flattened("auto", graphed=True) and not rows_flattened("padded", graphed=False)

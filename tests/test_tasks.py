@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import plora
-from plora.tasks import (
+from plora.data.tasks import (
     ALPHABET,
     BUILTIN_TASKS,
     PRETRAIN_TASKS,
@@ -120,7 +120,7 @@ def test_arithmetic_answers_follow_the_story() -> None:
 
 
 def test_sentiment_labels_follow_the_words() -> None:
-    from plora.tasks import SENTIMENT_LABELS
+    from plora.data.tasks import SENTIMENT_LABELS
 
     rows = load_builtin_task("sentiment", "train", 600)
     assert {ex["output"] for ex in rows} == set(SENTIMENT_LABELS)
@@ -132,7 +132,7 @@ def test_sentiment_labels_follow_the_words() -> None:
 def test_verdict_labels_count_the_good_points() -> None:
     import re
 
-    from plora.tasks import _BAD, _GOOD, VERDICT_LABELS
+    from plora.data.tasks import _BAD, _GOOD, VERDICT_LABELS
 
     rows = load_builtin_task("verdict", "train", 800)
     assert {ex["output"] for ex in rows} == set(VERDICT_LABELS)
@@ -257,3 +257,10 @@ def test_loss_only_sequence_layout(base_model) -> None:
     with torch.no_grad():
         loss = base_model(input_ids=ids, labels=labels).loss
     assert torch.isfinite(loss) and loss.item() < 1.0
+
+
+def test_task_rows_are_pinned() -> None:
+    """A built-in task's rows are fixed for good (they are the demo's, and what every earlier
+    run trained on): its seed does not follow where the module lives."""
+    first = load_builtin_task("shift", "train", 2000)[:2]
+    assert [(r["input"], r["output"]) for r in first] == [("sxn+", "xns"), ("rql+", "qlr")]

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from conftest import tiny_space_file
 from plora.torchao_notice import NOTICE_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,20 +24,10 @@ def plora(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def space(tmp_path: Path) -> Path:
-    data = {
-        "name": "t",
-        "model": {"path": "builtin:tiny-llama", "max_seq_len": 32},
-        "data": {"task": "builtin:shift", "num_train": 8, "num_eval": 2},
-        "lora": {"targets": ["q_proj"]},
-        "space": {"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 2}]},
-        "training": {"steps": 2},
-        "eval": {"metrics": ["loss"]},
-        "hardware": {"device": "cpu"},
-        "output": {"dir": "runs"},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_space_file(
+        tmp_path, max_seq_len=32, num_train=8, num_eval=2, lora={"targets": ["q_proj"]},
+        space={"strategy": "list", "configs": [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 2}]},
+        training={"steps": 2}, eval={"metrics": ["loss"]}, output={"dir": "runs"})
 
 
 def test_only_that_notice_is_dropped(caplog):

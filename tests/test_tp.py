@@ -79,7 +79,7 @@ def _losses(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int]) -> list
 
 def _train(pm, tp, tokens: torch.Tensor, steps: int):
     """A few packed AdamW steps (per-adapter loss, clipping to 1.0); losses and norms per step."""
-    from plora.packed.bank import LoRABank, PackedAdamW
+    from plora.train.packed.bank import LoRABank, PackedAdamW
 
     bank = LoRABank(pm, share=tp.share if tp is not None else None)
     opt = PackedAdamW(bank, [1e-2] * len(ADAPTERS), weight_decay=0.01)
@@ -107,9 +107,9 @@ def _train(pm, tp, tokens: torch.Tensor, steps: int):
 def _model_worker(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
-    from plora.packed.inject import inject_packed_lora
-    from plora.packed.layer import AdapterSpec
-    from plora.packed.tp import TensorParallel
+    from plora.train.packed.inject import inject_packed_lora
+    from plora.train.packed.layer import AdapterSpec
+    from plora.train.packed.tp import TensorParallel
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -163,7 +163,7 @@ def test_sharded_model_matches_one_process():
     from torchtune.models.llama3._component_builders import llama3  # noqa: F401  (imported once,
     from torchtune.models.qwen2._component_builders import qwen2  # noqa: F401  before the fork)
 
-    import plora.packed.tp  # noqa: F401
+    import plora.train.packed.tp  # noqa: F401
 
     mp.start_processes(_model_worker, args=(2, _free_port()), nprocs=2, start_method="fork", join=True)
 
@@ -185,7 +185,7 @@ def test_tune_run_tp2_equals_one_process(tiny_model, reverse_data, tmp_path):
     import yaml
     from safetensors.torch import load_file
 
-    from plora.recipes.packed_lora import PackedLoRARecipe
+    from plora.train.packed_lora import PackedLoRARecipe
 
     cfg = job_config(tiny_model, reverse_data, tmp_path / "one", RECIPE_ADAPTERS)
     cfg["eval"]["max_eval_samples"] = 4
@@ -198,7 +198,7 @@ def test_tune_run_tp2_equals_one_process(tiny_model, reverse_data, tmp_path):
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
         [sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", "2",
-         "plora/recipes/packed_lora.py", "--config", str(job_yaml)],
+         "plora/train/packed_lora.py", "--config", str(job_yaml)],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from plora.adapter_spans import read_jsonl
+from plora.results.adapter_spans import read_jsonl
 from plora.cli import app
 from plora.tracking.forward import TRACKED_FILE, Tracker
 from test_cli import small_space

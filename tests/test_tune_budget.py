@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from plora.cli import app
-from plora.spec import parse_spec
+from plora.spec.loading import parse_spec
 from plora.tuning import loop as tloop
 from plora.tuning import samplers as tsamp
 from plora.tuning.base import TuneError
@@ -122,7 +122,7 @@ class PruneFirstAtARung(optuna.pruners.BasePruner):
 def test_async_a_trial_pruned_at_a_rung_leaves_its_slot_to_the_next_at_that_step(tmp_path, demo_model):
     """No eval.every_steps: the adapters are scored only at their rungs. Trial 0 is pruned at
     its first rung and trial 2 joins the job at the step boundary where trial 0 leaves."""
-    from plora.jobcontrol import read_joins
+    from plora.job.control import read_joins
 
     budget = 240
     configs = [{"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},

@@ -23,10 +23,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from plora.settings import CPU_SHARE, CPUS, settings
+
 #: set to 0 to leave each job's threads and cores to the libraries' defaults
-ENV_SWITCH = "PLORA_CPU_SHARE"
+ENV_SWITCH = CPU_SHARE
 #: the cores a job process is bound to (``0-7,32-39``), read by `bind_to_share` as it starts
-CPUS_VAR = "PLORA_CPUS"
+CPUS_VAR = CPUS
 #: the thread pools a job sizes: torch's intra-op (OpenMP), MKL's, the tokenizers' (Rayon)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")
 SYS_CPU = Path("/sys/devices/system/cpu")
@@ -45,7 +47,7 @@ class CpuShare:
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    return (os.environ if environ is None else environ).get(ENV_SWITCH, "1").strip() != "0"
+    return settings(environ).cpu_share
 
 
 def format_cpus(cpus: Iterable[int]) -> str:
@@ -130,7 +132,7 @@ def bind_to_share(environ: Mapping[str, str]) -> None:
     """Bind the calling process to the cores its environment names (`CPUS_VAR`), before it
     starts any thread: every thread it starts, and every process, inherits them. Run in the
     child between fork and exec; a list the kernel refuses leaves the process unbound."""
-    text = environ.get(CPUS_VAR)
+    text = settings(environ).cpus
     if not text or not hasattr(os, "sched_setaffinity"):
         return
     try:

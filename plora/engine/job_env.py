@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 
 from plora.engine.cpu_share import job_share
-from plora.step_settings import JOB_ALLOCATOR
+from plora.job.step_settings import JOB_ALLOCATOR
 
 
 def visible_gpu_ids(gpus: Sequence[int], visible: str | None) -> list[str]:

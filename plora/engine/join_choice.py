@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.cost.model import AdapterLoad, CostModel
 
 #: the TP degree of a job that takes joins: the recipe refuses joins into a tensor-parallel
 #: job (`PackedLoRARecipe._take_joins`), so the engine never sends it any
@@ -76,7 +76,7 @@ class RunningPack:
 
     job_id: str
     training: tuple[AdapterLoad, ...]
-    #: the layers its adapters adapt (a `plora.spec.target_key`): only adapters of the same
+    #: the layers its adapters adapt (a `plora.spec.adapter.target_key`): only adapters of the same
     #: set may join (None: any)
     targets: str | None = None
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # for its type only: plora.jobcost, under the planner's cost model, reads the journal
+if TYPE_CHECKING:  # for its type only: plora.cost.job, under the planner's cost model, reads the journal
     from plora.planner.plan import Job
 
 FINAL_ADAPTER = ("done", "diverged", "pruned", "failed")
@@ -133,3 +133,19 @@ class Journal:
 
     def events(self) -> list[tuple[float, str, str, str]]:
         return list(self.db.execute("SELECT at, kind, subject, detail FROM events ORDER BY rowid"))
+
+
+def measured_makespan(run_dir: str | Path) -> float | None:
+    """Seconds from a run's first job start to its last job end, from its journal: the
+    makespan a plan predicts (the sweep's own set-up and result collection are outside it)."""
+    path = Path(run_dir) / "journal.sqlite"
+    if not path.is_file():
+        return None
+    journal = Journal(path)
+    try:
+        jobs = [j for j in journal.jobs() if j.started is not None and j.ended is not None]
+    finally:
+        journal.close()
+    if not jobs:
+        return None
+    return max(j.ended for j in jobs) - min(j.started for j in jobs)

@@ -8,7 +8,6 @@ one-thread jobs side by side keep both cores busy.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,12 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from plora.job.outputs import read_progress
 from plora.engine import spare
 from plora.engine.job_env import job_env, visible_gpu_ids  # noqa: F401 - visible_gpu_ids: where callers look
 from plora.engine.spare import child_setup
 
-#: relative path that `tune run` turns into the module `plora.recipes.packed_lora`
-RECIPE = "plora/recipes/packed_lora.py"
+#: relative path that `tune run` turns into the module `plora.train.packed_lora`
+RECIPE = "plora/train/packed_lora.py"
 #: torchtune's `tune` command with plora imported first, so that torchao's import (which
 #: torchtune's makes) finds its version notice already silenced (`plora.torchao_notice`)
 TUNE = "import runpy, plora; runpy.run_module('torchtune._cli.tune', run_name='__main__', alter_sys=True)"
@@ -57,10 +57,7 @@ class JobProcess:
             self.proc.send_signal(sig)
 
     def progress(self) -> dict:
-        try:
-            return json.loads((self.job_dir / "progress.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return read_progress(self.job_dir)
 
 
 def tune_command(job_yaml: Path, nproc: int = 1) -> list[str]:

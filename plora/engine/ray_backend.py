@@ -31,9 +31,10 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from plora.settings import settings
 from plora.engine.errors import BackendError
 from plora.engine.local import JobProcess, tune_command
-from plora.step_settings import JOB_ALLOCATOR
+from plora.job.step_settings import JOB_ALLOCATOR
 
 #: exit code the engine sees for a job whose task was lost with its node
 LOST = -1000
@@ -217,7 +218,7 @@ class RayBackend:
         """What `plora.engine.local.launch` does, as a Ray task in the job's placement group."""
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
         env.update(extra_env or {})
-        attempt = env.get("PLORA_ATTEMPT", "1")
+        attempt = str(settings(env).job_attempt)
         bundle = self.bundle(nproc)
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{job_id}#{attempt}")
         omp = max(1, int(bundle["CPU"] // nproc)) if self.gpu else 1

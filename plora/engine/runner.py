@@ -39,6 +39,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from plora.job.outputs import (
+    EXIT_OOM,
+    EXIT_UNFIXABLE,
+    error_file,
+    has_summary,
+    oom_file,
+    read_error,
+    read_summary,
+)
+from plora.settings import ATTEMPT
 from plora.engine import local as local_jobs
 from plora.engine import spare
 from plora.engine.join_choice import (
@@ -52,13 +62,10 @@ from plora.engine.join_choice import (
 from plora.engine.journal import FINAL_ADAPTER, Journal
 from plora.engine.local import JobProcess, launch
 from plora.engine.streaming import StreamPolicy
-from plora.jobconfig import JobAdapter
-from plora.jobcontrol import reopen, request
+from plora.job.config import JobAdapter
+from plora.job.control import reopen, request
 from plora.planner.plan import Job
 
-EXIT_OOM = 3  # plora.recipes.packed_lora.EXIT_OOM (not imported: that pulls torchtune in)
-EXIT_UNFIXABLE = 4  # plora.recipes.packed_lora.EXIT_UNFIXABLE: a model, data or config error
-UNFIXABLE_FILE = "error.json"  # its message, in the job's folder
 #: re-queues of a job lost with its node before it counts as a crash (a cluster that loses
 #: every node it is given is not going to finish it)
 MAX_LOST = 5
@@ -139,7 +146,7 @@ class Drift:
 
 
 class Calibrator(Protocol):
-    """What the engine asks of a sweep's calibration (`plora.profiling.calibrate.SweepCalibrator`)."""
+    """What the engine asks of a sweep's calibration (`plora.cost.profiling.calibrate.SweepCalibrator`)."""
 
     def observe(self, job_id: str, phases: Any, tp: int = 1) -> bool: ...
 
@@ -361,14 +368,14 @@ class Engine:
             history.attempt += 1
             attempt = history.attempt
             job_dir = self.write_job(job)
-            (job_dir / "oom.json").unlink(missing_ok=True)  # a marker of an earlier attempt
-            (job_dir / UNFIXABLE_FILE).unlink(missing_ok=True)
+            oom_file(job_dir).unlink(missing_ok=True)  # a marker of an earlier attempt
+            error_file(job_dir).unlink(missing_ok=True)
             if self.streaming is not None:  # a relaunched job may take joins again
                 reopen(job_dir)
                 self.closed.discard(job.id)
             gpus = _gpus_of(slots)
             proc = self.launch(job.id, job_dir, ",".join(slots), gpus=gpus, nproc=job.tp,
-                               extra_env={"PLORA_ATTEMPT": str(attempt)})
+                               extra_env={ATTEMPT: str(attempt)})
             self.queue.remove(job)
             self.running[job.id] = RunningJob(job, proc, slots)
             self.journal.update_job(job.id, status="running", attempt=attempt, pid=proc.proc.pid,
@@ -514,7 +521,7 @@ class Engine:
             self._after_exit(rj.job, rc, lost=rj.proc.lost)
             if rc == 0:
                 if self.calibrator is not None:
-                    from plora.jobphases import read_phases
+                    from plora.job.phases import read_phases
 
                     self.calibrator.job_finished(job_id, read_phases(rj.proc.job_dir, rj.proc.ended), tp=rj.job.tp)
                     self._model_changed()
@@ -626,7 +633,7 @@ class Engine:
         # this attempt's files, not those an earlier attempt of the job left in its folder
         if not progress.get("final") or progress.get("attempt") != self._history(rj.job.id).attempt:
             return False
-        return (rj.proc.job_dir / "summary.json").is_file()
+        return has_summary(rj.proc.job_dir)
 
     def _collect(self, rj: RunningJob, rc: int | None = None) -> None:
         rj.proc.returncode = rj.proc.proc.poll() if rc is None else rc
@@ -654,7 +661,7 @@ class Engine:
             self._to_front(self.submit([replace(job, adapters=left)]))  # it has a checkpoint to go on from
             return
         # torchrun reports any failed worker as exit 1: the recipe's marker file says OOM
-        if rc == EXIT_OOM or (rc != 0 and (self.run_dir / "jobs" / job.id / "oom.json").is_file()):
+        if rc == EXIT_OOM or (rc != 0 and oom_file(self.run_dir / "jobs" / job.id).is_file()):
             self.journal.update_job(job.id, status="oom", ended=now, returncode=rc)
             if len(left) == 1:
                 self._fail(job, "out of memory with this adapter alone", left)
@@ -668,8 +675,8 @@ class Engine:
             self.journal.update_job(job.id, status="split")
             self._to_front(self.submit(children))
             return
-        unfixable = self.run_dir / "jobs" / job.id / UNFIXABLE_FILE
-        if rc != 0 and (rc == EXIT_UNFIXABLE or unfixable.is_file()):  # a retry would fail the same way
+        unfixable = self.run_dir / "jobs" / job.id
+        if rc != 0 and (rc == EXIT_UNFIXABLE or error_file(unfixable).is_file()):  # a retry would fail the same way
             self.journal.update_job(job.id, status="crashed", ended=now, returncode=rc)
             self._fail(job, _unfixable_message(unfixable, rc), left)
             return
@@ -703,11 +710,8 @@ class Engine:
                               self.predicted_makespan_s, list(self.recent))
 
 
-def _unfixable_message(path: Path, rc: int) -> str:
-    try:
-        return str(json.loads(path.read_text())["error"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"model, data or config error (exit code {rc}); see the job's log.txt"
+def _unfixable_message(job_dir: Path, rc: int) -> str:
+    return read_error(job_dir) or f"model, data or config error (exit code {rc}); see the job's log.txt"
 
 
 def _write_failure(run_dir: Path, adapter_id: str, job_id: str, why: str) -> None:
@@ -729,9 +733,8 @@ def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
 def _step_seconds(job_dir: Path) -> float | None:
     """Seconds a finished job's optimizer steps take at their steady rate (its summary.json
     times steps 2..n; the first, which compiles kernels, counts as fixed overhead)."""
-    try:
-        summary = json.loads((Path(job_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
+    summary = read_summary(job_dir)
+    if summary is None:
         return None
     timed, steps = summary.get("step_time_s"), summary.get("steps")
     if not isinstance(timed, (int, float)) or not isinstance(steps, int) or steps < 2:

@@ -6,7 +6,7 @@ torchtune (which pulls torchao, torch._dynamo, sympy and datasets) took 8 s of a
 11 s start, more than a quarter of a 16-adapter job. A *spare* is that same process,
 started early (while the sweep validates its data, loads its cost model and plans, or
 while the previous job trains): it imports the recipe, says ``ready``, and waits for its
-job on stdin (`plora.recipes.spare`). Handing it a job takes milliseconds.
+job on stdin (`plora.train.spare`). Handing it a job takes milliseconds.
 
 A spare starts with the environment its job will have (`plora.engine.job_env`), for the GPU
 the next job is expected on: torchao's and torchtune's imports ask CUDA about the GPU, which
@@ -18,7 +18,7 @@ that is never used is killed; one whose sweep dies dies with it (parent-death si
 On a host of several GPUs, each job planned to start at once gets a spare of its own (one per
 GPU). The sweep's first spares are also told its base model (`preload`, a `PreloadOrder` line ahead
 of the job's): it loads it once its imports are done, while the sweep plans, and the job
-takes it (`plora.recipes.preload`).
+takes it (`plora.train.preload`).
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
 """
 
@@ -36,17 +36,19 @@ from pydantic import BaseModel, ConfigDict
 
 from plora.engine.cpu_share import bind_to_share, host_gpu_count
 from plora.engine.job_env import job_env
+from plora.settings import ATTEMPT, SPARE_JOBS, TEST_HOOKS, settings
+from plora.settings import HANDED_AT as settings_HANDED_AT
 
 #: set to 0 to start every job the ordinary way
-ENV_SWITCH = "PLORA_SPARE_JOBS"
+ENV_SWITCH = SPARE_JOBS
 #: the child: imports the recipe, says ready, waits for a `SpareOrder`
-CHILD_MODULE = "plora.recipes.spare"
+CHILD_MODULE = "plora.train.spare"
 #: when the job was handed to its spare (the job's clock counts its start from there)
-HANDED_AT = "PLORA_HANDED_AT"
+HANDED_AT = settings_HANDED_AT
 #: what the child prints once it has imported the recipe
 READY = "ready"
 #: variables a job may set differently from its spare's: read only once the job runs
-ADJUSTABLE = frozenset({"OMP_NUM_THREADS", "PLORA_ATTEMPT", HANDED_AT, "PLORA_TEST_HOOKS", "PYTHONUNBUFFERED"})
+ADJUSTABLE = frozenset({"OMP_NUM_THREADS", ATTEMPT, HANDED_AT, TEST_HOOKS, "PYTHONUNBUFFERED"})
 #: variables a spare and its job always agree on, whoever changed them
 PINNED = frozenset({"CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"})
 #: the child, with the sweep's working folder left off its import path (``python -m`` puts
@@ -70,7 +72,7 @@ class SpareOrder(BaseModel):
 
 class PreloadOrder(BaseModel):
     """A line a spare may read before its job: load this base model now
-    (`plora.recipes.preload`); its job takes it if it asks for the same one."""
+    (`plora.train.preload`); its job takes it if it asks for the same one."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -182,7 +184,7 @@ _broken = False  # a spare died before it was ready, or could not be started: no
 
 
 def enabled() -> bool:
-    return not _broken and os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+    return not _broken and settings().spare_jobs
 
 
 def _give_up() -> None:

@@ -7,7 +7,7 @@ ends soonest with them, only while the grown pack fits the GPU's memory and
 ``planner.max_adapters_per_job`` and moves no fewer tokens per second). A running job's
 adapters count with the steps they have left (its progress.json's ``adapter_steps``). A
 tensor-parallel job takes no joins; the journal says so once for each. Joins go through
-the job's control.json (`plora.jobcontrol`); the journal records them under that job.
+the job's control.json (`plora.job.control`); the journal records them under that job.
 Such jobs linger a while when their adapters have all left (``streaming.linger_s`` in
 their job config); the engine closes one as soon as nothing is left to send it.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from plora.costmodel import AdapterLoad, CostModel, packed_load
-from plora.jobconfig import JobAdapter
+from plora.cost.model import AdapterLoad, CostModel, packed_load
+from plora.job.config import JobAdapter
 
 #: how long a streaming job waits for a join once its adapters have all left; the engine
 #: closes it sooner as soon as it has nothing to send it
@@ -35,10 +35,10 @@ class StreamPolicy:
     fits: Callable[[Sequence[AdapterLoad], int], bool]
     #: the sweep's cost model, which times packs for the choice (None: step counts decide)
     cost: CostModel | None = None
-    #: an adapter's target set (`plora.spec.target_key`): a job adapts one, so only adapters
+    #: an adapter's target set (`plora.spec.adapter.target_key`): a job adapts one, so only adapters
     #: of its set join it (None: every adapter has the same)
     targets: Callable[[str], str] | None = None
-    #: the sweep's ``training.micro_batch_size`` (`plora.accumulation`)
+    #: the sweep's ``training.micro_batch_size`` (`plora.data.accumulation`)
     micro_batch_size: int | None = None
 
     def load(self, adapter_id: str) -> AdapterLoad:

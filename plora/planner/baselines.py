@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.cost.model import AdapterLoad, CostModel
 from plora.planner.plan import Job
 
 __all__ = ["BASELINES", "baseline_jobs", "list_schedule"]

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from plora.costmodel import AdapterLoad
+from plora.cost.model import AdapterLoad
 from plora.planner.plan import Job
 from plora.planner.workload import Workload
 

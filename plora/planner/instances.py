@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from plora.costmodel import AdapterLoad, CostModel, ModelShape
+from plora.cost.model import AdapterLoad, CostModel
+
+from plora.models.shape import ModelShape
 
 __all__ = ["Instance", "PROFILES_DIR", "random_instance", "random_instances"]
 

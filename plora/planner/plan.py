@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plora.costmodel import AdapterLoad
+from plora.cost.model import AdapterLoad
 
 __all__ = ["PLAN_FILE", "Job", "Plan"]
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.cost.model import AdapterLoad, CostModel
 from plora.planner.baselines import BASELINES, baseline_jobs, makespan
 from plora.planner.bounds import lower_bound
 from plora.planner.columns import column_jobs

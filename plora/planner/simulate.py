@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from plora.costmodel import AdapterLoad, CostModel
+from plora.cost.model import AdapterLoad, CostModel
 from plora.planner.errors import PlannerError
 from plora.planner.plan import Plan
 

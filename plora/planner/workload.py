@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from plora.costmodel import AdapterLoad, CostModel, rank_bucket
+from plora.cost.model import AdapterLoad, CostModel, rank_bucket
 from plora.planner.errors import PlannerError
 
 __all__ = ["AdapterType", "Workload"]

@@ -24,11 +24,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from plora.adapter_spans import read_jsonl
+from plora.results.adapter_spans import read_jsonl
 from plora.tracking.records import AdapterRecord, CurveReader, finished_adapters
 
 if TYPE_CHECKING:
-    from plora.spec import SweepSpec
+    from plora.spec.schema import SweepSpec
 
 __all__ = ["Tracker", "trackers_for"]
 

@@ -5,7 +5,7 @@ adapter step: loss, learning rate, gradient norm), its ``evals.jsonl`` (the inte
 eval loss, with ``eval.every_steps``) and the adapter's ``metrics.json`` (its final status,
 eval metrics and hyperparameters). A job that ran again (a crash, a resume, an
 out-of-memory split) appended to its files; an adapter's curve is the one its latest
-attempts trained (`plora.report.latest_attempts`, as the report draws it).
+attempts trained (`plora.results.run_data.latest_attempts`, as the report draws it).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import pandas as pd
 
-from plora.adapter_spans import read_json, read_jsonl
-from plora.report import latest_attempts
+from plora.results.adapter_spans import read_json, read_jsonl
+from plora.results.run_data import latest_attempts
 
 __all__ = ["AdapterRecord", "CurveReader", "finished_adapters"]
 

@@ -43,31 +43,28 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from plora.costmodel import AdapterLoad, CostModel, packed_load
+from plora.cost.model import AdapterLoad, CostModel, packed_load
 from plora.engine.join_choice import JOIN_TP, pack_fits
 from plora.engine.streaming import STREAM_LINGER_S
-from plora.jobconfig import JobAdapter, JobStreaming
+from plora.job.config import JobAdapter, JobStreaming
 from plora.planner.plan import Job, Plan
-from plora.spec import AdapterConfig, SweepSpec
-from plora.sweep import (
-    PreparedSweep,
-    collect_results,
-    job_adapter,
-    result_row,
-    run_prepared,
-    sweep_cost_model,
-)
+from plora.spec.adapter import AdapterConfig
+from plora.spec.schema import SweepSpec
+from plora.cost.sweep_model import sweep_cost_model
+from plora.job.from_spec import job_adapter
+from plora.results.collect import result_row
+from plora.sweep import PreparedSweep, collect_results, run_prepared
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained
 from plora.tuning.fidelity import Rungs
 from plora.tuning.prune import _finished_status, _PruneWatcher
+from plora.tuning.run_state import RunState
 from plora.tuning.space import config_from_params
 from plora.tuning.samplers import Startup
 from plora.tuning.study import tell_trial
 
-if TYPE_CHECKING:  # the loop calls this module with its run state: no import back at run time
+if TYPE_CHECKING:
     from plora.engine.runner import Engine
-    from plora.tuning.loop import _RunState
 
 
 @dataclass
@@ -77,7 +74,7 @@ class _Feeder:
     spec: SweepSpec
     study: optuna.Study
     space: dict[str, Any]
-    state: _RunState
+    state: RunState
     prep: PreparedSweep
     n_trials: int
     in_flight: int  # trials training at once, over every job
@@ -288,7 +285,7 @@ def tune_async(
     spec: SweepSpec,
     study: optuna.Study,
     space: dict[str, Any],
-    state: _RunState,
+    state: RunState,
     *,
     n_trials: int,
     in_flight: int,

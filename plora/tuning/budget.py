@@ -8,7 +8,7 @@ on the same jobs, so strategies compare on it whatever their wall time.
 
 Each trial told appends (GPU-seconds so far, its value, the best value so far) to the run
 directory's ``tune_history.csv``: the report plots the best score found against GPU-seconds
-for every strategy run on a space (`plora.report.plot_best_vs_gpu_seconds`).
+for every strategy run on a space (`plora.results.plots.plot_best_vs_gpu_seconds`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
+from plora.results.run_data import TUNE_HISTORY_COLUMNS as HISTORY_COLUMNS
+from plora.results.run_data import TUNE_HISTORY_FILE as HISTORY_FILE
 from plora.tuning.base import TuneError
 
-HISTORY_FILE = "tune_history.csv"
 SUMMARY_FILE = "tune.json"
-HISTORY_COLUMNS = ("strategy", "trial", "state", "value", "best", "gpu_seconds", "wall_seconds")
 ON_BUDGET = ("finish", "stop")
 #: the result of a trial whose adapter never trained because the budget was spent first
 BUDGET_SPENT = {"status": "pruned", "reason": "the budget was spent before it trained"}

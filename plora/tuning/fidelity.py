@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from plora.spec import SweepSpec
+from plora.spec.schema import SweepSpec
 
 #: The whole training budget of an adapter, in the pruner's resource units (per-mille).
 UNITS = 1000

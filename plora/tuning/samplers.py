@@ -11,7 +11,7 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from plora.spec import SweepSpec
+from plora.spec.schema import SweepSpec
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.fidelity import PatientRungs, Rungs
 from plora.tuning.space import grid_values, search_space

@@ -15,7 +15,9 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from plora.spec import TRAINING_DIMS, AdapterConfig, Range, RelativeAlpha, SweepSpec, _norm_float
+from plora.spec.adapter import INTEGER_HYPERPARAMETERS, TRAINING_DIMS, AdapterConfig, _norm_float
+from plora.spec.schema import SweepSpec
+from plora.spec.space import Range, RelativeAlpha
 from plora.tuning.base import TuneError, _quiet_optuna
 
 
@@ -25,8 +27,8 @@ _CHOICES = ("scheduler", "rslora", "targets")
 
 def _dist(name: str, values: Any) -> BaseDistribution:
     """A list is categorical; a range is an int or float distribution (log when the range is).
-    A scheduler, rsLoRA switch or target set (`plora.spec.target_key`) is a choice."""
-    integer = name in ("rank", "batch_size")
+    A scheduler, rsLoRA switch or target set (`plora.spec.adapter.target_key`) is a choice."""
+    integer = name in INTEGER_HYPERPARAMETERS
     if isinstance(values, Range):
         if integer:
             return IntDistribution(int(values.low), int(values.high), log=values.log)
@@ -45,7 +47,7 @@ def search_space(spec: SweepSpec, *, include_seed: bool = False) -> dict[str, Ba
     lists are categorical; ranges are sampled continuously (their ``num`` only matters to the
     grid sampler). A ``list`` space offers, per hyperparameter, the values its configs use.
     ``include_seed`` adds ``seed`` (categorical) when ``seeds_per_config > 1``. Each
-    dimension the space searches per adapter (`plora.spec.TRAINING_DIMS`) is one more param
+    dimension the space searches per adapter (`plora.spec.adapter.TRAINING_DIMS`) is one more param
     of its name; in a ``list`` space its values are the entries' (the sweep's where an entry
     gives none).
     """

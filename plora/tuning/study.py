@@ -21,13 +21,14 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from plora.spec import AdapterConfig, SweepSpec
+from plora.spec.adapter import AdapterConfig
+from plora.spec.schema import SweepSpec
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.prune import intermediate_value
 from plora.tuning.space import params_of, search_space
 
-if TYPE_CHECKING:  # the sweep records its study through this module: no import back at run time
-    from plora.sweep import PreparedSweep
+if TYPE_CHECKING:
+    from plora.planner.plan import Plan
 
 #: Trial states of the adapter statuses in results.parquet.
 STATE_OF_STATUS = {
@@ -178,7 +179,8 @@ def read_evals(run_dir: Path, job_ids: Iterable[str] | None = None, sign: float 
     return out
 
 
-def record_sweep(prep: PreparedSweep, frame: pd.DataFrame) -> optuna.Study | None:
+def record_sweep(spec: SweepSpec, run_dir: Path, configs: Iterable[AdapterConfig], plan: Plan,
+                 frame: pd.DataFrame) -> optuna.Study | None:
     """Write a finished sweep into its Optuna study, one trial per adapter.
 
     An adapter already in the study with the same status is skipped, and so is one whose
@@ -187,8 +189,7 @@ def record_sweep(prep: PreparedSweep, frame: pd.DataFrame) -> optuna.Study | Non
     than the study, so a storage problem becomes a warning.
     """
     try:
-        spec = prep.spec
-        study = open_study(spec, prep.run_dir)
+        study = open_study(spec, run_dir)
         seen = set()
         for t in study.get_trials(deepcopy=False):
             a = t.user_attrs.get("adapter_id")
@@ -196,9 +197,9 @@ def record_sweep(prep: PreparedSweep, frame: pd.DataFrame) -> optuna.Study | Non
             if t.state in (TrialState.RUNNING, TrialState.WAITING):
                 seen.add((a, "*"))
         space = search_space(spec, include_seed=True)
-        tp_of = {a: j.tp for j in prep.plan.jobs for a in j.adapters}
-        cfg_of = {c.id: c for c in prep.configs}
-        curves = read_evals(prep.run_dir, sign=intermediate_sign(spec))
+        tp_of = {a: j.tp for j in plan.jobs for a in j.adapters}
+        cfg_of = {c.id: c for c in configs}
+        curves = read_evals(run_dir, sign=intermediate_sign(spec))
         new = []
         for row in frame.to_dict("records"):
             cfg = cfg_of.get(row["adapter_id"])
@@ -208,7 +209,7 @@ def record_sweep(prep: PreparedSweep, frame: pd.DataFrame) -> optuna.Study | Non
             params, dists = params_of(spec, cfg, space)
             new.append(optuna.trial.create_trial(
                 state=state, value=value, params=params, distributions=dists,
-                user_attrs=_user_attrs(row, cfg, tp_of.get(cfg.id), prep.run_dir),
+                user_attrs=_user_attrs(row, cfg, tp_of.get(cfg.id), run_dir),
                 intermediate_values=dict(curves.get(cfg.id, {})),
             ))
         with _quiet_optuna():

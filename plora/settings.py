@@ -1,0 +1,112 @@
+"""plora's environment variables, read in one place into typed settings.
+
+Every ``PLORA_*`` variable a plora process reads is named here, with its type and default;
+the code that needs one asks `settings()` (or `Settings.from_env` for the environment of
+another process, such as a job about to start) instead of reading ``os.environ`` itself.
+What the engine *sets* for a job (``PLORA_ATTEMPT``, ``PLORA_HANDED_AT``, ``PLORA_CPUS``)
+uses the same names. The variables are read on each call, never cached, so that a test or a
+job process that changes its environment is seen at once.
+
+``plora.kernels`` (the top-level ``kernels/`` folder) reads ``PLORA_KERNELS`` from here too
+(`plora.kernels.backend_for`, which refuses a value other than auto, torch or triton); this
+module imports nothing of plora, so the kernels depend on nothing else of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+#: plora's cache (GGUF folders, model shapes, model checks; profiles where not overridden)
+CACHE_DIR = "PLORA_CACHE_DIR"
+#: the packed LoRA kernels: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"
+KERNELS = "PLORA_KERNELS"
+#: overrides ``training.cuda_graphs`` (auto, on, off)
+CUDA_GRAPHS = "PLORA_CUDA_GRAPHS"
+#: which attempt of its job a job process is (set by the engine; 1 first)
+ATTEMPT = "PLORA_ATTEMPT"
+#: when a job was handed to the process started ahead for it (set by the engine)
+HANDED_AT = "PLORA_HANDED_AT"
+#: modules or ``.py`` files a job imports to install test hooks (comma-separated)
+TEST_HOOKS = "PLORA_TEST_HOOKS"
+#: 0 (false, no, off) starts every job the ordinary way, without a process started ahead
+SPARE_JOBS = "PLORA_SPARE_JOBS"
+#: 0 leaves each job's threads and cores to the libraries' defaults
+CPU_SHARE = "PLORA_CPU_SHARE"
+#: the cores a job process is bound to (``0-7,32-39``; set by the engine)
+CPUS = "PLORA_CPUS"
+#: seconds between two progress lines of a running job in a log
+LOG_PROGRESS_S = "PLORA_LOG_PROGRESS_S"
+#: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
+REPORT_RUN_DIR = "PLORA_RUN_DIR"
+REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
+
+KERNEL_CHOICES = ("auto", "torch", "triton")
+DEFAULT_LOG_PROGRESS_S = 30.0
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What plora's environment variables say, typed, with their defaults applied."""
+
+    cache_dir: Path
+    #: where profiles are cached: ``$PLORA_CACHE_DIR`` itself where set, else the cache's ``profiles``
+    profile_dir: Path
+    kernels: str
+    cuda_graphs: str | None
+    attempt: int | None
+    handed_at: float | None
+    test_hooks: tuple[str, ...]
+    spare_jobs: bool
+    cpu_share: bool
+    cpus: str | None
+    log_progress_s: float
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if environ is None else environ
+        home = Path.home() / ".cache" / "plora"
+        cache = env.get(CACHE_DIR)
+        kernels = env.get(KERNELS, "auto").strip().lower() or "auto"  # checked where kernels run
+        attempt = env.get(ATTEMPT)
+        return cls(
+            cache_dir=Path(cache).expanduser() if cache else home,
+            profile_dir=Path(cache).expanduser() if cache else home / "profiles",
+            kernels=kernels,
+            cuda_graphs=env.get(CUDA_GRAPHS),
+            attempt=int(attempt) if attempt is not None else None,
+            handed_at=_float(env.get(HANDED_AT)),
+            test_hooks=tuple(n.strip() for n in env.get(TEST_HOOKS, "").split(",") if n.strip()),
+            spare_jobs=env.get(SPARE_JOBS, "1") not in _OFF,
+            cpu_share=env.get(CPU_SHARE, "1").strip() != "0",
+            cpus=env.get(CPUS) or None,
+            log_progress_s=max(0.0, _float(env.get(LOG_PROGRESS_S)) if _float(env.get(LOG_PROGRESS_S)) is not None
+                               else DEFAULT_LOG_PROGRESS_S),
+        )
+
+    @property
+    def job_attempt(self) -> int:
+        """The attempt of a job process (1 where the engine did not launch it)."""
+        return self.attempt if self.attempt is not None else 1
+
+    @property
+    def launched_by_engine(self) -> bool:
+        """Whether this process is a job the engine launched (it sets ``PLORA_ATTEMPT``)."""
+        return self.attempt is not None
+
+
+def _float(text: str | None) -> float | None:
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """This process's settings (or those of ``environ``), read now."""
+    return Settings.from_env(environ)

@@ -1,0 +1,203 @@
+"""Every adapter weight of a packed model in one flat buffer, and the optimizer over it.
+
+After injection (and tensor-parallel sharding, which changes the local shapes), `LoRABank`
+moves each layer's stacked ``a_all``/``bt_all`` into one flat weight buffer and points
+their ``.grad`` at views of one flat gradient buffer: autograd then accumulates every
+layer's gradient in place there, zeroing is one fill, and the per-adapter norms and AdamW
+step are one launch each over the whole pack (`plora.kernels.segments`), not one per
+adapter, layer and tensor. Adapter k owns rows ``row_starts[k]:row_starts[k+1]`` of every
+stacked tensor: 2 × layers contiguous ranges of the buffer.
+
+`PackedAdamW` is AdamW with one learning rate, step count, clipping coefficient and
+"steps now or not" per adapter; its moments are float32 (float64 for float64 weights)
+whatever the weight dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from plora.kernels import adamw_hyperparams, build_segments, segment_sq_norms, segmented_adamw_
+from plora.kernels.segments import HP_COLUMNS
+from plora.train.packed.inject import PackedModel
+
+#: the stacked trainable tensors of a packed layer, in bank order
+STACKED = ("a_all", "bt_all")
+
+
+class LoRABank:
+    """One flat buffer for the weights of every adapter of `pm`, one for their gradients."""
+
+    def __init__(self, pm: PackedModel, share: Callable[[nn.Parameter], float] | None = None):
+        """``share(p)``: the weight of tensor p's squared norm (1 / the number of
+        tensor-parallel ranks that hold the same values); 1 by default."""
+        self.pm = pm
+        self.num_adapters = len(pm.adapters)
+        params = [getattr(layer, which) for layer in pm.layers.values() for which in STACKED]
+        if not params:
+            raise ValueError("the packed model has no LoRA layers")
+        device, dtype = params[0].device, params[0].dtype
+        numel = sum(p.numel() for p in params)
+        self.weights = torch.empty(numel, dtype=dtype, device=device)
+        self.grads = torch.zeros(numel, dtype=dtype, device=device)
+        rows = pm.state.row_starts
+        ranges: list[tuple[int, int, int, float]] = []
+        self._views: list[tuple[nn.Parameter, int]] = []
+        off = 0
+        with torch.no_grad():
+            for p in params:
+                n, width = p.numel(), p.shape[1]
+                w = self.weights[off : off + n].view_as(p)
+                w.copy_(p)
+                p.data = w  # the parameter object stays (optimizer-free bookkeeping keys on it)
+                p.grad = self.grads[off : off + n].view_as(p)
+                weight = share(p) if share is not None else 1.0
+                for k in range(self.num_adapters):
+                    ranges.append((off + rows[k] * width, (rows[k + 1] - rows[k]) * width, k, weight))
+                self._views.append((p, off))
+                off += n
+        self.segments = build_segments(ranges, self.num_adapters, numel, device)
+        self._run_owner: torch.Tensor | None = None  # `zero_grad_where`'s runs, built on first use
+        self._run_lengths: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    def host_states(self, ks: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Adapters ``ks`` in torchtune's LoRA naming (`PackedModel.adapter_state_dict`), as
+        views of one host copy of the whole buffer: one transfer for a leaving group instead
+        of one per tensor of each adapter (a few hundred each), and a copy of its own, so a
+        slot refilled at the next step does not change it. The views share that copy."""
+        host = self.weights.to("cpu", copy=True)
+        rows = self.pm.state.row_starts
+        out: list[dict[str, torch.Tensor]] = [{} for _ in ks]
+        names = [(name, which) for name in self.pm.layers for which in STACKED]
+        for (p, off), (name, which) in zip(self._views, names):
+            stacked = host[off : off + p.numel()].view(p.shape)
+            for state, k in zip(out, ks):
+                part = stacked[rows[k] : rows[k + 1]]
+                if which == "a_all":
+                    state[f"{name}.lora_a.weight"] = part
+                else:
+                    state[f"{name}.lora_b.weight"] = part.t()
+        return out
+
+    def zero_grad(self) -> None:
+        """One fill for the whole pack; the ``.grad`` views stay in place (autograd adds into them)."""
+        self.grads.zero_()
+
+    def zero_grad_where(self, zero: torch.Tensor) -> None:
+        """Zero the gradients of the adapters whose flag is set (bool [K], on the device)
+        and keep the others' (an adapter accumulating over several steps): no host sync, so
+        a CUDA graph can hold it. A fill, not a product: a non-finite gradient is cleared too."""
+        if self._run_owner is None:
+            self._run_owner, self._run_lengths = self._element_runs()
+        flags = torch.cat([zero.to(torch.bool), zero.new_ones(1, dtype=torch.bool)])  # the last: nobody's
+        mask = torch.repeat_interleave(flags[self._run_owner], self._run_lengths, output_size=self.grads.numel())
+        self.grads.masked_fill_(mask, 0)
+
+    def _element_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat buffers as consecutive runs of one owner each (index K: no adapter's)."""
+        owners, lengths, at = [], [], 0
+        for start, n, k, _ in sorted(self.segments.ranges):
+            if start > at:
+                owners.append(self.num_adapters)
+                lengths.append(start - at)
+            owners.append(k)
+            lengths.append(n)
+            at = start + n
+        if at < self.grads.numel():
+            owners.append(self.num_adapters)
+            lengths.append(self.grads.numel() - at)
+        device = self.grads.device
+        return (torch.tensor(owners, dtype=torch.int64, device=device),
+                torch.tensor(lengths, dtype=torch.int64, device=device))
+
+    def check_views(self) -> None:
+        """Raise if a layer's ``.grad`` no longer views the bank (e.g. someone called the
+        model's ``zero_grad(set_to_none=True)``): its gradients would be lost silently."""
+        for p, off in self._views:
+            if p.grad is None or p.grad.data_ptr() != self.grads[off:].data_ptr():
+                raise RuntimeError("a LoRA gradient was detached from the bank's buffer")
+
+    def sq_norms(self, of_weights: bool = False) -> torch.Tensor:
+        """Each adapter's squared L2 norm of its gradient (or weights): a device tensor [K]."""
+        return segment_sq_norms(self.weights if of_weights else self.grads, self.segments)
+
+    def adapter_views(self, buf: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """Adapter k's pieces of a buffer laid out like the bank (tests look in)."""
+        return [buf[s : s + n] for s, n, g, _ in self.segments.ranges if g == k]
+
+
+class PackedAdamW:
+    """AdamW per adapter over a `LoRABank`: one launch per step for the whole pack."""
+
+    def __init__(
+        self,
+        bank: LoRABank,
+        lrs: Sequence[float],
+        weight_decay: float | Sequence[float] = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ):
+        if len(lrs) != bank.num_adapters:
+            raise ValueError(f"one learning rate per adapter: {len(lrs)} for {bank.num_adapters}")
+        self.bank = bank
+        self.lrs = [float(x) for x in lrs]
+        #: each adapter's decoupled weight decay (one number: the same for every adapter)
+        if isinstance(weight_decay, (int, float)):
+            weight_decay = [float(weight_decay)] * bank.num_adapters
+        if len(weight_decay) != bank.num_adapters:
+            raise ValueError(f"one weight decay per adapter: {len(weight_decay)} for {bank.num_adapters}")
+        self.weight_decays = [float(x) for x in weight_decay]
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        acc = torch.float64 if bank.weights.dtype == torch.float64 else torch.float32
+        self.exp_avg = torch.zeros(bank.weights.numel(), dtype=acc, device=bank.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.steps = [0] * bank.num_adapters
+
+    def planned_hyperparams(self, adapters: Sequence[int]) -> torch.Tensor:
+        """The `segmented_adamw_` table (host, float32) as if every adapter in ``adapters``
+        stepped now at its ``self.lrs`` with coefficient 1; `step_where` then keeps the rows
+        that may step and puts in their clipping coefficients, on the device, so a step needs
+        no host sync between the backward and the update (and can run in a CUDA graph)."""
+        b1, b2 = self.betas
+        table = {k: (self.steps[k] + 1, self.lrs[k], self.weight_decays[k], b1, b2, self.eps, 1.0) for k in adapters}
+        return adamw_hyperparams(table, self.bank.num_adapters, "cpu")
+
+    def step_where(self, planned: torch.Tensor, go: torch.Tensor, coef: torch.Tensor) -> None:
+        """Step the adapters whose ``go`` (bool [K], on the device) is set, with gradient
+        coefficients ``coef`` (float [K]); ``planned`` is `planned_hyperparams` on the device.
+        The caller counts the steps taken (`count_steps`) once it has read ``go`` back."""
+        hp = planned.clone()
+        hp[:, 0] *= go.to(hp.dtype)
+        hp[:, HP_COLUMNS.index("grad_coef")] = torch.where(go, coef.to(hp.dtype), 0.0)
+        bank = self.bank
+        segmented_adamw_(bank.weights, bank.grads, self.exp_avg, self.exp_avg_sq, bank.segments, hp)
+
+    def count_steps(self, adapters: Sequence[int]) -> None:
+        for k in adapters:
+            self.steps[k] += 1
+
+    def step(self, coefs: dict[int, float]) -> None:
+        """Step the adapters in ``coefs`` (adapter -> gradient coefficient, 1 without
+        clipping) at their learning rate in ``self.lrs``; every other adapter is left alone."""
+        if not coefs:
+            return
+        ids = list(coefs)
+        device = self.bank.device
+        go = torch.zeros(self.bank.num_adapters, dtype=torch.bool)
+        coef = torch.zeros(self.bank.num_adapters, dtype=torch.float32)
+        go[ids] = True
+        coef[ids] = torch.tensor([float(c) for c in coefs.values()], dtype=torch.float32)
+        self.step_where(self.planned_hyperparams(ids).to(device), go.to(device), coef.to(device))
+        self.count_steps(ids)
+
+    def state_views(self, k: int) -> list[torch.Tensor]:
+        """Adapter k's pieces of both moments."""
+        return self.bank.adapter_views(self.exp_avg, k) + self.bank.adapter_views(self.exp_avg_sq, k)

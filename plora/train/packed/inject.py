@@ -1,0 +1,80 @@
+"""Put packed LoRA layers into a torchtune TransformerDecoder.
+
+Users name target modules the Hugging Face way (`q_proj`, `gate_proj`…); torchtune names
+them differently inside its decoder layers. This module is the one place that knows both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from torch import nn
+
+from plora.train.packed.layer import AdapterSpec, PackedLoRALinear, PackState
+
+#: Hugging Face module name -> (torchtune sub-module, attribute)
+HF_TO_TUNE: dict[str, tuple[str, str]] = {
+    "q_proj": ("attn", "q_proj"),
+    "k_proj": ("attn", "k_proj"),
+    "v_proj": ("attn", "v_proj"),
+    "o_proj": ("attn", "output_proj"),
+    "gate_proj": ("mlp", "w1"),
+    "down_proj": ("mlp", "w2"),
+    "up_proj": ("mlp", "w3"),
+    # Phi-3's fused projections
+    "qkv_proj": ("attn", "qkv_proj"),
+    "gate_up_proj": ("mlp", "gate_up_proj"),
+}
+
+
+class PackedModel:
+    """A base model with packed LoRA layers in it, and the handles a trainer needs."""
+
+    def __init__(self, model: nn.Module, state: PackState, layers: dict[str, PackedLoRALinear]):
+        self.model = model
+        self.state = state
+        self.layers = layers  # tune-style dotted name ("layers.0.attn.q_proj") -> layer
+
+    @property
+    def adapters(self) -> list[AdapterSpec]:
+        return self.state.adapters
+
+    def adapter_state_dict(self, k: int) -> dict[str, "object"]:
+        """Adapter k in torchtune's LoRA naming: `<module>.lora_a.weight` (r, in), `.lora_b.weight` (out, r)."""
+        out = {}
+        for name, layer in self.layers.items():
+            out[f"{name}.lora_a.weight"] = layer.lora_a[k].detach()
+            out[f"{name}.lora_b.weight"] = layer.lora_bt[k].detach().t()
+        return out
+
+
+def inject_packed_lora(
+    model: nn.Module,
+    adapters: Sequence[AdapterSpec],
+    targets: Sequence[str],
+    dropout: float | None = None,
+) -> PackedModel:
+    """Replace every targeted linear of every decoder layer by a packed LoRA layer. Each
+    adapter's dropout is its spec's; ``dropout``, where given, is every adapter's."""
+    if dropout is not None:
+        adapters = [replace(a, dropout=float(dropout)) for a in adapters]
+    unknown = [t for t in targets if t not in HF_TO_TUNE]
+    if unknown:
+        raise ValueError(f"unknown LoRA targets {unknown}; known: {list(HF_TO_TUNE)}")
+    state = PackState(adapters=list(adapters))
+    layers: dict[str, PackedLoRALinear] = {}
+    for i, block in enumerate(model.layers):
+        for target in targets:
+            sub_name, attr = HF_TO_TUNE[target]
+            parent = getattr(block, sub_name)
+            base = getattr(parent, attr, None)
+            if base is None:
+                raise ValueError(f"LoRA target {target!r}: this model has no such layer (layers.{i}.{sub_name}.{attr})")
+            if not isinstance(base, nn.Linear):
+                raise TypeError(f"layers.{i}.{sub_name}.{attr} is {type(base).__name__}, not nn.Linear")
+            name = f"layers.{i}.{sub_name}.{attr}"
+            packed = PackedLoRALinear(base, state, name)
+            setattr(parent, attr, packed)
+            layers[name] = packed
+    return PackedModel(model, state, layers)

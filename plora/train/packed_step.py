@@ -1,0 +1,241 @@
+"""One packed optimizer step of the active adapters, with one host sync (`PackedStep`).
+
+The step's decisions per adapter (a non-finite or too-large loss, a non-finite gradient
+norm, the clipping coefficient) are made on the device (`PackedStep.device_step`); the host
+reads the losses and norms back once and keeps the books (`PackedStep.account`): so the same
+step runs eagerly or replayed from a CUDA graph (`plora.train.step_graph.StepGraph`), its own
+or that of a held composition covering it (the rows this step lacks fed padding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plora.job.config import JobTraining
+from plora.train.adapter_pack import AdapterPack
+from plora.train.adapter_run import AdapterRun
+from plora.train.packed.inject import PackedModel
+from plora.train.packed.head_loss import adapter_loss_sums, adapter_mean_losses, chunk_rows, final_hidden
+from plora.train.packed.rows import LabelParts
+from plora.train.packed.step_batch import StepBatch
+from plora.train.packed.tp import TensorParallel
+from plora.train.row_stream import TrainRows
+from plora.train.step_graph import Composition, StepBuffers, StepGraph, step_inputs
+
+
+@dataclass
+class StepBooks:
+    """What the host's books made of a step: adapters that diverged (with why), and the
+    metrics.jsonl rows of those that stepped."""
+
+    diverged: list[tuple[AdapterRun, str]] = field(default_factory=list)
+    logged: list[dict[str, Any]] = field(default_factory=list)
+
+
+class PackedStep:
+    """Runs packed steps on a pack (`AdapterPack`) over its rows (`TrainRows`)."""
+
+    def __init__(self, pm: PackedModel, pack: AdapterPack, rows: TrainRows, training: JobTraining, *,
+                 device: torch.device, vocab_size: int, row_attention=None, graphs: StepGraph | None = None,
+                 tp: TensorParallel | None = None, scales_in_key: bool = False):
+        self.pm = pm
+        self.pack = pack
+        self.rows = rows
+        #: the model's per-row attention (`install_row_attention`; None: rows are padded)
+        self.row_attention = row_attention
+        self.graphs = graphs
+        self.tp = tp
+        self.device = device
+        self.grad_clip = training.grad_clip
+        self.divergence_loss = training.divergence_loss
+        self.micro_batch_size = training.micro_batch_size
+        self.head_chunk = chunk_rows(int(vocab_size))
+        #: where a capture would bake the adapters' scales in, a graph is only for the scales it saw
+        self.scales_in_key = scales_in_key
+        self.real_tokens = 0  # non-padding tokens trained on (throughput)
+        self.stepped_tokens = 0  # tokens the steps ran, padding included (a covering graph's too)
+
+    def run(self, active: list[AdapterRun], steps_left: int | None) -> list[list[float]]:
+        """One optimizer step of ``active``; what the device reported (`device_step`'s ``out``).
+        ``steps_left``: how many more steps this pack runs as it is (None: a join may change
+        it first)."""
+        parts = self.rows.next_parts(active)
+        rows = [len(p) for p in parts]
+        ids = [r.index for r in active]
+        graphed = self.graphs is not None and self.graphs.enabled
+        self.pack.set_learning_rates(active)
+        planned = self.pack.planned(ids)  # a vacant slot's row says "leave alone"
+        own = self.composition(ids, rows)
+        use, batch = own, None
+        if graphed:
+            use = self.graphs.plan(own, lasts=steps_left)
+            if use != own:
+                batch = self.rows.covered_batch(parts, own, use, self.graphs.held_shapes(use, captured=True))
+                if batch is None:
+                    self.graphs.decline(own)
+                    use = own
+        if batch is None:
+            batch = self.rows.step_batch([x for part in parts for x in part], rows, graphed,
+                               self.graphs.held_shapes(own) if graphed else (),
+                               self.rows.floors(active) if graphed else None)
+        slots = list(use.slots)
+        key = (use, batch.shape)
+        inputs = step_inputs(batch)
+        if self.micro_batch_size is not None:
+            inputs["accum"] = self.accumulation_inputs(active, slots)
+        state = self.pm.state
+
+        def make() -> StepBuffers:
+            buffers = StepBuffers.allocate(key, inputs, planned, slots, self.pack.num_slots, self.device)
+            state.set_batch(slots, batch.segment_tokens, self.device)
+            buffers.meta = state.meta
+            return buffers
+
+        if graphed:
+            def body(b: StepBuffers) -> None:
+                state.use(slots, b.meta)  # an eval since the last step may have cleared it
+                self.device_step(b, batch)
+
+            buffers = self.graphs.run(use, batch.shape, make, (inputs, planned), body, own=own)
+            state.clear()
+        else:
+            buffers = make()
+            try:
+                self.device_step(buffers, batch)
+            finally:
+                state.clear()
+        self.real_tokens += sum(len(x.tokens) for part in parts for x in part)
+        self.stepped_tokens += batch.num_tokens
+        return buffers.out.tolist()
+
+    @staticmethod
+    def accumulation_inputs(active: Sequence[AdapterRun], slots: list[int]) -> torch.Tensor:
+        """What the step needs of each slot's accumulation (float32 [4, slots], the batch's
+        slot order): the label tokens its loss is over (0: this step's own), whether its
+        gradient starts from zero, whether its optimizer may step, and its loss so far. A
+        one-pass adapter (and a vacant slot): 0, 1, 1, 0 (what a step without accumulation does)."""
+        by_slot = {r.index: r for r in active}
+        cols = []
+        for k in slots:
+            r = by_slot.get(k)
+            if r is None or r.parts == 1:
+                cols.append((0.0, 1.0, 1.0, 0.0))
+            else:
+                cols.append((float(r.cycle_labels), float(r.micro == 0), float(r.micro == r.parts - 1), r.partial))
+        return torch.tensor(cols, dtype=torch.float32).t().contiguous()
+
+    def composition(self, ids: list[int], rows: list[int]) -> Composition:
+        """What this step's graph is keyed on besides its batch shape (`Composition`): the
+        slots, their rows, and their scales only where a capture would bake them in."""
+        scales = tuple(self.pack.scale(k) for k in ids) if self.scales_in_key else ()
+        return Composition(tuple(ids), tuple(rows), scales)
+
+    def device_step(self, b: StepBuffers, spec: StepBatch) -> None:
+        """Forward, per-adapter losses, backward, norms, clipping and AdamW, all on the
+        device; results go to ``b.out``. An adapter whose loss is non-finite (or over
+        ``divergence_loss``) or whose gradient norm is non-finite does not step: its rows
+        of the batch are its own (attention, norms and the loss are per row; its LoRA
+        gradients are its own segment), so whatever it computes cannot reach another.
+
+        The LM head and the loss run only where labels are, in chunks (`adapter_mean_losses`);
+        flattened rows attend only within themselves while the step runs (forward and the
+        recomputations of backward). ``spec``: this step's batch on the host (a replayed
+        graph keeps the sizes of the one it was captured with, which ``spec`` shares)."""
+        pm, row_attn, slots = self.pm, self.row_attention, self.pack.num_slots
+        acc = b.inputs.get("accum")  # `accumulation_inputs`; None: every adapter in one pass
+        if acc is None:
+            self.pack.zero_grad()
+        else:  # an adapter mid-batch keeps its gradient; every other one (in the batch or not) starts at 0
+            zero = torch.ones(slots, dtype=torch.bool, device=acc.device)
+            self.pack.zero_grad(zero.index_copy_(0, b.active, acc[1] > 0))
+        # under TP, the parts summed so far stay out of this step's all-reduce
+        held = self.tp.take_reduced_grads() if self.tp is not None and acc is not None else None
+        if pm.state.has_dropout:  # each adapter's masks follow its own step (`plora.train.packed.dropout`)
+            pm.state.set_dropout(b.planned[:, 0], None if spec.flat else int(b.tokens.shape[-1]))
+        try:
+            if spec.flat:
+                row_attn.set(spec.row_lengths, b.inputs.get("cu_seqlens"), spec.max_len)
+            hidden = final_hidden(pm.model, b.tokens, b.inputs.get("positions"))
+            labels = LabelParts(b.inputs["label_index"], b.inputs["label_targets"], spec.labels.sizes,
+                                spec.labels.counts)
+            flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+            if acc is None:
+                losses = torch.stack(adapter_mean_losses(pm.model.output, flat_hidden, labels, self.head_chunk))
+            else:  # a part's loss is over the label tokens of its whole effective batch
+                sums, counts = adapter_loss_sums(pm.model.output, flat_hidden, labels, self.head_chunk)
+                over = torch.where(acc[0] > 0, acc[0], torch.stack(counts).clamp(min=1).to(acc.dtype))
+                losses = torch.stack(sums) / over
+            del hidden, flat_hidden
+            values = losses.detach().float()
+            if self.tp is not None:  # rank 0's losses: one divergence decision on every rank
+                self.tp.broadcast_(values)
+            ok = torch.isfinite(values)
+            total, last = values, None  # the effective batch's loss so far; whether the optimizer may step
+            if acc is not None:
+                total, last = values + acc[3], acc[2] > 0
+            if self.divergence_loss is not None:  # on the whole batch's loss, at its last part
+                within = total <= self.divergence_loss
+                ok &= within if last is None else (within | ~last)
+            torch.where(ok, losses, torch.zeros_like(losses)).sum().backward()
+        finally:
+            if row_attn is not None:
+                row_attn.clear()
+        if self.tp is not None:  # partial gradients of replicated LoRA tensors
+            self.tp.reduce_grads()
+            if held is not None:
+                self.tp.give_back_grads(held)
+        k = slots
+        loss_k = torch.full((k,), float("nan"), dtype=torch.float32, device=values.device)
+        loss_k.index_copy_(0, b.active, total)
+        go = torch.zeros(k, dtype=torch.bool, device=values.device)
+        go.index_copy_(0, b.active, ok if last is None else ok & last)
+        norms = self.pack.sq_norms().sqrt()
+        go &= torch.isfinite(norms)
+        if self.grad_clip is not None:  # as torch's clip_grad_norm_, per adapter
+            coef = (self.grad_clip / (norms + 1e-6)).clamp(max=1.0)
+        else:
+            coef = torch.ones_like(norms)
+        self.pack.step_where(b.planned, go, coef)
+        b.out[0].copy_(loss_k)
+        b.out[1].copy_(norms)
+        b.out[2].copy_(self.pack.sq_norms(of_weights=True).sqrt())
+        b.out[3].zero_().index_copy_(0, b.active, ok.float())
+        b.out[4].copy_(go)
+
+    def account(self, active: list[AdapterRun], step: int, out: list[list[float]]) -> StepBooks:
+        """The host's books after a step, from what `device_step` decided and reported: its
+        decisions are read back, not made again, so the steps counted here are the steps the
+        device took. Adapters that diverged are returned, not removed: leaving the pack is
+        the recipe's."""
+        losses, norms, weight_norms, loss_ok, went = out
+        books = StepBooks()
+        stepped = []
+        for r in active:
+            k = r.index
+            value = losses[k]
+            if not loss_ok[k]:
+                books.diverged.append((r, f"loss {value} at step {r.step}"))
+                continue
+            if r.micro < r.parts - 1:  # a part of its batch: its optimizer steps after the last
+                r.micro += 1
+                r.partial = value  # the batch's loss so far (the device added this part's)
+                continue
+            r.micro, r.cycle, r.cycle_stream, r.partial = 0, [], None, 0.0
+            r.losses.append(value)
+            if not went[k]:
+                books.diverged.append((r, f"gradient norm {norms[k]} at step {r.step}"))
+                continue
+            books.logged.append({"step": step, "adapter": r.id, "adapter_step": r.step, "loss": value,
+                                 "lr": self.pack.learning_rate(k), "grad_norm": norms[k]})
+            stepped.append(r)
+        self.pack.count_steps([r.index for r in stepped])
+        for r in stepped:
+            r.step += 1
+            if not math.isfinite(weight_norms[r.index]):
+                books.diverged.append((r, f"non-finite weights after step {r.step}"))
+        return books

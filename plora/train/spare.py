@@ -1,0 +1,62 @@
+"""A job process waiting for its job: imports the recipe first, then reads one `SpareOrder`
+(after, perhaps, a `PreloadOrder`: the sweep's base model, loaded while it waits).
+
+Started by `plora.engine.spare` ahead of a job, with that job's environment. Once its
+imports are done it prints ``ready`` and blocks on stdin. Given its order it becomes the job exactly as
+``tune run plora/train/packed_lora.py --config job.yaml`` would have run it: in the
+job's folder, with the job's environment, its output appended to the job's log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> int:
+    import torch
+    from torchtune import config as tune_config
+
+    from plora.engine.spare import READY, PreloadOrder, SpareOrder
+    from plora.train import preload
+    from plora.train.packed_lora import _pick_device, leave, recipe_main
+
+    # the imports asked CUDA about the GPU: the spare serves only a job for the GPUs it sees
+    # (`plora.engine.spare.Spare.compatible`)
+    print(READY, flush=True)
+    while True:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0  # let go unused
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            fields = {}
+        if not isinstance(fields, dict) or "config" in fields:
+            break
+        try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
+            ahead = PreloadOrder.model_validate(fields)
+            preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
+                                             _pick_device(ahead.device), ahead.random_init))
+        except Exception:  # noqa: BLE001 - the job loads its own model then
+            pass
+    order = SpareOrder.model_validate_json(line)
+    os.chdir(order.cwd)
+    os.environ.clear()
+    os.environ.update(order.env)
+    fd = os.open(order.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    sys.argv = ["plora/train/packed_lora.py", "--config", order.config]
+    leave(tune_config.parse(recipe_main)())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
