@@ -56,6 +56,7 @@ from typing import Any, Iterable, Sequence
 
 from plora.accumulation import accumulation_steps, micro_rows
 from plora.jobcost import EvalLoad, JobOverheads
+from plora.quantize.cost import base_weight_bytes, dequant_step_bytes, dequant_workspace_bytes
 
 __all__ = [
     "AdapterLoad",
@@ -152,6 +153,8 @@ class ModelShape:
     vocab: int
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    #: the block linears held 4-bit ("nf4", `plora.quantize.cost`); None: in ``dtype_bytes``
+    quantize: str | None = None
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear of one block."""
@@ -192,8 +195,11 @@ class ModelShape:
         """Powers of two up to ``max_tp`` that split attention heads and KV heads evenly.
 
         Sharding attention by heads needs d | n_heads and d | n_kv_heads; a degree that
-        splits a head would change the computation, so it is not offered.
+        splits a head would change the computation, so it is not offered. A quantized base
+        runs at degree 1 only (`plora.quantize.cost.check_tp`).
         """
+        if self.quantize:
+            return (1,)
         out, d = [], 1
         while d <= max_tp:
             if self.n_heads % d == 0 and self.n_kv_heads % d == 0:
@@ -202,7 +208,10 @@ class ModelShape:
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["quantize"] is None:  # absent when off: keys of earlier profiles stay valid
+            del out["quantize"]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelShape":
@@ -550,6 +559,10 @@ class CostModel:
           * ``c_bkt``: each rank bucket's kernel launches in every adapted layer.
           * ``c0``: streaming the weights from HBM once per pass, the per-layer kernel
             launches, all-reduce latency and a fixed per-step overhead.
+        A quantized base (``shape.quantize``) holds its block linears in NF4 and dequantizes
+        each for every product (`plora.quantize.cost`): its weights' bytes shrink, one
+        dequantized linear's workspace is added to the base, and ``c0`` streams the
+        dequantize's bytes in each pass.
         Memory follows PLoRA Appendix B with activation checkpointing: the inputs of
         every layer are kept (replicated across TP ranks), one layer's activations
         are live while it is recomputed (its head/MLP parts sharded), and the logits
@@ -585,6 +598,8 @@ class CostModel:
             live_rep, live_shard = live_rep * L, live_shard * L
         lora_act = len(names) * dt * (1 if ckpt else L)  # shrink outputs, per rank and token
 
+        weight_bytes = base_weight_bytes(shape) + dequant_workspace_bytes(shape)
+        dequant_bytes = dequant_step_bytes(shape, 2 + ckpt)
         time: dict[int, TimeCoeffs] = {}
         memory: dict[int, MemoryCoeffs] = {}
         for d in degrees:
@@ -594,14 +609,15 @@ class CostModel:
                 c0=(2 + ckpt) * shape.n_params * dt / (d * device_bandwidth)
                 + launches * kernel_launch_s
                 + (allreduces * allreduce_latency_s if d > 1 else 0.0)
-                + step_overhead_s,
+                + step_overhead_s
+                + dequant_bytes / (d * device_bandwidth),
                 c_tok=base_flops / (d * device_flops * mfu) + lora_bytes / (d * device_bandwidth) + comm_tok,
                 c_rtok=lora_flops / (d * device_flops * lora_efficiency),
                 c_ad=8 * kernel_launch_s,
                 c_bkt=L * len(names) * 6 * kernel_launch_s,  # 2 forward + ~4 backward launches per layer
             )
             memory[d] = MemoryCoeffs(
-                base=shape.n_params * dt / d + overhead_bytes,
+                base=weight_bytes / d + overhead_bytes,
                 adapter=adapter_overhead_bytes,
                 rank=(2.0 * dt + 8.0) * (p_rep + p_shard / d),
                 tok=kept_inputs + live_rep + live_shard / d + shape.vocab * logits_bytes_per_vocab / d,

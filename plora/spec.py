@@ -345,6 +345,18 @@ class ModelConfig(_Model):
     family: Literal["auto", "llama", "qwen2", "mistral"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_seq_len: int = Field(64, ge=8)
+    #: the frozen block linears held 4-bit (QLoRA's NF4, `plora.quantize`); None: in ``dtype``
+    quantize: Optional[str] = None
+
+    @field_validator("quantize")
+    @classmethod
+    def _check_quantize(cls, v: Optional[str]) -> Optional[str]:
+        from plora.quantize.cost import check_quantize
+
+        try:
+            return check_quantize(v)
+        except ValueError as e:
+            raise _Issue(str(e)) from None
 
     @field_validator("path")
     @classmethod

@@ -220,7 +220,7 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> Any:
     from plora.cpu_cost import cpu_cost_model
     from plora.profiling.cache import shape_from_model
 
-    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
+    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype, spec.model.quantize)
     targets = list(spec.lora.resolved_targets())
     seq = spec.model.max_seq_len
     if hw.gpu:
@@ -464,7 +464,8 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
         device=spec.hardware.device,
         num_threads=1 if spec.hardware.device == "cpu" else None,
         model=JobModel(path=str(spec.model.resolved_path()), family=spec.model.family, dtype=spec.model.dtype,
-                       max_seq_len=spec.model.max_seq_len, random_init=spec.model.random_init),
+                       max_seq_len=spec.model.max_seq_len, random_init=spec.model.random_init,
+                       quantize=spec.model.quantize),
         data=data_config(spec),
         lora=JobLora(targets=adapter_targets(spec, adapters), dropout=spec.lora.dropout),
         adapters=[job_adapter(spec, a, steps[a.id], rungs) for a in adapters],

@@ -58,15 +58,18 @@ Log = Callable[[str], None]
 def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype: str, device: str,
                      targets: Sequence[str], family: str = "auto", dropout: float = 0.0,
                      output_dir: str | Path = ".", num_threads: int | None = None,
-                     activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> JobConfig:
-    """The recipe config of a probe: a random-init model, fixed-length synthetic rows."""
+                     activation_checkpointing: bool = False, cuda_graphs: Any = "auto",
+                     quantize: str | None = None) -> JobConfig:
+    """The recipe config of a probe: a random-init model (its block linears held as
+    ``quantize`` says), fixed-length synthetic rows."""
     return JobConfig(
         job_id=f"probe-{probe.name}",
         output_dir=Path(output_dir),
         device=device,
         num_threads=num_threads,
         seed=0,
-        model=JobModel(path=str(model_dir), family=family, max_seq_len=int(seq_len), dtype=dtype, random_init=True),
+        model=JobModel(path=str(model_dir), family=family, max_seq_len=int(seq_len), dtype=dtype, random_init=True,
+                       quantize=quantize),
         data=JobData(synthetic=SyntheticRows(seq_len=int(seq_len), num_samples=max(16, max(probe.batch_sizes)))),
         lora=JobLora(targets=list(targets), dropout=float(dropout)),
         adapters=[
@@ -97,6 +100,7 @@ def run_probe(
     num_threads: int | None = None,
     activation_checkpointing: bool = False,
     cuda_graphs: Any = "auto",
+    quantize: str | None = None,
 ) -> Measurement:
     """Build a fresh packed job of ``probe``'s adapters, run warm-up and timed steps.
 
@@ -120,7 +124,8 @@ def run_probe(
     with tempfile.TemporaryDirectory(prefix="plora-probe-") as tmp:
         cfg = probe_job_config(model_dir, probe, seq_len=seq_len, dtype=dtype, device=device, targets=targets,
                                family=family, dropout=dropout, output_dir=tmp, num_threads=num_threads,
-                               activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
+                               activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs,
+                               quantize=quantize)
         recipe = None
         try:
             t0 = time.perf_counter()

@@ -1,0 +1,255 @@
+"""QLoRA (``model.quantize: nf4``): the block linears of the base held in torchao's NF4.
+
+Tolerances:
+- packed against alone, both on the same NF4 base (the recipe, float32, a few AdamW steps):
+  the invariant of `test_packed` (2e-6 absolute on the adapters' weights). The quantized
+  base is the same tensor in both runs (NF4 is deterministic), so only summation order can
+  differ; on this CPU the two come out bit-equal.
+- the packed layer against torchtune's own QLoRA layer (`LoRALinear(..., quantize_base=True)`,
+  the same NF4 weight: the codes are compared bit for bit): relative to the largest
+  reference value, float32 within `REL32` (measured: y 0, dx 3e-7, dA 3e-7, dB 8e-8),
+  bfloat16 within `REL16` (measured: y 4.4e-3, dx 4.2e-3, dA 3.4e-3, dB 5.3e-3, about one
+  bfloat16 ulp: the packed kernels accumulate their token sums in float32 and add the LoRA
+  term into the base output, torchtune rounds each product to bfloat16 and then adds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import adapter_weights, job_config, max_weight_diff
+
+ATOL = 2e-6
+REL32 = 1e-5
+REL16 = 2e-2
+
+ADAPTERS = [
+    dict(id="r2", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=11, steps=6),
+    dict(id="r4", rank=4, alpha=2.0, learning_rate=3e-3, batch_size=3, seed=12, steps=4),
+    dict(id="r8", rank=8, alpha=16.0, learning_rate=1e-3, batch_size=1, seed=13, steps=5),
+]
+
+
+def _nf4_cfg(model, data, out, adapters, **over):
+    cfg = job_config(model, data, out, adapters, **over)
+    cfg["eval"]["max_eval_samples"] = 4
+    cfg["model"]["quantize"] = "nf4"
+    return cfg
+
+
+# ------------------------------------------------------------------ the spec field
+def test_spec_field_round_trips_and_a_bad_value_is_one_line():
+    import yaml
+
+    from plora.spec import SpecError, parse_spec
+
+    s = parse_spec({"name": "q", "model": {"quantize": "nf4"}})
+    assert s.model.quantize == "nf4"
+    dumped = yaml.safe_load(yaml.safe_dump(s.model_dump(mode="json")))
+    assert dumped["model"]["quantize"] == "nf4"
+    assert parse_spec(dumped).model.quantize == "nf4"
+    assert parse_spec({"name": "q"}).model.quantize is None  # off by default
+    assert parse_spec({"name": "q", "model": {"quantize": "none"}}).model.quantize is None
+    for bad in ("int4", "fp4", 4):
+        with pytest.raises(SpecError) as e:
+            parse_spec({"name": "q", "model": {"quantize": bad}})
+        text = str(e.value)
+        assert text.startswith("model.quantize") and len(text.splitlines()) == 1, text
+
+
+# ------------------------------------------------------------------ the layer
+def _against_torchtune(dtype):
+    from torchao.dtypes.nf4tensor import to_nf4
+    from torchtune.modules.peft import LoRALinear
+
+    from plora.packed.layer import AdapterSpec, PackedLoRALinear, PackState
+    from plora.quantize.nf4 import to_nf4_weight
+
+    d_in, d_out = 128, 256  # 32768 weights: torchao's default blocks (64, 256) as they are
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(d_out, d_in, generator=g) * 0.05).to(dtype)
+    ref = LoRALinear(d_in, d_out, rank=4, alpha=8.0, quantize_base=True)
+    ref.weight = nn.Parameter(to_nf4(w), requires_grad=False)  # what torchtune's builders hold
+    ref.lora_a.weight.data = (torch.randn(4, d_in, generator=g) * 0.1).to(dtype)
+    ref.lora_b.weight.data = (torch.randn(d_out, 4, generator=g) * 0.1).to(dtype)
+
+    lin = nn.Linear(d_in, d_out, bias=False).to(dtype)
+    lin.weight = nn.Parameter(to_nf4_weight(w), requires_grad=False)
+    assert torch.equal(lin.weight.quantized_data, ref.weight.quantized_data)
+    assert torch.equal(lin.weight.quantized_scalers, ref.weight.quantized_scalers)
+    state = PackState(adapters=[AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 8, 8.0, 3)])
+    layer = PackedLoRALinear(lin, state, "layers.0.attn.q_proj")
+    assert layer.a_all.dtype == dtype and type(layer.a_all) is nn.Parameter  # adapters: plain, the model's dtype
+    with torch.no_grad():
+        layer.lora_a[1].copy_(ref.lora_a.weight)
+        layer.lora_bt[1].copy_(ref.lora_b.weight.t())
+        for k in (0, 2):
+            layer.lora_bt[k].copy_(torch.randn(layer.lora_bt[k].shape, generator=g) * 0.1)
+    rows = [3, 5, 2]  # adapter "b" owns rows 3:8
+    x = torch.randn(sum(rows), d_in, generator=g).to(dtype)
+    state.set_batch([0, 1, 2], rows, "cpu")
+    xp, xr = x.clone().requires_grad_(True), x[3:8].clone().requires_grad_(True)
+    y, yr = layer(xp), ref(xr)
+    dy = torch.randn(y.shape, generator=g).to(dtype)
+    y.backward(dy)
+    yr.backward(dy[3:8])
+
+    def rel(a, b):
+        a, b = a.detach().float(), b.detach().float()
+        return float((a - b).abs().max() / b.abs().max())
+
+    return {"y": rel(y[3:8], yr), "dx": rel(xp.grad[3:8], xr.grad), "dA": rel(layer.a_all.grad[2:6], ref.lora_a.weight.grad),
+            "dB": rel(layer.bt_all.grad[2:6], ref.lora_b.weight.grad.t())}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, REL32), (torch.bfloat16, REL16)])
+def test_packed_layer_matches_torchtunes_qlora_layer(dtype, tol):
+    errs = _against_torchtune(dtype)
+    print(dtype, errs)
+    assert max(errs.values()) <= tol, errs
+
+
+def test_quantize_base_holds_every_block_linear_in_nf4(tiny_model):
+    from torchao.dtypes.nf4tensor import NF4Tensor
+
+    from plora.models import load_base_model
+    from plora.packed.inject import inject_packed_lora
+    from plora.packed.layer import AdapterSpec
+    from plora.quantize.nf4 import dense_weight, quantize_base
+
+    model, _ = load_base_model(tiny_model, max_seq_len=32)
+    dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pm = inject_packed_lora(model, [AdapterSpec("a", 2, 4.0, 1)], ["q_proj", "v_proj"])
+    report = quantize_base(pm.model, "nf4")
+    assert len(report.quantized) == 2 * 7 and not report.dense  # targeted or not, like torchtune's builders
+    assert report.bytes_after < 0.2 * report.bytes_before  # float32 -> about 0.52 byte a weight (+ tiny tensors)
+    for name, p in pm.model.named_parameters():
+        if name.endswith("lora_a") or "a_all" in name or "bt_all" in name:
+            assert not isinstance(p, NF4Tensor) and p.dtype == torch.float32 and p.requires_grad
+    q = pm.layers["layers.0.attn.q_proj"].base.weight
+    assert isinstance(q, NF4Tensor) and not q.requires_grad
+    assert isinstance(pm.model.layers[1].mlp.w2.weight, NF4Tensor)  # not targeted: quantized too
+    assert not isinstance(pm.model.output.weight, NF4Tensor)  # the head and embeddings stay
+    assert not isinstance(pm.model.tok_embeddings.weight, NF4Tensor)
+    err = float((dense_weight(q) - dense["layers.0.attn.q_proj.weight"]).abs().max())
+    assert 0 < err < 0.2 * float(dense["layers.0.attn.q_proj.weight"].abs().max())  # 4-bit, not a copy
+
+
+# ------------------------------------------------------------------ packed = alone
+@pytest.fixture(scope="module")
+def nf4_packed(tiny_model, reverse_data, tmp_path_factory):
+    from plora.recipes.packed_lora import PackedLoRARecipe
+
+    out = tmp_path_factory.mktemp("nf4-packed")
+    recipe = PackedLoRARecipe(_nf4_cfg(tiny_model, reverse_data, out, ADAPTERS))
+    summary = recipe.run()
+    return out, summary, recipe
+
+
+def test_packed_qlora_equals_qlora_alone(nf4_packed, tiny_model, reverse_data, tmp_path):
+    from plora.recipes.packed_lora import PackedLoRARecipe
+
+    out, summary, recipe = nf4_packed
+    assert set(summary["adapters"].values()) == {"done"}
+    assert recipe.quantized.quantized and not recipe.quantized.dense
+    worst = 0.0
+    for a in ADAPTERS:
+        PackedLoRARecipe(_nf4_cfg(tiny_model, reverse_data, tmp_path / a["id"], [a])).run()
+        packed_w, alone_w = adapter_weights(out, a["id"]), adapter_weights(tmp_path / a["id"], a["id"])
+        assert max(float(v.abs().max()) for v in packed_w.values()) > 1e-3  # it trained
+        worst = max(worst, max_weight_diff(packed_w, alone_w))
+    print("packed vs alone (nf4):", worst)
+    assert worst <= ATOL
+    # the same adapter on the dense base is another adapter: the base really was 4-bit
+    dense = tmp_path / "dense"
+    cfg = _nf4_cfg(tiny_model, reverse_data, dense, ADAPTERS[:1])
+    cfg["model"].pop("quantize")
+    PackedLoRARecipe(cfg).run()
+    assert max_weight_diff(adapter_weights(out, "r2"), adapter_weights(dense, "r2")) > 100 * ATOL
+
+
+def test_adapters_of_a_quantized_base_say_so_and_load_in_peft(nf4_packed, tiny_model):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from plora.quantize.export import NOTE_FILE, read_base_note
+
+    out = nf4_packed[0] / "adapters" / "r4"
+    note = read_base_note(out)
+    assert note["quant_method"] == "nf4" and note["bits"] == 4 and note["load_in_4bit"] is True
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and NOTE_FILE not in cfg  # an ordinary PEFT config
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model)
+    model = peft.PeftModel.from_pretrained(base, str(out))
+    x = torch.randint(4, 40, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(input_ids=x).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=x).logits
+    assert float((got - plain).abs().max()) > 1e-5  # the adapter is applied
+
+
+def test_tensor_parallel_jobs_refuse_a_quantized_base(tiny_model, reverse_data, tmp_path):
+    from pydantic import ValidationError
+
+    from plora.jobconfig import JobConfig
+
+    with pytest.raises(ValidationError, match="tensor parallelism"):
+        JobConfig.parse(dict(_nf4_cfg(tiny_model, reverse_data, tmp_path, ADAPTERS[:1]), tp=2))
+    JobConfig.parse(dict(_nf4_cfg(tiny_model, reverse_data, tmp_path, ADAPTERS[:1]), tp=1))
+
+
+# ------------------------------------------------------------------ the cost model
+def test_cost_model_prices_the_nf4_base_and_plans_one_gpu_jobs():
+    from dataclasses import replace
+
+    from plora.costmodel import AdapterLoad, CostModel, ModelShape
+    from plora.quantize.cost import base_weight_bytes, nf4_bytes_per_weight, quantized_params
+
+    assert nf4_bytes_per_weight(2) == pytest.approx(0.5 + 1 / 64 + 2 / 16384)
+    bf16 = ModelShape.preset("qwen2.5-7b")
+    nf4 = replace(bf16, quantize="nf4")
+    assert bf16.tp_degrees() == (1, 2, 4) and nf4.tp_degrees() == (1,)  # TP refused for nf4
+    assert 0.85 < quantized_params(bf16) / bf16.n_params < 0.95  # the block linears; head and embeddings stay
+    assert base_weight_bytes(nf4) < 0.4 * base_weight_bytes(bf16)
+    gpu = 80 * 2**30
+    dense_cm = CostModel.analytic(bf16, 512, gpu, "all-linear")
+    nf4_cm = CostModel.analytic(nf4, 512, gpu, "all-linear")
+    assert nf4_cm.degrees == (1,)
+    saved = dense_cm.memory_base(1) - nf4_cm.memory_base(1)
+    assert 8e9 < saved < base_weight_bytes(bf16)  # ~10 GB of 15 GB freed (less the dequantize workspace)
+    a = AdapterLoad("a", 16, 1, 100)
+    fits = {name: max(k for k in range(1, 400) if cm.fits([a] * k, 1)) for name, cm in
+            (("bf16", dense_cm), ("nf4", nf4_cm))}
+    assert fits["nf4"] > fits["bf16"]
+    assert nf4_cm.step_time([a] * 4, 1) > dense_cm.step_time([a] * 4, 1)  # the dequantize is priced
+    # the profile and calibration cache keys tell the two apart; an unquantized key is as before
+    from plora.profiling.cache import cache_path, profile_key
+
+    kw = dict(seq_len=512, dtype="bfloat16", device_name="H100", backend="triton", targets=["q_proj"])
+    assert "quantize" not in bf16.to_dict()
+    assert cache_path(profile_key(bf16, **kw)) != cache_path(profile_key(nf4, **kw))
+    assert ModelShape.from_dict(nf4.to_dict()) == nf4
+
+
+def test_a_sweeps_cost_model_and_cache_follow_model_quantize(tmp_path):
+    import yaml
+
+    from plora.profiling.cache import calibration_path, sweep_cache_path
+    from plora.spec import load_spec
+    from plora.sweep import analytic_prior, hardware_for
+
+    def spec(**model):
+        data = {"name": "q", "model": {"path": "builtin:tiny-llama", "max_seq_len": 48, **model},
+                "hardware": {"device": "cpu"}}
+        path = tmp_path / f"space-{len(model)}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return load_spec(path)
+
+    dense, nf4 = spec(), spec(quantize="nf4")
+    assert sweep_cache_path(dense) != sweep_cache_path(nf4)
+    assert calibration_path(dense) != calibration_path(nf4)
+    hw = hardware_for(dense)
+    assert analytic_prior(nf4, hw).memory_base(1) < analytic_prior(dense, hw).memory_base(1)
