@@ -253,3 +253,77 @@ def test_a_sweeps_cost_model_and_cache_follow_model_quantize(tmp_path):
     assert calibration_path(dense) != calibration_path(nf4)
     hw = hardware_for(dense)
     assert analytic_prior(nf4, hw).memory_base(1) < analytic_prior(dense, hw).memory_base(1)
+
+
+# ------------------------------------------------------------------ a whole sweep
+@pytest.fixture(scope="module")
+def nf4_sweep(tmp_path_factory):
+    import yaml
+    from typer.testing import CliRunner
+
+    from plora.cli import app
+
+    tmp = tmp_path_factory.mktemp("nf4-sweep")
+    space = {
+        "name": "qlora",
+        "model": {"path": "builtin:tiny-llama", "max_seq_len": 48, "quantize": "nf4"},
+        "data": {"task": "builtin:shift", "num_train": 16, "num_eval": 4},
+        "lora": {"targets": "all-linear"},
+        "space": {"strategy": "list", "configs": [
+            {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
+            {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8}]},
+        "training": {"steps": 3},
+        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
+        "hardware": {"device": "cpu"},
+        "output": {"dir": str(tmp / "runs")},
+    }
+    path = tmp / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLORA_CACHE_DIR", str(tmp / "cache"))
+        result = CliRunner().invoke(app, ["sweep", str(path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return tmp / "runs" / "qlora"
+
+
+def test_a_sweep_with_an_nf4_base_exports_adapters_peft_loads(nf4_sweep, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import pandas as pd
+    import yaml
+    from typer.testing import CliRunner
+
+    from plora.cli import app
+    from plora.quantize.export import read_base_note
+    from plora.spec import ASSETS_DIR
+
+    run = nf4_sweep
+    assert yaml.safe_load((run / "spec.yaml").read_text())["model"]["quantize"] == "nf4"
+    frame = pd.read_parquet(run / "results.parquet")
+    assert set(frame.status) == {"done"} and len(frame) == 2
+    adapter = frame.adapter_id.iloc[0]
+    jobs = [yaml.safe_load(p.read_text()) for p in (run / "jobs").glob("*/job.yaml")]
+    assert jobs and all(j["model"]["quantize"] == "nf4" and (j.get("tp") or 1) == 1 for j in jobs)
+
+    out = tmp_path / "peft"
+    result = CliRunner().invoke(app, ["export", str(run), adapter, "-o", str(out)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert read_base_note(out)["quant_method"] == "nf4"
+    base_dir = ASSETS_DIR / "tiny-llama"
+    x = torch.randint(4, 40, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with_adapter = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base_dir), str(out)).eval()(input_ids=x).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()(input_ids=x).logits
+    assert float((with_adapter - plain).abs().max()) > 1e-5
+
+    # merged: into the unquantized base weights of the model folder (a full-precision model)
+    merged_dir = tmp_path / "merged"
+    result = CliRunner().invoke(app, ["export", str(run), adapter, "--merge", "-o", str(merged_dir)],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert read_base_note(merged_dir) is None
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert merged.dtype == torch.float32
+    with torch.no_grad():
+        assert float((merged(input_ids=x).logits - with_adapter).abs().max()) < 1e-4
