@@ -327,3 +327,29 @@ def test_a_sweep_with_an_nf4_base_exports_adapters_peft_loads(nf4_sweep, tmp_pat
     assert merged.dtype == torch.float32
     with torch.no_grad():
         assert float((merged(input_ids=x).logits - with_adapter).abs().max()) < 1e-4
+
+
+# ------------------------------------------------------------------ the benchmark's path
+def test_bench_qlora_smoke(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from plora.step_settings import CUDA_GRAPHS_ENV
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_qlora.py"
+    spec = importlib.util.spec_from_file_location("bench_qlora", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv(CUDA_GRAPHS_ENV, "off")  # restored after: the script sets it
+    monkeypatch.setattr(sys, "argv", ["bench_qlora.py", "--smoke", "--smoke-oom-above", "2", "--out", str(tmp_path)])
+    bench.main()
+    result = json.loads((tmp_path / "qlora.json").read_text())
+    (cap,) = result["caps"]
+    for name in ("bf16", "nf4"):
+        v = cap["variants"][name]
+        assert v["largest"] == 2 and v["predicted"] >= 1
+        assert any("oom" in t for t in v["tries"])  # the out-of-memory path ran and was survived
+        assert cap["common"][name]["ok"] and cap["common"][name]["per_row_ms"] > 0
+    assert cap["largest_ratio"] == 1.0 and "per_row_ratio" in cap
+    assert "| nf4 |" in (tmp_path / "qlora.md").read_text()
