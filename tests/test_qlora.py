@@ -234,6 +234,23 @@ def test_cost_model_prices_the_nf4_base_and_plans_one_gpu_jobs():
     assert ModelShape.from_dict(nf4.to_dict()) == nf4
 
 
+def test_profile_probes_run_on_the_quantized_base(tiny_model, monkeypatch):
+    import plora.quantize.nf4 as nf4
+    from plora.profiling.measure import probe_job_config, run_probe
+    from plora.profiling.probes import Probe
+
+    calls = []
+    real = nf4.quantize_base
+    monkeypatch.setattr(nf4, "quantize_base", lambda model, method: calls.append(method) or real(model, method))
+    probe = Probe("p", (2, 4), (1, 2))
+    cfg = probe_job_config(tiny_model, probe, seq_len=32, dtype="float32", device="cpu", targets=["q_proj"],
+                           quantize="nf4")
+    assert cfg.model.quantize == "nf4"
+    m = run_probe(tiny_model, probe, seq_len=32, dtype="float32", device="cpu", targets=["q_proj", "v_proj"],
+                  warmup=1, iters=2, num_threads=1, quantize="nf4")
+    assert calls == ["nf4"] and not m.oom and not m.error and m.step_time > 0
+
+
 def test_a_sweeps_cost_model_and_cache_follow_model_quantize(tmp_path):
     import yaml
 
@@ -273,7 +290,7 @@ def nf4_sweep(tmp_path_factory):
             {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4},
             {"rank": 4, "alpha": 4, "learning_rate": 3e-3, "batch_size": 8}]},
         "training": {"steps": 3},
-        "eval": {"max_new_tokens": 2, "metrics": ["loss"]},
+        "eval": {"max_new_tokens": 2, "metrics": ["loss", "exact_match"]},  # generation on the NF4 base too
         "hardware": {"device": "cpu"},
         "output": {"dir": str(tmp / "runs")},
     }

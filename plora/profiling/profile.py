@@ -151,7 +151,8 @@ def profile_model(
         t_job = time.time()
         run = run_job_probe(model_dir, seq_len=seq_len, dtype=dtype, device=device, targets=names, family=family,
                             dropout=dropout, random_init=random_init,
-                            activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
+                            activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs,
+                            quantize=shape.quantize)
         from plora.engine import spare
 
         spare.discard()  # one the probe did not take (whoever runs jobs next starts their own)
