@@ -370,3 +370,30 @@ def test_bench_qlora_smoke(tmp_path, monkeypatch):
         assert cap["common"][name]["ok"] and cap["common"][name]["per_row_ms"] > 0
     assert cap["largest_ratio"] == 1.0 and "per_row_ratio" in cap
     assert "| nf4 |" in (tmp_path / "qlora.md").read_text()
+
+
+def test_the_planner_never_gives_a_quantized_base_tensor_parallelism(tmp_path):
+    import yaml
+
+    from plora.spec import load_spec
+    from plora.sweep import Hardware, prepare
+
+    def plan(quantize, baseline=None):
+        data = {"name": "p", "model": {"path": "shape:qwen2.5-7b", "max_seq_len": 512,
+                                       **({"quantize": quantize} if quantize else {})},
+                "data": {"task": "builtin:shift", "num_train": 64, "num_eval": 4}, "lora": {"targets": "all-linear"},
+                "space": {"strategy": "grid", "rank": [16], "alpha": [32], "learning_rate": [1e-4, 2e-4, 3e-4, 4e-4],
+                          "batch_size": [1, 2]},
+                "training": {"epochs": 1}, "eval": {"metrics": ["loss"]}, "hardware": {"device": "cuda", "gpus": 4},
+                "planner": {"baseline": baseline} if baseline else {}, "output": {"dir": str(tmp_path / "runs")}}
+        (tmp_path / "s.yaml").write_text(yaml.safe_dump(data))
+        prep = prepare(load_spec(tmp_path / "s.yaml"), hardware=Hardware(True, 4, 80 * 2**30, local=False))
+        return [j.tp for j in prep.plan.jobs], prep.cost_model.degrees
+
+    # the same sweep on a bfloat16 base is planned on several GPUs a job (packed: TP 4 here)
+    tps, degrees = plan(None)
+    assert degrees == (1, 2, 4) and max(tps) > 1
+    assert set(plan(None, "max_gpu")[0]) == {4}
+    tps, degrees = plan("nf4")
+    assert degrees == (1,) and set(tps) == {1}
+    assert set(plan("nf4", "max_gpu")[0]) == {1}

@@ -68,13 +68,13 @@ from plora.models import ModelError
 from plora.packed.bank import LoRABank, PackedAdamW
 from plora.packed.head_loss import adapter_loss_sums, adapter_mean_losses, chunk_rows, final_hidden
 from plora.packed.inject import inject_packed_lora
-from plora.quantize.cost import check_tp
 from plora.packed.layer import AdapterSpec
 from plora.packed.rows import LabelParts
 from plora.packed.slots import NewAdapter, refill_slot, relayout
 from plora.packed.step_batch import StepBatch, build_step_batch, row_labels
 from plora.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.packed.varlen_attention import install_row_attention
+from plora.quantize.cost import check_tp
 from plora.recipes import preload
 from plora.recipes.adapter_writer import AdapterWriter
 from plora.recipes.checkpoint import JobCheckpointer
