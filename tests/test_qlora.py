@@ -124,7 +124,13 @@ def test_quantize_base_holds_every_block_linear_in_nf4(tiny_model):
     model, _ = load_base_model(tiny_model, max_seq_len=32)
     dense = {n: p.detach().clone() for n, p in model.named_parameters()}
     pm = inject_packed_lora(model, [AdapterSpec("a", 2, 4.0, 1)], ["q_proj", "v_proj"])
+    import gc
+    import weakref
+
+    gone = [weakref.ref(pm.layers["layers.0.attn.q_proj"].base.weight), weakref.ref(pm.model.layers[1].mlp.w2.weight)]
     report = quantize_base(pm.model, "nf4")
+    gc.collect()
+    assert all(r() is None for r in gone)  # the dense weights are freed, not kept beside the NF4 ones
     assert len(report.quantized) == 2 * 7 and not report.dense  # targeted or not, like torchtune's builders
     assert report.bytes_after < 0.2 * report.bytes_before  # float32 -> about 0.52 byte a weight (+ tiny tensors)
     for name, p in pm.model.named_parameters():
