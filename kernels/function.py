@@ -58,11 +58,17 @@ def _ops(name: str):
     return reference.lora_forward_ref, reference.lora_backward_ref
 
 
+def _dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a frozen base held 4-bit (torchao's NF4Tensor, `plora.quantize`) is dequantized for
+    # this one product; the LoRA side never sees it
+    return weight.to(dtype) if hasattr(weight, "get_original_weight") else weight
+
+
 class _PackedLoRA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, A, B, lora_x, meta: LoRAMeta, backend: str):
         if weight is not None:
-            y = F.linear(x, weight, bias)
+            y = F.linear(x, _dense(weight, x.dtype), bias)
         else:
             y = torch.zeros(x.shape[0], B.shape[1], dtype=x.dtype, device=x.device)
         xl = x if lora_x is None else lora_x
@@ -81,7 +87,7 @@ class _PackedLoRA(torch.autograd.Function):
         dy = dy.contiguous()
         dx = None
         if need_x:
-            dx = dy @ weight if weight is not None else torch.zeros_like(xl)
+            dx = dy @ _dense(weight, dy.dtype) if weight is not None else torch.zeros_like(xl)
         dA = dB = dlx = None
         if ctx.active and (need_a or need_b or need_x or need_lx):
             _, bwd = _ops(ctx.backend)

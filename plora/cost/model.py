@@ -58,6 +58,7 @@ from plora.data.accumulation import accumulation_steps, micro_rows
 from plora.cost.job import EvalLoad, JobOverheads
 from plora.models.families.targets import resolve_lora_targets
 from plora.models.shape import ModelShape
+from plora.quantize.cost import base_weight_bytes, dequant_step_bytes, dequant_workspace_bytes
 
 __all__ = [
     "AdapterLoad",
@@ -517,6 +518,10 @@ class CostModel:
           * ``c_bkt``: each rank bucket's kernel launches in every adapted layer.
           * ``c0``: streaming the weights from HBM once per pass, the per-layer kernel
             launches, all-reduce latency and a fixed per-step overhead.
+        A quantized base (``shape.quantize``) holds its block linears in NF4 and dequantizes
+        each for every product (`plora.quantize.cost`): its weights' bytes shrink, one
+        dequantized linear's workspace is added to the base, and ``c0`` streams the
+        dequantize's bytes in each pass.
         Memory follows PLoRA Appendix B with activation checkpointing: the inputs of
         every layer are kept (replicated across TP ranks), one layer's activations
         are live while it is recomputed (its head/MLP parts sharded), and the logits
@@ -552,6 +557,8 @@ class CostModel:
             live_rep, live_shard = live_rep * L, live_shard * L
         lora_act = len(names) * dt * (1 if ckpt else L)  # shrink outputs, per rank and token
 
+        weight_bytes = base_weight_bytes(shape) + dequant_workspace_bytes(shape)
+        dequant_bytes = dequant_step_bytes(shape, 2 + ckpt)
         time: dict[int, TimeCoeffs] = {}
         memory: dict[int, MemoryCoeffs] = {}
         for d in degrees:
@@ -561,14 +568,15 @@ class CostModel:
                 c0=(2 + ckpt) * shape.n_params * dt / (d * device_bandwidth)
                 + launches * kernel_launch_s
                 + (allreduces * allreduce_latency_s if d > 1 else 0.0)
-                + step_overhead_s,
+                + step_overhead_s
+                + dequant_bytes / (d * device_bandwidth),
                 c_tok=base_flops / (d * device_flops * mfu) + lora_bytes / (d * device_bandwidth) + comm_tok,
                 c_rtok=lora_flops / (d * device_flops * lora_efficiency),
                 c_ad=8 * kernel_launch_s,
                 c_bkt=L * len(names) * 6 * kernel_launch_s,  # 2 forward + ~4 backward launches per layer
             )
             memory[d] = MemoryCoeffs(
-                base=shape.n_params * dt / d + overhead_bytes,
+                base=weight_bytes / d + overhead_bytes,
                 adapter=adapter_overhead_bytes,
                 rank=(2.0 * dt + 8.0) * (p_rep + p_shard / d),
                 tok=kept_inputs + live_rep + live_shard / d + shape.vocab * logits_bytes_per_vocab / d,

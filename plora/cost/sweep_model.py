@@ -82,7 +82,7 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> CostModel:
     from plora.cost.cpu import cpu_cost_model
     from plora.cost.profiling.cache import shape_from_model
 
-    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
+    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype, spec.model.quantize)
     targets = list(spec.lora.resolved_targets())
     seq = spec.model.max_seq_len
     if hw.gpu:

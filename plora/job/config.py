@@ -63,6 +63,7 @@ class JobModel(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = D.DTYPE
     max_seq_len: int = Field(ge=1)
     random_init: bool = False  # a shape-only folder: weights drawn at random (planning, probes)
+    quantize: Literal["nf4"] | None = None  # the block linears held 4-bit (`plora.quantize`)
 
 
 class SyntheticRows(_Section):
@@ -210,6 +211,10 @@ class JobConfig(_Section):
     def _defaults(self) -> JobConfig:
         if self.job_dir is None:
             self.job_dir = self.output_dir / "jobs" / self.job_id
+        if self.tp is not None:
+            from plora.quantize.cost import check_tp
+
+            check_tp(self.model.quantize, self.tp)
         ids = [a.id for a in self.adapters]
         if len(set(ids)) != len(ids):
             raise ValueError(f"adapter ids repeat: {ids}")

@@ -24,10 +24,12 @@ def synthetic_job_config(job_id: str, model_dir: str | Path, adapters: Sequence[
                          family: str = "auto", dropout: float = 0.0, tp: int | None = None,
                          num_threads: int | None = None, steps: int = 10**9, learning_rate: float = 1e-4,
                          num_samples: int | None = None, adapter_ids: Sequence[str] | None = None,
-                         activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> JobConfig:
+                         activation_checkpointing: bool = False, cuda_graphs: Any = "auto",
+                         quantize: str | None = None) -> JobConfig:
     """One packed job of ``adapters`` ((rank, batch size) each; adapter k has alpha 2·rank and
     seed k) on the model folder ``model_dir`` (random weights), fixed-length random rows of
-    ``seq_len`` tokens (``num_samples`` of them: by default enough for the largest batch)."""
+    ``seq_len`` tokens (``num_samples`` of them: by default enough for the largest batch);
+    the base's block linears held as ``quantize`` says (``model.quantize``)."""
     ids = list(adapter_ids) if adapter_ids is not None else [f"{job_id}-{k}" for k in range(len(adapters))]
     rows = num_samples if num_samples is not None else max(16, max(b for _, b in adapters))
     return JobConfig(
@@ -37,7 +39,8 @@ def synthetic_job_config(job_id: str, model_dir: str | Path, adapters: Sequence[
         tp=tp,
         num_threads=num_threads,
         seed=0,
-        model=JobModel(path=str(model_dir), family=family, max_seq_len=int(seq_len), dtype=dtype, random_init=True),
+        model=JobModel(path=str(model_dir), family=family, max_seq_len=int(seq_len), dtype=dtype, random_init=True,
+                       quantize=quantize),
         data=JobData(synthetic=SyntheticRows(seq_len=int(seq_len), num_samples=int(rows))),
         lora=JobLora(targets=list(targets), dropout=float(dropout)),
         adapters=[JobAdapter(id=ids[k], rank=r, alpha=2.0 * r, learning_rate=learning_rate, batch_size=b, seed=k,

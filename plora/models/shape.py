@@ -34,6 +34,8 @@ class ModelShape:
     vocab: int
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    #: the block linears held 4-bit ("nf4", `plora.quantize.cost`); None: in ``dtype_bytes``
+    quantize: str | None = None
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear of one block."""
@@ -74,8 +76,11 @@ class ModelShape:
         """Powers of two up to ``max_tp`` that split attention heads and KV heads evenly.
 
         Sharding attention by heads needs d | n_heads and d | n_kv_heads; a degree that
-        splits a head would change the computation, so it is not offered.
+        splits a head would change the computation, so it is not offered. A quantized base
+        runs at degree 1 only (`plora.quantize.cost.check_tp`).
         """
+        if self.quantize:
+            return (1,)
         out, d = [], 1
         while d <= max_tp:
             if self.n_heads % d == 0 and self.n_kv_heads % d == 0:
@@ -84,7 +89,10 @@ class ModelShape:
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["quantize"] is None:  # absent when off: keys of earlier profiles stay valid
+            del out["quantize"]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelShape":

@@ -211,6 +211,10 @@ def _write_one(run_dir: Path, adapter_id: str, model_dir: Path, target: Path, me
         else:
             for name in ADAPTER_FILES:
                 shutil.copy2(adapter_dir / name, tmp / name)
+            from plora.quantize.export import NOTE_FILE  # trained on a quantized base: its note
+
+            if (adapter_dir / NOTE_FILE).is_file():
+                shutil.copy2(adapter_dir / NOTE_FILE, tmp / NOTE_FILE)
         _copy_tokenizer(model_dir, tmp)
         if target.is_dir():
             target.rmdir()  # empty, checked before

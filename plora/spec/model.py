@@ -6,7 +6,7 @@ themselves live in `plora.models.families.targets`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -85,6 +85,18 @@ class ModelConfig(_Model):
     family: Literal["auto", "llama", "qwen2", "mistral"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = D.DTYPE
     max_seq_len: int = Field(64, ge=8)
+    #: the frozen block linears held 4-bit (QLoRA's NF4, `plora.quantize`); None: in ``dtype``
+    quantize: Optional[str] = None
+
+    @field_validator("quantize")
+    @classmethod
+    def _check_quantize(cls, v: Optional[str]) -> Optional[str]:
+        from plora.quantize.cost import check_quantize
+
+        try:
+            return check_quantize(v)
+        except ValueError as e:
+            raise _Issue(str(e)) from None
 
     @field_validator("path")
     @classmethod

@@ -60,6 +60,7 @@ from plora.job.phases import PhaseClock
 from plora.job.step_settings import graphs_wanted
 from plora.kernels import scales_on_device
 from plora.models.loading import ModelError
+from plora.quantize.cost import check_tp
 from plora.results.metrics import use_metric_paths
 from plora.settings import settings
 from plora.train import hooks, preload
@@ -114,6 +115,7 @@ class PackedLoRARecipe:
         # TP > 1: one process per GPU under torchrun (WORLD_SIZE); rank 0 writes every file.
         self.tp: TensorParallel | None = None
         if tp_degree(c.tp) > 1:
+            check_tp(c.model.quantize, tp_degree(c.tp))  # a quantized base: one process a job
             self.tp, self.device = init_tp(self.device)
         self.is_main = self.tp is None or self.tp.is_main
         self.clock = PhaseClock()  # what the job spends outside its steps, for the cost model
@@ -135,6 +137,10 @@ class PackedLoRARecipe:
         self.row_attn = install_row_attention(self.pm.model)
         if self.tp is not None:  # before the optimizer: it must see the local shards
             self.tp.shard(self.pm)
+        if c.model.quantize:  # the block linears to NF4, the adapters stay in the dtype (`plora.quantize.nf4`)
+            from plora.quantize.nf4 import quantize_base
+
+            self.quantized = quantize_base(self.pm.model, c.model.quantize)
         if t.activation_checkpointing:
             # Each decoder layer is recomputed in backward; the pack's state stays set until
             # after backward (the step), so the recomputed LoRA rows are the same rows.
@@ -391,7 +397,8 @@ class PackedLoRARecipe:
         states = self.pack.host_states([r.index for r in runs])
         items = [(self.output_dir / "adapters" / r.id, state,
                   dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=r.cfg.dropout or 0.0,
-                       rslora=bool(r.cfg.rslora)))
+                       rslora=bool(r.cfg.rslora),
+                       **({"base_quantize": self.cfg.model.quantize} if self.cfg.model.quantize else {})))
                  for r, state in zip(runs, states)]
         if not self.is_main:
             return [None] * len(runs)

@@ -55,8 +55,10 @@ def cache_path(key: dict[str, Any]) -> Path:
     return cache_dir() / f"{key['model']}-seq{key['seq_len']}-{key['dtype']}-{device}-tp{key['tp']}-{digest}.json"
 
 
-def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloat16") -> ModelShape:
-    """The `ModelShape` of a Hugging Face model folder (parameters counted from config.json)."""
+def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloat16",
+                     quantize: str | None = None) -> ModelShape:
+    """The `ModelShape` of a Hugging Face model folder (parameters counted from config.json),
+    its block linears held as ``quantize`` says (``model.quantize``)."""
     from plora.models.loading import read_model_info
 
     info = read_model_info(path, family)
@@ -67,7 +69,7 @@ def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloa
     n_params = V * h + L * per_layer + h + (0 if info.tie_word_embeddings else V * h)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     return ModelShape(info.path.name, n_params, h, inter, L, info.num_heads, info.num_kv_heads, info.head_dim, V,
-                      dtype_bytes, info.tie_word_embeddings)
+                      dtype_bytes, info.tie_word_embeddings, quantize or None)
 
 
 def _device_info(device: str) -> tuple[str, str, float | None]:
@@ -108,7 +110,7 @@ def _sweep_cache_path(spec, shape: ModelShape, device: str, device_name: str) ->
 
 def sweep_cache_path(spec) -> Path:
     """Where the profile of a sweep's model on this machine is cached (`profile_sweep`)."""
-    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype)
+    shape = shape_from_model(spec.model.resolved_path(), spec.model.family, spec.model.dtype, spec.model.quantize)
     device, device_name, _ = _device_info(spec.hardware.device)
     return _sweep_cache_path(spec, shape, device, device_name)
 

@@ -46,7 +46,8 @@ def text_rows(n: int, prompt_tokens: int, answer_tokens: int, count_tokens, seed
 def job_probe_config(model_dir: str | Path, work: Path, *, seq_len: int, dtype: str, device: str,
                      targets: Sequence[str], family: str, dropout: float, random_init: bool,
                      activation_checkpointing: bool, cuda_graphs: Any, samples: int, max_new_tokens: int,
-                     steps: Sequence[int], ranks: Sequence[int], batch_size: int, every_steps: int) -> JobConfig:
+                     steps: Sequence[int], ranks: Sequence[int], batch_size: int, every_steps: int,
+                     quantize: str | None = None) -> JobConfig:
     """The job config of the probe job (laid out as `plora.job.from_spec.job_config`'s)."""
     return JobConfig(
         job_id="job-probe",
@@ -56,7 +57,7 @@ def job_probe_config(model_dir: str | Path, work: Path, *, seq_len: int, dtype: 
         device=device,
         num_threads=1 if device == "cpu" else None,
         model=JobModel(path=str(model_dir), family=family, dtype=dtype, max_seq_len=int(seq_len),
-                       random_init=bool(random_init)),
+                       random_init=bool(random_init), quantize=quantize),
         data=JobData(train=str(work / "train.jsonl"), eval=str(work / "eval.jsonl"), on_bad_rows="drop",
                      input_column="input", output_column="output"),
         lora=JobLora(targets=list(targets), dropout=float(dropout)),
@@ -75,7 +76,8 @@ def job_probe_config(model_dir: str | Path, work: Path, *, seq_len: int, dtype: 
 def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: str, targets: Sequence[str],
                   family: str = "auto", dropout: float = 0.0, random_init: bool = True,
                   activation_checkpointing: bool = False, cuda_graphs: Any = "auto", samples: int | None = None,
-                  max_new_tokens: int | None = None, timeout_s: float = 900.0) -> dict[str, Any] | None:
+                  max_new_tokens: int | None = None, timeout_s: float = 900.0,
+                  quantize: str | None = None) -> dict[str, Any] | None:
     """Run the probe job; its summary's ``phases`` with ``exited_at`` (when the process was
     seen to end), or None when it did not finish (the cost model then has no job terms)."""
     from plora.data.dataset import TextTokenizer
@@ -104,7 +106,7 @@ def run_job_probe(model_dir: str | Path, *, seq_len: int, dtype: str, device: st
                                family=family, dropout=dropout, random_init=random_init,
                                activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs,
                                samples=samples, max_new_tokens=max_new_tokens, steps=(4, 8, 8, 12),
-                               ranks=(16, 16, 32, 64), batch_size=2, every_steps=3)
+                               ranks=(16, 16, 32, 64), batch_size=2, every_steps=3, quantize=quantize)
         job_dir = cfg.job_dir
         job_dir.mkdir(parents=True)
         cfg.write(job_dir / "job.yaml")

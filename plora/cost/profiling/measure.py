@@ -60,13 +60,16 @@ Log = Callable[[str], None]
 def probe_job_config(model_dir: str | Path, probe: Probe, *, seq_len: int, dtype: str, device: str,
                      targets: Sequence[str], family: str = "auto", dropout: float = 0.0,
                      output_dir: str | Path = ".", num_threads: int | None = None,
-                     activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> JobConfig:
-    """The recipe config of a probe: a random-init model, fixed-length synthetic rows."""
+                     activation_checkpointing: bool = False, cuda_graphs: Any = "auto",
+                     quantize: str | None = None) -> JobConfig:
+    """The recipe config of a probe: a random-init model (its block linears held as
+    ``quantize`` says), fixed-length synthetic rows."""
     return synthetic_job_config(f"probe-{probe.name}", model_dir, list(zip(probe.ranks, probe.batch_sizes)),
                                 seq_len=seq_len, dtype=dtype, device=device, targets=targets, family=family,
                                 dropout=dropout, output_dir=output_dir, num_threads=num_threads,
                                 adapter_ids=[f"{probe.name}-{k}" for k in range(probe.adapters)],
-                                activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
+                                activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs,
+                                quantize=quantize)
 
 
 def run_probe(
@@ -86,6 +89,7 @@ def run_probe(
     num_threads: int | None = None,
     activation_checkpointing: bool = False,
     cuda_graphs: Any = "auto",
+    quantize: str | None = None,
 ) -> Measurement:
     """Build a fresh packed job of ``probe``'s adapters, run warm-up and timed steps.
 
@@ -109,7 +113,8 @@ def run_probe(
     with tempfile.TemporaryDirectory(prefix="plora-probe-") as tmp:
         cfg = probe_job_config(model_dir, probe, seq_len=seq_len, dtype=dtype, device=device, targets=targets,
                                family=family, dropout=dropout, output_dir=tmp, num_threads=num_threads,
-                               activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
+                               activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs,
+                               quantize=quantize)
         recipe = None
         try:
             t0 = time.perf_counter()

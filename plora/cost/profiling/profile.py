@@ -110,7 +110,7 @@ def profile_model(
             m = run_probe(model_dir, p, seq_len=seq_len, dtype=dtype, device=device, targets=names, family=family,
                           dropout=dropout, warmup=warmup + extra, iters=iters, max_probe_s=max_probe_s,
                           num_threads=num_threads, activation_checkpointing=activation_checkpointing,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, quantize=shape.quantize)
         except Exception as e:  # noqa: BLE001 - one failed probe is reported, the others still count
             m = Measurement(p, int(seq_len), error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         if m.error and not m.oom:
@@ -155,7 +155,8 @@ def profile_model(
         t_job = time.time()
         run = run_job_probe(model_dir, seq_len=seq_len, dtype=dtype, device=device, targets=names, family=family,
                             dropout=dropout, random_init=random_init,
-                            activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs)
+                            activation_checkpointing=activation_checkpointing, cuda_graphs=cuda_graphs,
+                            quantize=shape.quantize)
         from plora.engine import spare
 
         spare.discard()  # one the probe did not take (whoever runs jobs next starts their own)
@@ -199,7 +200,7 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
     say = log or (lambda _msg: None)
     model_dir = spec.model.resolved_path()
     dtype = spec.model.dtype
-    shape = shape_from_model(model_dir, spec.model.family, dtype)
+    shape = shape_from_model(model_dir, spec.model.family, dtype, spec.model.quantize)
     device, device_name, total = _device_info(spec.hardware.device)
     gpu_memory = total if total is not None else spec.hardware.gpu_memory_gb * 2**30
     targets = list(spec.lora.resolved_targets())
@@ -323,7 +324,7 @@ def _measure_quickly(spec, probes: list[Probe], model_dir, device: str, device_n
                           family=spec.model.family, dropout=spec.lora.dropout, warmup=QUICK_WARMUP,
                           iters=QUICK_ITERS, max_probe_s=QUICK_PROBE_S, min_timed_s=0.0,
                           activation_checkpointing=bool(spec.training.activation_checkpointing),
-                          cuda_graphs=spec.training.cuda_graphs)
+                          cuda_graphs=spec.training.cuda_graphs, quantize=spec.model.quantize)
         except Exception as e:  # noqa: BLE001 - a calibration that fails leaves the prior's safe memory
             say(f"  pack {i} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                 "planning on the analytic model")

@@ -72,9 +72,11 @@ def save_peft_adapter(
     targets: list[str],
     dropout: float,
     rslora: bool = False,
+    base_quantize: str | None = None,
 ) -> Path:
     """Write `adapter_model.safetensors` + `adapter_config.json`, loadable by PeftModel
-    (``rslora``: its scale is alpha/sqrt(r), PEFT's ``use_rslora``)."""
+    (``rslora``: its scale is alpha/sqrt(r), PEFT's ``use_rslora``); trained on a quantized
+    base (``base_quantize``), a note of it beside them (`plora.quantize.export`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = to_peft_state_dict(tune_state, info)
@@ -96,6 +98,10 @@ def save_peft_adapter(
         "inference_mode": True,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if base_quantize:
+        from plora.quantize.export import write_base_note
+
+        write_base_note(out, base_quantize)
     return out
 
 
