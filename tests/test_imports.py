@@ -143,3 +143,13 @@ def test_type_checking_imports_count(tmp_path):
     mod = tmp_path / "m.py"
     mod.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from plora.sweep import PreparedSweep\n")
     assert _imports("plora.x", mod, {"plora.sweep", "plora.x"}) == {"plora.sweep"}
+
+
+def test_every_package_is_installed():
+    """A package missing from pyproject's list imports from a checkout and is absent from an
+    installed wheel: every folder of plora with an ``__init__.py`` is listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(p) for p in ROOT.rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
