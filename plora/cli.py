@@ -182,6 +182,10 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     for note in prep.data.notes if prep.data else []:
         console.print(f"[yellow]data:[/] {note}", highlight=False, soft_wrap=True)
+    from plora.sweep import memory_notes
+
+    for note in memory_notes(spec, prep):
+        console.print(f"[yellow]memory:[/] {note}", highlight=False, soft_wrap=True)
     return prep
 
 

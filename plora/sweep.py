@@ -65,9 +65,12 @@ def plan_jobs(
     without probing (a profile from the cache, else the analytic prior). Adapters of
     different target sets never share a job (a job adapts one set of layers): each set is
     planned on its own, priced for its layers (`targets_cost_model`), and the plans run one
-    after the other.
+    after the other. Without ``training.micro_batch_size``, an adapter whose batch does not
+    fit one pass on a GPU trains over the micro-batch the planner chooses
+    (`plora.planner.micro_batch`; the plan's ``micro_batches`` and a note say which).
     """
     from plora.planner import PLANNING_BUDGET_S
+    from plora.planner.micro_batch import accumulation_note, micro_batches_for
 
     hw = hardware or hardware_for(spec)
     if cost_model is None:
@@ -78,17 +81,25 @@ def plan_jobs(
     sets = spec.target_sets(configs)
     sweep_set = spec.sweep_values()["targets"]
     plans = []
+    chosen: dict[str, int] = {}
     for targets in sets:
         group = [c for c in configs if (c.targets or sweep_set) == targets]
         model = cost_model if targets == sweep_set else targets_cost_model(spec, targets, hw)
         model = within_node(model, hw.max_tp)
-        loads = sweep_loads(group, steps, micro_batch_size_of(spec))
+        micro: int | None | dict[str, int] = micro_batch_size_of(spec)
+        if micro is None:  # the planner's micro-batch where a batch does not fit one pass
+            micro = micro_batches_for(sweep_loads(group, steps), model, spec.planner.memory_load_factor)
+            chosen.update(micro)
+        loads = sweep_loads(group, steps, micro)
         plans.append(planned(spec, loads, model, slots, PLANNING_BUDGET_S / len(sets)))
     plan = plans[0] if len(plans) == 1 else one_after_another(plans, sets)
     grouping = (f"planned ({plan.strategy}, {plan.objective} objective, solver {plan.solver}) for "
                 f"{hw.describe()} with {source}")
+    notes = plan.notes
+    if chosen:
+        notes = [*notes, accumulation_note({c.id: c.batch_size for c in configs}, chosen)]
     return replace(plan, jobs=[replace(j, id=f"job-{i:03d}") for i, j in enumerate(plan.jobs)], grouping=grouping,
-                   hardware=hw.describe(), cost_model_source=source)
+                   hardware=hw.describe(), cost_model_source=source, micro_batches=chosen, notes=notes)
 
 
 def planned(spec: SweepSpec, loads: Sequence[AdapterLoad], cost_model: CostModel, gpus: int, time_limit_s: float) -> Plan:
@@ -158,7 +169,8 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
     spec, by_id = prep.spec, {c.id: c for c in prep.configs}
 
     def entry(adapter_id: str) -> JobAdapter:
-        return job_adapter(spec, by_id[adapter_id], prep.steps[adapter_id], prep.rungs)
+        return job_adapter(spec, by_id[adapter_id], prep.steps[adapter_id], prep.rungs,
+                           micro_batch_size=prep.plan.micro_batches.get(adapter_id))
 
     def fits(loads: Sequence[AdapterLoad], tp: int) -> bool:
         return pack_fits(loads, tp, prep.cost_model, max_adapters=spec.planner.max_adapters_per_job,
@@ -197,6 +209,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
+    spec = resolve_checkpointing(spec, configs, steps, hw)  # the jobs, the cost model and spec.yaml see on/off
     from plora.cost.sweep_rows import sweep_length_buckets, sweep_row_layout, train_row_lengths
 
     graphed = graphed_steps(spec, hw)
@@ -225,6 +238,51 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
                          row_layout=layout, prior=prior, calibration=calibration)
 
 
+def resolve_checkpointing(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int],
+                          hw: Hardware) -> SweepSpec:
+    """The spec with ``training.activation_checkpointing: auto`` decided for this sweep:
+    on where some adapter fits no GPU without it, even alone in a job at its smallest
+    micro-batch (the user's ``training.micro_batch_size``, else one row: the planner may
+    split any batch, `plora.planner.micro_batch`), and fits with it, on the analytic memory
+    model at ``model.max_seq_len`` rows; off otherwise (a slower step buys nothing, and on
+    the CPU memory is not what limits). A spec of true or false is returned as it is."""
+    t = spec.training
+    if t.activation_checkpointing != "auto":
+        return spec
+
+    def with_(on: bool) -> SweepSpec:
+        return spec.model_copy(update={"training": t.model_copy(update={"activation_checkpointing": on})})
+
+    if not hw.gpu:
+        return with_(False)
+    from plora.cost.model import packed_load
+    from plora.cost.sweep_model import analytic_prior
+
+    lf = spec.planner.memory_load_factor
+    smallest = t.micro_batch_size or 1
+
+    def placeable(on: bool) -> list[bool]:
+        model = within_node(analytic_prior(with_(on), hw), hw.max_tp)
+        loads = [packed_load(c.id, c.rank, c.batch_size, steps[c.id], smallest) for c in configs]
+        return [any(model.fits([a], d, lf) for d in model.degrees) for a in loads]
+
+    off, on = placeable(False), placeable(True)
+    return with_(any(b and not a for a, b in zip(off, on)))
+
+
+def memory_notes(spec: SweepSpec, prep: PreparedSweep) -> list[str]:
+    """What the sweep decided for memory that the user did not set, one line each: the
+    adapters the planner made accumulate (and in how many parts), and activation
+    checkpointing turned on by ``auto``. ``spec``: the space as the user gave it."""
+    from plora.planner.micro_batch import ACCUMULATION_NOTE
+
+    notes = [n for n in prep.plan.notes if n.startswith(ACCUMULATION_NOTE)]
+    if spec.training.activation_checkpointing == "auto" and prep.spec.training.checkpointing:
+        notes.append("activation checkpointing on (training.activation_checkpointing: auto): an adapter fits a GPU "
+                     "only with it")
+    return notes
+
+
 def resolved_layout(run_dir: Path) -> tuple[str, int | str] | None:
     """The row layout and length-bucket count a sweep in ``run_dir`` resolved before (its jobs'
     job.yaml), or None where no job was written yet."""
@@ -240,17 +298,36 @@ def resolved_layout(run_dir: Path) -> tuple[str, int | str] | None:
 
 
 def sweep_loads(configs: Sequence[AdapterConfig], steps: Mapping[str, int],
-                micro_batch_size: int | None = None) -> list[AdapterLoad]:
+                micro_batch_size: int | Mapping[str, int] | None = None) -> list[AdapterLoad]:
     """What the planner knows of each of the sweep's adapters: its rows per packed step and
-    its packed steps (an adapter accumulating over micro-batches: `plora.cost.model.packed_load`)."""
+    its packed steps (an adapter accumulating over micro-batches: `plora.cost.model.packed_load`).
+    ``micro_batch_size``: the sweep's, or each adapter's by id (absent: one pass)."""
     from plora.cost.model import packed_load
 
-    return [packed_load(c.id, c.rank, c.batch_size, steps[c.id], micro_batch_size) for c in configs]
+    def micro(adapter_id: str) -> int | None:
+        if isinstance(micro_batch_size, Mapping):
+            return micro_batch_size.get(adapter_id)
+        return micro_batch_size
+
+    return [packed_load(c.id, c.rank, c.batch_size, steps[c.id], micro(c.id)) for c in configs]
 
 
 def micro_batch_size_of(spec: SweepSpec) -> int | None:
     """The sweep's ``training.micro_batch_size`` (None where a spec-like object has none)."""
     return getattr(getattr(spec, "training", None), "micro_batch_size", None)
+
+
+def sweep_micro_batches(prep: PreparedSweep) -> int | dict[str, int] | None:
+    """The micro-batches a prepared sweep's adapters train at: the user's
+    ``training.micro_batch_size`` where set (it wins), else the planner's choice per adapter."""
+    user = micro_batch_size_of(prep.spec)
+    return user if user is not None else dict(prep.plan.micro_batches)
+
+
+def adapter_micro_batch(prep: PreparedSweep, adapter_id: str) -> int | None:
+    """One adapter's micro-batch in a prepared sweep (`sweep_micro_batches`; None: one pass)."""
+    micro = sweep_micro_batches(prep)
+    return micro.get(adapter_id) if isinstance(micro, dict) else micro
 
 
 def largest_pack(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int]) -> list[AdapterLoad]:
@@ -373,7 +450,8 @@ def run_prepared(
         job_config(prep.spec, job, [by_id[a] for a in job.adapters], prep.steps, prep.run_dir,
                    eval_base=eval_base, streaming=prep.streaming,
                    length_buckets=prep.length_buckets, row_layout=prep.row_layout,
-                   hardware=prep.hardware, rungs=prep.rungs).write(job_dir / "job.yaml")
+                   hardware=prep.hardware, rungs=prep.rungs,
+                   micro_batches=prep.plan.micro_batches).write(job_dir / "job.yaml")
         return job_dir
 
     wound_down: list[bool] = []
@@ -389,7 +467,7 @@ def run_prepared(
             on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
 
     def replan_waiting(adapters: list[str], drift: Drift, now: float, free: int) -> list[Job]:
-        loads = sweep_loads([by_id[a] for a in adapters], prep.steps, micro_batch_size_of(prep.spec))
+        loads = sweep_loads([by_id[a] for a in adapters], prep.steps, sweep_micro_batches(prep))
         spec = prep.spec
         if calibrator is not None and calibrator.measured:  # measured steps, memory and job terms
             corrected = calibrator.model()
@@ -500,10 +578,10 @@ def sweep_calibrator(prep: PreparedSweep) -> SweepCalibrator | None:
 
     def load(adapter_id: str) -> AdapterLoad:
         c = next(c for c in prep.configs if c.id == adapter_id)
-        return packed_load(c.id, c.rank, c.batch_size, prep.steps[c.id], micro_batch_size_of(prep.spec))
+        return packed_load(c.id, c.rank, c.batch_size, prep.steps[c.id], adapter_micro_batch(prep, c.id))
 
     return SweepCalibrator(prep.prior, prep.calibration or Calibration(), planned=prep.cost_model, load=load,
-                           loads=sweep_loads(prep.configs, prep.steps, micro_batch_size_of(prep.spec)),
+                           loads=sweep_loads(prep.configs, prep.steps, sweep_micro_batches(prep)),
                            seq_len=int(prep.spec.model.max_seq_len), threshold=DRIFT_THRESHOLD,
                            load_factor=prep.spec.planner.memory_load_factor)
 

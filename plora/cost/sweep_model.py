@@ -92,7 +92,7 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> CostModel:
 
             name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         return CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots,
-                                  activation_checkpointing=bool(spec.training.activation_checkpointing),
+                                  activation_checkpointing=spec.training.checkpointing,
                                   **gpu_prior(name))
     return cpu_cost_model(shape, seq, targets, **CPU_PRIOR)
 
@@ -219,7 +219,7 @@ def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
 
     device = torch.device("cuda" if hw.gpu else "cpu")
     return graphs_wanted(spec.training.cuda_graphs, device, tp=False,
-                         activation_checkpointing=bool(spec.training.activation_checkpointing))
+                         activation_checkpointing=spec.training.checkpointing)
 
 
 def recalibrated(cost_model: CostModel, drift: Drift) -> CostModel:

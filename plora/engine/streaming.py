@@ -45,4 +45,5 @@ class StreamPolicy:
         """What the choice needs of an adapter: its rank, rows per packed step and packed
         steps (as a job's progress.json counts them)."""
         a = self.entry(adapter_id)
-        return packed_load(a.id, a.rank, a.batch_size, a.steps, self.micro_batch_size)
+        micro = a.micro_batch_size if a.micro_batch_size is not None else self.micro_batch_size
+        return packed_load(a.id, a.rank, a.batch_size, a.steps, micro)

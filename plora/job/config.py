@@ -122,6 +122,9 @@ class JobAdapter(_Section):
     #: its own steps at which its eval loss is written besides ``eval.every_steps`` (a tune's
     #: rungs at fixed fractions of its budget: `plora.tuning.fidelity`), computed by whoever builds the job
     eval_steps: list[int] = Field(default_factory=list)
+    #: its rows per packed step at most, where its batch does not fit one pass (the planner's
+    #: choice: `plora.planner.micro_batch`); None: the job's ``training.micro_batch_size``
+    micro_batch_size: int | None = Field(None, ge=1)
 
     def hyperparameters(self) -> dict[str, Any]:
         """What identifies the configuration (metrics.json's ``config``): the five of every

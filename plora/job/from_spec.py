@@ -33,15 +33,20 @@ def model_targets(spec: SweepSpec, targets: str | Sequence[str] | None = None) -
     return resolve_targets(spec.lora.targets if targets is None else list(targets), family)
 
 
-def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int, rungs: Rungs | None = None) -> JobAdapter:
+def job_adapter(spec: SweepSpec, cfg: AdapterConfig, steps: int, rungs: Rungs | None = None, *,
+                micro_batch_size: int | None = None) -> JobAdapter:
     """One adapter as a job trains it: its configuration, step budget, warm-up, its own
-    training settings (the sweep's where it sets none) and the steps a tune's rungs score
-    it at (`plora.tuning.fidelity`)."""
+    training settings (the sweep's where it sets none), the steps a tune's rungs score
+    it at (`plora.tuning.fidelity`) and the micro-batch the planner chose for it (None: the
+    job's ``training.micro_batch_size``; a user's setting wins, so it is never given then)."""
+    if spec.training.micro_batch_size is not None:
+        micro_batch_size = None
     s = spec.settings(cfg)
     return JobAdapter(id=cfg.id, rank=cfg.rank, alpha=cfg.alpha, learning_rate=cfg.learning_rate,
                       batch_size=cfg.batch_size, seed=cfg.seed, steps=steps, warmup_steps=spec.warmup_for(cfg, steps),
                       dropout=s["dropout"], weight_decay=s["weight_decay"], scheduler=s["scheduler"],
-                      rslora=s["rslora"], eval_steps=rungs.eval_steps(steps) if rungs is not None else [])
+                      rslora=s["rslora"], eval_steps=rungs.eval_steps(steps) if rungs is not None else [],
+                      micro_batch_size=micro_batch_size)
 
 
 def adapter_targets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> list[str]:
@@ -76,15 +81,18 @@ def check_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig]) -> None
 def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], steps: Mapping[str, int],
                run_dir: Path, *, eval_base: bool, streaming: JobStreaming | None = None,
                length_buckets: int | str | None = None, row_layout: str | None = None,
-               hardware: Hardware | None = None, rungs: Rungs | None = None) -> JobConfig:
+               hardware: Hardware | None = None, rungs: Rungs | None = None,
+               micro_batches: Mapping[str, int] | None = None) -> JobConfig:
     """The recipe config of one job (what `tune run` reads, as job.yaml): the spec's
     settings with the sweep's decisions made for the job's ``adapters`` (its configurations,
     in its order): step budgets, warm-ups, resolved targets. ``streaming``: the job's
     streaming section when whoever runs it sends it joins itself (default: from
     ``planner.streaming`` on the sweep's ``hardware``). ``length_buckets``, ``row_layout``:
     the sweep's resolved ones (default the spec's). ``rungs``: a tune's pruner's, at which
-    each adapter is scored (`plora.tuning.fidelity`)."""
+    each adapter is scored (`plora.tuning.fidelity`). ``micro_batches``: the plan's
+    micro-batch per adapter id where the planner chose one (`plora.planner.micro_batch`)."""
     t = spec.training
+    micro = micro_batches or {}
     return JobConfig(
         job_id=job.id,
         tp=job.tp,
@@ -98,10 +106,10 @@ def job_config(spec: SweepSpec, job: Job, adapters: Sequence[AdapterConfig], ste
                        quantize=spec.model.quantize),
         data=data_config(spec),
         lora=JobLora(targets=adapter_targets(spec, adapters), dropout=spec.lora.dropout),
-        adapters=[job_adapter(spec, a, steps[a.id], rungs) for a in adapters],
+        adapters=[job_adapter(spec, a, steps[a.id], rungs, micro_batch_size=micro.get(a.id)) for a in adapters],
         training=JobTraining(
             scheduler=t.scheduler, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
-            divergence_loss=t.divergence_loss, activation_checkpointing=t.activation_checkpointing,
+            divergence_loss=t.divergence_loss, activation_checkpointing=t.checkpointing,
             cuda_graphs=t.cuda_graphs, row_layout=row_layout or t.row_layout,
             # the sweep's count is for one-GPU graphed jobs; a TP job's steps run eagerly
             length_buckets=t.length_buckets if length_buckets is None or job.tp > 1 else length_buckets,

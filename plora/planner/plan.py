@@ -112,6 +112,9 @@ class Plan:
     grouping: str = ""
     hardware: str = ""
     cost_model_source: str = ""
+    #: adapter id -> the micro-batch the planner chose where its batch does not fit one pass
+    #: (`plora.planner.micro_batch`); absent: one pass, or the sweep's ``training.micro_batch_size``
+    micro_batches: dict[str, int] = field(default_factory=dict)
     batches: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -152,6 +155,7 @@ class Plan:
             "adapters": [a.to_dict() for a in self.adapters],
             "jobs": [j.to_dict() for j in self.jobs],
             "batches": list(self.batches),
+            "micro_batches": dict(self.micro_batches),
         }
 
     @classmethod
@@ -181,6 +185,7 @@ class Plan:
             hardware=str(d.get("hardware", "")),
             cost_model_source=str(d.get("cost_model_source", "")),
             batches=[dict(b) for b in d.get("batches", [])],
+            micro_batches={str(k): int(v) for k, v in d.get("micro_batches", {}).items()},
         )
 
     def save(self, path: str | Path) -> Path:

@@ -190,7 +190,10 @@ class TrainingConfig(_Model):
     grad_clip: Optional[float] = Field(D.GRAD_CLIP, gt=0)
     weight_decay: float = Field(D.WEIGHT_DECAY, ge=0)
     divergence_loss: Optional[float] = Field(None, gt=0)
-    activation_checkpointing: bool = D.ACTIVATION_CHECKPOINTING  # recompute each decoder layer in backward: far less memory
+    # recompute each decoder layer in backward: far less activation memory, a slower step;
+    # "auto": on only where some adapter of the sweep fits a GPU with it and not without it,
+    # even alone at its smallest micro-batch (`plora.sweep.resolve_checkpointing`)
+    activation_checkpointing: Union[Literal["auto"], bool] = D.ACTIVATION_CHECKPOINTING
     # steps replayed from CUDA graphs: "auto" = on one GPU without activation checkpointing
     cuda_graphs: Any = D.CUDA_GRAPHS
     # rows of a packed step: "flat" (no padding: one token stream, attention confined to each
@@ -222,6 +225,19 @@ class TrainingConfig(_Model):
     @classmethod
     def _graphs(cls, v: Any) -> Union[str, bool]:
         return cuda_graphs_setting(v)
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, v: Any) -> Union[str, bool]:
+        if v == "auto" or isinstance(v, bool):
+            return v
+        raise ValueError("must be true, false or auto")
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether jobs recompute activations: ``auto`` counts as off until a sweep resolves
+        it (`plora.sweep.resolve_checkpointing`), as a profile of the model measures it."""
+        return self.activation_checkpointing is True
 
     @field_validator("length_buckets")
     @classmethod

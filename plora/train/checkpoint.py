@@ -62,8 +62,9 @@ def fingerprint(cfg: JobConfig) -> str:
 
 def _adapter_key(run) -> dict[str, Any]:
     """An adapter's identity beyond its id: a checkpoint of another budget (or warm-up) is
-    not its own."""
-    return run.cfg.model_dump(exclude={"id"})
+    not its own. Its micro-batch is not part of it (a checkpoint holds an adapter at an
+    optimizer-step boundary, the same whatever the parts), so a re-planned micro-batch resumes."""
+    return run.cfg.model_dump(exclude={"id", "micro_batch_size"})
 
 
 class JobCheckpointer:

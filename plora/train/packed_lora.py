@@ -460,6 +460,7 @@ class PackedLoRARecipe:
             return
         holder = {r.index: r for r in self.runs if r.index is not None}
         had_dropout = self.pm.state.has_dropout
+        had_accumulation = self.rows.accumulates
         free = self.pack.free_slots({k: r.active for k, r in holder.items()})
         grow: list[JobAdapter] = []
         for a in taking:
@@ -475,6 +476,8 @@ class PackedLoRARecipe:
             self.runs.append(self.rows.adapter_run(k, a, step))
         if self.pm.state.has_dropout != had_dropout:
             self._drop_graphs()  # the held graphs were captured with(out) the dropout masks
+        if self.rows.accumulates != had_accumulation:
+            self._drop_graphs()  # their steps' inputs now carry every slot's accumulation
         if grow:
             self._drop_graphs()  # every buffer a graph reads is laid out again
             keep = [r.index for r in self._active()]

@@ -86,7 +86,7 @@ class PackedStep:
         slots = list(use.slots)
         key = (use, batch.shape)
         inputs = step_inputs(batch)
-        if self.micro_batch_size is not None:
+        if self.rows.accumulates:  # the job's micro-batch, or an adapter's own (the planner's)
             inputs["accum"] = self.accumulation_inputs(active, slots)
         state = self.pm.state
 

@@ -40,6 +40,9 @@ class TrainRows:
         self.row_attention = row_attention
         self.device, self.dtype = device, dtype
         self.micro_batch_size = micro_batch_size
+        #: whether an adapter of the job accumulates its batch (sticky: a step's inputs then
+        #: carry every slot's accumulation, `plora.train.packed_step`)
+        self.accumulates = micro_batch_size is not None
         self.lengths = [len(s.tokens) for s in samples]
         self.label_counts = [row_labels(s) for s in samples]
         self.buckets = length_buckets_for(training.length_buckets, flattened=self.flat(graphed), graphed=graphed)
@@ -57,8 +60,10 @@ class TrainRows:
 
     def adapter_run(self, index: int, a: JobAdapter, joined_at: int | None) -> AdapterRun:
         """A new adapter in slot ``index``, with its own stream and its accumulation parts."""
+        micro = a.micro_batch_size if a.micro_batch_size is not None else self.micro_batch_size
+        self.accumulates = self.accumulates or micro is not None
         return AdapterRun(index, a, self.stream(a), joined_at=joined_at,
-                          parts=accumulation_steps(a.batch_size, self.micro_batch_size))
+                          parts=accumulation_steps(a.batch_size, micro))
 
     def next_parts(self, active: Sequence[AdapterRun]) -> list[list[Sample]]:
         """Each active adapter's rows of the next packed step (its ``last_rows`` set)."""

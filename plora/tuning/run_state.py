@@ -59,10 +59,14 @@ class RunState:
     def plan(self) -> Plan:
         """Every batch's jobs in one plan; each batch's predictions are in its record."""
         last = self.batches[-1].get("grouping", "") if self.batches else ""
+        # the planner's micro-batches of every batch (`plora.planner.micro_batch`; the user's wins)
+        chosen = {str(k): int(v) for b in self.batches for k, v in (b.get("micro_batches") or {}).items()}
+        user = self.spec.training.micro_batch_size
         return Plan(list(self.jobs), adapters=[packed_load(c.id, c.rank, c.batch_size, self.steps[c.id],
-                                                           self.spec.training.micro_batch_size)
+                                                           user if user is not None else chosen.get(c.id))
                                                for c in self.configs.values()],
-                    gpus=self.gpus, grouping=f"optuna: {len(self.batches)} batches; {last}", batches=list(self.batches))
+                    gpus=self.gpus, grouping=f"optuna: {len(self.batches)} batches; {last}", batches=list(self.batches),
+                    micro_batches={} if user is not None else chosen)
 
     def prep(self) -> PreparedSweep:
         return PreparedSweep(self.spec, self.run_dir, list(self.configs.values()), dict(self.steps), self.plan())

@@ -102,9 +102,9 @@ def _backend(device: str, activation_checkpointing: bool = False, cuda_graphs: A
 
 def _sweep_cache_path(spec, shape: ModelShape, device: str, device_name: str) -> Path:
     key = profile_key(shape, seq_len=spec.model.max_seq_len, dtype=spec.model.dtype, device_name=device_name,
-                      backend=_backend(device, bool(spec.training.activation_checkpointing), spec.training.cuda_graphs),
+                      backend=_backend(device, spec.training.checkpointing, spec.training.cuda_graphs),
                       targets=list(spec.lora.resolved_targets()),
-                      dropout=spec.lora.dropout, activation_checkpointing=bool(spec.training.activation_checkpointing))
+                      dropout=spec.lora.dropout, activation_checkpointing=spec.training.checkpointing)
     return cache_path(key)
 
 

@@ -206,7 +206,7 @@ def profile_sweep(spec, run_dir: str | Path | None, *, force: bool = False, log:
     targets = list(spec.lora.resolved_targets())
     degrees = shape.tp_degrees(max_tp=spec.hardware.gpus)
     seq = spec.model.max_seq_len
-    ac = bool(spec.training.activation_checkpointing)
+    ac = spec.training.checkpointing
     path = _sweep_cache_path(spec, shape, device, device_name)
     load_factor = spec.planner.memory_load_factor
     prof = None
@@ -323,7 +323,7 @@ def _measure_quickly(spec, probes: list[Probe], model_dir, device: str, device_n
             m = run_probe(model_dir, p, seq_len=seq, dtype=spec.model.dtype, device=device, targets=targets,
                           family=spec.model.family, dropout=spec.lora.dropout, warmup=QUICK_WARMUP,
                           iters=QUICK_ITERS, max_probe_s=QUICK_PROBE_S, min_timed_s=0.0,
-                          activation_checkpointing=bool(spec.training.activation_checkpointing),
+                          activation_checkpointing=spec.training.checkpointing,
                           cuda_graphs=spec.training.cuda_graphs, quantize=spec.model.quantize)
         except Exception as e:  # noqa: BLE001 - a calibration that fails leaves the prior's safe memory
             say(f"  pack {i} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
