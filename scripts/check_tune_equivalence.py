@@ -156,16 +156,19 @@ def main() -> None:
     ap.add_argument("--num-eval", type=int, default=None, help="eval rows (default 200; smoke 16)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="the demo model on CPU")
+    ap.add_argument("--dtype", default=None, help="the model's dtype (default bfloat16; smoke float32)")
     args = ap.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        args.model, args.dtype, args.seq, args.task = "builtin:tiny-llama", "float32", 32, "shift"
+        args.model, args.seq, args.task = "builtin:tiny-llama", 32, "shift"
+        args.dtype = args.dtype or "float32"
         args.targets, args.max_new_tokens = ["q_proj", "k_proj", "v_proj", "o_proj"], 8
         rows = (64, 16)
     else:
         args.model = str(args.gguf.resolve()) if args.gguf else "builtin:smollm2-135m-instruct"
-        args.dtype, args.seq, args.targets, args.max_new_tokens = "bfloat16", 96, "all-linear", 6
+        args.seq, args.targets, args.max_new_tokens = 96, "all-linear", 6
+        args.dtype = args.dtype or "bfloat16"
         rows = (800, 200)
     args.num_train = args.num_train or rows[0]
     args.num_eval = args.num_eval or rows[1]
