@@ -275,3 +275,20 @@ def swept_run(tmp_path_factory):
         result = CliRunner().invoke(app, ["sweep", str(path), *SWEPT_OVERRIDES], terminal_width=200)
     assert result.exit_code == 0, result.output
     return SimpleNamespace(run=tmp / "runs" / "swept", model=model, space=path, output=result.output)
+
+
+def assert_training_value_refused(tmp_path: Path, field: str, value) -> None:
+    """`plora sweep` of a space whose ``training.<field>`` is ``value``: exit 2, one line
+    naming the field, nothing written."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from plora.cli import app
+
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"name": "x", "training": {field: value}, "output": {"dir": str(tmp_path / "runs")}}))
+    out = CliRunner().invoke(app, ["sweep", str(path)])
+    assert out.exit_code == 2, out.output
+    text = out.output.strip()
+    assert len(text.splitlines()) == 1 and text.startswith(f"error: training.{field}"), text
+    assert not (tmp_path / "runs").exists()

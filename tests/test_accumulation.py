@@ -10,9 +10,8 @@ import json
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
-from conftest import adapter_weights, job_config, tiny_space
+from conftest import adapter_weights, assert_training_value_refused, job_config, tiny_space
 from plora.train import hooks
 from plora.data.accumulation import accumulation_steps, micro_rows, split_batch
 from plora.cost.model import AdapterLoad, packed_load
@@ -173,16 +172,7 @@ def test_graphed_steps_with_accumulation_equal_eager_ones(tiny_model, reverse_da
 
 @pytest.mark.parametrize("value", [0, -2, "two"])
 def test_a_bad_micro_batch_size_is_one_line_naming_the_field(tmp_path, value):
-    from plora.cli import app
-
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump({"name": "x", "training": {"micro_batch_size": value},
-                                    "output": {"dir": str(tmp_path / "runs")}}))
-    out = CliRunner().invoke(app, ["sweep", str(path)])
-    assert out.exit_code == 2, out.output
-    text = out.output.strip()
-    assert len(text.splitlines()) == 1 and text.startswith("error: training.micro_batch_size"), text
-    assert not (tmp_path / "runs").exists()
+    assert_training_value_refused(tmp_path, "micro_batch_size", value)
 
 
 def test_micro_batch_size_keeps_ids_and_reaches_the_jobs(tmp_path):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
+from conftest import assert_training_value_refused
 from plora.hardware import Hardware
 
 GIB = 2**30
@@ -53,15 +53,7 @@ def test_the_default_is_off_and_auto_is_accepted(tmp_path):
 
 @pytest.mark.parametrize("value", ["sometimes", 2])
 def test_a_bad_activation_checkpointing_is_one_line_naming_the_field(tmp_path, value):
-    from plora.cli import app
-
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump({"name": "x", "training": {"activation_checkpointing": value},
-                                    "output": {"dir": str(tmp_path / "runs")}}))
-    out = CliRunner().invoke(app, ["sweep", str(path)])
-    assert out.exit_code == 2, out.output
-    text = out.output.strip()
-    assert len(text.splitlines()) == 1 and text.startswith("error: training.activation_checkpointing"), text
+    assert_training_value_refused(tmp_path, "activation_checkpointing", value)
 
 
 @pytest.mark.parametrize("gib, want", [(24, True), (80, False), (12, False)])
