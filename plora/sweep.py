@@ -209,21 +209,8 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
-    spec = resolve_checkpointing(spec, configs, steps, hw)  # the jobs, the cost model and spec.yaml see on/off
-    from plora.cost.sweep_rows import sweep_length_buckets, sweep_row_layout, train_row_lengths
-
-    graphed = graphed_steps(spec, hw)
-    # tokenized once here for all three: the layout, the bucket count and the rows' price
-    wanted = graphed and (spec.training.length_buckets == "auto" or spec.training.row_layout == "auto")
-    lengths = train_row_lengths(spec) if wanted else None
-    before = None if fresh else resolved_layout(run)
-    if before is not None:  # a resumed sweep keeps its adapters' row order (their checkpoints hold it)
-        layout, buckets = before
-    else:
-        micro = micro_batch_size_of(spec)
-        layout = sweep_row_layout(spec, graphed=graphed, lengths=lengths,
-                                  batch_sizes=[micro_rows(c.batch_size, micro) for c in configs])
-        buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths, row_layout=layout)
+    rows = decide_rows(spec, configs, steps, hw, None if fresh else run)
+    spec, layout, buckets, lengths = rows.spec, rows.layout, rows.length_buckets, rows.lengths
     prior = calibration = None
     if cost_model is None:
         models = sweep_models(spec, None if fresh else run, hardware=hw, length_buckets=buckets, row_lengths=lengths,
@@ -236,6 +223,45 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
                          row_layout=layout, prior=prior, calibration=calibration)
+
+
+@dataclass(frozen=True)
+class SweepRows:
+    """What a sweep decides once for every job it runs, from its space: whether activation
+    checkpointing is on (``auto`` resolved, `resolve_checkpointing`), and how rows are laid
+    out and ordered (``training.row_layout`` and ``training.length_buckets`` resolved,
+    `plora.cost.sweep_rows`). An adapter's row order follows from these, its own seed and
+    batch size, and the data: never from which adapters share its job, nor from whether a
+    sweep or a tune trains it (a tune decides from its space as a sweep of it would)."""
+
+    spec: SweepSpec  # activation_checkpointing decided: the jobs, the cost model and spec.yaml see on/off
+    layout: str
+    length_buckets: int | str
+    #: the training rows' token counts, where a decision needed them (None: not tokenized)
+    lengths: list[int] | None = None
+
+
+def decide_rows(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int], hw: Hardware,
+                run_dir: Path | None = None) -> SweepRows:
+    """`SweepRows` of a sweep of ``configs`` on ``hw``. ``run_dir``: where a sweep or tune
+    of these adapters ran before; its jobs' layout is kept (their checkpoints hold the row
+    order), None: decided anew."""
+    from plora.cost.sweep_rows import sweep_length_buckets, sweep_row_layout, train_row_lengths
+
+    spec = resolve_checkpointing(spec, configs, steps, hw)
+    graphed = graphed_steps(spec, hw)
+    # tokenized once here for all three: the layout, the bucket count and the rows' price
+    wanted = graphed and (spec.training.length_buckets == "auto" or spec.training.row_layout == "auto")
+    lengths = train_row_lengths(spec) if wanted else None
+    before = resolved_layout(run_dir) if run_dir is not None else None
+    if before is not None:
+        layout, buckets = before
+    else:
+        micro = micro_batch_size_of(spec)
+        layout = sweep_row_layout(spec, graphed=graphed, lengths=lengths,
+                                  batch_sizes=[micro_rows(c.batch_size, micro) for c in configs])
+        buckets = sweep_length_buckets(spec, steps, graphed=graphed, lengths=lengths, row_layout=layout)
+    return SweepRows(spec, layout, buckets, lengths)
 
 
 def resolve_checkpointing(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int],
@@ -467,7 +493,8 @@ def run_prepared(
             on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
 
     def replan_waiting(adapters: list[str], drift: Drift, now: float, free: int) -> list[Job]:
-        loads = sweep_loads([by_id[a] for a in adapters], prep.steps, sweep_micro_batches(prep))
+        from plora.planner.micro_batch import micro_batches_for
+
         spec = prep.spec
         if calibrator is not None and calibrator.measured:  # measured steps, memory and job terms
             corrected = calibrator.model()
@@ -476,13 +503,21 @@ def run_prepared(
         max_tp = prep.hardware and prep.hardware.max_tp
         sweep_set = spec.sweep_values()["targets"]
         sets = spec.target_sets([by_id[a] for a in adapters])
+        user_micro = micro_batch_size_of(spec)
+        chosen = {a: m for a, m in prep.plan.micro_batches.items() if a not in adapters}  # started: kept
         plans = []
         for targets in sets:  # a job adapts one target set (`plan_jobs`)
-            model = (corrected if targets == sweep_set
-                     else targets_cost_model(spec, targets, prep.hardware or hardware_for(spec)))
-            group = [x for x in loads if (by_id[x.id].targets or sweep_set) == targets]
-            plans.append(planned(spec, group, within_node(model, max_tp), len(slots), 30 / len(sets)))
+            model = within_node(corrected if targets == sweep_set
+                                else targets_cost_model(spec, targets, prep.hardware or hardware_for(spec)), max_tp)
+            group = [by_id[a] for a in adapters if (by_id[a].targets or sweep_set) == targets]
+            micro: int | dict[str, int] | None = user_micro
+            if micro is None:  # a waiting adapter's micro-batch is chosen again on what was measured
+                micro = micro_batches_for(sweep_loads(group, prep.steps), model, spec.planner.memory_load_factor)
+                chosen.update(micro)
+            plans.append(planned(spec, sweep_loads(group, prep.steps, micro), model, len(slots), 30 / len(sets)))
         plan = plans[0] if len(plans) == 1 else one_after_another(plans, sets)
+        if user_micro is None:  # the jobs written from now on (`write_job`) train at these
+            prep.plan = replace(prep.plan, micro_batches=chosen)
         prefix = f"r{engine.replans + 1}-"
         return [replace(j, id=f"{prefix}job-{i:03d}", start=now + j.start, end=now + j.end)
                 for i, j in enumerate(plan.jobs)]

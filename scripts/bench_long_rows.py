@@ -21,6 +21,8 @@ config: no weights on disk, as the other benchmarks do):
 
     python scripts/bench_long_rows.py --out DIR                 # one GPU, both parts
     python scripts/bench_long_rows.py --out DIR --parts rows    # the step speed only (a few minutes)
+    python scripts/bench_long_rows.py --out DIR --parts sweep --sweep-row 8192 --sweep-min-row 1024 \
+        --sweep-rows 256 --effective-batch 16                  # a sweep of varied 1k-8k rows (mean 4.6k)
     python scripts/bench_long_rows.py --smoke --out DIR         # CPU, a tiny model: the plumbing, < 1 min
 
 Writes DIR/long_rows.json and DIR/long_rows.md (a short table), and prints the table.
@@ -125,7 +127,8 @@ def part_sweep(args) -> dict:
 
     data = args.out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    train = rows_file(data / "sweep.jsonl", args.sweep_rows, args.sweep_row // 2, args.sweep_row, seed=3)
+    low = args.sweep_min_row or args.sweep_row // 2
+    train = rows_file(data / "sweep.jsonl", args.sweep_rows, low, args.sweep_row, seed=3)
     batches = sorted({args.effective_batch // 4, args.effective_batch})
     path = bfs.write_space(args, "sweep", space(args, "sweep", train, args.sweep_row + 16, batches,
                                                 [1e-4, 3e-4], epochs=1))
@@ -178,6 +181,8 @@ def main() -> None:
     ap.add_argument("--effective-batch", type=int, default=64)
     ap.add_argument("--sweep-row", type=int, default=1024)
     ap.add_argument("--sweep-rows", type=int, default=512, help="training rows of the sweep (one epoch)")
+    ap.add_argument("--sweep-min-row", type=int, default=None,
+                    help="the sweep's shortest row in tokens (default half of --sweep-row; rows are uniform between)")
     ap.add_argument("--eval-samples", type=int, default=16)
     args = ap.parse_args()
     if args.smoke:

@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--num-eval", type=int, default=None, help="eval rows (default 200; smoke 16)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="the demo model on CPU")
+    ap.add_argument("--reuse", action="store_true", help="keep a variant's run already in --out (a run split over calls)")
     ap.add_argument("--dtype", default=None, help="the model's dtype (default bfloat16; smoke float32)")
     args = ap.parse_args()
     args.out = args.out.resolve()
@@ -175,24 +176,29 @@ def main() -> None:
     variants = list(dict.fromkeys(["sweep", *args.variants]))
     result: dict[str, Any] = {"model": args.model, "task": args.task, "num_train": args.num_train,
                               "num_eval": args.num_eval, "variants": {}}
-    for name in variants:
-        result["variants"][name] = run_variant(args, name)
-        print(f"{name}: exit {result['variants'][name]['exit_code']}, {result['variants'][name]['wall_s']} s",
-              flush=True)
-    ref = adapters(Path(result["variants"]["sweep"]["run_dir"]))
     lines = ["| variant | adapters shared | max weight diff | mean weight diff | mean eval-loss diff | "
              "mean score diff |", "| --- | --- | --- | --- | --- | --- |"]
-    for name in variants[1:]:
-        v = result["variants"][name]
-        run = Path(v["run_dir"])
-        if not (run / "results.parquet").is_file():
+    ref: dict[str, dict] = {}
+    for name in variants:
+        run = args.out / name
+        if args.reuse and (run / "results.parquet").is_file():
+            v = {"exit_code": 0, "wall_s": None, "run_dir": str(run), "reused": True}
+        else:
+            v = run_variant(args, name)
+        result["variants"][name] = v
+        print(f"{name}: exit {v['exit_code']}, {v['wall_s']} s", flush=True)
+        if name == "sweep":
+            ref = adapters(run) if (run / "results.parquet").is_file() else {}
+        elif not (run / "results.parquet").is_file() or not ref:
             lines.append(f"| {name} | failed (exit {v['exit_code']}) | | | | |")
-            continue
-        c = v["compare"] = compare(ref, adapters(run))
-        if c["shared"]:
-            lines.append(f"| {name} | {c['shared']} | {c['max_weight_diff']:.2e} | {c['mean_weight_diff']:.2e} | "
-                         f"{c['mean_eval_loss_diff']:+.4f} | {c['mean_score_diff']:+.3f} |")
-    (args.out / "equivalence.json").write_text(json.dumps(result, indent=2, default=str))
+        else:
+            c = v["compare"] = compare(ref, adapters(run))
+            if c["shared"]:
+                lines.append(f"| {name} | {c['shared']} | {c['max_weight_diff']:.2e} | {c['mean_weight_diff']:.2e} | "
+                             f"{c['mean_eval_loss_diff']:+.4f} | {c['mean_score_diff']:+.3f} |")
+        # written after every variant: a run cut short still leaves what it measured
+        (args.out / "equivalence.json").write_text(json.dumps(result, indent=2, default=str))
+        (args.out / "equivalence.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

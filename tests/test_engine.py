@@ -176,6 +176,38 @@ def test_drift_from_the_plan_replans_the_jobs_not_started(tmp_path):
     assert all(a["attempts"] == 1 for a in adapters.values())
 
 
+def test_a_replan_that_cannot_be_made_keeps_the_plan_and_the_sweep_finishes(tmp_path, monkeypatch):
+    """A re-plan the planner refuses (on a GPU: an adapter that fits no GPU by what was
+    measured) is a note and a journal event, tried again only after `REPLAN_RETRY_S`; the
+    jobs planned before run, every adapter once."""
+    import plora.sweep as sweep_module
+    from plora.cost.profiling.cache import sweep_cache_path
+    from plora.cost.profiling.record import Profile
+    from plora.planner.errors import PlannerError
+
+    spec = load_spec(space(tmp_path, per_job=1))
+    wrong = prepare(spec).cost_model.scaled(0.01).with_meta(plan_source="a cost model 100x too fast")
+    Profile(wrong, [], [], {"model": "test"}).save(sweep_cache_path(spec))
+    prep = prepare(spec, cost_model=wrong)
+    write_run_files(prep)
+
+    def refuse(*args, **kwargs):
+        raise PlannerError("adapter a-x (rank 2, batch size 2) fits at no TP degree <= 1 GPUs")
+
+    monkeypatch.setattr(sweep_module, "planned", refuse)  # the first plan is made: only re-plans refuse
+    frame = run_prepared(prep, slots=["cpu:0"])
+    assert set(frame.status) == {"done"} and len(frame) == 4
+    j = Journal(prep.run_dir / "journal.sqlite")
+    kinds = [kind for _, kind, _, _ in j.events()]
+    jobs = {r.id: r for r in j.jobs()}
+    adapters = j.adapters()
+    j.close()
+    assert kinds.count("replan_failed") == 1 and "replan" not in kinds  # the jobs end before a retry is due
+    assert sorted(jobs) == sorted(job.id for job in prep.plan.jobs)
+    assert all(r.status == "finished" for r in jobs.values())
+    assert all(a["attempts"] == 1 for a in adapters)
+
+
 def test_jobs_get_the_gpus_the_sweep_sees():
     """Under CUDA_VISIBLE_DEVICES=2,3 the pool's GPU 0 is the machine's GPU 2."""
     from plora.engine.local import visible_gpu_ids

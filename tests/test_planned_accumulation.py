@@ -159,3 +159,57 @@ def test_the_user_is_told_in_one_line(tmp_path):
     (note,) = memory_notes(load_spec(path), prep)
     assert len(note.splitlines()) == 1 and "gradient accumulation" in note and "8 parts" in note
     assert memory_notes(load_spec(path), _prepare(_long_rows_space(tmp_path, [2, 4]), 80)) == []
+
+
+def test_a_replan_that_measures_more_memory_makes_the_waiting_adapters_accumulate(tmp_path, monkeypatch):
+    """The plan before calibration put batch-8 adapters in one pass; the sweep's first jobs
+    measure far more memory a token (on a GPU: 0.5B shape, batch 64 at 1k-token rows, 179
+    GiB where one pass was planned). The re-plan chooses a micro-batch for every adapter
+    not started yet, its jobs train at it, the started ones keep theirs, and the sweep
+    finishes with every adapter trained once."""
+    from dataclasses import replace
+
+    from conftest import tiny_space_file
+    from plora.cost.model import MemoryCoeffs
+    from plora.cost.profiling.calibrate import Calibration, SweepCalibrator
+    from plora.engine.journal import Journal
+    from plora.planner.micro_batch import micro_batch_for
+    from plora.spec.loading import load_spec
+    from plora.sweep import prepare, run_prepared, write_run_files
+
+    configs = [{"rank": r, "alpha": 2 * r, "learning_rate": 1e-3, "batch_size": 8} for r in (2, 4, 8, 16)]
+    spec = load_spec(tiny_space_file(
+        tmp_path, name="mem", num_train=32, space={"strategy": "list", "configs": configs},
+        training={"epochs": 1}, eval={"metrics": ["loss"]}, planner={"max_adapters_per_job": 1, "streaming": False}))
+    gpu = Hardware(True, 2, 80 * GIB, local=False)
+    base = prepare(spec)
+    wrong = base.cost_model.scaled(0.01).with_meta(source="analytic")  # 100x too fast: a re-plan comes
+    row = 8 * spec.model.max_seq_len
+    # measured: a token takes so much that a batch of 8 rows no longer fits, 2 rows do
+    measured = replace(base.cost_model, gpu_memory_bytes=80 * GIB, memory_coeffs={
+        d: MemoryCoeffs(c.base, c.adapter, c.rank, 80 * GIB / row * 1.2, c.rank_tok)
+        for d, c in base.cost_model.memory_coeffs.items()})
+    real_model = SweepCalibrator.model
+    monkeypatch.setattr(SweepCalibrator, "model", lambda self: measured if self.measured else real_model(self))
+
+    prep = prepare(spec, cost_model=wrong, hardware=gpu)
+    prep.prior, prep.calibration = wrong, Calibration()
+    assert prep.plan.micro_batches == {}  # planned before anything was measured: one pass
+    write_run_files(prep)
+    frame = run_prepared(prep, slots=["cpu:0", "cpu:1"])
+    assert set(frame.status) == {"done"} and len(frame) == 4
+
+    j = Journal(prep.run_dir / "journal.sqlite")
+    events, adapters = j.events(), {a["id"]: a for a in j.adapters()}
+    j.close()
+    assert all(a["attempts"] == 1 for a in adapters.values())
+    replans = [json.loads(d) for _, kind, _, d in events if kind == "replan"]
+    assert replans, [kind for _, kind, _, _ in events]
+    waiting = set(replans[0]["adapters"])
+    want = micro_batch_for(AdapterLoad("x", 2, 8, 4), measured, prep.plan.load_factor)
+    assert want is not None and want < 8
+    entries = {a["id"]: a for p in sorted((prep.run_dir / "jobs").glob("*/job.yaml"))
+               for a in yaml.safe_load(p.read_text())["adapters"]}
+    for aid, entry in entries.items():
+        assert entry["micro_batch_size"] == (want if aid in waiting else None), aid
+    assert {a: prep.plan.micro_batches[a] for a in waiting} == {a: want for a in waiting}

@@ -64,6 +64,7 @@ from plora.engine.local import JobProcess, launch
 from plora.engine.streaming import StreamPolicy
 from plora.job.config import JobAdapter
 from plora.job.control import reopen, request
+from plora.planner.errors import PlannerError
 from plora.planner.plan import Job
 
 #: re-queues of a job lost with its node before it counts as a crash (a cluster that loses
@@ -169,6 +170,9 @@ Replan = Callable[[list[str], Drift, float, int], list[Job]]
 DRIFT_THRESHOLD = 0.25
 #: how often running jobs' measurements are read for the calibration (seconds)
 CALIBRATE_EVERY_S = 1.0
+#: after a re-plan that failed (`Engine._replan_waiting`), the next try waits this long: each
+#: try may spend the planner's time limit, and measurements move the model a little at a time
+REPLAN_RETRY_S = 60.0
 
 
 class Engine:
@@ -223,6 +227,7 @@ class Engine:
         self.calibrator = calibrator
         self.on_model = on_model  # told each corrected model (the sweep's joins fit by it)
         self._calibrated_at = 0.0
+        self._replan_failed_at: float | None = None
         self._calibration_note = ""  # the last line the calibration said (said again only when it changes)
 
     # ------------------------------------------------------------------ resume
@@ -600,8 +605,17 @@ class Engine:
         new jobs took their place."""
         if not waiting or self.replan is None:
             return False
+        if self._replan_failed_at is not None and time.time() - self._replan_failed_at < REPLAN_RETRY_S:
+            return False
         adapters = [a for j in waiting for a in j.adapters]
-        new_jobs = self.replan(adapters, self.drift, time.time() - self.start, len(self.free))
+        try:
+            new_jobs = self.replan(adapters, self.drift, time.time() - self.start, len(self.free))
+        except PlannerError as e:  # the plan made before still runs; an out-of-memory split is the last resort
+            self._replan_failed_at = time.time()
+            self._note(f"re-plan failed, the current plan stays: {e}")
+            self.journal.event("replan_failed", "", {**event, "error": str(e)})
+            return False
+        self._replan_failed_at = None
         if sorted(a for j in new_jobs for a in j.adapters) != sorted(adapters):
             self._note("re-plan ignored: it did not cover the waiting adapters exactly once")
             return False

@@ -53,7 +53,7 @@ from plora.spec.schema import SweepSpec
 from plora.cost.sweep_model import sweep_cost_model
 from plora.job.from_spec import job_adapter
 from plora.results.collect import result_row
-from plora.sweep import PreparedSweep, collect_results, run_prepared
+from plora.sweep import PreparedSweep, SweepRows, collect_results, run_prepared
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained
 from plora.tuning.fidelity import Rungs
@@ -301,6 +301,7 @@ def tune_async(
     budget: Budget | None = None,
     history: TuneHistory | None = None,
     startup: Startup | None = None,
+    rows: SweepRows | None = None,
 ) -> tuple[list[optuna.Trial], list[str], float]:
     """Run ``n_trials`` trials through long-lived jobs, ``in_flight`` at once (see the module
     docstring); returns the trials asked, the jobs' ids and the wall time. ``cost_model``
@@ -308,7 +309,8 @@ def tune_async(
     the run's or this machine's profile, else the analytic model). ``rungs``: the resource
     intermediate scores are reported in; ``scored_at``: the rungs every adapter is scored at
     (a pruner's; None: ``eval.every_steps`` only); ``budget``, ``history`` and ``startup``:
-    see the module docstring."""
+    see the module docstring. ``rows``: what the jobs are given of their rows, as a sweep of
+    the space decides it (`plora.tuning.loop.tune_rows`; None: the spec's settings as they are)."""
     t0 = time.time()
     if "targets" in spec.space.searched():  # its jobs live for the whole run, each with one target set
         raise TuneError("--async: space.targets cannot be searched asynchronously (a job adapts one target set); "
@@ -319,8 +321,10 @@ def tune_async(
     n_jobs = max(1, min(len(slots), in_flight))
     cap = min(spec.planner.max_adapters_per_job, math.ceil(in_flight / n_jobs))
     cap = max(cap, 1)
-    prep = PreparedSweep(spec, state.run_dir, [], {}, Plan([]),
-                         streaming=JobStreaming(linger_s=STREAM_LINGER_S, max_active=cap), rungs=scored_at)
+    prep = PreparedSweep(rows.spec if rows is not None else spec, state.run_dir, [], {}, Plan([]),
+                         streaming=JobStreaming(linger_s=STREAM_LINGER_S, max_active=cap), rungs=scored_at,
+                         row_layout=rows.layout if rows is not None else "auto",
+                         length_buckets=rows.length_buckets if rows is not None else "auto")
     feeder = _Feeder(spec, study, space, state, prep, n_trials, min(in_flight, n_jobs * cap), cap, n_jobs, batch,
                      n_train, sign, on_trial, cost_model, rungs, budget or Budget(), history, startup)
     try:
