@@ -75,14 +75,15 @@ def test_a_grid_space_without_listed_configs_decides_from_its_batch_sizes(tmp_pa
     assert rows.layout == prepare(spec).row_layout == "auto"  # batch size 1: nothing balances
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["loop", "async"])
-def test_a_tuned_adapter_equals_the_swept_one(tmp_path, decided_as_on_a_gpu, asynchronous):
+@pytest.mark.parametrize("batch, asynchronous", [(len(CONFIGS), False), (2, False), (len(CONFIGS), True)],
+                         ids=["loop", "loop-in-two-batches", "async"])
+def test_a_tuned_adapter_equals_the_swept_one(tmp_path, decided_as_on_a_gpu, batch, asynchronous):
     path = _space(tmp_path)
     swept, tuned = tmp_path / "swept", tmp_path / "tuned"
     r = runner.invoke(app, ["sweep", str(path), "-o", str(swept)])
     assert r.exit_code == 0, r.output
     argv = ["tune", str(path), "-o", str(tuned), "--sampler", "grid", "--trials", str(len(CONFIGS)),
-            "--batch", str(len(CONFIGS))]
+            "--batch", str(batch)]
     r = runner.invoke(app, argv + (["--async"] if asynchronous else []))
     assert r.exit_code == 0, r.output
 

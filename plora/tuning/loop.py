@@ -165,7 +165,7 @@ def run_tune(
 
     space = search_space(spec)
     state = RunState.load(spec, run_dir)
-    rows = tune_rows(spec, n_train, run_dir)
+    job_rows = tune_rows(spec, n_train, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     sign = intermediate_sign(spec)
@@ -177,7 +177,7 @@ def run_tune(
         trials_run, jobs, _ = tune_async(spec, study, space, state, n_trials=n_trials, in_flight=size, slots=slots,
                                          sign=sign, n_train=n_train, on_trial=on_trial, on_tick=on_tick,
                                          on_snapshot=on_snapshot, cost_model=cost_model, rungs=rungs,
-                                         scored_at=scored_at, budget=budget, history=history, rows=rows,
+                                         scored_at=scored_at, budget=budget, history=history, rows=job_rows,
                                          startup=_startup_of(smp, startup, seed if seed is not None else spec.space.seed))
         history.write_summary(run_dir, len(trials_run))
         if on_batch is not None and trials_run:
@@ -220,7 +220,7 @@ def run_tune(
             jobs: list[Job] = []
             if new:
                 steps = {c.id: spec.steps_for(c, n_train) for c in new}
-                plan = plan_jobs(rows.spec, new, steps, cost_model)
+                plan = plan_jobs(job_rows.spec, new, steps, cost_model)
                 jobs = [dataclasses.replace(j, id=f"b{b:02d}-{j.id}") for j in plan.jobs]
                 plan = dataclasses.replace(plan, jobs=jobs)
                 state.add(new, steps, jobs)
@@ -234,8 +234,8 @@ def run_tune(
                         on_tick(running, finished)
 
                 # no re-planning: a re-planned job's id (r1-job-000) would be taken again by the next batch's
-                run_prepared(PreparedSweep(rows.spec, run_dir, new, steps, plan, rungs=scored_at,
-                                           row_layout=rows.layout, length_buckets=rows.length_buckets), on_tick=tick,
+                run_prepared(PreparedSweep(job_rows.spec, run_dir, new, steps, plan, rungs=scored_at,
+                                           row_layout=job_rows.layout, length_buckets=job_rows.length_buckets), on_tick=tick,
                              on_snapshot=on_snapshot, slots=slots, replan=False,
                              stop=(lambda: budget.on_budget if budget.exhausted else None)
                              if budget.gpu_seconds is not None else None)
