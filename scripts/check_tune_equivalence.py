@@ -25,8 +25,20 @@ list of configurations in variants that each add one part of a tune, every one a
 
 For each variant and each adapter it shares with ``sweep``: the largest absolute difference
 of the saved adapter weights, the final eval loss and the objective's difference. A variant
-whose adapters differ beyond bf16 rounding (its weights' max difference against
-``sweep-eager``'s, which only changes the kernels' launch path) names the part to look at.
+whose adapters differ beyond bf16 rounding names the part to look at.
+
+What it found (one H200, the verdict task, 800 rows): the tunes' jobs were given
+``row_layout: auto`` where the sweep's had ``balanced`` (a sweep decided its rows' layout for
+its graph-replayed jobs; a tune left it to each job, whose rows then came in length buckets,
+a biased order). ``tune`` against ``sweep``: mean eval loss +0.097, mean score -0.106; after
+the fix (`plora.tuning.loop.tune_rows`), +0.008 and -0.001; ``tune-pruned`` +0.061 and -0.045,
+then +0.009 and -0.030 (3 adapters). What remains is rounding: the packed kernels' split
+reductions add in no fixed order on a GPU, so no two runs agree bit for bit (learning rate
+1e-3: weights within 0.002-0.006 of each other, also for ``sweep-evals`` and
+``sweep-small-packs``), and an unstable configuration (rank 32, learning rate 4e-3) grows
+that into a different result in any variant. ``sweep-eager`` differs as ``tune`` did: with
+graphs off the sweep decides rows for eager steps (flattened, the plain shuffle), another
+order.
 
     python scripts/check_tune_equivalence.py --out DIR --gguf SmolLM2-135M-Instruct.Q4_1.gguf   # GPU: about 7 minutes
     python scripts/check_tune_equivalence.py --out DIR --smoke       # the demo model on CPU: every variant equal

@@ -120,6 +120,7 @@ def inject_fault(monkeypatch, faults: str) -> None:
     ``"crash@job-000@3@1"``: job-000 crashes after step 3 on its first attempt)."""
     monkeypatch.setenv("PLORA_TEST_HOOKS", str(FAULT_HOOKS))
     monkeypatch.setenv("PLORA_INJECT_FAULT", faults)
+    monkeypatch.setenv("PLORA_INJECT_FAULT_PARENT", str(os.getpid()))
 
 
 def cost_model_holding(admits: int, *, c0: float = 1.0, c_tok: float = 0.0, c_rtok: float = 0.0,

@@ -17,6 +17,8 @@ import torch
 from plora.train import hooks
 
 ENV = "PLORA_INJECT_FAULT"
+#: the process that asked for the faults (`inject_fault`): only the jobs it launches get them
+PARENT_ENV = "PLORA_INJECT_FAULT_PARENT"
 #: seconds a ``slow`` fault adds to its step
 SLOW_S = 3.0
 
@@ -31,6 +33,8 @@ def faults(text: str) -> list[tuple[str, str, int, int]]:
 
 
 def inject(recipe, step: int) -> None:
+    if os.environ.get(PARENT_ENV) == str(os.getpid()):
+        return  # a recipe the test runs in its own process (a reference run): never the test's own death
     for kind, job, at, attempts in faults(os.environ.get(ENV, "")):
         if job != recipe.job_id or step != at or recipe.attempt > attempts:
             continue

@@ -166,6 +166,11 @@ def run_tune(
     space = search_space(spec)
     state = RunState.load(spec, run_dir)
     job_rows = tune_rows(spec, n_train, run_dir)
+    if cost_model is None:  # priced on the rows as the jobs get them, as a sweep's model is
+        from plora.cost.sweep_model import sweep_cost_model
+
+        cost_model = sweep_cost_model(job_rows.spec, run_dir, length_buckets=job_rows.length_buckets,
+                                      row_lengths=job_rows.lengths, row_layout=job_rows.layout)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     sign = intermediate_sign(spec)
