@@ -70,29 +70,14 @@ def plan_jobs(
     (`plora.planner.micro_batch`; the plan's ``micro_batches`` and a note say which).
     """
     from plora.planner import PLANNING_BUDGET_S
-    from plora.planner.micro_batch import accumulation_note, micro_batches_for
+    from plora.planner.micro_batch import accumulation_note
 
     hw = hardware or hardware_for(spec)
     if cost_model is None:
         cost_model, source = cost_model_for(spec, None, probe=False, hardware=hw)
     else:
         source = cost_model.meta.get("plan_source", cost_model.name or "a given cost model")
-    slots = hw.slots
-    sets = spec.target_sets(configs)
-    sweep_set = spec.sweep_values()["targets"]
-    plans = []
-    chosen: dict[str, int] = {}
-    for targets in sets:
-        group = [c for c in configs if (c.targets or sweep_set) == targets]
-        model = cost_model if targets == sweep_set else targets_cost_model(spec, targets, hw)
-        model = within_node(model, hw.max_tp)
-        micro: int | None | dict[str, int] = micro_batch_size_of(spec)
-        if micro is None:  # the planner's micro-batch where a batch does not fit one pass
-            micro = micro_batches_for(sweep_loads(group, steps), model, spec.planner.memory_load_factor)
-            chosen.update(micro)
-        loads = sweep_loads(group, steps, micro)
-        plans.append(planned(spec, loads, model, slots, PLANNING_BUDGET_S / len(sets)))
-    plan = plans[0] if len(plans) == 1 else one_after_another(plans, sets)
+    plan, chosen = plan_target_sets(spec, configs, steps, cost_model, hw, hw.max_tp, hw.slots, PLANNING_BUDGET_S)
     grouping = (f"planned ({plan.strategy}, {plan.objective} objective, solver {plan.solver}) for "
                 f"{hw.describe()} with {source}")
     notes = plan.notes
@@ -100,6 +85,33 @@ def plan_jobs(
         notes = [*notes, accumulation_note({c.id: c.batch_size for c in configs}, chosen)]
     return replace(plan, jobs=[replace(j, id=f"job-{i:03d}") for i, j in enumerate(plan.jobs)], grouping=grouping,
                    hardware=hw.describe(), cost_model_source=source, micro_batches=chosen, notes=notes)
+
+
+def plan_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int],
+                     cost_model: CostModel, hw: Hardware, max_tp: int | None, gpus: int,
+                     time_limit_s: float) -> tuple[Plan, dict[str, int]]:
+    """The plan of ``configs`` and the micro-batches the planner chose for them. Each target
+    set is planned on its own (a job adapts one set of layers), on ``cost_model`` for the
+    sweep's set and priced for its own layers otherwise (`targets_cost_model`), within
+    ``max_tp``; the plans run one after the other, sharing ``time_limit_s``. Without
+    ``training.micro_batch_size``, an adapter whose batch does not fit one pass trains over
+    the micro-batch `plora.planner.micro_batch` chooses on that model."""
+    from plora.planner.micro_batch import micro_batches_for
+
+    sets = spec.target_sets(configs)
+    sweep_set = spec.sweep_values()["targets"]
+    plans = []
+    chosen: dict[str, int] = {}
+    for targets in sets:
+        group = [c for c in configs if (c.targets or sweep_set) == targets]
+        model = cost_model if targets == sweep_set else targets_cost_model(spec, targets, hw)
+        model = within_node(model, max_tp)
+        micro: int | None | dict[str, int] = micro_batch_size_of(spec)
+        if micro is None:  # the planner's micro-batch where a batch does not fit one pass
+            micro = micro_batches_for(sweep_loads(group, steps), model, spec.planner.memory_load_factor)
+            chosen.update(micro)
+        plans.append(planned(spec, sweep_loads(group, steps, micro), model, gpus, time_limit_s / len(sets)))
+    return (plans[0] if len(plans) == 1 else one_after_another(plans, sets)), chosen
 
 
 def planned(spec: SweepSpec, loads: Sequence[AdapterLoad], cost_model: CostModel, gpus: int, time_limit_s: float) -> Plan:
@@ -493,31 +505,18 @@ def run_prepared(
             on_tick([rj.proc for rj in snapshot.running], list(engine.finished))
 
     def replan_waiting(adapters: list[str], drift: Drift, now: float, free: int) -> list[Job]:
-        from plora.planner.micro_batch import micro_batches_for
-
         spec = prep.spec
         if calibrator is not None and calibrator.measured:  # measured steps, memory and job terms
             corrected = calibrator.model()
         else:
             corrected = recalibrated(prep.cost_model, drift)
-        max_tp = prep.hardware and prep.hardware.max_tp
-        sweep_set = spec.sweep_values()["targets"]
-        sets = spec.target_sets([by_id[a] for a in adapters])
-        user_micro = micro_batch_size_of(spec)
-        chosen = {a: m for a, m in prep.plan.micro_batches.items() if a not in adapters}  # started: kept
-        plans = []
-        for targets in sets:  # a job adapts one target set (`plan_jobs`)
-            model = within_node(corrected if targets == sweep_set
-                                else targets_cost_model(spec, targets, prep.hardware or hardware_for(spec)), max_tp)
-            group = [by_id[a] for a in adapters if (by_id[a].targets or sweep_set) == targets]
-            micro: int | dict[str, int] | None = user_micro
-            if micro is None:  # a waiting adapter's micro-batch is chosen again on what was measured
-                micro = micro_batches_for(sweep_loads(group, prep.steps), model, spec.planner.memory_load_factor)
-                chosen.update(micro)
-            plans.append(planned(spec, sweep_loads(group, prep.steps, micro), model, len(slots), 30 / len(sets)))
-        plan = plans[0] if len(plans) == 1 else one_after_another(plans, sets)
-        if user_micro is None:  # the jobs written from now on (`write_job`) train at these
-            prep.plan = replace(prep.plan, micro_batches=chosen)
+        # a waiting adapter's micro-batch is chosen again on what was measured
+        plan, chosen = plan_target_sets(spec, [by_id[a] for a in adapters], prep.steps, corrected,
+                                        prep.hardware or hardware_for(spec),
+                                        prep.hardware and prep.hardware.max_tp, len(slots), 30)
+        if micro_batch_size_of(spec) is None:  # the jobs written from now on (`write_job`) train at these
+            started = {a: m for a, m in prep.plan.micro_batches.items() if a not in adapters}  # kept
+            prep.plan = replace(prep.plan, micro_batches={**started, **chosen})
         prefix = f"r{engine.replans + 1}-"
         return [replace(j, id=f"{prefix}job-{i:03d}", start=now + j.start, end=now + j.end)
                 for i, j in enumerate(plan.jobs)]

@@ -150,21 +150,32 @@ def part_sweep(args) -> dict:
     batches = sorted({args.effective_batch // 4, args.effective_batch})
     path = bfs.write_space(args, "sweep", space(args, "sweep", train, args.sweep_row + 16, batches,
                                                 [1e-4, 3e-4], epochs=1))
-    out = bfs.run_sweep(args, path, args.out / "caches", "sweep", fresh=False)
     run_dir = load_spec(path).run_dir(None)
-    plan = Plan.of_run(run_dir)
-    out["planned_micro_batches"] = dict(plan.micro_batches) if plan else {}
-    out["micro_batches"] = trained_micro_batches(run_dir)
-    out["notes"] = list(plan.notes) if plan else []
-    ratio = out.get("measured_over_predicted")
-    out["within_15pct"] = bool(ratio and abs(ratio - 1) <= 0.15)
+
+    def run(label: str) -> dict:
+        out = bfs.run_sweep(args, path, args.out / "caches", label, fresh=False)
+        plan = Plan.of_run(run_dir)
+        out["planned_micro_batches"] = dict(plan.micro_batches) if plan else {}
+        out["micro_batches"] = trained_micro_batches(run_dir)
+        out["notes"] = list(plan.notes) if plan else []
+        ratio = out.get("measured_over_predicted")
+        out["within_15pct"] = bool(ratio and abs(ratio - 1) <= 0.15)
+        return out
+
+    out = run("sweep")
     if args.warm:  # the same sweep again: planned with what the first measured (plora's cache)
-        warm = bfs.run_sweep(args, path, args.out / "caches", "sweep-warm", fresh=False)
-        warm["micro_batches"] = trained_micro_batches(run_dir)
-        ratio = warm.get("measured_over_predicted")
-        warm["within_15pct"] = bool(ratio and abs(ratio - 1) <= 0.15)
-        out["warm"] = warm
+        out["warm"] = run("sweep-warm")
     return out
+
+
+def sweep_lines(part: str, sw: dict) -> list[str]:
+    """A sweep's rows of the table."""
+    ratio = sw.get("measured_over_predicted")
+    return [f"| {part} | measured / predicted makespan | {ratio:.2f} |" if ratio else
+            f"| {part} | measured / predicted makespan | n/a |",
+            f"| {part} | out-of-memory jobs | {sw.get('oom_jobs')} |",
+            f"| {part} | micro-batches chosen | {len(sw.get('micro_batches', {}))} adapters |",
+            f"| {part} | adapters | {sw.get('adapters')} |"]
 
 
 def table(result: dict) -> list[str]:
@@ -180,18 +191,9 @@ def table(result: dict) -> list[str]:
         lines.append(f"| rows | long / short | {ratio:.2f} |" if ratio else "| rows | long / short | n/a |")
     sw = result.get("sweep")
     if sw:
-        ratio = sw.get("measured_over_predicted")
-        lines.append(f"| sweep | measured / predicted makespan | {ratio:.2f} |" if ratio else
-                     "| sweep | measured / predicted makespan | n/a |")
-        lines.append(f"| sweep | out-of-memory jobs | {sw.get('oom_jobs')} |")
-        lines.append(f"| sweep | micro-batches chosen | {len(sw.get('micro_batches', {}))} adapters |")
-        lines.append(f"| sweep | adapters | {sw.get('adapters')} |")
-        warm = sw.get("warm")
-        if warm:
-            ratio = warm.get("measured_over_predicted")
-            lines.append(f"| sweep again | measured / predicted makespan | {ratio:.2f} |" if ratio else
-                         "| sweep again | measured / predicted makespan | n/a |")
-            lines.append(f"| sweep again | out-of-memory jobs | {warm.get('oom_jobs')} |")
+        lines += sweep_lines("sweep", sw)
+        if sw.get("warm"):
+            lines += sweep_lines("sweep again", sw["warm"])
     return lines
 
 

@@ -321,10 +321,11 @@ def tune_async(
     n_jobs = max(1, min(len(slots), in_flight))
     cap = min(spec.planner.max_adapters_per_job, math.ceil(in_flight / n_jobs))
     cap = max(cap, 1)
-    prep = PreparedSweep(rows.spec if rows is not None else spec, state.run_dir, [], {}, Plan([]),
+    if rows is None:
+        rows = SweepRows(spec, spec.training.row_layout, spec.training.length_buckets)
+    prep = PreparedSweep(rows.spec, state.run_dir, [], {}, Plan([]),
                          streaming=JobStreaming(linger_s=STREAM_LINGER_S, max_active=cap), rungs=scored_at,
-                         row_layout=rows.layout if rows is not None else "auto",
-                         length_buckets=rows.length_buckets if rows is not None else "auto")
+                         row_layout=rows.layout, length_buckets=rows.length_buckets)
     feeder = _Feeder(spec, study, space, state, prep, n_trials, min(in_flight, n_jobs * cap), cap, n_jobs, batch,
                      n_train, sign, on_trial, cost_model, rungs, budget or Budget(), history, startup)
     try:
