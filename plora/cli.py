@@ -25,6 +25,23 @@ err = PlainWidthConsole(stderr=True)
 
 EXIT_USAGE = 2
 _IMPORTED_AT = time.time()
+#: moments of this command's start before its plan (`write_timings`)
+_MOMENTS: dict[str, float] = {}
+#: a model check still running (`_load` with ``check_later``)
+_PENDING_CHECK: list = []
+
+
+def _model_checked() -> None:
+    """Wait for the model check `_load` left running; its problem is the usual one-line error."""
+    from plora.spec.base import SpecError
+
+    while _PENDING_CHECK:
+        wait = _PENDING_CHECK.pop()
+        try:
+            wait()
+        except SpecError as e:
+            fail(str(e))
+    _MOMENTS["weights_checked_at"] = time.time()
 
 
 def _print_version(value: bool) -> None:
@@ -46,8 +63,9 @@ def _root(
 
 def write_timings(run_dir: Path, **moments: float) -> None:
     """timings.json: where the wait of this command went (seconds since the process started:
-    planned, engine started, engine ended with the results written). A file to look at,
-    never needed to resume."""
+    imported, space loaded, model checked, data checked, rows decided, cost model ready, jobs
+    planned, planned (with the run's notes), engine started, engine ended with the results
+    written). A file to look at, never needed to resume."""
     import json
 
     from plora.job.phases import process_started_at
@@ -75,23 +93,31 @@ def _overrides() -> Optional[list[str]]:
     return typer.Argument(None, metavar="KEY=VALUE", help=OVERRIDES_HELP, show_default=False)
 
 
-def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: Optional[list[str]] = None):
+def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: Optional[list[str]] = None,
+          check_later: bool = False):
     """The space (with its command-line `overrides`), its model checked. With `warm`, the
     first job's process starts importing as soon as the space says where it runs
     (`plora.engine.spare`), before this process imports torch for the model check: on an
     H100 machine a job's imports take 12 s, which the sweep's validation and planning hide
-    only if they start first."""
+    only if they start first. With `check_later`, the model check's slow part (the model
+    built on meta) runs on while the caller plans; `_model_checked` waits for it."""
     from plora.engine import spare
-    from plora.models.check import check_spec_model
     from plora.spec.base import SpecError
     from plora.spec.loading import load_spec
 
     try:
         spec = load_spec(space, sampled=sampled, overrides=overrides or ())
+        _MOMENTS["spec_loaded_at"] = time.time()
         if warm and spec.hardware.backend == "local":
             for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
                 spare.prime(gpus)
-        check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
+        from plora.models.check import check_spec_model, start_spec_model_check  # torch: after the spare started
+
+        if check_later:
+            _PENDING_CHECK.append(start_spec_model_check(spec))  # config, tokenizer now; the weights meanwhile
+        else:
+            check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
+        _MOMENTS["model_checked_at"] = time.time()
         return spec
     except SpecError as e:
         spare.discard()
@@ -143,13 +169,14 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     space is refused first."""
     from plora.engine import spare
 
-    spec = _load(space, warm=warm, overrides=overrides)  # the first job's process imports meanwhile
+    spec = _load(space, warm=warm, overrides=overrides, check_later=True)  # the first job's process imports meanwhile
     warm = warm and spec.hardware.backend == "local"
     try:
         _check_output(spec.run_dir(output))
         if not fresh:
             _check_resumable(spec, output)
         prep = _plan(spec, output, probe=probe, fresh=fresh)
+        _model_checked()  # before anything is written or launched
     except BaseException:
         spare.discard()
         raise
@@ -176,7 +203,7 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
     try:
         hw = hardware_for(spec)
         _note_hardware(spec, hw)
-        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw, fresh=fresh,
+        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw, fresh=fresh, check_model=not _PENDING_CHECK,
                        log=lambda line: console.print(f"[dim]{escape(line)}[/]", highlight=False))
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -236,7 +263,8 @@ def sweep(
     console.print()
     console.print(views.results_table(frame, prep.spec, base_metrics(prep.run_dir)))
     console.print(views.status_line(frame, time.time() - start, prep.run_dir / "results.parquet"))
-    write_timings(prep.run_dir, planned_at=planned_at, started_at=start, ended_at=time.time())
+    write_timings(prep.run_dir, imported_at=_IMPORTED_AT, **_MOMENTS, **prep.moments, planned_at=planned_at,
+                  started_at=start, ended_at=time.time())
     failed = frame[frame["status"] == "failed"]
     if len(failed):
         for _, r in failed.iterrows():

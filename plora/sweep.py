@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,6 +170,8 @@ class PreparedSweep:
     calibration: Calibration | None = None
     #: a tune's pruner's rungs: every adapter is scored at them (`plora.tuning.fidelity`)
     rungs: Rungs | None = None
+    #: when each stage of `prepare` ended (``time.time()``): where a sweep's start went
+    moments: dict[str, float] = field(default_factory=dict)
 
 
 def stream_policy(prep: PreparedSweep) -> StreamPolicy:
@@ -200,7 +203,7 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
             hardware: Hardware | None = None, cost_model: CostModel | None = None,
-            log: Callable[[str], None] | None = None, fresh: bool = False) -> PreparedSweep:
+            log: Callable[[str], None] | None = None, fresh: bool = False, check_model: bool = True) -> PreparedSweep:
     """Everything a sweep decides before training: configurations, step budgets, the plan.
 
     Writes nothing to the run directory (a quick calibration goes to plora's cache). On a GPU
@@ -209,20 +212,25 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     largest pack the sweep may form off the GPU, `probe` lets it first measure two short packs
     (`plora.cost.profiling.profile.quick_calibration`, a few seconds, reported through ``log``) and
     plan on them. The sweep's own jobs calibrate the model further while they run. ``fresh``:
-    the run directory is started over, its profile.json is not this sweep's.
+    the run directory is started over, its profile.json is not this sweep's. ``check_model``
+    off: the caller checks the model itself, meanwhile (`plora.models.check.start_spec_model_check`).
     """
     from plora.models.check import check_spec_model
 
-    check_spec_model(spec)  # a broken model folder is refused before any planning
+    if check_model:
+        check_spec_model(spec)  # a broken model folder is refused before any planning
+    moments: dict[str, float] = {}
     configs = spec.expand()
     check_target_sets(spec, configs)
     data = check_data(spec)  # bad data is refused here, before anything is written
     n_train = data.num_train
+    moments["data_checked_at"] = time.time()
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
     rows = decide_rows(spec, configs, steps, hw, None if fresh else run)
     spec, layout, buckets, lengths = rows.spec, rows.layout, rows.length_buckets, rows.lengths
+    moments["rows_decided_at"] = time.time()
     prior = calibration = None
     if cost_model is None:
         models = sweep_models(spec, None if fresh else run, hardware=hw, length_buckets=buckets, row_lengths=lengths,
@@ -232,9 +240,11 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
             cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
     else:
         cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths, layout)
+    moments["cost_model_at"] = time.time()
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
+    moments["jobs_planned_at"] = time.time()
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
-                         row_layout=layout, prior=prior, calibration=calibration)
+                         row_layout=layout, prior=prior, calibration=calibration, moments=moments)
 
 
 @dataclass(frozen=True)

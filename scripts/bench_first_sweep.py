@@ -116,7 +116,10 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
         proc = subprocess.run([sys.executable, "-m", "plora.cli", "sweep", str(space), "--restart"], env=env,
                               stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO))
     wall = time.time() - t0
-    return {"label": label, "exit_code": proc.returncode, "wall_s": wall, **sweep_facts(args, space, label)}
+    triton = caches / "triton"
+    kernels = sum(1 for _ in triton.iterdir()) if triton.is_dir() else None
+    return {"label": label, "exit_code": proc.returncode, "wall_s": wall, "started_at": t0,
+            "triton_cache_entries": kernels, **sweep_facts(args, space, label)}
 
 
 def sweep_facts(args, space: Path, label: str) -> dict:
@@ -159,7 +162,8 @@ def sweep_facts(args, space: Path, label: str) -> dict:
         s = json.loads(summary.read_text())
         (args.out / f"{label}-{summary.parent.name}-summary.json").write_text(summary.read_text())
         ph = s.get("phases", {})
-        phases.append({k: ph.get(k) for k in ("start_s", "spare", "load_s", "setup_s", "eval_base_s")}
+        phases.append({k: ph.get(k) for k in ("start_s", "spare", "load_s", "setup_s", "eval_base_s", "created_at",
+                                              "clock_at", "spare_moments")}
                       | {"evals_s": sum(e.get("seconds", 0) for e in ph.get("evals", [])),
                          "saves_s": sum(e.get("seconds", 0) for e in ph.get("saves", [])),
                          "graphs": ph.get("graphs"), "wall_s": s.get("wall_time_s"),
@@ -206,13 +210,20 @@ def part_plora(args, variant: str) -> dict:
 
 def part_imports(args) -> dict:
     """Where a job process's start goes on this machine: a fresh interpreter importing what a
-    job imports (torch with a CUDA context, torchtune, the recipe), timed by ``-X importtime``."""
+    job imports (torch with a CUDA context, torchtune, the recipe), timed by ``-X importtime``;
+    twice (the first may write bytecode caches), each run's whole log kept beside."""
+    first = import_run(args, "first")
+    return {**import_run(args, "again"), "first_wall_s": first["wall_s"]}
+
+
+def import_run(args, label: str) -> dict:
     device = "cpu" if args.smoke else "cuda"
     code = (f"import time, torch; t=time.time(); torch.zeros(1, device='{device}'); "
             "print('cuda_context_s', time.time() - t, flush=True); import plora.train.spare, plora.train.packed_lora")
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=str(REPO))
     wall = time.time() - t0
+    (args.out / f"importtime-{label}.txt").write_text(proc.stderr)
     tops: dict[str, float] = {}
     for line in proc.stderr.splitlines():
         parts = line.split("|")

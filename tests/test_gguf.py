@@ -114,3 +114,30 @@ def test_one_folder_per_dtype_asked_for(tmp_path, monkeypatch):
 def test_missing_gguf_file():
     with pytest.raises(ModelError, match="GGUF file not found"):
         resolve_model_path("/nonexistent/model.gguf")
+
+
+def test_a_conversion_parses_the_file_once(tmp_path, monkeypatch):
+    """transformers opens a GGUF three times for one model (config, weights, tokenizer):
+    during a conversion the file is parsed once and gguf's name map built once per shape."""
+    import gguf as gguf_lib
+
+    opened, maps = [], []
+
+    def reader(path, mode="r"):
+        opened.append(str(path))
+        return object()
+
+    def name_map(arch, n_blocks):
+        maps.append((arch, n_blocks))
+        return {"arch": arch}
+
+    monkeypatch.setattr(gguf_lib, "GGUFReader", reader)
+    monkeypatch.setattr(gguf_lib, "get_tensor_name_map", name_map)
+    file = tmp_path / "m.gguf"
+    with gguf._read_once():
+        first = gguf_lib.GGUFReader(file)
+        assert gguf_lib.GGUFReader(str(file)) is first and gguf_lib.GGUFReader(tmp_path / "." / "m.gguf") is first
+        assert gguf_lib.get_tensor_name_map("llama", 30) is gguf_lib.get_tensor_name_map("llama", 30)
+        gguf_lib.get_tensor_name_map("llama", 2)
+    assert opened == [str(file)] and maps == [("llama", 30), ("llama", 2)]
+    assert gguf_lib.GGUFReader is reader and gguf_lib.get_tensor_name_map is name_map  # put back after

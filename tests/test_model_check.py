@@ -193,3 +193,45 @@ def test_a_model_error_inside_a_job_fails_its_adapters_at_once(tmp_path):
     finally:
         journal.close()
     assert len(launched) == len(prep.plan.jobs)
+
+
+def test_a_sweeps_model_check_builds_the_model_while_the_caller_goes_on(tmp_path, monkeypatch):
+    """The slow part (the model built on meta: torchtune's import) runs on a thread; the
+    quick checks still raise at once, and the slow part's problem is raised by the wait."""
+    import threading
+
+    import plora.models.check as mc
+    from plora.spec.base import SpecError
+    from plora.spec.loading import load_spec
+
+    folder = model_copy(tmp_path)
+    spec = load_spec(space(tmp_path, str(folder)))
+    release, building = threading.Event(), threading.Event()
+    real_build = mc.build_model
+
+    def slow_build(*a, **k):
+        building.set()
+        assert release.wait(30)
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(mc, "build_model", slow_build)
+    mc._check_folder.cache_clear()
+    wait = mc.start_spec_model_check(spec)  # returns while the model is still being built
+    assert building.wait(30)
+    release.set()
+    assert wait().family == "llama"
+
+    mc._check_folder.cache_clear()
+    assert mc.start_spec_model_check(spec)().family == "llama"  # passed before: nothing left to run
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copytree(TINY, broken / "model")
+    _renamed_weight(broken / "model")
+    mc._check_folder.cache_clear()
+    wait = mc.start_spec_model_check(load_spec(space(broken, str(broken / "model"))))
+    with pytest.raises(SpecError, match="model.path"):
+        wait()
+    _not_json(broken / "model")
+    with pytest.raises(SpecError, match="not valid JSON"):  # a quick check: raised at the start
+        mc.start_spec_model_check(load_spec(space(broken, str(broken / "model"))))

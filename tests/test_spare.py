@@ -46,6 +46,17 @@ def test_a_job_handed_to_a_spare_trains_as_a_fresh_process(tmp_path, monkeypatch
     for col in ("train_loss", "eval_loss", "steps"):
         assert warm[col].tolist() == cold[col].tolist()
     assert not spare._spares  # let go at the end of the sweep: no process left behind
+    # where the wait went: the sweep's moments in order, and when its first job's spare was ready
+    run = tmp_path / "warm" / "runs" / "spare"
+    t = json.loads((run / "timings.json").read_text())
+    order = ["spec_loaded_s", "model_checked_s", "data_checked_s", "rows_decided_s", "cost_model_s",
+             "jobs_planned_s", "planned_s", "started_s", "ended_s"]
+    assert [t[k] for k in order] == sorted(t[k] for k in order)
+    assert t["model_checked_s"] <= t["weights_checked_s"] <= t["planned_s"]
+    first = json.loads(sorted(run.glob("jobs/*/summary.json"))[0].read_text())["phases"]
+    moments = first["spare_moments"]
+    assert moments["created_at"] <= moments["ready_at"] <= first["clock_at"]
+    assert moments["created_at"] <= t["process_started_at"] + t["model_checked_s"]  # started before the model check
 
 
 def test_a_spare_is_not_used_where_the_environment_differs(tmp_path, monkeypatch):
@@ -197,3 +208,16 @@ def test_the_first_wave_is_one_gpu_each_of_those_seen(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr(spare, "host_gpu_count", lambda: 8)
     assert spare.first_wave("cuda", 4) == [[0], [1], [2], [3]]
+
+
+def test_auto_finds_the_first_gpu_from_the_drivers_list_without_torch(monkeypatch):
+    """The spare starts before the sweep imports torch (seconds on a GPU host): where the
+    driver lists GPUs, ``auto`` needs no torch to know the first job's GPU."""
+    calls = []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(spare, "host_gpu_count", lambda torch_fallback=True: calls.append(torch_fallback) or 2)
+    assert spare.first_gpus("auto") == [0]
+    assert calls == [False]
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert spare.first_gpus("auto") == []

@@ -88,13 +88,16 @@ def physical_cores(cpus: Iterable[int], sys_cpu: Path = SYS_CPU) -> list[tuple[i
     return [tuple(groups[k]) for k in sorted(groups)]
 
 
-def host_gpu_count() -> int:
+def host_gpu_count(torch_fallback: bool = True) -> int:
     """The GPUs of this host, whatever this process sees of them (``CUDA_VISIBLE_DEVICES``
-    narrows what a sweep uses, not who else runs beside it); 0 where none is found."""
+    narrows what a sweep uses, not who else runs beside it); 0 where none is found. The
+    driver's list first; without one, torch's count unless ``torch_fallback`` is off."""
     try:
         return sum(1 for _ in NVIDIA_GPUS.iterdir())
     except OSError:
         pass
+    if not torch_fallback:
+        return 0
     try:
         import torch
 

@@ -198,6 +198,11 @@ def first_gpus(device: str) -> list[int]:
     if device == "cpu":
         return []
     if device == "auto":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None and not [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]:
+            return []
+        if host_gpu_count(torch_fallback=False):  # the driver lists GPUs: no torch import (seconds) first
+            return [0]
         try:
             import torch
 

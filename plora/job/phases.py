@@ -38,6 +38,12 @@ def process_started_at() -> float | None:
         return None
 
 
+#: a process started ahead of its job (`plora.train.spare`): when it was created, when its
+#: imports were done (it said ready), when it had loaded the model it was told of; its job's
+#: summary keeps them, to show whether the job waited for the spare's imports
+SPARE_MOMENTS: dict[str, float] = {}
+
+
 class _EvalEvent:
     """One packed eval of adapters leaving together (or due an intermediate eval)."""
 
@@ -176,6 +182,7 @@ class PhaseClock:
             "evals": self.evals,
             "saves": self.saves,
             "graphs": self.graphs,
+            "spare_moments": dict(SPARE_MOMENTS),
             "finished_at": time.time(),
         }
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ from plora.data.json_errors import json_error_text
 from plora.models.info import ModelInfo
 from plora.models.loading import build_model, read_model_info, resolve_model_path
 
-__all__ = ["check_model", "check_spec_model", "expected_weights"]
+__all__ = ["check_model", "check_spec_model", "expected_weights", "start_spec_model_check"]
 
 INDEX_FILE = "model.safetensors.index.json"
 #: at most this many names are listed in one error line
@@ -77,24 +80,31 @@ def _passed_marker(folder: Path, family: str, random_init: bool, max_seq_len: in
     return settings().cache_dir / "model-checks" / hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
-@lru_cache(maxsize=32)
-def _check_folder(folder: Path, family: str, random_init: bool, max_seq_len: int, _stamp: tuple) -> ModelInfo:
+def _quick_checks(folder: Path, family: str) -> ModelInfo:
+    """What needs no model built: config.json read and supported, tokenizer.json there."""
     _read_json(folder / "config.json", "config.json")
     info = read_model_info(folder, family)  # names the missing or unsupported setting
-    tokenizer = folder / "tokenizer.json"
-    if not tokenizer.is_file():
+    if not (folder / "tokenizer.json").is_file():
         raise ModelError(f"{folder}: no tokenizer.json (plora needs the model's fast tokenizer)")
+    return info
+
+
+@lru_cache(maxsize=32)
+def _check_folder(folder: Path, family: str, random_init: bool, max_seq_len: int, _stamp: tuple) -> ModelInfo:
+    info = _quick_checks(folder, family)
     marker = _passed_marker(folder, family, random_init, max_seq_len, _stamp)
     if marker.is_file():  # these very files passed before: no model to build again
         return info
-    _read_json(tokenizer, "tokenizer.json")
+    _read_json(folder / "tokenizer.json", "tokenizer.json")
     expected = expected_weights(info, max_seq_len)  # builds the model on meta: an unbuildable one fails here
     if not random_init:
         found = _weight_headers(folder)
         _compare(folder, info, expected, found)
-    try:
+    try:  # written aside and renamed: a check cut short never leaves a pass behind
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"folder": str(folder), "family": info.family}))
+        scratch = marker.with_name(f".{marker.name}.{os.getpid()}.{threading.get_ident()}")
+        scratch.write_text(json.dumps({"folder": str(folder), "family": info.family}))
+        os.replace(scratch, marker)
     except OSError:  # a read-only cache: the next sweep checks again
         pass
     return info
@@ -177,6 +187,51 @@ def _compare(folder: Path, info: ModelInfo, expected: dict[str, tuple[int, ...]]
         got = tuple(converted[name].shape)
         if got != shape:
             raise ModelError(f"{folder}: weight {name} has shape {list(got)}, config.json implies {list(shape)}")
+
+
+def start_spec_model_check(spec: Any) -> Callable[[], ModelInfo]:
+    """`check_spec_model`, its slow part left running while the caller goes on.
+
+    The quick checks run now and raise their `SpecError` here: the model path (a GGUF file
+    converted), config.json, tokenizer.json. Building the model on meta and comparing the
+    weights' names and shapes needs torchtune, whose import took 9 s of a first sweep's start
+    on an H100 machine, in series with its data check and planning; it runs on a thread
+    instead. The returned callable waits for it and raises its `SpecError`: a sweep calls it
+    after planning and before it writes or launches anything. A folder that passed before
+    (`_passed_marker`) has nothing left to run.
+    """
+    from plora.spec.base import SpecError
+
+    m = spec.model
+    try:
+        folder = resolve_model_path(m.resolved_path())
+        stamp = _stamp(folder)
+        info = _quick_checks(folder, m.family)
+    except ModelError as e:
+        raise SpecError("model.path", str(e)) from None
+    if _passed_marker(folder, m.family, m.random_init, m.max_seq_len, stamp).is_file():
+        return lambda: info
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["info"] = _check_folder(folder, m.family, m.random_init, m.max_seq_len, stamp)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="plora-model-check", daemon=True)
+    thread.start()
+
+    def wait() -> ModelInfo:
+        thread.join()
+        error = outcome.get("error")
+        if isinstance(error, ModelError):
+            raise SpecError("model.path", str(error)) from None
+        if error is not None:
+            raise error
+        return outcome["info"]
+
+    return wait
 
 
 def check_spec_model(spec: Any) -> ModelInfo:

@@ -15,12 +15,20 @@ import sys
 
 
 def main() -> int:
+    import time
+
     import torch
     from torchtune import config as tune_config
 
     from plora.engine.spare import READY, PreloadOrder, SpareOrder
+    from plora.job.phases import SPARE_MOMENTS, process_started_at
     from plora.train import preload
     from plora.train.packed_lora import _pick_device, leave, recipe_main
+
+    born = process_started_at()  # (no job yet: the process's creation)
+    if born is not None:
+        SPARE_MOMENTS["created_at"] = born
+    SPARE_MOMENTS["ready_at"] = time.time()
 
     # the imports asked CUDA about the GPU: the spare serves only a job for the GPUs it sees
     # (`plora.engine.spare.Spare.compatible`)
@@ -39,6 +47,7 @@ def main() -> int:
             ahead = PreloadOrder.model_validate(fields)
             preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
                                              _pick_device(ahead.device), ahead.random_init))
+            SPARE_MOMENTS["preloaded_at"] = time.time()
         except Exception:  # noqa: BLE001 - the job loads its own model then
             pass
     order = SpareOrder.model_validate_json(line)
