@@ -213,13 +213,21 @@ def part_imports(args) -> dict:
     job imports (torch with a CUDA context, torchtune, the recipe), timed by ``-X importtime``;
     twice (the first may write bytecode caches), each run's whole log kept beside."""
     first = import_run(args, "first")
-    return {**import_run(args, "again"), "first_wall_s": first["wall_s"]}
+    lean = import_run(args, "lean", lean=True)
+    return {**import_run(args, "again"), "first_wall_s": first["wall_s"], "lean_wall_s": lean["wall_s"]}
 
 
-def import_run(args, label: str) -> dict:
+def import_run(args, label: str, lean: bool = False) -> dict:
+    """``lean``: as a spare imports (`plora.train.lean_imports`: torchtune's package
+    ``__init__``s skipped, the job's torchtune modules imported before it is ready)."""
     device = "cpu" if args.smoke else "cuda"
     code = (f"import time, torch; t=time.time(); torch.zeros(1, device='{device}'); "
-            "print('cuda_context_s', time.time() - t, flush=True); import plora.train.spare, plora.train.packed_lora")
+            "print('cuda_context_s', time.time() - t, flush=True); ")
+    if lean:
+        code += ("from plora.train.lean_imports import skip_package_inits, import_job_modules; "
+                 "skip_package_inits(); import plora.train.spare, plora.train.packed_lora; import_job_modules()")
+    else:
+        code += "import torchtune.modules, plora.train.spare, plora.train.packed_lora"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=str(REPO))
     wall = time.time() - t0
@@ -361,7 +369,8 @@ def table(result: dict) -> list[str]:
             lines.append(f"first / warm: {fixed['first']['wall_s'] / fixed['warm']['wall_s']:.2f}x")
     imports = result.get("imports")
     if imports:
-        lines.append(f"a job process's imports: {imports['wall_s']:.1f} s (CUDA context "
+        lines.append(f"a job process's imports: {imports['wall_s']:.1f} s, "
+                     f"{imports.get('lean_wall_s') or 0:.1f} s as a spare imports (CUDA context "
                      f"{imports.get('cuda_context_s') or 0:.1f} s; " + ", ".join(
                          f"{k} {v:.1f}" for k, v in list(imports["top_imports_s"].items())[:4]) + ")")
     varied = (result.get("plora-varied") or {}).get("warm", {})

@@ -18,6 +18,10 @@ def main() -> int:
     import time
 
     import torch
+
+    from plora.train.lean_imports import import_job_modules, skip_package_inits
+
+    skip_package_inits()  # torchtune's datasets, generation and families' tokenizers: never a job's
     from torchtune import config as tune_config
 
     from plora.engine.spare import READY, PreloadOrder, SpareOrder
@@ -25,6 +29,7 @@ def main() -> int:
     from plora.train import preload
     from plora.train.packed_lora import _pick_device, leave, recipe_main
 
+    import_job_modules()  # what the job's model build imports, whatever its family
     born = process_started_at()  # (no job yet: the process's creation)
     if born is not None:
         SPARE_MOMENTS["created_at"] = born
