@@ -31,6 +31,18 @@ _MOMENTS: dict[str, float] = {}
 _PENDING_CHECK: list = []
 
 
+def _check_in_spare(folder: Path, family: str, random_init: bool, max_seq_len: int) -> Optional[str]:
+    """The model check's slow part asked of the first job's process started ahead, which
+    imports torchtune anyway (`plora.models.check.start_spec_model_check`)."""
+    from plora.engine import spare
+
+    answer = spare.check_model(spare.CheckOrder(check=str(folder), family=family, random_init=random_init,
+                                                max_seq_len=max_seq_len))
+    if answer is None or answer.failed:
+        return None
+    return "" if answer.ok else (answer.error or "the model check failed")
+
+
 def _model_checked() -> None:
     """Wait for the model check `_load` left running; its problem is the usual one-line error."""
     from plora.spec.base import SpecError
@@ -113,8 +125,9 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
                 spare.prime(gpus)
         from plora.models.check import check_spec_model, start_spec_model_check  # torch: after the spare started
 
-        if check_later:
-            _PENDING_CHECK.append(start_spec_model_check(spec))  # config, tokenizer now; the weights meanwhile
+        if check_later:  # config, tokenizer now; the weights in the first job's process, or meanwhile
+            elsewhere = _check_in_spare if warm and spare.enabled() and spec.hardware.backend == "local" else None
+            _PENDING_CHECK.append(start_spec_model_check(spec, elsewhere))
         else:
             check_spec_model(spec)  # config, tokenizer, weights: refused before anything runs
         _MOMENTS["model_checked_at"] = time.time()

@@ -218,13 +218,13 @@ def part_imports(args) -> dict:
 
 
 def import_run(args, label: str, lean: bool = False) -> dict:
-    """``lean``: as a spare imports (`plora.train.lean_imports`: torchtune's package
+    """``lean``: as a spare imports (`plora.models.torchtune_imports`: torchtune's package
     ``__init__``s skipped, the job's torchtune modules imported before it is ready)."""
     device = "cpu" if args.smoke else "cuda"
     code = (f"import time, torch; t=time.time(); torch.zeros(1, device='{device}'); "
             "print('cuda_context_s', time.time() - t, flush=True); ")
     if lean:
-        code += ("from plora.train.lean_imports import skip_package_inits, import_job_modules; "
+        code += ("from plora.models.torchtune_imports import skip_package_inits, import_job_modules; "
                  "skip_package_inits(); import plora.train.spare, plora.train.packed_lora; import_job_modules()")
     else:
         code += "import torchtune.modules, plora.train.spare, plora.train.packed_lora"

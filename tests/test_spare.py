@@ -221,3 +221,60 @@ def test_auto_finds_the_first_gpu_from_the_drivers_list_without_torch(monkeypatc
     for hidden in ("", "-1"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
         assert spare.first_gpus("auto") == []
+
+
+def _not_in_this_process(monkeypatch):
+    import plora.models.check as mc
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the model was built on meta in the sweep's own process")
+
+    monkeypatch.setattr(mc, "build_model", refuse)
+    mc._check_folder.cache_clear()
+
+
+def test_the_spare_checks_the_model_for_the_sweep(tmp_path, monkeypatch):
+    """The model check's slow part (torchtune's import, the model built on meta) is asked of
+    the first job's process started ahead, which imports torchtune anyway."""
+    monkeypatch.setenv(spare.ENV_SWITCH, "1")
+    _not_in_this_process(monkeypatch)
+    result = CliRunner().invoke(app, ["sweep", str(_space(tmp_path)), "--no-profile"])
+    assert result.exit_code == 0, result.output
+    assert not spare._spares
+
+
+def test_a_broken_model_found_by_the_spare_is_the_usual_one_line_error(tmp_path, monkeypatch):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from plora.models.loading import ASSETS
+
+    folder = tmp_path / "model"
+    shutil.copytree(ASSETS / "tiny-llama", folder)
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.layers.0.mlp.upproj.weight"] = state.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(state, str(folder / "model.safetensors"))
+    monkeypatch.setenv(spare.ENV_SWITCH, "1")
+    _not_in_this_process(monkeypatch)
+    space = tiny_space_file(tmp_path, model_path=str(folder), space={"strategy": "list", "configs": [
+        {"rank": 2, "alpha": 4, "learning_rate": 1e-2, "batch_size": 4}]})
+    result = CliRunner().invoke(app, ["sweep", str(space)])
+    assert result.exit_code == 2, result.output
+    assert "model.path" in result.output and "upproj" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists() and not spare._spares
+
+
+def test_a_spare_answers_a_check_between_its_preload_and_its_job(tmp_path, monkeypatch):
+    from plora.models.loading import ASSETS
+
+    one = spare.Spare(spare.spare_env(()))
+    try:
+        good = spare.CheckOrder(check=str(ASSETS / "tiny-llama"), family="auto", random_init=False, max_seq_len=48)
+        assert one.check(good, 180) == spare.CheckAnswer(ok=True)
+        missing = spare.CheckOrder(check=str(tmp_path / "nothing"), family="auto", random_init=False, max_seq_len=48)
+        answer = one.check(missing, 180)
+        assert answer is not None and not answer.ok and str(tmp_path / "nothing") in (answer.error or "")
+        assert one.wait_ready(0)  # its ready line was read once, and stays read
+    finally:
+        one.kill()

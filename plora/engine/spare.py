@@ -29,6 +29,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -47,6 +48,8 @@ CHILD_MODULE = "plora.train.spare"
 HANDED_AT = settings_HANDED_AT
 #: what the child prints once it has imported the recipe
 READY = "ready"
+#: what starts the child's line answering a `CheckOrder` (a `CheckAnswer` follows)
+CHECKED = "checked "
 #: variables a job may set differently from its spare's: read only once the job runs
 ADJUSTABLE = frozenset({"OMP_NUM_THREADS", ATTEMPT, HANDED_AT, TEST_HOOKS, "PYTHONUNBUFFERED"})
 #: variables a spare and its job always agree on, whoever changed them
@@ -68,6 +71,30 @@ class SpareOrder(BaseModel):
     cwd: str  #: the job's folder
     log: str  #: the job's log.txt (stdout and stderr go there, appended)
     env: dict[str, str]  #: the job's whole environment
+
+
+class CheckOrder(BaseModel):
+    """A line a spare may read before its job: check this model folder now, as
+    `plora.models.check.check_model` does (the model built on meta: the spare has imported
+    torchtune already, the sweep need not), and answer with a `CheckAnswer` line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    check: str  #: the model folder (a GGUF file's converted folder)
+    family: str
+    random_init: bool
+    max_seq_len: int
+
+
+class CheckAnswer(BaseModel):
+    """What a spare prints after `CHECKED` for a `CheckOrder`: the folder passed, or the
+    model's one-line problem; ``failed``: the check itself broke (the sweep checks again)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ok: bool
+    error: str | None = None
+    failed: str | None = None
 
 
 class PreloadOrder(BaseModel):
@@ -113,6 +140,8 @@ class Spare:
         #: this process's environment when the spare started: what this process changes in it
         #: afterwards (its own imports' settings) its job passes on without them mattering
         self.started_from = dict(os.environ)
+        self.ready = False  #: the child said ready (read from its stdout)
+        self._pending = b""  #: what was read of the child's stdout past the last line
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=child_setup(env),
@@ -130,18 +159,45 @@ class Spare:
         keys = (set(env) | set(self.env)) - ADJUSTABLE - (changed - PINNED)
         return all(env.get(k) == self.env.get(k) for k in keys)
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        """Whether the child said ready (waiting for it to finish importing, up to ``timeout_s``)."""
+    def _line(self, timeout_s: float) -> str | None:
+        """The child's next stdout line, waiting up to ``timeout_s``; None on a timeout or
+        its end. Read from the pipe unbuffered: a line already read ahead is never left in
+        a buffer that ``select`` does not see."""
         out = self.proc.stdout
         if out is None:
-            return False
-        ready, _, _ = select.select([out], [], [], timeout_s)
-        if not ready:
-            return False
-        return out.readline().decode(errors="replace").strip() == READY
+            return None
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([out], [], [], left)[0]:
+                return None
+            chunk = os.read(out.fileno(), 65536)
+            if not chunk:
+                return None
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode(errors="replace").strip()
 
-    def tell(self, order: PreloadOrder) -> bool:
-        """Send a preload order ahead of the job (read once the child has imported)."""
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the child said ready (waiting for it to finish importing, up to ``timeout_s``)."""
+        if not self.ready:
+            self.ready = self._line(timeout_s) == READY
+        return self.ready
+
+    def check(self, order: CheckOrder, timeout_s: float) -> CheckAnswer | None:
+        """The child's answer to ``order`` (waiting for its imports first), or None where it
+        gave none (dead, hung, or no spare protocol)."""
+        if not self.wait_ready(timeout_s) or not self._send(order):
+            return None
+        line = self._line(timeout_s)
+        if line is None or not line.startswith(CHECKED):
+            return None
+        try:
+            return CheckAnswer.model_validate_json(line.removeprefix(CHECKED))
+        except ValueError:
+            return None
+
+    def _send(self, order: BaseModel) -> bool:
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write((order.model_dump_json() + "\n").encode())
@@ -149,6 +205,10 @@ class Spare:
         except (OSError, ValueError, AssertionError):
             return False
         return True
+
+    def tell(self, order: PreloadOrder) -> bool:
+        """Send a preload order ahead of the job (read once the child has imported)."""
+        return self._send(order)
 
     def hand(self, order: SpareOrder) -> bool:
         try:
@@ -255,6 +315,18 @@ def preload(order: PreloadOrder) -> bool:
         if spare.proc.poll() is None:
             told = spare.tell(order) or told
     return told
+
+
+def check_model(order: CheckOrder) -> CheckAnswer | None:
+    """Have a spare check a model folder (`CheckOrder`): its answer, or None where no spare
+    answered (the caller checks it itself). Waits for the spare's imports, which the sweep
+    would otherwise pay again in its own process."""
+    for spare in list(_spares.values()):
+        if spare.proc.poll() is None:
+            answer = spare.check(order, READY_WAIT_S)
+            if answer is not None:
+                return answer
+    return None
 
 
 def keep(wanted: bool, gpus: Sequence[int] = ()) -> None:

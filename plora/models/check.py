@@ -12,6 +12,8 @@ files' names, sizes and times, the check's settings, the checking code and torch
 version: building the
 model on meta needs torchtune, whose import alone took 8 s of a sweep's start on an H100
 machine, so a sweep of a folder checked before skips it. A changed file is checked again.
+A sweep asks that part of its first job's process started ahead, which imports torchtune
+anyway (`start_spec_model_check`).
 """
 
 from __future__ import annotations
@@ -189,16 +191,25 @@ def _compare(folder: Path, info: ModelInfo, expected: dict[str, tuple[int, ...]]
             raise ModelError(f"{folder}: weight {name} has shape {list(got)}, config.json implies {list(shape)}")
 
 
-def start_spec_model_check(spec: Any) -> Callable[[], ModelInfo]:
-    """`check_spec_model`, its slow part left running while the caller goes on.
+#: checks a folder in another process: (folder, family, random_init, max_seq_len) -> None where
+#: it could not, "" where the folder passed, else the problem's line (`start_spec_model_check`)
+CheckElsewhere = Callable[[Path, str, bool, int], "str | None"]
+
+
+def start_spec_model_check(spec: Any, elsewhere: CheckElsewhere | None = None) -> Callable[[], ModelInfo]:
+    """`check_spec_model`, its slow part done while the caller goes on.
 
     The quick checks run now and raise their `SpecError` here: the model path (a GGUF file
     converted), config.json, tokenizer.json. Building the model on meta and comparing the
     weights' names and shapes needs torchtune, whose import took 9 s of a first sweep's start
-    on an H100 machine, in series with its data check and planning; it runs on a thread
-    instead. The returned callable waits for it and raises its `SpecError`: a sweep calls it
-    after planning and before it writes or launches anything. A folder that passed before
-    (`_passed_marker`) has nothing left to run.
+    on an H100 machine, in series with its data check and planning. With ``elsewhere`` (a
+    sweep's job process started ahead, which imports torchtune anyway: `plora.engine.spare`)
+    that part is asked of it when the returned callable is called, and done here only where it
+    gave no answer; without, it runs on a thread (which shares this process's interpreter lock
+    with the planning: on an H100 machine the two took as long together as one after the
+    other). The returned callable raises the `SpecError`: a sweep calls it after planning and
+    before it writes or launches anything. A folder that passed before (`_passed_marker`) has
+    nothing left to run.
     """
     from plora.spec.base import SpecError
 
@@ -211,6 +222,16 @@ def start_spec_model_check(spec: Any) -> Callable[[], ModelInfo]:
         raise SpecError("model.path", str(e)) from None
     if _passed_marker(folder, m.family, m.random_init, m.max_seq_len, stamp).is_file():
         return lambda: info
+    if elsewhere is not None:
+        def ask() -> ModelInfo:
+            problem = elsewhere(folder, m.family, m.random_init, m.max_seq_len)
+            if problem:
+                raise SpecError("model.path", problem)
+            if problem is None:  # not answered there: here, then
+                return check_spec_model(spec)
+            return info
+
+        return ask
     outcome: dict[str, Any] = {}
 
     def run() -> None:

@@ -19,12 +19,12 @@ def main() -> int:
 
     import torch
 
-    from plora.train.lean_imports import import_job_modules, skip_package_inits
+    from plora.models.torchtune_imports import import_job_modules, skip_package_inits
 
     skip_package_inits()  # torchtune's datasets, generation and families' tokenizers: never a job's
     from torchtune import config as tune_config
 
-    from plora.engine.spare import READY, PreloadOrder, SpareOrder
+    from plora.engine.spare import CHECKED, READY, PreloadOrder, SpareOrder
     from plora.job.phases import SPARE_MOMENTS, process_started_at
     from plora.train import preload
     from plora.train.packed_lora import _pick_device, leave, recipe_main
@@ -48,6 +48,9 @@ def main() -> int:
             fields = {}
         if not isinstance(fields, dict) or "config" in fields:
             break
+        if "check" in fields:  # the sweep's model check, done here where torchtune is imported
+            print(CHECKED + answer_check(fields).model_dump_json(), flush=True)
+            continue
         try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
             preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
@@ -70,6 +73,22 @@ def main() -> int:
     sys.argv = ["plora/train/packed_lora.py", "--config", order.config]
     leave(tune_config.parse(recipe_main)())
     return 0
+
+
+def answer_check(fields: dict):
+    """A `CheckOrder`'s `CheckAnswer`: the folder checked as the sweep would check it."""
+    from plora.engine.spare import CheckAnswer, CheckOrder
+    from plora.models.check import check_model
+    from plora.models.loading import ModelError
+
+    try:
+        order = CheckOrder.model_validate(fields)
+        check_model(order.check, order.family, random_init=order.random_init, max_seq_len=order.max_seq_len)
+    except ModelError as e:
+        return CheckAnswer(ok=False, error=str(e))
+    except Exception as e:  # noqa: BLE001 - the check broke here: the sweep checks again itself
+        return CheckAnswer(ok=False, failed=f"{type(e).__name__}: {e}")
+    return CheckAnswer(ok=True)
 
 
 if __name__ == "__main__":

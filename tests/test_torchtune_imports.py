@@ -1,4 +1,4 @@
-"""A spare's imports without torchtune's package `__init__`s (`plora.train.lean_imports`):
+"""A spare's imports without torchtune's package `__init__`s (`plora.models.torchtune_imports`):
 every family still builds and loads, to the same logits, and ``datasets`` never comes in."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from family_models import CASES, make_model
 LEAN_CHILD = r"""
 import json, sys
 import torch
-from plora.train.lean_imports import import_job_modules, skip_package_inits
+from plora.models.torchtune_imports import import_job_modules, skip_package_inits
 
 assert skip_package_inits()
 import plora.train.packed_lora  # the recipe, as a spare imports it
@@ -51,9 +51,9 @@ def test_every_family_loads_to_the_same_logits_without_torchtunes_package_inits(
 def test_lean_imports_stand_aside_where_torchtune_is_imported_or_switched_off(monkeypatch):
     import torchtune  # noqa: F401 - as in any process that imported it the usual way
 
-    from plora.train import lean_imports
+    from plora.models import torchtune_imports as lean_imports
 
     assert lean_imports.skip_package_inits() is False  # torchtune is imported: nothing to skip
-    code = ("import os; os.environ['PLORA_LEAN_IMPORTS'] = '0'; from plora.train import lean_imports; "
+    code = ("import os; os.environ['PLORA_LEAN_IMPORTS'] = '0'; from plora.models import torchtune_imports as lean_imports; "
             "import sys; assert lean_imports.skip_package_inits() is False and 'torchtune' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[1])).returncode == 0
