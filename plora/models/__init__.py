@@ -8,6 +8,8 @@
 * `plora.models.gguf` -- a ``.gguf`` file dequantized once into a folder in plora's cache.
 * `plora.models.hub_cache` -- Hub model ids, read from the local Hugging Face cache.
 * `plora.models.check` -- config, tokenizer and weight names checked at validation.
+* `plora.models.torchtune_imports` -- torchtune's modules without its package ``__init__``s
+  (datasets, generation, tokenizers), for a job process started ahead.
 
 Importing this package imports none of its modules (no torch): each is imported by name.
 """
