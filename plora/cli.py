@@ -44,7 +44,8 @@ def _check_in_spare(folder: Path, family: str, random_init: bool, max_seq_len: i
 
 
 def _model_checked() -> None:
-    """Wait for the model check `_load` left running; its problem is the usual one-line error."""
+    """Wait for the model check `_load` left running; its problem is the usual one-line error.
+    Called before anything measures on the GPU, is written or launched (again: a no-op)."""
     from plora.spec.base import SpecError
 
     while _PENDING_CHECK:
@@ -52,8 +53,9 @@ def _model_checked() -> None:
         try:
             wait()
         except SpecError as e:
+            _PENDING_CHECK.clear()
             fail(str(e))
-    _MOMENTS["weights_checked_at"] = time.time()
+        _MOMENTS["weights_checked_at"] = time.time()
 
 
 def _print_version(value: bool) -> None:
@@ -191,6 +193,7 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         prep = _plan(spec, output, probe=probe, fresh=fresh)
         _model_checked()  # before anything is written or launched
     except BaseException:
+        _PENDING_CHECK.clear()  # a check of this space never reaches another command of this process
         spare.discard()
         raise
     if warm:  # (a profile's probe job may have taken the first one)
@@ -216,7 +219,8 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
     try:
         hw = hardware_for(spec)
         _note_hardware(spec, hw)
-        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw, fresh=fresh, check_model=not _PENDING_CHECK,
+        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw, fresh=fresh,
+                       check_model=_model_checked if _PENDING_CHECK else True,
                        log=lambda line: console.print(f"[dim]{escape(line)}[/]", highlight=False))
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -203,7 +203,8 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
 
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
             hardware: Hardware | None = None, cost_model: CostModel | None = None,
-            log: Callable[[str], None] | None = None, fresh: bool = False, check_model: bool = True) -> PreparedSweep:
+            log: Callable[[str], None] | None = None, fresh: bool = False,
+            check_model: bool | Callable[[], None] = True) -> PreparedSweep:
     """Everything a sweep decides before training: configurations, step budgets, the plan.
 
     Writes nothing to the run directory (a quick calibration goes to plora's cache). On a GPU
@@ -212,12 +213,14 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     largest pack the sweep may form off the GPU, `probe` lets it first measure two short packs
     (`plora.cost.profiling.profile.quick_calibration`, a few seconds, reported through ``log``) and
     plan on them. The sweep's own jobs calibrate the model further while they run. ``fresh``:
-    the run directory is started over, its profile.json is not this sweep's. ``check_model``
-    off: the caller checks the model itself, meanwhile (`plora.models.check.start_spec_model_check`).
+    the run directory is started over, its profile.json is not this sweep's. ``check_model``:
+    True, the model is checked first; a callable, the caller checks it meanwhile
+    (`plora.models.check.start_spec_model_check`) and this waits for it before a quick
+    calibration measures anything; False, the caller checks it.
     """
     from plora.models.check import check_spec_model
 
-    if check_model:
+    if check_model is True:
         check_spec_model(spec)  # a broken model folder is refused before any planning
     moments: dict[str, float] = {}
     configs = spec.expand()
@@ -237,6 +240,8 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
                               row_layout=layout, loads=sweep_loads(configs, steps, micro_batch_size_of(spec)))
         cost_model, prior, calibration = models.model, models.prior, models.calibration
         if probe and hw.gpu and hw.local and models.source == ANALYTIC_SOURCE:
+            if callable(check_model):  # no probe of a model that the check refuses
+                check_model()
             cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
     else:
         cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths, layout)

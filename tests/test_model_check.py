@@ -222,7 +222,13 @@ def test_a_sweeps_model_check_builds_the_model_while_the_caller_goes_on(tmp_path
     assert wait().family == "llama"
 
     mc._check_folder.cache_clear()
+
+    def no_build(*_a, **_k):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(mc, "build_model", no_build)
     assert mc.start_spec_model_check(spec)().family == "llama"  # passed before: nothing left to run
+    monkeypatch.setattr(mc, "build_model", real_build)
 
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -235,3 +241,18 @@ def test_a_sweeps_model_check_builds_the_model_while_the_caller_goes_on(tmp_path
     _not_json(broken / "model")
     with pytest.raises(SpecError, match="not valid JSON"):  # a quick check: raised at the start
         mc.start_spec_model_check(load_spec(space(broken, str(broken / "model"))))
+
+
+def test_a_sweep_refused_before_planning_leaves_no_model_check_behind(tmp_path):
+    """A later command of the same process never waits for (or reports) this space's check."""
+    import plora.cli as cli
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    path = space(tmp_path, str(model_copy(tmp_path)))
+    data = yaml.safe_load(path.read_text())
+    data["output"] = {"dir": str(blocker / "runs")}
+    path.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["sweep", str(path)])
+    assert result.exit_code == 2, result.output
+    assert cli._PENDING_CHECK == []

@@ -216,11 +216,17 @@ def test_auto_finds_the_first_gpu_from_the_drivers_list_without_torch(monkeypatc
     calls = []
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(spare, "host_gpu_count", lambda torch_fallback=True: calls.append(torch_fallback) or 2)
+    monkeypatch.setattr(spare, "_gpu_torch", lambda: True)
     assert spare.first_gpus("auto") == [0]
     assert calls == [False]
-    for hidden in ("", "-1"):
+    for hidden in ("", "-1", "-1,0"):  # CUDA stops at the first invalid entry
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
         assert spare.first_gpus("auto") == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(spare, "_gpu_torch", lambda: False)  # a CPU build of torch on a GPU host: torch decides
+    import torch
+
+    assert spare.first_gpus("auto") == ([0] if torch.cuda.is_available() else [])
 
 
 def _not_in_this_process(monkeypatch):
@@ -270,7 +276,10 @@ def test_a_spare_answers_a_check_between_its_preload_and_its_job(tmp_path, monke
 
     one = spare.Spare(spare.spare_env(()))
     try:
-        good = spare.CheckOrder(check=str(ASSETS / "tiny-llama"), family="auto", random_init=False, max_seq_len=48)
+        folder = str(ASSETS / "tiny-llama")
+        assert one.wait_ready(180) and one.tell(spare.PreloadOrder(
+            path=folder, family="llama", max_seq_len=48, dtype="float32", device="cpu", random_init=False))
+        good = spare.CheckOrder(check=folder, family="auto", random_init=False, max_seq_len=48)
         assert one.check(good, 180) == spare.CheckAnswer(ok=True)
         missing = spare.CheckOrder(check=str(tmp_path / "nothing"), family="auto", random_init=False, max_seq_len=48)
         answer = one.check(missing, 180)
@@ -278,3 +287,26 @@ def test_a_spare_answers_a_check_between_its_preload_and_its_job(tmp_path, monke
         assert one.wait_ready(0)  # its ready line was read once, and stays read
     finally:
         one.kill()
+
+
+def test_a_spare_that_took_a_check_and_gave_no_answer_is_let_go(monkeypatch):
+    """Its answer, written once the sweep stopped reading, would kill it as its job began."""
+    class Silent:
+        def __init__(self):
+            self.killed = False
+            self.proc = type("P", (), {"poll": lambda _self: None})()
+
+        def wait_ready(self, timeout_s):
+            return True
+
+        def check(self, order, timeout_s):
+            return None
+
+        def kill(self):
+            self.killed = True
+
+    silent = Silent()
+    monkeypatch.setattr(spare, "_spares", {(): silent})
+    order = spare.CheckOrder(check="x", family="auto", random_init=False, max_seq_len=8)
+    assert spare.check_model(order) is None
+    assert silent.killed and not spare._spares

@@ -259,9 +259,10 @@ def first_gpus(device: str) -> list[int]:
         return []
     if device == "auto":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None and not [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]:
+        first = visible.split(",")[0].strip() if visible is not None else "0"
+        if not first or first.startswith("-"):  # CUDA reads the list up to its first invalid entry
             return []
-        if host_gpu_count(torch_fallback=False):  # the driver lists GPUs: no torch import (seconds) first
+        if host_gpu_count(torch_fallback=False) and _gpu_torch():  # no torch import (seconds) first
             return [0]
         try:
             import torch
@@ -270,6 +271,20 @@ def first_gpus(device: str) -> list[int]:
         except Exception:  # noqa: BLE001 - a broken CUDA install: CPU jobs
             return []
     return [0]
+
+
+def _gpu_torch() -> bool:
+    """Whether the installed torch is a build that can use a GPU, from its version alone
+    (a CPU wheel says ``+cpu``) and a GPU device node: a CPU-only container on a GPU host
+    sees the driver's list, not the device."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        if "+cpu" in version("torch"):
+            return False
+    except PackageNotFoundError:
+        return False
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
 
 
 def first_wave(device: str, gpus: int) -> list[list[int]]:
@@ -318,14 +333,23 @@ def preload(order: PreloadOrder) -> bool:
 
 
 def check_model(order: CheckOrder) -> CheckAnswer | None:
-    """Have a spare check a model folder (`CheckOrder`): its answer, or None where no spare
-    answered (the caller checks it itself). Waits for the spare's imports, which the sweep
-    would otherwise pay again in its own process."""
-    for spare in list(_spares.values()):
-        if spare.proc.poll() is None:
-            answer = spare.check(order, READY_WAIT_S)
-            if answer is not None:
-                return answer
+    """Have the first spare check a model folder (`CheckOrder`): its answer, or None where
+    it gave none (the caller checks it itself). Waits for the spare's imports, which the
+    sweep would otherwise pay again in its own process. A spare that never said ready turns
+    spares off (`_give_up`: the next would hang too); one that took the order and gave no
+    answer is let go (its answer, written later, would find no reader and kill it as its job
+    began)."""
+    for key, spare in list(_spares.items()):
+        if spare.proc.poll() is not None:
+            continue
+        if not spare.wait_ready(READY_WAIT_S):
+            _give_up()
+            return None
+        answer = spare.check(order, READY_WAIT_S)
+        if answer is None:
+            _spares.pop(key, None)
+            spare.kill()
+        return answer
     return None
 
 

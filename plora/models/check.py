@@ -259,8 +259,9 @@ def check_spec_model(spec: Any) -> ModelInfo:
     """Check a validated SweepSpec's model; a problem is a SpecError at ``model.path``.
 
     Called by `plora.sweep.prepare` and by the CLI's commands right after the space is
-    loaded, so `sweep`, `plan`, `profile` and `tune` refuse a broken model before they plan,
-    profile or write anything.
+    loaded, so `sweep`, `plan`, `profile` and `tune` refuse a broken model before they
+    measure or write anything (`plan`, `profile` and `tune` before they plan too; `sweep`
+    plans meanwhile: `start_spec_model_check`).
     """
     from plora.spec.base import SpecError
 

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,7 @@ def _convert(file: Path, out: Path, dtype: str) -> None:
     except ImportError as e:
         raise GGUFError(f"{file}: reading GGUF models needs {' and '.join(GGUF_READERS)}: run {GGUF_READERS_INSTALL} ({e})")
     try:
-        with _read_once():
+        with _ONE_CONVERSION, _read_once():
             model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
@@ -191,6 +192,10 @@ def _convert(file: Path, out: Path, dtype: str) -> None:
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
     marker = {"source": str(file.resolve()), "size": file.stat().st_size, "sha256": _sha256(file), "dtype": dtype}
     (out / _MARKER_FILE).write_text(json.dumps(marker, indent=2))
+
+
+#: one conversion at a time in a process: `_read_once` swaps names of the gguf module
+_ONE_CONVERSION = threading.Lock()
 
 
 @contextlib.contextmanager

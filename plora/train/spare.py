@@ -49,7 +49,11 @@ def main() -> int:
         if not isinstance(fields, dict) or "config" in fields:
             break
         if "check" in fields:  # the sweep's model check, done here where torchtune is imported
-            print(CHECKED + answer_check(fields).model_dump_json(), flush=True)
+            answer = answer_check(fields)
+            try:
+                print(CHECKED + answer.model_dump_json(), flush=True)
+            except OSError:  # the sweep stopped reading (it gave up on the answer): the job comes still
+                pass
             continue
         try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
