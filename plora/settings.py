@@ -33,6 +33,8 @@ HANDED_AT = "PLORA_HANDED_AT"
 TEST_HOOKS = "PLORA_TEST_HOOKS"
 #: 0 (false, no, off) starts every job the ordinary way, without a process started ahead
 SPARE_JOBS = "PLORA_SPARE_JOBS"
+#: 0 (false, no, off) has a process started ahead import torchtune with its package ``__init__``s
+LEAN_IMPORTS = "PLORA_LEAN_IMPORTS"
 #: 0 leaves each job's threads and cores to the libraries' defaults
 CPU_SHARE = "PLORA_CPU_SHARE"
 #: the cores a job process is bound to (``0-7,32-39``; set by the engine)
@@ -61,6 +63,7 @@ class Settings:
     handed_at: float | None
     test_hooks: tuple[str, ...]
     spare_jobs: bool
+    lean_imports: bool
     cpu_share: bool
     cpus: str | None
     log_progress_s: float
@@ -81,6 +84,7 @@ class Settings:
             handed_at=_float(env.get(HANDED_AT)),
             test_hooks=tuple(n.strip() for n in env.get(TEST_HOOKS, "").split(",") if n.strip()),
             spare_jobs=env.get(SPARE_JOBS, "1") not in _OFF,
+            lean_imports=env.get(LEAN_IMPORTS, "1") not in _OFF,
             cpu_share=env.get(CPU_SHARE, "1").strip() != "0",
             cpus=env.get(CPUS) or None,
             log_progress_s=max(0.0, _float(env.get(LOG_PROGRESS_S)) if _float(env.get(LOG_PROGRESS_S)) is not None

@@ -236,7 +236,7 @@ def start_spec_model_check(spec: Any, elsewhere: CheckElsewhere | None = None) -
 
     def run() -> None:
         try:
-            outcome["info"] = _check_folder(folder, m.family, m.random_init, m.max_seq_len, stamp)
+            outcome["info"] = check_spec_model(spec)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             outcome["error"] = e
 
@@ -245,11 +245,8 @@ def start_spec_model_check(spec: Any, elsewhere: CheckElsewhere | None = None) -
 
     def wait() -> ModelInfo:
         thread.join()
-        error = outcome.get("error")
-        if isinstance(error, ModelError):
-            raise SpecError("model.path", str(error)) from None
-        if error is not None:
-            raise error
+        if "error" in outcome:
+            raise outcome["error"]
         return outcome["info"]
 
     return wait

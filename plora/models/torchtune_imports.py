@@ -13,14 +13,15 @@ path, their ``__init__`` not run) before anything imports them; any submodule st
 as usual, with its own imports. torchtune 0.6.1 is its last release, so what its
 ``__init__``s hold cannot change under us; torchao is still imported where torchtune's
 modules need it (``torchtune.modules`` for NF4). Only processes plora starts ahead of their
-job (`plora.train.spare`) use it; ``PLORA_LEAN_IMPORTS=0`` turns it off.
+job (`plora.train.spare`) use it; ``PLORA_LEAN_IMPORTS=0`` turns it off (`plora.settings`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
+
+from plora.settings import settings
 
 __all__ = ["JOB_MODULES", "LEAN_PACKAGES", "import_job_modules", "skip_package_inits"]
 
@@ -54,15 +55,13 @@ JOB_MODULES = (
     "torchtune.models.gemma.rms_norm",
     "torchtune.models.gemma2._attention",
 )
-#: set to 0 to import torchtune as it is
-ENV_SWITCH = "PLORA_LEAN_IMPORTS"
 
 
 def skip_package_inits() -> bool:
     """Register `LEAN_PACKAGES` without running their ``__init__``. Whether it did: not
     where it is switched off, where torchtune is already imported, or where a package is
     missing (then nothing is registered and imports run as usual)."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings().lean_imports:
         return False
     if any(name in sys.modules for name in LEAN_PACKAGES):
         return False
