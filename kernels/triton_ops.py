@@ -212,8 +212,29 @@ def dy_mode_for(rp: int, elems: int = 0) -> str:
     return DY_MODE.get(rp, _DEFAULT_DY_MODE)
 
 
+#: Lists that launches are collected into instead of running (`collecting`): innermost last.
+_COLLECTING: list[list] = []
+
+
 def _launch(kernel, grid, *args, **kwargs) -> None:
+    if _COLLECTING:
+        _COLLECTING[-1].append((kernel, grid, args, kwargs))
+        return
     kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def collecting():
+    """Every launch of the ops inside is recorded as ``(kernel, grid, args, kwargs)`` in the
+    list this yields instead of running, and on one stream: what a step would launch, with
+    the same tiles, flags and arguments, for compiling its kernels ahead (`compile_ahead`).
+    The ops' outputs then hold whatever their buffers held."""
+    calls: list = []
+    _COLLECTING.append(calls)
+    try:
+        yield calls
+    finally:
+        _COLLECTING.pop()
 
 
 _SMS: dict[str, int] = {}
@@ -468,8 +489,9 @@ def _fork(device: torch.device, fns, first_here: bool) -> None:
 
 
 def _streams_on(device: torch.device) -> bool:
-    """Whether launches go on side streams at all: compiled kernels on a CUDA device."""
-    return device.type == "cuda"
+    """Whether launches go on side streams at all: compiled kernels on a CUDA device, and
+    not while launches are only collected (`collecting`)."""
+    return device.type == "cuda" and not _COLLECTING
 
 
 def _each_bucket(meta: LoRAMeta, device: torch.device, chain) -> None:

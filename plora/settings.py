@@ -35,6 +35,9 @@ TEST_HOOKS = "PLORA_TEST_HOOKS"
 SPARE_JOBS = "PLORA_SPARE_JOBS"
 #: 0 (false, no, off) has a process started ahead import torchtune with its package ``__init__``s
 LEAN_IMPORTS = "PLORA_LEAN_IMPORTS"
+#: threads that compile a step's Triton kernels ahead of its first launch (0: compile each
+#: kernel at its launch, one after another)
+COMPILE_THREADS = "PLORA_COMPILE_THREADS"
 #: 0 leaves each job's threads and cores to the libraries' defaults
 CPU_SHARE = "PLORA_CPU_SHARE"
 #: the cores a job process is bound to (``0-7,32-39``; set by the engine)
@@ -64,6 +67,8 @@ class Settings:
     test_hooks: tuple[str, ...]
     spare_jobs: bool
     lean_imports: bool
+    #: threads compiling a step's kernels ahead (None: one per core, at most 32; 0: off)
+    compile_threads: int | None
     cpu_share: bool
     cpus: str | None
     log_progress_s: float
@@ -85,6 +90,7 @@ class Settings:
             test_hooks=tuple(n.strip() for n in env.get(TEST_HOOKS, "").split(",") if n.strip()),
             spare_jobs=env.get(SPARE_JOBS, "1") not in _OFF,
             lean_imports=env.get(LEAN_IMPORTS, "1") not in _OFF,
+            compile_threads=_threads(env.get(COMPILE_THREADS)),
             cpu_share=env.get(CPU_SHARE, "1").strip() != "0",
             cpus=env.get(CPUS) or None,
             log_progress_s=max(0.0, _float(env.get(LOG_PROGRESS_S)) if _float(env.get(LOG_PROGRESS_S)) is not None
@@ -100,6 +106,18 @@ class Settings:
     def launched_by_engine(self) -> bool:
         """Whether this process is a job the engine launched (it sets ``PLORA_ATTEMPT``)."""
         return self.attempt is not None
+
+
+def _threads(text: str | None) -> int | None:
+    """A thread count: None where unset or not a whole number (the default), 0 where off."""
+    if text is None or not text.strip():
+        return None
+    if text.strip().lower() in _OFF:
+        return 0
+    try:
+        return max(0, int(text))
+    except ValueError:
+        return None
 
 
 def _float(text: str | None) -> float | None:

@@ -166,7 +166,8 @@ def sweep_facts(args, space: Path, label: str) -> dict:
                                               "clock_at", "spare_moments")}
                       | {"evals_s": sum(e.get("seconds", 0) for e in ph.get("evals", [])),
                          "saves_s": sum(e.get("seconds", 0) for e in ph.get("saves", [])),
-                         "graphs": ph.get("graphs"), "wall_s": s.get("wall_time_s"),
+                         "graphs": ph.get("graphs"), "compiled_ahead": ph.get("compiled_ahead"),
+                         "wall_s": s.get("wall_time_s"),
                          "packs": [{k: p.get(k) for k in ("adapters", "steps", "first_s", "rest_s", "reused",
                                                           "device_bytes")} for p in ph.get("phases", [])]})
         steps_s += sum(float(p.get("first_s", 0)) + float(p.get("rest_s", 0)) for p in ph.get("phases", []))
@@ -219,13 +220,15 @@ def part_imports(args) -> dict:
 
 def import_run(args, label: str, lean: bool = False) -> dict:
     """``lean``: as a spare imports (`plora.models.torchtune_imports`: torchtune's package
-    ``__init__``s skipped, the job's torchtune modules imported before it is ready)."""
+    ``__init__``s skipped, torchao's NF4 deferred, the job's torchtune modules imported
+    before it is ready)."""
     device = "cpu" if args.smoke else "cuda"
     code = (f"import time, torch; t=time.time(); torch.zeros(1, device='{device}'); "
             "print('cuda_context_s', time.time() - t, flush=True); ")
     if lean:
-        code += ("from plora.models.torchtune_imports import skip_package_inits, import_job_modules; "
-                 "skip_package_inits(); import plora.train.spare, plora.train.packed_lora; import_job_modules()")
+        code += ("from plora.models.torchtune_imports import defer_nf4, skip_flex_attention, skip_package_inits, "
+                 "import_job_modules; skip_package_inits(); defer_nf4(); skip_flex_attention(); "
+                 "import plora.train.spare, plora.train.packed_lora; import_job_modules()")
     else:
         code += "import torchtune.modules, plora.train.spare, plora.train.packed_lora"
     t0 = time.time()

@@ -15,9 +15,9 @@ from family_models import CASES, make_model
 LEAN_CHILD = r"""
 import json, sys
 import torch
-from plora.models.torchtune_imports import import_job_modules, skip_package_inits
+from plora.models.torchtune_imports import defer_nf4, import_job_modules, skip_package_inits
 
-assert skip_package_inits()
+assert skip_package_inits() and defer_nf4()
 import plora.train.packed_lora  # the recipe, as a spare imports it
 import_job_modules()
 from plora.models.loading import load_base_model
@@ -27,7 +27,8 @@ for name, folder in json.loads(sys.argv[1]).items():
     model, info = load_base_model(folder, max_seq_len=32)
     with torch.no_grad():
         out[name] = model(torch.arange(1, 9).unsqueeze(0)).flatten().tolist()
-skipped = [m for m in ("datasets", "torchtune.datasets", "torchtune.generation", "torchtune.data") if m in sys.modules]
+skipped = [m for m in ("datasets", "torchtune.datasets", "torchtune.generation", "torchtune.data", "torchao")
+           if m in sys.modules]
 print(json.dumps({"logits": out, "imported": skipped}))
 """
 
@@ -38,7 +39,7 @@ def test_every_family_loads_to_the_same_logits_without_torchtunes_package_inits(
                           cwd=str(Path(__file__).resolve().parents[1]), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["imported"] == []  # nothing of torchtune's datasets, data or generation came in
+    assert got["imported"] == []  # nothing of torchtune's datasets, data or generation, nor torchao, came in
     from plora.models.loading import load_base_model
 
     for name, folder in folders.items():
@@ -57,3 +58,78 @@ def test_lean_imports_stand_aside_where_torchtune_is_imported_or_switched_off(mo
     code = ("import os; os.environ['PLORA_LEAN_IMPORTS'] = '0'; from plora.models import torchtune_imports as lean_imports; "
             "import sys; assert lean_imports.skip_package_inits() is False and 'torchtune' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[1])).returncode == 0
+
+
+NF4_CHILD = r"""
+import json, sys
+import torch
+lean = sys.argv[1] == "lean"
+if lean:
+    from plora.models.torchtune_imports import defer_nf4, import_job_modules, skip_package_inits
+
+    assert skip_package_inits() and defer_nf4()
+    import plora.train.packed_lora  # the recipe, as a spare imports it
+    import_job_modules()
+    assert "torchao" not in sys.modules  # torchtune's modules are in, torchao is not
+from torchtune.modules.common_utils import NF4Tensor
+from plora.quantize.nf4 import dense_weight, is_nf4, to_nf4_weight
+
+before = isinstance(torch.zeros(1), NF4Tensor)
+w = torch.randn(64, 512, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+q = to_nf4_weight(w)
+x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+y = torch.nn.functional.linear(x, q)
+print(json.dumps({"before": before, "nf4": is_nf4(q), "tune_sees_it": isinstance(q, NF4Tensor),
+                  "clone_nf4": is_nf4(q.clone()), "y": y.float().flatten().tolist(),
+                  "w": dense_weight(q).float().flatten().tolist()[:256]}))
+"""
+
+
+def test_torchao_waits_for_a_qlora_job_and_then_quantizes_as_usual():
+    repo = str(Path(__file__).resolve().parents[1])
+    got = {}
+    for mode in ("lean", "usual"):
+        proc = subprocess.run([sys.executable, "-c", NF4_CHILD, mode], capture_output=True, text=True, cwd=repo,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    lean, usual = got["lean"], got["usual"]
+    assert lean["before"] is False and lean["nf4"] and lean["tune_sees_it"] and lean["clone_nf4"]
+    assert lean == usual  # the same NF4 weights, the same products: bit for bit
+
+
+def test_the_nf4_stand_in_stays_out_where_torchao_is_imported_or_lean_imports_are_off():
+    code = ("import os, sys; os.environ['PLORA_LEAN_IMPORTS'] = '{off}'; {pre}"
+            "from plora.models.torchtune_imports import defer_nf4, NF4_MODULE; "
+            "assert defer_nf4() is False; m = sys.modules.get(NF4_MODULE); "
+            "assert m is None or type(m).__name__ == 'module'")
+    repo = str(Path(__file__).resolve().parents[1])
+    for off, pre in (("0", ""), ("1", "import torchao.dtypes.nf4tensor; ")):
+        proc = subprocess.run([sys.executable, "-c", code.format(off=off, pre=pre)], cwd=repo, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_torchtune_imports_without_flex_attention_and_attends_as_before():
+    code = r"""
+import sys, torch
+from plora.models.torchtune_imports import defer_nf4, skip_flex_attention, skip_package_inits
+assert skip_package_inits() and defer_nf4() and skip_flex_attention()
+import torchtune.modules.attention_utils as attention_utils
+from torchtune.modules.attention_utils import _sdpa_or_flex_attention
+import torchtune.utils._import_guard as guard
+assert guard._SUPPORTS_FLEX_ATTENTION is False and not hasattr(attention_utils, "flex_attention_compiled")
+assert skip_flex_attention() is False  # torchtune's attention is imported now: too late to change
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))
+out = _sdpa_or_flex_attention()(q, k, v, None, 0.0, True)
+want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+assert torch.equal(out, want)
+"""
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    off = subprocess.run([sys.executable, "-c", "import os; os.environ['PLORA_LEAN_IMPORTS'] = '0'; "
+                          "from plora.models.torchtune_imports import skip_flex_attention; "
+                          "assert skip_flex_attention() is False"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0, off.stderr[-2000:]

@@ -182,9 +182,17 @@ class PhaseClock:
             "evals": self.evals,
             "saves": self.saves,
             "graphs": self.graphs,
+            "compiled_ahead": _compiled_ahead(),
             "spare_moments": dict(SPARE_MOMENTS),
             "finished_at": time.time(),
         }
+
+
+def _compiled_ahead() -> dict[str, Any]:
+    """What this process compiled ahead of its launches (`plora.kernels.compile_ahead`)."""
+    from plora.kernels.compile_ahead import COMPILED
+
+    return COMPILED.to_dict()
 
 
 def device_footprint(device: Any) -> float | None:

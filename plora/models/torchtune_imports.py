@@ -11,19 +11,42 @@ machine, a job's imports took 21 s, 1.7 s of it ``datasets`` alone.
 `skip_package_inits` registers those packages as bare packages (their folder on the module
 path, their ``__init__`` not run) before anything imports them; any submodule still imports
 as usual, with its own imports. torchtune 0.6.1 is its last release, so what its
-``__init__``s hold cannot change under us; torchao is still imported where torchtune's
-modules need it (``torchtune.modules`` for NF4). Only processes plora starts ahead of their
-job (`plora.train.spare`) use it; ``PLORA_LEAN_IMPORTS=0`` turns it off (`plora.settings`).
+``__init__``s hold cannot change under us.
+
+``torchtune.modules`` imports torchao's NF4 module unconditionally (QLoRA's types), and that
+package's ``__init__`` imports all of torchao (quantization, float8, sparsity kernels, and
+through them ``torch._dynamo``, sympy and the inductor): 7.7 s of a 21 s job start on an
+H100 machine, for jobs that quantize nothing. `defer_nf4` puts a stand-in under its name
+whose names load the real module the first time they are used (a QLoRA job's
+`plora.quantize.nf4` does, and then pays that import where it did before).
+(``torch._dynamo`` itself still comes in: ``torchtune.modules`` decorates with
+``torch.compiler.disable``, and building a model on the meta device runs torch's Python
+references, which import it. What this saves is the rest of torchao: a quarter of a
+spare's imports and model build on a 2-core CPU, 1.76 s against 1.33 s.)
+
+On a GPU, ``torchtune.modules`` also compiles flex attention with ``torch.compile`` as it
+is imported, which imports ``torch._dynamo`` and the inductor: 6.3 s of an 11.5 s spare
+start on an H200 machine. Flex attention only ever serves a ``BlockMask``, which torchtune's
+packed datasets make and plora never passes (it attends within rows its own way,
+`plora.train.packed.varlen_attention`); without it torchtune's attention is the same SDPA
+call. `skip_flex_attention` tells torchtune flex attention is unavailable before its
+modules import.
+
+Only processes plora starts ahead of their job (`plora.train.spare`) use this;
+``PLORA_LEAN_IMPORTS=0`` turns it off (`plora.settings`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
+import types
 
 from plora.settings import settings
 
-__all__ = ["JOB_MODULES", "LEAN_PACKAGES", "import_job_modules", "skip_package_inits"]
+__all__ = ["JOB_MODULES", "LEAN_PACKAGES", "NF4_MODULE", "defer_nf4", "import_job_modules", "skip_flex_attention",
+           "skip_package_inits"]
 
 #: the packages whose ``__init__`` a job does not need (parents before children); the model
 #: families are those `plora.models.families` builds from
@@ -44,7 +67,6 @@ JOB_MODULES = (
     "torchtune.config",
     "torchtune.config._errors",
     "torchtune.modules",
-    "torchtune.training",
     "torchtune.models.llama3._component_builders",
     "torchtune.models.llama3_1._position_embeddings",
     "torchtune.models.mistral._component_builders",
@@ -84,7 +106,109 @@ def skip_package_inits() -> bool:
     return True
 
 
+def skip_flex_attention() -> bool:
+    """Have torchtune's modules import without flex attention (and its compile at import);
+    whether they will: not where lean imports are off or ``torchtune.modules`` is imported."""
+    if not settings().lean_imports or "torchtune.modules.attention_utils" in sys.modules:
+        return False
+    try:
+        guard = importlib.import_module("torchtune.utils._import_guard")
+    except ImportError:
+        return False
+    guard._SUPPORTS_FLEX_ATTENTION = False
+    return True
+
+
 def import_job_modules() -> None:
     """Import `JOB_MODULES` now (a spare, before it says ready)."""
     for name in JOB_MODULES:
         importlib.import_module(name)
+
+
+#: torchao's NF4 module (`defer_nf4`)
+NF4_MODULE = "torchao.dtypes.nf4tensor"
+_NF4_LOCK = threading.RLock()
+
+
+class _DeferredNF4(types.ModuleType):
+    """Stands in for torchao's NF4 module until one of its names is used.
+
+    The names torchtune imports from it at import time are stand-ins too: ``NF4Tensor`` (a
+    class that no object is an instance of until the real module is loaded; from then on,
+    the real class decides), ``implements`` (torchtune registers an op of NF4 tensors with
+    it at import: kept, and registered with the real module when that loads), and functions
+    that load the real module and call its own."""
+
+    def __init__(self) -> None:
+        super().__init__(NF4_MODULE)
+        self._real: types.ModuleType | None = None
+        self._ops: list[tuple] = []  # (aten ops, function) registered before the real module loaded
+        self.NF4Tensor = _nf4_class(self)
+        for name in ("to_nf4", "linear_nf4"):
+            setattr(self, name, _nf4_function(self, name))
+        self.implements = self._implements
+
+    def _implements(self, aten_ops):
+        def decorator(func):
+            with _NF4_LOCK:
+                if self._real is None:
+                    self._ops.append((aten_ops, func))
+                    return func
+            return self._real.implements(aten_ops)(func)
+
+        return decorator
+
+    def load(self) -> types.ModuleType:
+        """The real module, imported now if it is not yet (in this stand-in's place)."""
+        with _NF4_LOCK:
+            if self._real is None:
+                if sys.modules.get(NF4_MODULE) is self:
+                    del sys.modules[NF4_MODULE]
+                try:
+                    real = importlib.import_module(NF4_MODULE)
+                except BaseException:
+                    sys.modules.setdefault(NF4_MODULE, self)
+                    raise
+                for aten_ops, func in self._ops:
+                    real.implements(aten_ops)(func)
+                self._ops.clear()
+                self._real = real
+            return self._real
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.load(), name)
+
+
+def _nf4_class(stand_in: _DeferredNF4) -> type:
+    class _Meta(type):
+        def __instancecheck__(cls, obj) -> bool:
+            real = stand_in._real
+            return real is not None and isinstance(obj, real.NF4Tensor)
+
+        def __subclasscheck__(cls, sub) -> bool:
+            real = stand_in._real
+            return real is not None and issubclass(sub, real.NF4Tensor)
+
+    return _Meta("NF4Tensor", (), {"__module__": NF4_MODULE})
+
+
+def _nf4_function(stand_in: _DeferredNF4, name: str):
+    def call(*args, **kwargs):
+        return getattr(stand_in.load(), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def defer_nf4() -> bool:
+    """Register `_DeferredNF4` under `NF4_MODULE` where nothing imported torchao yet and lean
+    imports are on; whether it did."""
+    if not settings().lean_imports or NF4_MODULE in sys.modules or "torchao" in sys.modules:
+        return False
+    if importlib.util.find_spec("torchao") is None:
+        return False
+    sys.modules[NF4_MODULE] = _DeferredNF4()
+    return True
+

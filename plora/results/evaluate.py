@@ -142,6 +142,7 @@ def _hidden(pm: PackedModel, batch: StepBatch, active: Sequence[int], device: to
     rows = row_attention(pm.model)
     if active:
         pm.state.set_batch(active, batch.segment_tokens, device)
+        pm.compile_kernels_ahead(training=False)
     try:
         if batch.flat:
             cu = batch.cu_seqlens().to(device) if device.type == "cuda" else None

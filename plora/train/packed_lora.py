@@ -144,10 +144,14 @@ class PackedLoRARecipe:
         if t.activation_checkpointing:
             # Each decoder layer is recomputed in backward; the pack's state stays set until
             # after backward (the step), so the recomputed LoRA rows are the same rows.
+            # torch's own wrapper, as torchtune's ``training.set_activation_checkpointing`` applies
+            # it (importing ``torchtune.training`` would import the whole of torchao)
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
             from torchtune.modules import TransformerSelfAttentionLayer
-            from torchtune.training import set_activation_checkpointing
 
-            set_activation_checkpointing(self.pm.model, auto_wrap_policy={TransformerSelfAttentionLayer})
+            apply_activation_checkpointing(self.pm.model,
+                                           auto_wrap_policy=ModuleWrapPolicy({TransformerSelfAttentionLayer}))
         self.pm.model.train()
         dtype = self.pm.model.tok_embeddings.weight.dtype
 

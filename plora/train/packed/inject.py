@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from plora.kernels.compile_ahead import compile_ahead
 from plora.train.packed.layer import AdapterSpec, PackedLoRALinear, PackState
 
 #: Hugging Face module name -> (torchtune sub-module, attribute)
@@ -35,6 +36,28 @@ class PackedModel:
         self.model = model
         self.state = state
         self.layers = layers  # tune-style dotted name ("layers.0.attn.q_proj") -> layer
+        self._compiled: set[tuple] = set()  # batches whose kernels were compiled ahead
+
+    def compile_kernels_ahead(self, training: bool) -> int:
+        """Compile, all at once, the Triton kernels the batch just set (`PackState.set_batch`)
+        will launch in its forward (and, ``training``, backward), before its first layer
+        runs (`plora.kernels.compile_ahead`); how many were compiled. Each composition is
+        looked at once; layers sharded over tensor-parallel ranks are left to their launches."""
+        meta = self.state.meta
+        if meta is None or not self.layers:
+            return 0
+        key = (training, tuple(meta.tokens_host), tuple(meta.ranks_host))
+        if key in self._compiled:
+            return 0
+        if len(self._compiled) > 4096:
+            self._compiled.clear()
+        self._compiled.add(key)
+        layers = list(self.layers.values())
+        if any(layer.tp is not None for layer in layers):
+            return 0
+        first = layers[0].a_all
+        return compile_ahead(meta, {(layer.in_features, layer.out_features) for layer in layers}, first.dtype,
+                             first.device, backward=training, accumulate_dx=not self.state.has_dropout)
 
     @property
     def adapters(self) -> list[AdapterSpec]:
