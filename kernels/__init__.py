@@ -14,6 +14,9 @@ Tuned tiles are data, one file per GPU model in ``tiles/`` (`tile_tables`). Expe
 the packed layer does not use (the expand fused into the base GEMM) live with the benchmarks
 in ``scripts/experiments/``.
 
+`compile_ahead` compiles, on threads, every kernel variant a step will launch before its
+first launch (the ops run once with their launches collected, `triton_ops.collecting`).
+
 `reference` holds the torch loop that is the CPU path and the test oracle; `triton_ops`
 the kernel launchers; both expose ``lora_forward``/``lora_backward`` style ops that work
 in place on the base output and on dx.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -85,9 +85,11 @@ def _variant(call: tuple) -> tuple:
 
 
 def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.dtype,
-                device: torch.device, *, backward: bool, accumulate_dx: bool = True) -> list[tuple]:
+                device: torch.device, *, backward: bool, accumulate_dx: bool = True,
+                also: Callable[[], None] | None = None) -> list[tuple]:
     """The launches the packed LoRA forward (and backward) of layers of ``shapes`` (in, out)
-    would make over ``meta``'s segments, collected, not run."""
+    would make over ``meta``'s segments, and those of ``also()`` (a step's optimizer),
+    collected, not run."""
     from . import triton_ops
 
     n, r = max(meta.num_tokens, 1), max(meta.total_rank, 1)
@@ -101,6 +103,8 @@ def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.
             if backward:
                 dx = torch.empty_like(x) if accumulate_dx else None
                 triton_ops.lora_backward(y, x, s, a, b, meta, dx, need_dx=True)
+        if also is not None:
+            also()
     return calls
 
 
@@ -111,9 +115,10 @@ def _warm(call: tuple) -> None:
 
 def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtype: torch.dtype,
                   device: torch.device | str, *, backward: bool, accumulate_dx: bool = True,
-                  threads: int | None = None) -> int:
+                  threads: int | None = None, also: Callable[[], None] | None = None) -> int:
     """Compile, on ``threads`` threads, every kernel variant a step over ``meta`` would launch
-    for layers of ``shapes`` and that this process has not compiled yet; return how many.
+    for layers of ``shapes`` (and ``also()``, `launches_of`) and that this process has not
+    compiled yet; return how many.
     Returns once all are compiled. A variant that fails to compile is left to its launch,
     which raises the error where it belongs."""
     device = torch.device(device)
@@ -127,7 +132,8 @@ def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtyp
     t0 = time.perf_counter()
     fresh = {}
     with _LOCK:
-        for call in launches_of(meta, shapes, dtype, device, backward=backward, accumulate_dx=accumulate_dx):
+        for call in launches_of(meta, shapes, dtype, device, backward=backward, accumulate_dx=accumulate_dx,
+                                also=also):
             key = _variant(call)
             if key not in _SEEN and key not in fresh:
                 fresh[key] = call

@@ -121,25 +121,30 @@ def test_nothing_is_compiled_on_cpu_when_off_or_without_tokens(monkeypatch, fres
     assert 1 <= ca.compile_threads() <= ca.MAX_THREADS
 
 
-def test_a_packed_model_looks_at_each_composition_once(monkeypatch):
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.q_proj = torch.nn.Linear(16, 16, bias=False)
+        self.attn.v_proj = torch.nn.Linear(16, 8, bias=False)
+
+
+def _packed_model():
     from plora.train.packed.inject import inject_packed_lora
     from plora.train.packed.layer import AdapterSpec
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_Block(), _Block()])
+    return inject_packed_lora(model, [AdapterSpec("a", 4, 8.0, 1), AdapterSpec("b", 8, 8.0, 2)], ["q_proj", "v_proj"])
+
+
+def test_a_packed_model_looks_at_each_composition_once(monkeypatch):
     import plora.train.packed.inject as inject
 
     asked = []
     monkeypatch.setattr(inject, "compile_ahead", lambda meta, shapes, dtype, device, **k: asked.append(
         (sorted(shapes), k["backward"], k["accumulate_dx"])) or 1)
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = torch.nn.Module()
-            self.attn.q_proj = torch.nn.Linear(16, 16, bias=False)
-            self.attn.v_proj = torch.nn.Linear(16, 8, bias=False)
-
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList([Block(), Block()])
-    pm = inject_packed_lora(model, [AdapterSpec("a", 4, 8.0, 1), AdapterSpec("b", 8, 8.0, 2)], ["q_proj", "v_proj"])
+    pm = _packed_model()
     assert pm.compile_kernels_ahead(training=True) == 0  # no batch set
     pm.state.set_batch([0, 1], [3, 5], "cpu")
     assert pm.compile_kernels_ahead(training=True) == 1
@@ -148,3 +153,30 @@ def test_a_packed_model_looks_at_each_composition_once(monkeypatch):
     pm.state.set_batch([0, 1], [4, 5], "cpu")
     assert pm.compile_kernels_ahead(training=True) == 1
     assert asked[0] == ([(16, 8), (16, 16)], True, True) and asked[1][1] is False
+
+
+def test_the_optimizers_launches_are_collected_and_change_nothing(monkeypatch):
+    from plora.train.adapter_pack import AdapterPack
+
+    monkeypatch.setenv("PLORA_KERNELS", "triton")
+    pm = _packed_model()
+
+    class _Adapter:
+        learning_rate, weight_decay = 1e-3, 0.01
+
+    pack = AdapterPack(pm, [_Adapter(), _Adapter()])
+    pack.bank.grads.normal_()
+    before = pack.bank.weights.clone()
+    seen: list[tuple] = []
+    with monkeypatch.context() as m:
+        m.setattr(triton_ops, "_launch", _recorder(seen))
+        go = torch.ones(2, dtype=torch.bool)
+        pack.sq_norms()
+        pack.step_where(pack.planned([0, 1]), go, torch.ones(2))
+    real = set(seen)
+    after_step = [t.clone() for t in (pack.bank.weights, pack.optimizer.exp_avg)]
+    assert not torch.equal(after_step[0], before)  # the real step moved the weights
+    with triton_ops.collecting() as calls:
+        pack.optimizer_launches()
+    assert {ca._variant(c) for c in calls} == real and len({id(c[0]) for c in calls}) == 2  # norms, AdamW
+    assert torch.equal(pack.bank.weights, after_step[0]) and torch.equal(pack.optimizer.exp_avg, after_step[1])

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from plora.job.config import JobAdapter
+from plora.kernels.segments import HP_COLUMNS
 from plora.train.adapter_run import AdapterRun, lr_factor
 from plora.train.epochs import flat_weights, load_flat_weights
 from plora.train.packed.bank import LoRABank, PackedAdamW
@@ -86,6 +87,16 @@ class AdapterPack:
     def count_steps(self, slots: Sequence[int]) -> None:
         """The optimizer steps ``slots`` took (bias correction)."""
         self.optimizer.count_steps(list(slots))
+
+    def optimizer_launches(self) -> None:
+        """What a step's norms and AdamW launch, for `plora.kernels.compile_ahead` to collect
+        inside `triton_ops.collecting` (where nothing runs: every buffer is left as it is)."""
+        if self.tp is not None:
+            return
+        hp = torch.zeros(self.num_slots, len(HP_COLUMNS), dtype=torch.float32, device=self.bank.weights.device)
+        self.bank.sq_norms()
+        self.optimizer.step_where(hp, torch.zeros(self.num_slots, dtype=torch.bool, device=hp.device),
+                                  torch.zeros(self.num_slots, dtype=torch.float32, device=hp.device))
 
     def sq_norms(self, of_weights: bool = False) -> torch.Tensor:
         """Every adapter's squared L2 norm (gradient, or weights) over the whole model: one

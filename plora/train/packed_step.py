@@ -93,7 +93,7 @@ class PackedStep:
         def make() -> StepBuffers:
             buffers = StepBuffers.allocate(key, inputs, planned, slots, self.pack.num_slots, self.device)
             state.set_batch(slots, batch.segment_tokens, self.device)
-            self.pm.compile_kernels_ahead(training=True)
+            self.pm.compile_kernels_ahead(training=True, also=self.pack.optimizer_launches)
             buffers.meta = state.meta
             return buffers
 

@@ -6,7 +6,7 @@ them differently inside its decoder layers. This module is the one place that kn
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from torch import nn
@@ -38,11 +38,12 @@ class PackedModel:
         self.layers = layers  # tune-style dotted name ("layers.0.attn.q_proj") -> layer
         self._compiled: set[tuple] = set()  # batches whose kernels were compiled ahead
 
-    def compile_kernels_ahead(self, training: bool) -> int:
+    def compile_kernels_ahead(self, training: bool, also: Callable[[], None] | None = None) -> int:
         """Compile, all at once, the Triton kernels the batch just set (`PackState.set_batch`)
-        will launch in its forward (and, ``training``, backward), before its first layer
-        runs (`plora.kernels.compile_ahead`); how many were compiled. Each composition is
-        looked at once; layers sharded over tensor-parallel ranks are left to their launches."""
+        will launch in its forward (and, ``training``, backward), and those ``also()``
+        launches (the optimizer's), before its first layer runs
+        (`plora.kernels.compile_ahead`); how many were compiled. Each composition is looked
+        at once; layers sharded over tensor-parallel ranks are left to their launches."""
         meta = self.state.meta
         if meta is None or not self.layers:
             return 0
@@ -57,7 +58,7 @@ class PackedModel:
             return 0
         first = layers[0].a_all
         return compile_ahead(meta, {(layer.in_features, layer.out_features) for layer in layers}, first.dtype,
-                             first.device, backward=training, accumulate_dx=not self.state.has_dropout)
+                             first.device, backward=training, accumulate_dx=not self.state.has_dropout, also=also)
 
     @property
     def adapters(self) -> list[AdapterSpec]:
