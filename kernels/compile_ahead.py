@@ -6,9 +6,10 @@ buckets compiled 32 variants in its first step, 10.9-13.3 s on an H100 against 1
 (`scripts/bench_first_sweep.py`). Which variants a step needs is decided on the host from
 its segments alone (`triton_ops`: tiles per rank bucket and launch size, dy mode, atomics),
 so the ops are run once with their launches *collected* instead of run
-(`triton_ops.collecting`), and every variant not yet compiled is compiled on a pool of
-threads (Triton's compiler spends its time in MLIR, LLVM and ptxas, outside the GIL). The
-real launches then find each kernel compiled, in Triton's own cache. A variant this misses
+(`triton_ops.collecting`), and every variant not yet compiled is compiled, and loaded, on a
+pool of threads (Triton's compiler spends its time in MLIR, LLVM, ptxas and the C compiler
+of its launchers, outside the GIL). The real launches then find each kernel ready, in
+Triton's own cache. A variant this misses
 (an argument the dry run did not foresee) still compiles at its launch, as before.
 
 Where nothing would compile (CPU tensors, Triton's interpreter, ``PLORA_COMPILE_THREADS=0``)
@@ -108,9 +109,16 @@ def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.
     return calls
 
 
-def _warm(call: tuple) -> None:
+def _warm(call: tuple, device: int) -> None:
+    """Compile one variant, then load it (the module onto the GPU, and the launcher Triton
+    builds with the C compiler for each new signature): a launch would otherwise do that
+    part, one kernel after another, at its first call."""
     kernel, grid, args, kwargs = call
-    kernel.warmup(*args, grid=grid, **kwargs)
+    torch.cuda.set_device(device)  # the launch's device: Triton compiles and loads for the current one
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    load = getattr(compiled, "_init_handles", None)
+    if callable(load):
+        load()
 
 
 def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtype: torch.dtype,
@@ -143,7 +151,8 @@ def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtyp
         return 0
     failed = 0
     with ThreadPoolExecutor(min(threads, len(fresh)), thread_name_prefix="plora-compile") as pool:
-        for future in [pool.submit(_warm, call) for call in fresh.values()]:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        for future in [pool.submit(_warm, call, index) for call in fresh.values()]:
             try:
                 future.result()
             except Exception:  # its launch compiles it again and raises there

@@ -7,7 +7,8 @@ tokens, the seven linears of Qwen2.5-0.5B), in a fresh Triton cache each time:
 * ``ahead``: `plora.kernels.compile_ahead` (threads: ``--threads``), then the real forward and
   backward of every layer shape; counts the variants the real launches still compiled
   (entries added to each kernel's in-process cache) and times both halves;
-* ``at launch``: the same forward and backward with nothing compiled ahead.
+* ``at launch``: the same forward and backward with nothing compiled ahead;
+* ``warm``: ``at launch`` again in the cache the first ``ahead`` filled (what a second run pays).
 
     python scripts/check_compile_ahead.py --out DIR [--threads 16]
 
@@ -64,11 +65,10 @@ print(json.dumps({"mode": mode, "threads": threads, "compiled_ahead": ahead, "ah
 """
 
 
-def run(mode: str, threads: int) -> dict:
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
-        proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(threads)], env=env, capture_output=True,
-                              text=True, cwd=str(Path(__file__).resolve().parents[1]))
+def run(mode: str, threads: int, cache: str) -> dict:
+    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(threads)], env=env, capture_output=True,
+                          text=True, cwd=str(Path(__file__).resolve().parents[1]))
     if proc.returncode:
         return {"mode": mode, "error": proc.stderr[-2000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -80,7 +80,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run("ahead", args.threads), run("ahead", 1), run("at-launch", 0)]
+    with tempfile.TemporaryDirectory() as root:
+        caches = [os.path.join(root, str(i)) for i in range(3)]
+        results = [run("ahead", args.threads, caches[0]), run("ahead", 1, caches[1]), run("at-launch", 0, caches[2]),
+                   {**run("at-launch", 0, caches[0]), "mode": "warm (the cache ahead filled)"}]
     (args.out / "compile_ahead.json").write_text(json.dumps(results, indent=2))
     for r in results:
         print(json.dumps(r))

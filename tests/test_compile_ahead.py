@@ -75,11 +75,16 @@ class _Kernel:
     def __init__(self, fail: bool = False):
         self.fail = fail
         self.threads: list[str] = []
+        self.loaded = 0
 
     def warmup(self, *args, grid, **kwargs):
         self.threads.append(threading.current_thread().name)
         if self.fail:
             raise RuntimeError("does not compile")
+        return self
+
+    def _init_handles(self):  # a compiled kernel's load onto the GPU
+        self.loaded += 1
 
 
 @pytest.fixture
@@ -87,6 +92,8 @@ def fresh(monkeypatch):
     monkeypatch.setattr(ca, "_SEEN", set())
     monkeypatch.setattr(ca, "COMPILED", ca.CompileStats())
     monkeypatch.setattr(triton_ops, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def test_each_variant_compiles_once_on_threads_and_failures_are_left_to_the_launch(monkeypatch, fresh):
@@ -99,6 +106,7 @@ def test_each_variant_compiles_once_on_threads_and_failures_are_left_to_the_laun
     assert ca.compile_ahead(meta, SHAPES, torch.bfloat16, "cuda", backward=True, threads=4) == 3
     # 32 and 64 specialize alike (multiples of 16): one variant
     assert len(good.threads) == 3 and all(t.startswith("plora-compile") for t in good.threads)
+    assert good.loaded == 3  # each loaded where it compiled, not at its first launch
     assert ca.COMPILED.to_dict() == {**ca.COMPILED.to_dict(), "kernels": 3, "failed": 1}
     assert ca.compile_ahead(meta, SHAPES, torch.bfloat16, "cuda", backward=True, threads=4) == 0
     assert len(good.threads) == 3 and len(bad.threads) == 1
