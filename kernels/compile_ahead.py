@@ -90,19 +90,31 @@ def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.
                 also: Callable[[], None] | None = None) -> list[tuple]:
     """The launches the packed LoRA forward (and backward) of layers of ``shapes`` (in, out)
     would make over ``meta``'s segments, and those of ``also()`` (a step's optimizer),
-    collected, not run."""
+    collected, not run (the torch ops between them, allocations and casts, do run).
+
+    Every shape's activations (x, y, dx) are views of one scratch buffer, at its start (so
+    aligned as a fresh tensor is): what the kernels are specialized on is their dtype,
+    strides and alignment, never their values, so the dry run holds one token × width
+    buffer, not three per shape."""
     from . import triton_ops
 
+    shapes = sorted(set(shapes))
     n, r = max(meta.num_tokens, 1), max(meta.total_rank, 1)
+    width = max((max(d_in, d_out) for d_in, d_out in shapes), default=1)
+    part = -(-n * width // 64) * 64  # each view starts 64 elements on: as aligned as a tensor of its own
+    scratch = torch.empty(3 * part, dtype=dtype, device=device)
+
+    def view(d: int, at: int) -> torch.Tensor:
+        return scratch[at * part: at * part + n * d].view(n, d)
+
     with triton_ops.collecting() as calls:
-        for d_in, d_out in sorted(set(shapes)):
-            x = torch.empty((n, d_in), dtype=dtype, device=device)
-            y = torch.empty((n, d_out), dtype=dtype, device=device)
+        for d_in, d_out in shapes:
+            x, y = view(d_in, 0), view(d_out, 1)
             a = torch.empty((r, d_in), dtype=dtype, device=device)
             b = torch.empty((r, d_out), dtype=dtype, device=device)
             s = triton_ops.lora_forward(x, a, b, meta, y)
             if backward:
-                dx = torch.empty_like(x) if accumulate_dx else None
+                dx = view(d_in, 2) if accumulate_dx else None
                 triton_ops.lora_backward(y, x, s, a, b, meta, dx, need_dx=True)
         if also is not None:
             also()
@@ -126,22 +138,33 @@ def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtyp
                   threads: int | None = None, also: Callable[[], None] | None = None) -> int:
     """Compile, on ``threads`` threads, every kernel variant a step over ``meta`` would launch
     for layers of ``shapes`` (and ``also()``, `launches_of`) and that this process has not
-    compiled yet; return how many.
-    Returns once all are compiled. A variant that fails to compile is left to its launch,
-    which raises the error where it belongs."""
+    compiled yet; return how many. Returns once all are compiled.
+
+    Nothing here may stop a step: a dry run that fails is counted and left alone, and a
+    variant that fails to compile is left to its launch, which raises the error where it
+    belongs. Each variant is tried once per process. Only for the Triton backend on CUDA
+    (`plora.kernels.backend_for`); tensor-parallel layers are left to their launches by the
+    caller (`PackedModel.compile_kernels_ahead`)."""
     device = torch.device(device)
     if meta is None or meta.num_tokens == 0 or device.type != "cuda":
         return 0
+    threads = compile_threads() if threads is None else threads
+    if threads <= 0 or settings().kernels == "torch":  # on CUDA the torch backend only where asked for
+        return 0
     from . import triton_ops
 
-    threads = compile_threads() if threads is None else threads
-    if threads <= 0 or triton_ops._interpreting():
+    if triton_ops._interpreting():
         return 0
     t0 = time.perf_counter()
     fresh = {}
     with _LOCK:
-        for call in launches_of(meta, shapes, dtype, device, backward=backward, accumulate_dx=accumulate_dx,
-                                also=also):
+        try:
+            calls = launches_of(meta, shapes, dtype, device, backward=backward, accumulate_dx=accumulate_dx,
+                                also=also)
+        except Exception:  # noqa: BLE001 - the step itself meets whatever broke here
+            COMPILED.failed += 1
+            return 0
+        for call in calls:
             key = _variant(call)
             if key not in _SEEN and key not in fresh:
                 fresh[key] = call
@@ -149,13 +172,18 @@ def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtyp
     COMPILED.calls += 1
     if not fresh:
         return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for kernel in {id(c[0]): c[0] for c in fresh.values()}.values():
+        try:  # each kernel's cache for this device made here, not raced for by the threads
+            kernel.device_caches[index]
+        except (AttributeError, KeyError, TypeError):
+            pass
     failed = 0
     with ThreadPoolExecutor(min(threads, len(fresh)), thread_name_prefix="plora-compile") as pool:
-        index = device.index if device.index is not None else torch.cuda.current_device()
         for future in [pool.submit(_warm, call, index) for call in fresh.values()]:
             try:
                 future.result()
-            except Exception:  # its launch compiles it again and raises there
+            except Exception:  # noqa: BLE001 - its launch compiles it again and raises there
                 failed += 1
     COMPILED.kernels += len(fresh) - failed
     COMPILED.failed += failed

@@ -29,6 +29,7 @@ import importlib.util
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -212,29 +213,38 @@ def dy_mode_for(rp: int, elems: int = 0) -> str:
     return DY_MODE.get(rp, _DEFAULT_DY_MODE)
 
 
-#: Lists that launches are collected into instead of running (`collecting`): innermost last.
-_COLLECTING: list[list] = []
+class _Collecting(threading.local):
+    """Per thread: the lists that launches are collected into instead of running
+    (`collecting`), innermost last."""
+
+    def __init__(self) -> None:
+        self.lists: list[list] = []
+
+
+_COLLECTING = _Collecting()
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    if _COLLECTING:
-        _COLLECTING[-1].append((kernel, grid, args, kwargs))
+    if _COLLECTING.lists:
+        _COLLECTING.lists[-1].append((kernel, grid, args, kwargs))
         return
     kernel[grid](*args, **kwargs)
 
 
 @contextlib.contextmanager
 def collecting():
-    """Every launch of the ops inside is recorded as ``(kernel, grid, args, kwargs)`` in the
-    list this yields instead of running, and on one stream: what a step would launch, with
-    the same tiles, flags and arguments, for compiling its kernels ahead (`compile_ahead`).
-    The ops' outputs then hold whatever their buffers held."""
+    """In this thread, every kernel launch of the ops inside is recorded as ``(kernel, grid,
+    args, kwargs)`` in the list this yields instead of launched, and nothing goes on a side
+    stream: what a step would launch, with the same tiles, flags and arguments, for
+    compiling its kernels ahead (`compile_ahead`). The torch operations between the
+    launches (allocations, casts, sums) still run; the ops' outputs hold whatever their
+    buffers held."""
     calls: list = []
-    _COLLECTING.append(calls)
+    _COLLECTING.lists.append(calls)
     try:
         yield calls
     finally:
-        _COLLECTING.pop()
+        _COLLECTING.lists.pop()
 
 
 _SMS: dict[str, int] = {}
@@ -491,7 +501,7 @@ def _fork(device: torch.device, fns, first_here: bool) -> None:
 def _streams_on(device: torch.device) -> bool:
     """Whether launches go on side streams at all: compiled kernels on a CUDA device, and
     not while launches are only collected (`collecting`)."""
-    return device.type == "cuda" and not _COLLECTING
+    return device.type == "cuda" and not _COLLECTING.lists
 
 
 def _each_bucket(meta: LoRAMeta, device: torch.device, chain) -> None:

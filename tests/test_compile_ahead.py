@@ -55,7 +55,7 @@ def test_dry_run_collects_exactly_what_the_ops_launch(monkeypatch, accumulate_dx
     assert real
     calls = ca.launches_of(_meta(), SHAPES, torch.float32, torch.device("cpu"), backward=True,
                            accumulate_dx=accumulate_dx)
-    assert {ca._variant(c) for c in calls} == real
+    assert {ca._variant(c) for c in calls} == real  # the scratch views specialize as fresh tensors do
     forward = ca.launches_of(_meta(), SHAPES, torch.float32, torch.device("cpu"), backward=False)
     assert {ca._variant(c) for c in forward} < real
 
@@ -110,6 +110,21 @@ def test_each_variant_compiles_once_on_threads_and_failures_are_left_to_the_laun
     assert ca.COMPILED.to_dict() == {**ca.COMPILED.to_dict(), "kernels": 3, "failed": 1}
     assert ca.compile_ahead(meta, SHAPES, torch.bfloat16, "cuda", backward=True, threads=4) == 0
     assert len(good.threads) == 3 and len(bad.threads) == 1
+
+
+def test_a_failed_dry_run_or_the_torch_backend_compiles_nothing_and_stops_nothing(monkeypatch, fresh):
+    kernel = _Kernel()
+    monkeypatch.setattr(ca, "launches_of", lambda *a, **k: [(kernel, (1,), (3,), {})])
+    monkeypatch.setenv("PLORA_KERNELS", "torch")  # on CUDA: the torch reference runs, no kernel compiles
+    assert ca.compile_ahead(_meta(), SHAPES, torch.bfloat16, "cuda", backward=True, threads=2) == 0
+    monkeypatch.delenv("PLORA_KERNELS")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the dry run broke")
+
+    monkeypatch.setattr(ca, "launches_of", broken)
+    assert ca.compile_ahead(_meta(), SHAPES, torch.bfloat16, "cuda", backward=True, threads=2) == 0
+    assert ca.COMPILED.failed == 1 and not kernel.threads
 
 
 def test_nothing_is_compiled_on_cpu_when_off_or_without_tokens(monkeypatch, fresh):

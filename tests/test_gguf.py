@@ -141,3 +141,36 @@ def test_a_conversion_parses_the_file_once(tmp_path, monkeypatch):
         gguf_lib.get_tensor_name_map("llama", 2)
     assert opened == [str(file)] and maps == [("llama", 30), ("llama", 2)]
     assert gguf_lib.GGUFReader is reader and gguf_lib.get_tensor_name_map is name_map  # put back after
+
+
+def test_a_conversion_parses_the_metadata_once_and_reads_small_files_from_memory(tmp_path, monkeypatch):
+    """transformers reads the metadata twice (config, tokenizer) and the tensors once: the
+    metadata is parsed once, each caller gets its own copy; gguf's reader reads a small file
+    into a read-only array instead of a memmap; everything is put back, also after an error."""
+    import numpy as np
+    import gguf.gguf_reader as gguf_reader
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    calls = []
+
+    def load(path, return_tensors=False, **kwargs):
+        calls.append(return_tensors)
+        return {"config": {"vocab": ["a", "b"]}, "tensors": {} if return_tensors else None}
+
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", load)
+    file = tmp_path / "m.gguf"
+    file.write_bytes(bytes(range(64)))
+    with pytest.raises(RuntimeError):
+        with gguf._read_once():
+            first = hf_gguf.load_gguf_checkpoint(str(file))
+            first["config"]["vocab"].append("c")  # a caller changes what it got
+            assert hf_gguf.load_gguf_checkpoint(file)["config"]["vocab"] == ["a", "b"]
+            hf_gguf.load_gguf_checkpoint(file, return_tensors=True)
+            hf_gguf.load_gguf_checkpoint(file, return_tensors=True)
+            data = gguf_reader.np.memmap(file, mode="r")
+            assert isinstance(data, np.ndarray) and not isinstance(data, np.memmap) and not data.flags.writeable
+            assert bytes(data[:4]) == bytes(range(4))
+            assert isinstance(gguf_reader.np.memmap(file, mode="r+"), np.memmap)  # writing: the real memmap
+            raise RuntimeError("a reader failed")
+    assert calls == [False, True, True]
+    assert hf_gguf.load_gguf_checkpoint is load and gguf_reader.np is np

@@ -133,3 +133,21 @@ assert torch.equal(out, want)
                           "from plora.models.torchtune_imports import skip_flex_attention; "
                           "assert skip_flex_attention() is False"], cwd=repo, capture_output=True, text=True, timeout=300)
     assert off.returncode == 0, off.stderr[-2000:]
+
+
+def test_torchaos_own_package_imported_under_the_stand_in_gets_the_real_nf4():
+    code = r"""
+import torch
+from plora.models.torchtune_imports import defer_nf4
+assert defer_nf4()
+import torchao  # its package imports NF4Tensor and to_nf4 from the stand-in
+import torchao.dtypes as dtypes
+assert callable(dtypes.NF4Tensor.from_tensor)  # any use of the class loads the real one
+from torchao.dtypes.nf4tensor import NF4Tensor as real
+assert dtypes.NF4Tensor is real and dtypes.to_nf4.__module__ == "torchao.dtypes.nf4tensor"
+w = dtypes.to_nf4(torch.randn(64, 256))
+assert isinstance(w, real) and isinstance(w, dtypes.NF4Tensor)
+"""
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

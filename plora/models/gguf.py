@@ -200,6 +200,11 @@ def _convert(file: Path, out: Path, dtype: str) -> None:
 _ONE_CONVERSION = threading.Lock()
 
 
+#: a GGUF file up to this size is read into memory once for its metadata (`_BytesNumpy`); a
+#: larger one is read through a memmap as usual (its tensors are read through one anyway)
+IN_MEMORY_MAX_BYTES = 2 << 30
+
+
 class _BytesNumpy(types.ModuleType):
     """numpy, as `gguf.gguf_reader` sees it while `_read_once` is open, except that
     ``memmap`` reads the whole file into memory. The reader slices its buffer once per
@@ -211,7 +216,16 @@ class _BytesNumpy(types.ModuleType):
 
         super().__init__("numpy")
         self.__dict__.update({k: v for k, v in vars(numpy).items() if not k.startswith("__")})
-        self.memmap = lambda path, mode="r", **kwargs: numpy.fromfile(path, dtype=numpy.uint8)
+
+        def memmap(path, *args, mode: str = "r", **kwargs):
+            # only what a reader reads (mode "r") and fits in memory comfortably; else the usual memmap
+            if args or kwargs or mode != "r" or Path(path).stat().st_size > IN_MEMORY_MAX_BYTES:
+                return numpy.memmap(path, *args, mode=mode, **kwargs)
+            data = numpy.fromfile(path, dtype=numpy.uint8)
+            data.setflags(write=False)  # as read-only as the memmap it stands for
+            return data
+
+        self.memmap = memmap
 
     def __getattr__(self, name: str):  # what numpy makes on first use (its lazy submodules)
         import numpy
@@ -250,9 +264,9 @@ def _read_once() -> Iterator[None]:
             metadata[key] = load(path, return_tensors, *args, **kwargs)
         return copy.deepcopy(metadata[key])  # the caller may change what it gets
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
-    hf_gguf.load_gguf_checkpoint, gguf_reader.np = metadata_once, _BytesNumpy()
     try:
+        gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
+        hf_gguf.load_gguf_checkpoint, gguf_reader.np = metadata_once, _BytesNumpy()
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map

@@ -30,7 +30,8 @@ start on an H200 machine. Flex attention only ever serves a ``BlockMask``, which
 packed datasets make and plora never passes (it attends within rows its own way,
 `plora.train.packed.varlen_attention`); without it torchtune's attention is the same SDPA
 call. `skip_flex_attention` tells torchtune flex attention is unavailable before its
-modules import.
+modules import (``torchtune.utils``, imported on the way, has read the flag already and
+imports flex attention's ``BlockMask`` type; that import compiles nothing).
 
 Only processes plora starts ahead of their job (`plora.train.spare`) use this;
 ``PLORA_LEAN_IMPORTS=0`` turns it off (`plora.settings`).
@@ -159,7 +160,9 @@ class _DeferredNF4(types.ModuleType):
         return decorator
 
     def load(self) -> types.ModuleType:
-        """The real module, imported now if it is not yet (in this stand-in's place)."""
+        """The real module, imported now if it is not yet (in this stand-in's place). Where
+        torchao's package took the stand-in's names while it stood in (``torchao.dtypes``
+        imports ``NF4Tensor`` and ``to_nf4`` from here), they are the real ones from now on."""
         with _NF4_LOCK:
             if self._real is None:
                 if sys.modules.get(NF4_MODULE) is self:
@@ -173,6 +176,10 @@ class _DeferredNF4(types.ModuleType):
                     real.implements(aten_ops)(func)
                 self._ops.clear()
                 self._real = real
+                package = sys.modules.get("torchao.dtypes")
+                for name in ("NF4Tensor", "to_nf4", "linear_nf4", "implements"):
+                    if package is not None and getattr(package, name, None) is getattr(self, name):
+                        setattr(package, name, getattr(real, name))
             return self._real
 
     def __getattr__(self, name: str):
@@ -182,6 +189,10 @@ class _DeferredNF4(types.ModuleType):
 
 
 def _nf4_class(stand_in: _DeferredNF4) -> type:
+    """``NF4Tensor`` until the real module is loaded: no object is an instance of it before
+    (none can exist), and any other use of it (a call, an attribute) loads the real class
+    and is the real class's."""
+
     class _Meta(type):
         def __instancecheck__(cls, obj) -> bool:
             real = stand_in._real
@@ -190,6 +201,14 @@ def _nf4_class(stand_in: _DeferredNF4) -> type:
         def __subclasscheck__(cls, sub) -> bool:
             real = stand_in._real
             return real is not None and issubclass(sub, real.NF4Tensor)
+
+        def __getattr__(cls, name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return getattr(stand_in.load().NF4Tensor, name)
+
+        def __call__(cls, *args, **kwargs):
+            return stand_in.load().NF4Tensor(*args, **kwargs)
 
     return _Meta("NF4Tensor", (), {"__module__": NF4_MODULE})
 

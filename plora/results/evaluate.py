@@ -134,16 +134,19 @@ def _free_cached() -> None:
 
 
 # ------------------------------------------------------------------ forward
-def _hidden(pm: PackedModel, batch: StepBatch, active: Sequence[int], device: torch.device) -> torch.Tensor:
+def _hidden(pm: PackedModel, batch: StepBatch, active: Sequence[int], device: torch.device,
+            compile_ahead: bool = True) -> torch.Tensor:
     """The final-norm hidden states ``[T, d]`` of a batch whose rows belong, adapter by
-    adapter, to ``active`` (empty: the base model)."""
+    adapter, to ``active`` (empty: the base model). ``compile_ahead``: compile the batch's
+    kernels all at once first (`PackedModel.compile_kernels_ahead`)."""
     tokens = batch.tokens.to(device)
     positions = batch.positions.to(device) if batch.positions is not None else None
     rows = row_attention(pm.model)
     if active:
         pm.state.set_batch(active, batch.segment_tokens, device)
-        pm.compile_kernels_ahead(training=False)
     try:
+        if active and compile_ahead:
+            pm.compile_kernels_ahead(training=False)
         if batch.flat:
             cu = batch.cu_seqlens().to(device) if device.type == "cuda" else None
             rows.set(batch.row_lengths, cu, batch.max_len)
@@ -333,14 +336,15 @@ def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters:
     seqs = [list(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     live = [i for i, p in enumerate(seqs) if len(p) < max_seq_len]
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         if not live:
             break
         per_adapter = [sum(1 for i in live if owners[i] == k) for k in range(len(adapters))]
         keep = [k for k, n in enumerate(per_adapter) if n]
         samples = [Sample(seqs[i], [IGNORE_INDEX] * len(seqs[i])) for i in live]
         batch = _batch(pm, samples, [per_adapter[k] for k in keep], tok.pad_id)
-        hidden = _hidden(pm, batch, [active[k] for k in keep] if active else [], device)
+        # each decode step is a new token layout: only the first one's kernels are compiled ahead
+        hidden = _hidden(pm, batch, [active[k] for k in keep] if active else [], device, compile_ahead=step == 0)
         last = _last_positions(batch, [len(s.tokens) for s in samples])
         nxt: list[int] = []
         start = 0
