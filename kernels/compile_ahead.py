@@ -176,7 +176,7 @@ def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtyp
     for kernel in {id(c[0]): c[0] for c in fresh.values()}.values():
         try:  # each kernel's cache for this device made here, not raced for by the threads
             kernel.device_caches[index]
-        except (AttributeError, KeyError, TypeError):
+        except Exception:  # noqa: BLE001 - a thread then makes it, as before
             pass
     failed = 0
     with ThreadPoolExecutor(min(threads, len(fresh)), thread_name_prefix="plora-compile") as pool:
