@@ -31,7 +31,7 @@ from plora.settings import settings
 
 from .meta import LoRAMeta
 
-__all__ = ["COMPILED", "CompileStats", "compile_ahead", "compile_threads", "launches_of"]
+__all__ = ["COMPILED", "CompileStats", "compile_ahead", "compile_threads", "compiles_here", "launches_of"]
 
 #: most threads one process compiles on
 MAX_THREADS = 32
@@ -68,6 +68,16 @@ def compile_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, min(MAX_THREADS, cores))
+
+
+def compiles_here(device: torch.device | str) -> bool:
+    """Whether launches on ``device`` would compile Triton kernels: the Triton backend on a
+    CUDA device (not ``PLORA_KERNELS=torch``, not Triton's interpreter)."""
+    if torch.device(device).type != "cuda" or settings().kernels == "torch":
+        return False
+    from . import triton_ops
+
+    return not triton_ops._interpreting()
 
 
 def _arg_key(a) -> tuple:
@@ -146,14 +156,8 @@ def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtyp
     (`plora.kernels.backend_for`); tensor-parallel layers are left to their launches by the
     caller (`PackedModel.compile_kernels_ahead`)."""
     device = torch.device(device)
-    if meta is None or meta.num_tokens == 0 or device.type != "cuda":
-        return 0
     threads = compile_threads() if threads is None else threads
-    if threads <= 0 or settings().kernels == "torch":  # on CUDA the torch backend only where asked for
-        return 0
-    from . import triton_ops
-
-    if triton_ops._interpreting():
+    if meta is None or meta.num_tokens == 0 or threads <= 0 or not compiles_here(device):
         return 0
     t0 = time.perf_counter()
     fresh = {}

@@ -226,9 +226,8 @@ def import_run(args, label: str, lean: bool = False) -> dict:
     code = (f"import time, torch; t=time.time(); torch.zeros(1, device='{device}'); "
             "print('cuda_context_s', time.time() - t, flush=True); ")
     if lean:
-        code += ("from plora.models.torchtune_imports import defer_nf4, skip_flex_attention, skip_package_inits, "
-                 "import_job_modules; skip_package_inits(); defer_nf4(); skip_flex_attention(); "
-                 "import plora.train.spare, plora.train.packed_lora; import_job_modules()")
+        code += ("from plora.models.torchtune_imports import import_job_modules, lean_job_imports; "
+                 "lean_job_imports(); import plora.train.spare, plora.train.packed_lora; import_job_modules()")
     else:
         code += "import torchtune.modules, plora.train.spare, plora.train.packed_lora"
     t0 = time.time()

@@ -46,8 +46,8 @@ import types
 
 from plora.settings import settings
 
-__all__ = ["JOB_MODULES", "LEAN_PACKAGES", "NF4_MODULE", "defer_nf4", "import_job_modules", "skip_flex_attention",
-           "skip_package_inits"]
+__all__ = ["JOB_MODULES", "LEAN_PACKAGES", "NF4_MODULE", "defer_nf4", "import_job_modules", "lean_job_imports",
+           "skip_flex_attention", "skip_package_inits"]
 
 #: the packages whose ``__init__`` a job does not need (parents before children); the model
 #: families are those `plora.models.families` builds from
@@ -118,6 +118,16 @@ def skip_flex_attention() -> bool:
         return False
     guard._SUPPORTS_FLEX_ATTENTION = False
     return True
+
+
+def lean_job_imports() -> bool:
+    """Everything above, before anything imports torchtune or torchao: its package
+    ``__init__``s skipped (`skip_package_inits`), torchao's NF4 deferred (`defer_nf4`), flex
+    attention off (`skip_flex_attention`); whether the package ``__init__``s are skipped."""
+    lean = skip_package_inits()
+    defer_nf4()
+    skip_flex_attention()
+    return lean
 
 
 def import_job_modules() -> None:

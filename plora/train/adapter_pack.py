@@ -90,7 +90,7 @@ class AdapterPack:
 
     def optimizer_launches(self) -> None:
         """What a step's norms and AdamW launch, for `plora.kernels.compile_ahead` to collect
-        inside `triton_ops.collecting` (where nothing runs: every buffer is left as it is)."""
+        inside `triton_ops.collecting` (where no kernel runs: every buffer is left as it is)."""
         if self.tp is not None:
             return
         hp = torch.zeros(self.num_slots, len(HP_COLUMNS), dtype=torch.float32, device=self.bank.weights.device)

@@ -19,11 +19,11 @@ def main() -> int:
 
     import torch
 
-    from plora.models.torchtune_imports import defer_nf4, import_job_modules, skip_flex_attention, skip_package_inits
+    from plora.models.torchtune_imports import import_job_modules, lean_job_imports
 
-    skip_package_inits()  # torchtune's datasets, generation and families' tokenizers: never a job's
-    defer_nf4()  # the rest of torchao, which only a QLoRA job needs
-    skip_flex_attention()  # torchtune compiles it as it imports, on a GPU; no job uses it
+    # no torchtune dataset builders, generation or tokenizers, no torchao beyond a QLoRA job's
+    # NF4, no flex attention compiled as torchtune imports: none of it is a job's
+    lean_job_imports()
     from torchtune import config as tune_config
 
     from plora.engine.spare import CHECKED, READY, PreloadOrder, SpareOrder

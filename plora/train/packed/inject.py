@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from plora.kernels.compile_ahead import compile_ahead
+from plora.kernels.compile_ahead import compile_ahead, compile_threads, compiles_here
 from plora.train.packed.layer import AdapterSpec, PackedLoRALinear, PackState
 
 #: Hugging Face module name -> (torchtune sub-module, attribute)
@@ -47,16 +47,16 @@ class PackedModel:
         meta = self.state.meta
         if meta is None or not self.layers:
             return 0
+        layers = list(self.layers.values())
+        first = layers[0].a_all
+        if not compiles_here(first.device) or compile_threads() <= 0 or any(layer.tp is not None for layer in layers):
+            return 0  # nothing to compile here: not even the composition is remembered
         key = (training, tuple(meta.tokens_host), tuple(meta.ranks_host))
         if key in self._compiled:
             return 0
         if len(self._compiled) > 4096:
             self._compiled.clear()
         self._compiled.add(key)
-        layers = list(self.layers.values())
-        if any(layer.tp is not None for layer in layers):
-            return 0
-        first = layers[0].a_all
         return compile_ahead(meta, {(layer.in_features, layer.out_features) for layer in layers}, first.dtype,
                              first.device, backward=training, accumulate_dx=not self.state.has_dropout, also=also)
 
