@@ -108,13 +108,15 @@ def _overrides() -> Optional[list[str]]:
 
 
 def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: Optional[list[str]] = None,
-          check_later: bool = False):
+          check_later: bool = False, kernels_ahead: bool = False):
     """The space (with its command-line `overrides`), its model checked. With `warm`, the
     first job's process starts importing as soon as the space says where it runs
     (`plora.engine.spare`), before this process imports torch for the model check: on an
     H100 machine a job's imports take 12 s, which the sweep's validation and planning hide
     only if they start first. With `check_later`, the model check's slow part (the model
-    built on meta) runs on while the caller plans; `_model_checked` waits for it."""
+    built on meta) runs on while the caller plans; `_model_checked` waits for it. With
+    `kernels_ahead` (and `warm`), a process starts importing that will compile the first
+    job's kernels while the caller plans (`plora.engine.kernel_warmer`)."""
     from plora.engine import spare
     from plora.spec.base import SpecError
     from plora.spec.loading import load_spec
@@ -125,6 +127,10 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
         if warm and spec.hardware.backend == "local":
             for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
                 spare.prime(gpus)
+            if kernels_ahead:
+                from plora.engine import kernel_warmer
+
+                kernel_warmer.start(spec.hardware.device)  # told what to compile once the rows are decided
         from plora.models.check import check_spec_model, start_spec_model_check  # torch: after the spare started
 
         if check_later:  # config, tokenizer now; the weights in the first job's process, or meanwhile
@@ -136,6 +142,9 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
         return spec
     except SpecError as e:
         spare.discard()
+        from plora.engine import kernel_warmer
+
+        kernel_warmer.discard()
         fail(str(e))
 
 
@@ -184,8 +193,11 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     space is refused first."""
     from plora.engine import spare
 
-    spec = _load(space, warm=warm, overrides=overrides, check_later=True)  # the first job's process imports meanwhile
+    spec = _load(space, warm=warm, overrides=overrides, check_later=True,  # the first job's process imports meanwhile
+                 kernels_ahead=warm)
     warm = warm and spec.hardware.backend == "local"
+    from plora.engine import kernel_warmer
+
     try:
         _check_output(spec.run_dir(output))
         if not fresh:
@@ -195,6 +207,7 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     except BaseException:
         _PENDING_CHECK.clear()  # a check of this space never reaches another command of this process
         spare.discard()
+        kernel_warmer.discard()
         raise
     if warm:  # (a profile's probe job may have taken the first one)
         wanted = [spare.first_gpus(spec.hardware.device)]
@@ -209,6 +222,22 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
     return prep
 
 
+def _warm_kernels(spec, configs, rows, hw) -> None:
+    """The first job's likely kernels, compiled while this process plans (where a process
+    was started for them: `plora.engine.kernel_warmer`)."""
+    from plora.engine import kernel_warmer
+
+    if not kernel_warmer.running():
+        return
+    if not hw.gpu or not hw.local:
+        kernel_warmer.discard()
+        return
+    from plora.cost.sweep_model import graphed_steps
+
+    kernel_warmer.order_for_sweep(spec, configs, layout=rows.layout, lengths=rows.lengths,
+                                  length_buckets=rows.length_buckets, graphed=graphed_steps(spec, hw))
+
+
 def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
     from plora.data.dataset import DataError
     from plora.models.loading import ModelError
@@ -220,7 +249,7 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
         hw = hardware_for(spec)
         _note_hardware(spec, hw)
         prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw, fresh=fresh,
-                       check_model=_model_checked if _PENDING_CHECK else True,
+                       check_model=_model_checked if _PENDING_CHECK else True, on_rows=_warm_kernels,
                        log=lambda line: console.print(f"[dim]{escape(line)}[/]", highlight=False))
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

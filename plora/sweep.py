@@ -204,7 +204,9 @@ def stream_policy(prep: PreparedSweep) -> StreamPolicy:
 def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False,
             hardware: Hardware | None = None, cost_model: CostModel | None = None,
             log: Callable[[str], None] | None = None, fresh: bool = False,
-            check_model: bool | Callable[[], None] = True) -> PreparedSweep:
+            check_model: bool | Callable[[], None] = True,
+            on_rows: Callable[[SweepSpec, Sequence[AdapterConfig], SweepRows, Hardware], None] | None = None,
+            ) -> PreparedSweep:
     """Everything a sweep decides before training: configurations, step budgets, the plan.
 
     Writes nothing to the run directory (a quick calibration goes to plora's cache). On a GPU
@@ -213,7 +215,9 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     largest pack the sweep may form off the GPU, `probe` lets it first measure two short packs
     (`plora.cost.profiling.profile.quick_calibration`, a few seconds, reported through ``log``) and
     plan on them. The sweep's own jobs calibrate the model further while they run. ``fresh``:
-    the run directory is started over, its profile.json is not this sweep's. ``check_model``:
+    the run directory is started over, its profile.json is not this sweep's. ``on_rows``: told
+    the rows once they are decided, before the cost model and the plan (what a first job
+    will step: `plora.engine.kernel_warmer`). ``check_model``:
     True, the model is checked first; a callable, the caller checks it meanwhile
     (`plora.models.check.start_spec_model_check`) and this waits for it before a quick
     calibration measures anything; False, the caller checks it.
@@ -234,15 +238,18 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     rows = decide_rows(spec, configs, steps, hw, None if fresh else run)
     spec, layout, buckets, lengths = rows.spec, rows.layout, rows.length_buckets, rows.lengths
     moments["rows_decided_at"] = time.time()
+    if on_rows is not None:
+        on_rows(spec, configs, rows, hw)
     prior = calibration = None
     if cost_model is None:
         models = sweep_models(spec, None if fresh else run, hardware=hw, length_buckets=buckets, row_lengths=lengths,
                               row_layout=layout, loads=sweep_loads(configs, steps, micro_batch_size_of(spec)))
         cost_model, prior, calibration = models.model, models.prior, models.calibration
         if probe and hw.gpu and hw.local and models.source == ANALYTIC_SOURCE:
-            if callable(check_model):  # no probe of a model that the check refuses
-                check_model()
-            cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log)
+            # no probe of a model that the check refuses; where nothing is probed, planning
+            # goes on while the check runs (the caller waits for it before any job starts)
+            cost_model, calibration = calibrate_first(spec, configs, steps, prior, cost_model, hw, log,
+                                                      before_measuring=check_model if callable(check_model) else None)
     else:
         cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths, layout)
     moments["cost_model_at"] = time.time()
@@ -392,10 +399,14 @@ def largest_pack(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mappi
 
 
 def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int], prior: CostModel,
-                    conservative_model: CostModel, hw: Hardware, log: Callable[[str], None] | None) -> tuple[CostModel, Calibration]:
+                    conservative_model: CostModel, hw: Hardware, log: Callable[[str], None] | None, *,
+                    before_measuring: Callable[[], None] | None = None) -> tuple[CostModel, Calibration]:
     """The model to plan on before any job runs: the conservative prior where even then the
     sweep's largest pack fits one GPU (memory cannot decide the plan), else the prior
-    corrected by a quick calibration (kept in plora's cache for the next sweep)."""
+    corrected by a quick calibration (kept in plora's cache for the next sweep).
+    ``before_measuring`` runs only where the calibration measures (the model check it must
+    wait for: on a first use it waits for the first job's process to import, 10 s on an H200,
+    which planning on the conservative prior need not)."""
     from plora.cost.profiling.cache import remember_calibration
     from plora.cost.profiling.calibrate import Calibration
     from plora.cost.profiling.profile import quick_calibration
@@ -403,6 +414,8 @@ def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Ma
     pack = largest_pack(spec, configs, steps)
     if conservative_model.fits(pack, 1, spec.planner.memory_load_factor):
         return conservative_model, Calibration()
+    if before_measuring is not None:
+        before_measuring()
     calibration = quick_calibration(spec, prior, pack, log=log)
     if calibration.empty:
         return conservative_model, calibration

@@ -119,7 +119,28 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
     triton = caches / "triton"
     kernels = sum(1 for _ in triton.iterdir()) if triton.is_dir() else None
     return {"label": label, "exit_code": proc.returncode, "wall_s": wall, "started_at": t0,
-            "triton_cache_entries": kernels, **sweep_facts(args, space, label)}
+            "triton_cache_entries": kernels, "kernel_warmer": warmer_answer(caches, t0),
+            "gguf_conversion": gguf_seconds(caches), **sweep_facts(args, space, label)}
+
+
+def warmer_answer(caches: Path, since: float) -> dict | None:
+    """What the sweep's kernel-warming process compiled (`plora.engine.kernel_warmer`): its
+    last answer in this run, with when it finished counted from the sweep's start."""
+    log = caches / "plora" / "kernel-warmer.log"
+    if not log.is_file():
+        return None
+    answers = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    answers = [a for a in answers if a.get("finished_at", 0) >= since]
+    if not answers:
+        return None
+    return {**answers[-1], "finished_s": answers[-1]["finished_at"] - since}
+
+
+def gguf_seconds(caches: Path) -> dict | None:
+    """The GGUF conversion's parts (`plora.models.gguf`), where this run converted one."""
+    for marker in sorted((caches / "plora" / "gguf").glob("*/plora-gguf.json")):
+        return json.loads(marker.read_text()).get("seconds")
+    return None
 
 
 def sweep_facts(args, space: Path, label: str) -> dict:
@@ -162,8 +183,8 @@ def sweep_facts(args, space: Path, label: str) -> dict:
         s = json.loads(summary.read_text())
         (args.out / f"{label}-{summary.parent.name}-summary.json").write_text(summary.read_text())
         ph = s.get("phases", {})
-        phases.append({k: ph.get(k) for k in ("start_s", "spare", "load_s", "setup_s", "eval_base_s", "created_at",
-                                              "clock_at", "spare_moments")}
+        phases.append({k: ph.get(k) for k in ("start_s", "spare", "load_s", "setup_s", "setup_parts", "eval_base_s",
+                                              "created_at", "clock_at", "spare_moments")}
                       | {"evals_s": sum(e.get("seconds", 0) for e in ph.get("evals", [])),
                          "saves_s": sum(e.get("seconds", 0) for e in ph.get("saves", [])),
                          "graphs": ph.get("graphs"), "compiled_ahead": ph.get("compiled_ahead"),

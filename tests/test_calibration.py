@@ -262,10 +262,15 @@ def test_the_first_plan_measures_only_where_memory_decides_it(monkeypatch):
     large = [Config(i, 64, 8) for i in range(16)]
     hw = Hardware(True, 1, 80 * GIB)
     p = prior()
-    model, cal = sweep.calibrate_first(Spec, small, {c.id: 10 for c in small}, p, conservative(p), hw, None)
+    checked = []  # the model check is waited for only where a calibration measures
+    model, cal = sweep.calibrate_first(Spec, small, {c.id: 10 for c in small}, p, conservative(p), hw, None,
+                                       before_measuring=lambda: checked.append(len(calls)))
     assert calls == [] and cal.empty and model.meta.get("memory_margin") == MEMORY_MARGIN
-    model, cal = sweep.calibrate_first(Spec, large, {c.id: 10 for c in large}, p, conservative(p), hw, None)
+    assert checked == []
+    model, cal = sweep.calibrate_first(Spec, large, {c.id: 10 for c in large}, p, conservative(p), hw, None,
+                                       before_measuring=lambda: checked.append(len(calls)))
     assert calls == [16] and not cal.empty and model.meta["calibration"]["memory_scale"] == pytest.approx(1.0)
+    assert checked == [0]  # before the probes
     assert model.meta["plan_source"] == CALIBRATED_SOURCE_NOW
 
 

@@ -174,3 +174,44 @@ def test_a_conversion_parses_the_metadata_once_and_reads_small_files_from_memory
             raise RuntimeError("a reader failed")
     assert calls == [False, True, True]
     assert hf_gguf.load_gguf_checkpoint is load and gguf_reader.np is np
+
+
+def test_a_conversion_dequantizes_the_tensors_ahead_on_threads(monkeypatch):
+    """While `_read_once` is open, gguf's ``dequantize`` finds each tensor of the opened
+    file already dequantized (started when the file was opened); a tensor it was not
+    started for, or one whose work failed, is dequantized at the call; gguf's own function
+    is put back after."""
+    import numpy as np
+    import gguf as gguf_lib
+
+    done = []
+
+    def dequantize(data, qtype):
+        done.append(int(data[0]))
+        if qtype == "bad":
+            raise ValueError("no such type")
+        return data * 2.0
+
+    class Tensor:
+        def __init__(self, i, qtype="q4"):
+            self.data, self.tensor_type = np.array([i, i]), qtype
+
+    class Reader:
+        def __init__(self, path, mode="r"):
+            self.tensors = [Tensor(1), Tensor(2), Tensor(3, "bad")]
+
+    monkeypatch.setattr(gguf_lib, "GGUFReader", Reader)
+    monkeypatch.setattr(gguf_lib, "dequantize", dequantize)
+    monkeypatch.setattr(gguf, "_size", lambda path: 1)
+    with gguf._read_once():
+        r = gguf_lib.GGUFReader("m.gguf")
+        assert gguf_lib.dequantize is not dequantize
+        assert gguf_lib.dequantize(r.tensors[0].data, "q4").tolist() == [2.0, 2.0]
+        assert gguf_lib.dequantize(r.tensors[1].data, "q4").tolist() == [4.0, 4.0]
+        assert done.count(1) == 1 and done.count(2) == 1  # done ahead, once each
+        with pytest.raises(ValueError, match="no such type"):  # the failure raised where the loader calls
+            gguf_lib.dequantize(r.tensors[2].data, "bad")
+        assert done.count(3) == 2  # tried ahead, then at the call
+        other = np.array([7, 7])
+        assert gguf_lib.dequantize(other, "q4").tolist() == [14.0, 14.0] and done[-1] == 7  # not started: at the call
+    assert gguf_lib.dequantize is dequantize

@@ -84,6 +84,9 @@ class PhaseClock:
         self.spare = bool(os.environ.get(HANDED_AT))
         self.load_s = 0.0
         self.setup_s = 0.0
+        #: when each part of the set-up was done, seconds from the clock's start (where a first
+        #: use of a machine spends its extra set-up time)
+        self.setup_parts: dict[str, float] = {}
         self.eval_base_s = 0.0
         self.eval_rows = 0
         self.eval_row_tokens = 0.0
@@ -99,6 +102,10 @@ class PhaseClock:
 
     def loaded(self, seconds: float) -> None:
         self.load_s = float(seconds)
+
+    def part_done(self, name: str) -> None:
+        """One part of the set-up is done (`setup_parts`)."""
+        self.setup_parts[name] = round(time.time() - self.t0, 4)
 
     def set_up(self, eval_samples: Sequence[Any]) -> None:
         """The job is ready to train; its eval rows are known (their size prices each eval)."""
@@ -174,6 +181,7 @@ class PhaseClock:
             "spare": self.spare,
             "load_s": self.load_s,
             "setup_s": self.setup_s,
+            "setup_parts": self.setup_parts,
             "eval_base_s": self.eval_base_s,
             "eval_rows": self.eval_rows,
             "eval_row_tokens": self.eval_row_tokens,

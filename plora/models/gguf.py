@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -168,16 +169,21 @@ def converted_folder(file: str | Path, dtype: str = "float32") -> Path:
 def _convert(file: Path, out: Path, dtype: str) -> None:
     """Dequantize through transformers (in float32), cast to ``dtype`` and write config,
     safetensors, tokenizer, chat template."""
+    t_imports = time.perf_counter()
     try:
         import gguf  # noqa: F401 - transformers' GGUF loader needs it; fail with the install hint
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise GGUFError(f"{file}: reading GGUF models needs {' and '.join(GGUF_READERS)}: run {GGUF_READERS_INSTALL} ({e})")
+    t0 = time.perf_counter()
+    seconds: dict[str, float] = {"imports": t0 - t_imports}  # where a first use's conversion goes
     try:
         with _ONE_CONVERSION, _read_once():
             model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+            seconds["model"] = time.perf_counter() - t0
             tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+            seconds["tokenizer"] = time.perf_counter() - t0 - seconds["model"]
     except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GGUFError(f"{file}: cannot read as a GGUF model: {first}") from None
@@ -192,7 +198,9 @@ def _convert(file: Path, out: Path, dtype: str) -> None:
     _add_legacy_rope_theta(out / "config.json")
     if getattr(tokenizer, "chat_template", None) and not (out / "chat_template.jinja").is_file():
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
-    marker = {"source": str(file.resolve()), "size": file.stat().st_size, "sha256": _sha256(file), "dtype": dtype}
+    seconds["saved"] = time.perf_counter() - t0 - seconds["model"] - seconds["tokenizer"]
+    marker = {"source": str(file.resolve()), "size": file.stat().st_size, "sha256": _sha256(file), "dtype": dtype,
+              "seconds": {k: round(v, 3) for k, v in seconds.items()}}
     (out / _MARKER_FILE).write_text(json.dumps(marker, indent=2))
 
 
@@ -249,11 +257,15 @@ def _read_once() -> Iterator[None]:
     reader, name_map, load, numpy = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint, gguf_reader.np
     readers: dict[tuple[str, str], object] = {}
     metadata: dict[str, dict] = {}
+    ahead = _DequantizeAhead(gguf.dequantize)
 
     def one_reader(path, mode="r"):
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
             readers[key] = reader(path, mode)
+            tensors = getattr(readers[key], "tensors", None)
+            if mode == "r" and tensors and _size(path) <= IN_MEMORY_MAX_BYTES:
+                ahead.start(tensors)  # while the config and the model class load
         return readers[key]
 
     def metadata_once(path, return_tensors=False, *args, **kwargs):
@@ -267,10 +279,61 @@ def _read_once() -> Iterator[None]:
     try:
         gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
         hf_gguf.load_gguf_checkpoint, gguf_reader.np = metadata_once, _BytesNumpy()
+        gguf.dequantize = ahead
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
         hf_gguf.load_gguf_checkpoint, gguf_reader.np = load, numpy
+        gguf.dequantize = ahead.dequantize
+        ahead.close()
+
+
+def _size(path) -> float:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return float("inf")
+
+
+class _DequantizeAhead:
+    """gguf's ``dequantize``, as transformers calls it while `_read_once` is open: the
+    reader's tensors are dequantized on a few threads as soon as the file is opened (numpy
+    works outside the GIL), while transformers parses the config and imports the model
+    class; its loop over the tensors, one after another, then finds each one done. A tensor
+    it was not started for (another reader's, a failure) is dequantized at the call, as
+    before."""
+
+    def __init__(self, dequantize) -> None:
+        self.dequantize = dequantize
+        self._pool = None
+        self._futures: dict[int, tuple[object, object]] = {}  # id(data) -> (data, its future)
+
+    def start(self, tensors) -> None:
+        if self._pool is not None:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="plora-gguf")
+        for t in tensors:
+            data = t.data
+            self._futures[id(data)] = (data, self._pool.submit(self.dequantize, data, t.tensor_type))
+
+    def __call__(self, data, qtype):
+        held = self._futures.pop(id(data), None)
+        if held is not None and held[0] is data:
+            try:
+                return held[1].result()
+            except Exception:  # noqa: BLE001 - the call below raises it where transformers expects it
+                pass
+        return self.dequantize(data, qtype)
+
+    def close(self) -> None:
+        for _, future in self._futures.values():
+            future.cancel()
+        self._futures.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 def _add_legacy_rope_theta(config_path: Path) -> None:

@@ -127,6 +127,7 @@ class PackedLoRARecipe:
         model, self.info = preload.load(preload.ModelKey.of(c.model.path, c.model.family, c.model.max_seq_len,
                                                             c.model.dtype, self.device, c.model.random_init))
         self.clock.loaded(time.perf_counter() - t_load)
+        self.clock.part_done("model")
         self.joins = JoinDesk(self.job_dir, self.output_dir, self.job_id, c.adapters, c.streaming,
                               complete=self._complete, is_main=self.is_main, attempt=self.attempt, tp=self.tp,
                               device=self.device)
@@ -153,6 +154,7 @@ class PackedLoRARecipe:
             apply_activation_checkpointing(self.pm.model,
                                            auto_wrap_policy=ModuleWrapPolicy({TransformerSelfAttentionLayer}))
         self.pm.model.train()
+        self.clock.part_done("adapters")
         dtype = self.pm.model.tok_embeddings.weight.dtype
 
         self.tok = TextTokenizer(self.info.path, self.info.eos_token_id, self.info.pad_token_id)
@@ -165,6 +167,7 @@ class PackedLoRARecipe:
             data = prepare_data(c.data, c.eval, self.tok, c.model.max_seq_len)
             train_samples, self.eval_samples, self.eval_examples = data.train, data.eval, data.eval_examples
 
+        self.clock.part_done("data")
         self.graphs: StepGraph | None = None
         if graphs_wanted(t.cuda_graphs, self.device, tp=self.tp is not None,
                          activation_checkpointing=t.activation_checkpointing):
@@ -177,12 +180,15 @@ class PackedLoRARecipe:
         joined_at = {a.id: s for a, s in rejoined}
         self.runs: list[AdapterRun] = [self.rows.adapter_run(i, a, joined_at.get(a.id)) for i, a in enumerate(adapters)]
         # after TP sharding: the bank lays out the local shards
+        self.clock.part_done("rows")
         self.pack = AdapterPack(self.pm, adapters, self.tp)
+        self.clock.part_done("pack")
         self.stepper = PackedStep(self.pm, self.pack, self.rows, t, device=self.device,
                                   vocab_size=self.info.vocab_size, row_attention=self.row_attn,
                                   graphs=self.graphs, tp=self.tp,
                                   # where a capture would bake the scales in, a graph is only for those it saw
                                   scales_in_key=graphed and not scales_on_device(self.device))
+        self.clock.part_done("step")
         self.evaluator = Evaluator(self.pm, self.tok, self.eval_samples, self.eval_examples, c.eval,
                                    max_seq_len=c.model.max_seq_len, device=self.device, clock=self.clock,
                                    before=self._room_for_eval)
@@ -196,6 +202,7 @@ class PackedLoRARecipe:
         self.checkpointer = JobCheckpointer(c, self.pack, attempt=self.attempt, started_at=self.start_time,
                                             tp=self.tp, device=self.device)
         self.resumed: dict[str, int] = {}  # adapter id -> the adapter step it resumed from
+        self.clock.part_done("files")
         self.clock.set_up(self.eval_samples)
 
     # what tests and hooks look at: the components' state, read through the shell
