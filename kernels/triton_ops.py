@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import os
 import sys
 import threading
 from dataclasses import dataclass, replace
@@ -43,7 +42,9 @@ _MODULES: dict[tuple[str, bool], object] = {}
 
 def _interpreting() -> bool:
     """Whether Triton builds interpreted kernels now (``TRITON_INTERPRET``, read per call)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    from plora.settings import triton_interpreted
+
+    return triton_interpreted()
 
 
 def kernels_module(file: str | Path = "_triton_kernels.py"):

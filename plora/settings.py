@@ -132,3 +132,11 @@ def _float(text: str | None) -> float | None:
 def settings(environ: Mapping[str, str] | None = None) -> Settings:
     """This process's settings (or those of ``environ``), read now."""
     return Settings.from_env(environ)
+
+
+def triton_interpreted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether Triton builds interpreted kernels (``TRITON_INTERPRET``, read per call): where
+    nothing is compiled. Here, without torch or Triton, for the sweep's process to ask before
+    it imports either."""
+    env = os.environ if environ is None else environ
+    return env.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")

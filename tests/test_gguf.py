@@ -202,7 +202,7 @@ def test_a_conversion_dequantizes_the_tensors_ahead_on_threads(monkeypatch):
 
     monkeypatch.setattr(gguf_lib, "GGUFReader", Reader)
     monkeypatch.setattr(gguf_lib, "dequantize", dequantize)
-    monkeypatch.setattr(gguf, "_size", lambda path: 1)
+    monkeypatch.setattr(gguf, "_fits_in_memory", lambda path: True)
     with gguf._read_once():
         r = gguf_lib.GGUFReader("m.gguf")
         assert gguf_lib.dequantize is not dequantize

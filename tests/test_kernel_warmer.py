@@ -65,6 +65,9 @@ def test_no_process_for_a_cpu_sweep_or_with_processes_ahead_off(monkeypatch):
     monkeypatch.setenv("PLORA_SPARE_JOBS", "1")
     monkeypatch.setenv("PLORA_COMPILE_THREADS", "0")
     assert not kernel_warmer.wanted("cuda")
+    monkeypatch.delenv("PLORA_COMPILE_THREADS")
+    monkeypatch.setenv("TRITON_INTERPRET", "true")  # read as Triton reads it: nothing would compile
+    assert not kernel_warmer.wanted("cuda")
 
 
 def test_a_sweep_tells_the_process_its_first_jobs_packs_once_its_rows_are_decided(tmp_path, monkeypatch):

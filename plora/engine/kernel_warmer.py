@@ -15,7 +15,6 @@ started ahead) or ``PLORA_COMPILE_THREADS=0`` turns it off.
 from __future__ import annotations
 
 import atexit
-import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from plora.engine.job_env import job_env
-from plora.settings import settings
+from plora.settings import settings, triton_interpreted
 
 __all__ = ["WARMER_MODULE", "discard", "expected_packs", "order", "order_for_sweep", "running", "start", "wanted"]
 
@@ -39,9 +38,7 @@ def wanted(device: str) -> bool:
     """Whether a sweep on ``device`` would compile Triton kernels in its jobs and may start
     processes ahead of them: a GPU, the Triton backend, not Triton's interpreter."""
     s = settings()
-    if device == "cpu" or not s.spare_jobs or s.compile_threads == 0 or s.kernels == "torch":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if device == "cpu" or not s.spare_jobs or s.compile_threads == 0 or s.kernels == "torch" or triton_interpreted():
         return False
     from plora.engine.spare import first_gpus
 
@@ -78,11 +75,13 @@ def running() -> bool:
 
 
 def expected_packs(configs: Sequence[Any], *, row_tokens: float, max_adapters: int,
-                   micro_batch: Mapping[str, int] | int | None = None, multiple: int = 64) -> list[dict]:
+                   micro_batch: Mapping[str, int] | int | None = None) -> list[dict]:
     """The packs a sweep of ``configs`` likely steps first: its adapters in plan order (as
     many as a job takes), each with ``row_tokens`` per row of its (micro-)batch, rounded up
-    to ``multiple`` as a graphed step's segments are (`plora.train.packed.rows.SIZE_MULTIPLE`);
-    then the pack left when the adapters of the largest batch have finished."""
+    as a graphed step's segments are (`plora.train.packed.rows.round_up`); then the pack
+    left when the adapters of the largest batch have finished."""
+    from plora.train.packed.rows import round_up
+
     def rows(c) -> int:
         m = micro_batch.get(c.id) if isinstance(micro_batch, Mapping) else micro_batch
         return min(int(c.batch_size), int(m)) if m else int(c.batch_size)
@@ -90,7 +89,7 @@ def expected_packs(configs: Sequence[Any], *, row_tokens: float, max_adapters: i
     first = list(configs)[: max(1, int(max_adapters))]
     if not first:
         return []
-    per = {c.id: -(-int(rows(c) * row_tokens) // multiple) * multiple for c in first}
+    per = {c.id: round_up(int(rows(c) * row_tokens)) for c in first}
     packs = [{"tokens": [per[c.id] for c in first], "ranks": [int(c.rank) for c in first]}]
     biggest = max(int(c.batch_size) for c in first)
     rest = [c for c in first if int(c.batch_size) < biggest]  # steps per epoch: the larger batches finish first
@@ -102,7 +101,6 @@ def expected_packs(configs: Sequence[Any], *, row_tokens: float, max_adapters: i
 def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict], accumulate_dx: bool = True) -> bool:
     """Tell the started process what to compile (one line; it exits when done). Whether it
     was told."""
-    global _proc
     if not running() or not packs or not shapes:
         discard()
         return False

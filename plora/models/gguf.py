@@ -213,6 +213,15 @@ _ONE_CONVERSION = threading.Lock()
 IN_MEMORY_MAX_BYTES = 2 << 30
 
 
+def _fits_in_memory(path) -> bool:
+    """Whether a GGUF file is small enough to hold whole in memory while it is read
+    (`IN_MEMORY_MAX_BYTES`); a file that cannot be looked at is not."""
+    try:
+        return Path(path).stat().st_size <= IN_MEMORY_MAX_BYTES
+    except OSError:
+        return False
+
+
 class _BytesNumpy(types.ModuleType):
     """numpy, as `gguf.gguf_reader` sees it while `_read_once` is open, except that
     ``memmap`` reads the whole file into memory. The reader slices its buffer once per
@@ -227,7 +236,7 @@ class _BytesNumpy(types.ModuleType):
 
         def memmap(path, *args, mode: str = "r", **kwargs):
             # only what a reader reads (mode "r") and fits in memory comfortably; else the usual memmap
-            if args or kwargs or mode != "r" or Path(path).stat().st_size > IN_MEMORY_MAX_BYTES:
+            if args or kwargs or mode != "r" or not _fits_in_memory(path):
                 return numpy.memmap(path, *args, mode=mode, **kwargs)
             data = numpy.fromfile(path, dtype=numpy.uint8)
             data.setflags(write=False)  # as read-only as the memmap it stands for
@@ -264,7 +273,7 @@ def _read_once() -> Iterator[None]:
         if key not in readers:
             readers[key] = reader(path, mode)
             tensors = getattr(readers[key], "tensors", None)
-            if mode == "r" and tensors and _size(path) <= IN_MEMORY_MAX_BYTES:
+            if mode == "r" and tensors and _fits_in_memory(path):
                 ahead.start(tensors)  # while the config and the model class load
         return readers[key]
 
@@ -288,11 +297,6 @@ def _read_once() -> Iterator[None]:
         ahead.close()
 
 
-def _size(path) -> float:
-    try:
-        return Path(path).stat().st_size
-    except OSError:
-        return float("inf")
 
 
 class _DequantizeAhead:
