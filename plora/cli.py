@@ -29,6 +29,8 @@ _IMPORTED_AT = time.time()
 _MOMENTS: dict[str, float] = {}
 #: a model check still running (`_load` with ``check_later``)
 _PENDING_CHECK: list = []
+#: processes converting a GGUF file's weights while the sweep plans (`_load`)
+_AHEAD: list = []
 
 
 def _check_in_spare(folder: Path, family: str, random_init: bool, max_seq_len: int) -> Optional[str]:
@@ -125,6 +127,11 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
         spec = load_spec(space, sampled=sampled, overrides=overrides or ())
         _MOMENTS["spec_loaded_at"] = time.time()
         if warm and spec.hardware.backend == "local":
+            from plora.models.gguf import convert_weights_ahead
+
+            # a GGUF file's weights dequantized in a process of their own while this one reads its
+            # config and tokenizer and plans; the model check waits for them (`ensure_weights`)
+            _AHEAD.append(convert_weights_ahead(spec.model.path, spec.model.dtype))
             for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
                 spare.prime(gpus)
             if kernels_ahead:

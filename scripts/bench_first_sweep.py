@@ -184,7 +184,7 @@ def sweep_facts(args, space: Path, label: str) -> dict:
         (args.out / f"{label}-{summary.parent.name}-summary.json").write_text(summary.read_text())
         ph = s.get("phases", {})
         phases.append({k: ph.get(k) for k in ("start_s", "spare", "load_s", "setup_s", "setup_parts", "eval_base_s",
-                                              "created_at", "clock_at", "spare_moments")}
+                                              "created_at", "clock_at", "spare_moments", "torch_dynamo_imported")}
                       | {"evals_s": sum(e.get("seconds", 0) for e in ph.get("evals", [])),
                          "saves_s": sum(e.get("seconds", 0) for e in ph.get("saves", [])),
                          "graphs": ph.get("graphs"), "compiled_ahead": ph.get("compiled_ahead"),
@@ -286,7 +286,7 @@ def part_peft(args) -> dict:
     spec = load_spec(space)
     folder = args.out / "peft"
     folder.mkdir(exist_ok=True)
-    job = {"model": str(spec.model.resolved_path()), "random_init": spec.model.random_init, "dtype": args.dtype,
+    job = {"model": str(spec.model.resolved_path(weights=True)), "random_init": spec.model.random_init, "dtype": args.dtype,
            "device": "cpu" if args.smoke else "cuda", "seq": args.seq,
            "train": str(args.out / "data" / f"train-{variant}.jsonl"),
            "eval": str(args.out / "data" / f"eval-{variant}.jsonl"), "eval_samples": args.eval_samples,

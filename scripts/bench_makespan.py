@@ -304,7 +304,7 @@ def part_peft(args, shape: str) -> dict:
     folder = args.out / f"peft-{shape}"
     folder.mkdir(exist_ok=True)
     configs = fig4_configs()
-    job = {"model": str(spec.model.resolved_path()), "random_init": spec.model.random_init, "dtype": args.dtype,
+    job = {"model": str(spec.model.resolved_path(weights=True)), "random_init": spec.model.random_init, "dtype": args.dtype,
            "device": "cpu" if args.smoke else "cuda", "seq": args.seq,
            "train": str(args.out / "data" / "train-varied.jsonl"), "eval": str(args.out / "data" / "eval-varied.jsonl"),
            "eval_samples": args.eval_samples, "metrics": ["loss"], "max_new_tokens": 16, "ranks": FIG4_RANKS,

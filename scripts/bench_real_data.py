@@ -162,7 +162,7 @@ def run_baseline(args, variant: str, data_dir: Path) -> dict:
     spec = load_spec(args.out / f"{variant}.yaml")
     folder = args.out / f"baseline-{variant}"
     folder.mkdir(exist_ok=True)
-    job = {"model": str(spec.model.resolved_path()), "random_init": spec.model.random_init, "dtype": args.dtype,
+    job = {"model": str(spec.model.resolved_path(weights=True)), "random_init": spec.model.random_init, "dtype": args.dtype,
            "device": args.device, "seq": args.seq, "train": str(data_dir / f"train-{variant}.jsonl"),
            "eval": str(data_dir / f"eval-{variant}.jsonl"), "eval_samples": args.eval_samples,
            "metrics": args.metrics, "max_new_tokens": args.max_new_tokens, "ranks": args.ranks,

@@ -50,6 +50,29 @@ def test_a_file_that_is_not_gguf_is_one_line_and_leaves_no_folder(tmp_path):
     assert result.exit_code == 2 and "model.path" in result.output and "broken.gguf" in result.output
 
 
+def fake_halves(monkeypatch, calls: list | None = None):
+    """The two halves of a conversion, faked: the head writes config.json and its marker,
+    the weights a safetensors file and the finished marker."""
+    calls = [] if calls is None else calls
+
+    def head(file: Path, out: Path, dtype: str) -> None:
+        calls.append(("head", file.read_text(), dtype))
+        (out / "config.json").write_text(json.dumps({"from": file.read_text(), "dtype": dtype}))
+        (out / gguf._HEAD_MARKER).write_text(json.dumps({"source": str(file), "dtype": dtype}))
+
+    def weights(file: Path, folder: Path, dtype: str) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        calls.append(("weights", file.read_text(), dtype))
+        save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+        (folder / gguf._MARKER_FILE).write_text(json.dumps({"dtype": dtype}))
+
+    monkeypatch.setattr(gguf, "_convert_head", head)
+    monkeypatch.setattr(gguf, "_convert_weights", weights)
+    return calls
+
+
 def test_a_killed_conversion_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF")
@@ -58,29 +81,91 @@ def test_a_killed_conversion_leaves_nothing_that_looks_finished(tmp_path, monkey
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf, "_convert", half_then_die)
+    monkeypatch.setattr(gguf, "_convert_head", half_then_die)
     with pytest.raises(KeyboardInterrupt):
         gguf.converted_folder(src)
-    assert not list((gguf.cache_dir() / "gguf").iterdir())
+    assert not [p for p in (gguf.cache_dir() / "gguf").iterdir() if p.name != "locks"]
+
+
+def test_killed_weights_are_converted_again_by_the_next_reader(tmp_path, monkeypatch):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    calls = fake_halves(monkeypatch)
+    real = gguf._convert_weights
+
+    def die(file: Path, folder: Path, dtype: str) -> None:
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf, "_convert_weights", die)
+    with pytest.raises(KeyboardInterrupt):
+        gguf.converted_folder(src)
+    folder = gguf.converted_folder(src, weights=False)  # the head is kept; nothing says finished
+    assert not (folder / gguf._MARKER_FILE).exists()
+    monkeypatch.setattr(gguf, "_convert_weights", real)
+    fake_halves(monkeypatch, calls)
+    gguf.ensure_weights(folder)
+    assert (folder / gguf._MARKER_FILE).is_file() and [c[0] for c in calls] == ["head", "weights"]
 
 
 def test_converted_once_and_keyed_by_the_file(tmp_path, monkeypatch):
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF one")
-    calls = []
-
-    def fake(file: Path, out: Path, dtype: str) -> None:
-        calls.append((file, dtype))
-        (out / "config.json").write_text(json.dumps({"from": file.read_text(), "dtype": dtype}))
-        (out / gguf._MARKER_FILE).write_text("{}")
-
-    monkeypatch.setattr(gguf, "_convert", fake)
+    calls = fake_halves(monkeypatch)
     first = gguf.converted_folder(src)
-    assert gguf.converted_folder(src) == first and len(calls) == 1
+    assert gguf.converted_folder(src) == first and len(calls) == 2
     src.write_bytes(b"GGUF two, longer")  # a new file at the same path: a new folder
     second = gguf.converted_folder(src)
-    assert second != first and len(calls) == 2
+    assert second != first and len(calls) == 4
     assert json.loads((second / "config.json").read_text()) == {"from": "GGUF two, longer", "dtype": "float32"}
+
+
+def test_planning_reads_the_head_and_the_weights_follow_where_they_are_read(tmp_path, monkeypatch):
+    """A sweep's model path resolves to the converted head (config, tokenizer); reading the
+    weights converts them, once; `gguf_folder` (what scripts call) converts both."""
+    from plora.models.loading import read_hf_weights
+    from plora.spec.loading import load_spec
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    calls = fake_halves(monkeypatch)
+    folder = load_spec(space(tmp_path, str(src))).model.resolved_path()
+    assert [c[0] for c in calls] == ["head"] and not (folder / "model.safetensors").exists()
+    assert set(read_hf_weights(folder)) == {"w"}
+    assert [c[0] for c in calls] == ["head", "weights"]
+    gguf.ensure_weights(folder)
+    assert gguf.gguf_folder(str(src)) == folder and len(calls) == 2
+    assert gguf.convert_weights_ahead(str(src)) is None  # finished: no process started
+
+
+def test_weights_being_converted_by_another_process_are_waited_for(tmp_path, monkeypatch):
+    """The process `convert_weights_ahead` starts holds the folder's lock: a reader of the
+    weights waits for it and converts nothing itself."""
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    calls = fake_halves(monkeypatch)
+    folder = gguf.converted_folder(src, weights=False)
+    lock = gguf._lock_path(folder)
+    taken = lock.with_suffix(".taken")
+    code = ("import sys, time, pathlib; from plora.models import gguf; folder = pathlib.Path(sys.argv[1])\n"
+            "with gguf._weights_lock(folder, taken=pathlib.Path(sys.argv[2])):\n"
+            "    time.sleep(1.0); (folder / gguf._MARKER_FILE).write_text('{}')")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(taken)])
+    gguf._wait_for_lock_taken(proc, lock)
+    started = time.monotonic()
+    gguf.ensure_weights(folder)
+    assert time.monotonic() - started > 0.5 and proc.wait() == 0
+    assert [c[0] for c in calls] == ["head"]  # waited, converted nothing
+
+
+def test_converting_ahead_skips_what_is_not_a_gguf_file(tmp_path):
+    assert gguf.convert_weights_ahead("builtin:tiny-llama") is None
+    assert gguf.convert_weights_ahead(str(tmp_path / "missing.gguf")) is None
+    assert gguf.convert_weights_ahead(str(tmp_path / "m.gguf"), "float64") is None
 
 
 def test_one_folder_per_dtype_asked_for(tmp_path, monkeypatch):
@@ -90,23 +175,17 @@ def test_one_folder_per_dtype_asked_for(tmp_path, monkeypatch):
 
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF")
-    calls = []
-
-    def fake(file: Path, out: Path, dtype: str) -> None:
-        calls.append(dtype)
-        (out / gguf._MARKER_FILE).write_text(json.dumps({"dtype": dtype}))
-
-    monkeypatch.setattr(gguf, "_convert", fake)
+    calls = fake_halves(monkeypatch)
     exact, half = gguf.converted_folder(src, "float32"), gguf.converted_folder(src, "bfloat16")
-    assert exact != half and calls == ["float32", "bfloat16"]
-    assert gguf.converted_folder(src, "bfloat16") == half and len(calls) == 2
+    assert exact != half and [c[2] for c in calls] == ["float32"] * 2 + ["bfloat16"] * 2
+    assert gguf.converted_folder(src, "bfloat16") == half and len(calls) == 4
     path = space(tmp_path, str(src))
     for dtype, folder in (("float32", exact), ("bfloat16", half)):
         data = yaml.safe_load(path.read_text())
         data["model"]["dtype"] = dtype
         path.write_text(yaml.safe_dump(data))
         assert load_spec(path).model.resolved_path() == folder
-    assert len(calls) == 2
+    assert len(calls) == 4
     with pytest.raises(gguf.GGUFError, match="float64"):
         gguf.converted_folder(src, "float64")
 

@@ -148,3 +148,22 @@ def test_the_shipped_space_file_validates(folder):
     configs = spec.expand()
     assert len(configs) >= 16
     assert any(c.rank == 16 and c.alpha == 16 and c.learning_rate == 2e-4 for c in configs)
+
+
+def test_a_head_first_conversion_with_its_weights_ahead_makes_the_same_folder(folder, tmp_path, monkeypatch):
+    """What a sweep does on first use (its config and tokenizer here, its weights in a process
+    of their own: `plora.models.gguf.convert_weights_ahead`) writes the very files a
+    conversion in one go writes."""
+    from plora.models import gguf
+
+    monkeypatch.setenv("PLORA_CACHE_DIR", str(tmp_path / "cache"))
+    ahead = gguf.convert_weights_ahead(MODEL)
+    assert ahead is not None
+    head = gguf.gguf_folder(MODEL, weights=False)
+    gguf.ensure_weights(head)  # waits for the process
+    assert ahead.wait(timeout=300) == 0
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "model.safetensors"):
+        assert (head / name).read_bytes() == (folder / name).read_bytes(), name
+    marker = json.loads((head / "plora-gguf.json").read_text())
+    assert marker["sha256"] == json.loads((folder / "plora-gguf.json").read_text())["sha256"]

@@ -235,7 +235,7 @@ def _not_in_this_process(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("the model was built on meta in the sweep's own process")
 
-    monkeypatch.setattr(mc, "build_model", refuse)
+    monkeypatch.setattr(mc, "build_on_meta", refuse)
     mc._check_folder.cache_clear()
 
 

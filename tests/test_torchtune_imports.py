@@ -15,20 +15,22 @@ from family_models import CASES, make_model
 LEAN_CHILD = r"""
 import json, sys
 import torch
-from plora.models.torchtune_imports import defer_nf4, import_job_modules, skip_package_inits
+from plora.models.torchtune_imports import defer_compiler_disable, defer_nf4, import_job_modules, skip_package_inits
 
-assert skip_package_inits() and defer_nf4()
+assert skip_package_inits() and defer_nf4() and defer_compiler_disable()
 import plora.train.packed_lora  # the recipe, as a spare imports it
 import_job_modules()
+from plora.models.check import check_model
 from plora.models.loading import load_base_model
 
 out = {}
 for name, folder in json.loads(sys.argv[1]).items():
+    check_model(folder, max_seq_len=32)  # built on meta, as a spare checks a model
     model, info = load_base_model(folder, max_seq_len=32)
     with torch.no_grad():
         out[name] = model(torch.arange(1, 9).unsqueeze(0)).flatten().tolist()
-skipped = [m for m in ("datasets", "torchtune.datasets", "torchtune.generation", "torchtune.data", "torchao")
-           if m in sys.modules]
+skipped = [m for m in ("datasets", "torchtune.datasets", "torchtune.generation", "torchtune.data", "torchao",
+                       "torch._dynamo") if m in sys.modules]
 print(json.dumps({"logits": out, "imported": skipped}))
 """
 
@@ -39,7 +41,7 @@ def test_every_family_loads_to_the_same_logits_without_torchtunes_package_inits(
                           cwd=str(Path(__file__).resolve().parents[1]), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["imported"] == []  # nothing of torchtune's datasets, data or generation, nor torchao, came in
+    assert got["imported"] == []  # nothing of torchtune's datasets, data or generation, nor torchao or dynamo, came in
     from plora.models.loading import load_base_model
 
     for name, folder in folders.items():
@@ -151,3 +153,24 @@ assert isinstance(w, real) and isinstance(w, dtypes.NF4Tensor)
     repo = str(Path(__file__).resolve().parents[1])
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_deferred_compiler_disable_runs_the_function_and_hands_over_once_dynamo_loads():
+    """`defer_compiler_disable`: a decorated function runs as it is while ``torch._dynamo`` is
+    not loaded (nothing can be compiling), and through torch's own disable once it is."""
+    code = """
+import sys
+from plora.models.torchtune_imports import defer_compiler_disable
+assert defer_compiler_disable() and defer_compiler_disable()  # twice: still one wrapper
+import torch
+f = torch.compiler.disable(lambda x: x + 1)
+g = torch.compiler.disable(recursive=False)(lambda: 5)
+assert f(1) == 2 and g() == 5 and "torch._dynamo" not in sys.modules
+import torch._dynamo
+assert f(2) == 3 and g() == 5
+compiled = torch.compile(lambda x: f(x) * 2, backend="eager")
+assert int(compiled(torch.tensor(3))) == 8
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=str(Path(__file__).resolve().parents[1]), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

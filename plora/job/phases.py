@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -192,6 +193,9 @@ class PhaseClock:
             "graphs": self.graphs,
             "compiled_ahead": _compiled_ahead(),
             "spare_moments": dict(SPARE_MOMENTS),
+            # whether anything in the job imported torch's compiler front end (seconds of a
+            # start that a spare's imports avoid: `plora.models.torchtune_imports`)
+            "torch_dynamo_imported": "torch._dynamo" in sys.modules,
             "finished_at": time.time(),
         }
 

@@ -31,7 +31,7 @@ from plora.settings import settings
 from plora.models.families import ModelError
 from plora.data.json_errors import json_error_text
 from plora.models.info import ModelInfo
-from plora.models.loading import build_model, read_model_info, resolve_model_path
+from plora.models.loading import build_on_meta, read_model_info, resolve_model_path
 
 __all__ = ["check_model", "check_spec_model", "expected_weights", "start_spec_model_check"]
 
@@ -48,7 +48,20 @@ def check_model(path: str | Path, family: str = "auto", *, random_init: bool = F
     `max_seq_len` is checked against what the family allows (e.g. a sliding window).
     """
     folder = resolve_model_path(path)
+    if not random_init:
+        _ensure_weights(folder)
     return _check_folder(folder, family, random_init, max_seq_len, _stamp(folder))
+
+
+def _ensure_weights(folder: Path) -> None:
+    """A GGUF file's folder converted head first gets its weights (or waits for the process
+    converting them: `plora.models.gguf.ensure_weights`)."""
+    from plora.models.gguf import GGUFError, ensure_weights
+
+    try:
+        ensure_weights(folder)
+    except GGUFError as e:
+        raise ModelError(str(e)) from None
 
 
 def _stamp(folder: Path) -> tuple:
@@ -128,10 +141,7 @@ def _read_json(path: Path, what: str) -> Any:
 
 def expected_weights(info: ModelInfo, max_seq_len: int = 8) -> dict[str, tuple[int, ...]]:
     """torchtune weight name -> shape of the empty model the family's builder makes (on meta)."""
-    import torch
-
-    with torch.device("meta"):
-        model = build_model(info, max_seq_len)
+    model = build_on_meta(info, max_seq_len)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
@@ -224,6 +234,11 @@ def start_spec_model_check(spec: Any, elsewhere: CheckElsewhere | None = None) -
         return lambda: info
     if elsewhere is not None:
         def ask() -> ModelInfo:
+            if not m.random_init:  # a GGUF's weights, converted meanwhile (`plora.models.gguf.convert_weights_ahead`)
+                try:
+                    _ensure_weights(folder)
+                except ModelError as e:
+                    raise SpecError("model.path", str(e)) from None
             problem = elsewhere(folder, m.family, m.random_init, m.max_seq_len)
             if problem:
                 raise SpecError("model.path", problem)

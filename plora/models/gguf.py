@@ -25,6 +25,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -40,13 +42,17 @@ __all__ = [
     "GGUFError",
     "builtin_gguf_file",
     "cache_dir",
+    "convert_weights_ahead",
     "converted_folder",
+    "ensure_weights",
     "gguf_folder",
     "is_gguf",
 ]
 
-#: written last into a converted folder: the folder is finished
+#: written last into a converted folder: the folder is finished, weights included
 _MARKER_FILE = "plora-gguf.json"
+#: written with a converted folder's head (config, tokenizer), before its weights
+_HEAD_MARKER = "plora-gguf-head.json"
 #: the dtypes a folder can be stored in (a sweep's ``model.dtype``)
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -114,14 +120,15 @@ def builtin_gguf_file(name: str) -> Path:
                     f"run {entry.install_command()}")
 
 
-def gguf_folder(path: str | Path, dtype: str = "float32") -> Path | None:
+def gguf_folder(path: str | Path, dtype: str = "float32", *, weights: bool = True) -> Path | None:
     """The converted folder (weights in ``dtype``) for a `.gguf` path or a built-in GGUF
-    name; None for anything else."""
+    name; None for anything else. With ``weights`` False, only what planning reads is sure to
+    be there (`converted_folder`)."""
     text = str(path)
     if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
-        return converted_folder(builtin_gguf_file(text.removeprefix("builtin:")), dtype)
+        return converted_folder(builtin_gguf_file(text.removeprefix("builtin:")), dtype, weights=weights)
     if is_gguf(text):
-        return converted_folder(Path(text), dtype)
+        return converted_folder(Path(text), dtype, weights=weights)
     return None
 
 
@@ -140,68 +147,284 @@ def _sha256(file: Path) -> str:
     return h.hexdigest()
 
 
-def converted_folder(file: str | Path, dtype: str = "float32") -> Path:
-    """The Hugging Face folder of a `.gguf` file with its weights in ``dtype``, converting
-    it the first time."""
+def _target(file: str | Path, dtype: str) -> tuple[Path, Path]:
+    """The GGUF file, checked, and its converted folder's place in the cache."""
     if dtype not in STORAGE_DTYPES:
         raise GGUFError(f"{file}: cannot store weights as {dtype!r} (one of {', '.join(STORAGE_DTYPES)})")
     file = Path(file).expanduser()
     if not file.is_file():
         raise GGUFError(f"{file}: GGUF file not found")
-    target = cache_dir() / "gguf" / f"{file.stem}-{_key(file)}-{dtype}"
+    return file, cache_dir() / "gguf" / f"{file.stem}-{_key(file)}-{dtype}"
+
+
+def converted_folder(file: str | Path, dtype: str = "float32", *, weights: bool = True) -> Path:
+    """The Hugging Face folder of a `.gguf` file with its weights in ``dtype``, converting
+    it the first time.
+
+    A conversion has two halves. Its head (config, tokenizer, chat template) is what
+    planning reads; its weights only the model check and the jobs read, and dequantizing them
+    takes most of a conversion (torch's and the model class's imports, every tensor). With
+    ``weights`` False only the head is made here: the weights follow where they are first
+    read (`ensure_weights`), or in a process started for them while the sweep plans
+    (`convert_weights_ahead`)."""
+    file, target = _target(file, dtype)
     if (target / _MARKER_FILE).is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _convert(file, scratch, dtype)
+    if not (target / _HEAD_MARKER).is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            os.rename(scratch, target)
-        except OSError:
-            if not (target / _MARKER_FILE).is_file():  # not another process's finished copy
-                raise
-    finally:
-        if scratch.exists():
-            shutil.rmtree(scratch, ignore_errors=True)
+            _convert_head(file, scratch, dtype)
+            try:
+                os.rename(scratch, target)
+            except OSError:
+                if not (target / _HEAD_MARKER).is_file():  # not another process's finished head
+                    raise
+        finally:
+            if scratch.exists():
+                shutil.rmtree(scratch, ignore_errors=True)
+    if weights:
+        ensure_weights(target)
     return target
 
 
-def _convert(file: Path, out: Path, dtype: str) -> None:
-    """Dequantize through transformers (in float32), cast to ``dtype`` and write config,
-    safetensors, tokenizer, chat template."""
-    t_imports = time.perf_counter()
+def ensure_weights(folder: str | Path) -> None:
+    """A GGUF file's folder whose head was converted first gets its weights now: converted
+    here, or waited for where another process is converting them (one at a time, through a
+    lock file beside the folder). Nothing for a finished folder or any other folder."""
+    folder = Path(folder)
+    if (folder / _MARKER_FILE).is_file() or not (folder / _HEAD_MARKER).is_file():
+        return
+    with _weights_lock(folder):
+        if (folder / _MARKER_FILE).is_file():  # another process's, while this one waited
+            return
+        try:
+            head = json.loads((folder / _HEAD_MARKER).read_text())
+            source = Path(head["source"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise GGUFError(f"{folder}: unreadable {_HEAD_MARKER} ({e}); delete the folder to convert again") from None
+        if not source.is_file():
+            raise GGUFError(f"{folder}: its GGUF file {source} is gone; name the file again")
+        _convert_weights(source, folder, str(head.get("dtype", "float32")))
+
+
+def convert_weights_ahead(path: str | Path, dtype: str = "float32") -> subprocess.Popen | None:
+    """Start a process that converts a GGUF model's weights (`ensure_weights`) while the
+    caller plans with its head; None where there is nothing to convert (not a GGUF, already
+    converted, not found: the caller's own path says so). The process holds the folder's
+    lock from its first moment, so whoever needs the weights waits for it rather than
+    converting them a second time; it dies with the caller, and a conversion cut short
+    leaves nothing that looks finished."""
+    text = str(path)
+    try:
+        if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
+            file = builtin_gguf_file(text.removeprefix("builtin:"))
+        elif is_gguf(text):
+            file = Path(text)
+        else:
+            return None
+        file, target = _target(file, dtype)
+    except GGUFError:
+        return None
+    if (target / _MARKER_FILE).is_file():
+        return None
+    lock = _lock_path(target)
+    code = ("import sys; from plora.models.gguf import _weights_ahead_main; "
+            "sys.exit(_weights_ahead_main(sys.argv[1], sys.argv[2]))")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    log = lock.with_suffix(".ahead.log").open("ab")  # what the process printed, for a failure's cause
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(file), dtype], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, preexec_fn=_die_with_parent)
+    except OSError:
+        return None
+    finally:
+        log.close()
+    _wait_for_lock_taken(proc, lock)
+    return proc
+
+
+def _weights_ahead_main(file: str, dtype: str) -> int:
+    """The process `convert_weights_ahead` starts: the lock first, then the weights (the
+    caller makes the head meanwhile)."""
+    try:
+        path, target = _target(file, dtype)
+        with _weights_lock(target, taken=_lock_path(target).with_suffix(".taken")):
+            if not (target / _MARKER_FILE).is_file():
+                _convert_weights(path, target, dtype)
+    except Exception as e:  # noqa: BLE001 - whoever reads the weights converts them and says why
+        print(f"plora: converting {file} ahead failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:
+        pass
+
+
+def _lock_path(folder: Path) -> Path:
+    """The lock file of a converted folder's weights (`_weights_lock`), beside it in ``locks/``."""
+    return folder.parent / "locks" / f"{folder.name}.lock"
+
+
+def _wait_for_lock_taken(proc: subprocess.Popen, lock: Path, timeout_s: float = 10.0) -> None:
+    """Until the process started by `convert_weights_ahead` holds the lock (it says so with a
+    file beside it), so that nothing in this process converts the weights meanwhile."""
+    taken = lock.with_suffix(".taken")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if taken.read_text() == str(proc.pid):
+                return
+        except OSError:
+            pass
+        time.sleep(0.01)
+
+
+#: the lock files this process holds (`_weights_lock` is re-entrant within a thread)
+_HELD_LOCKS: set[str] = set()
+
+
+@contextlib.contextmanager
+def _weights_lock(folder: Path, taken: Path | None = None) -> Iterator[None]:
+    """One process at a time converts a folder's weights: an exclusive lock on a file beside
+    it (released by the system if the holder dies). With ``taken``, the holder's pid is
+    written there once it has the lock."""
+    import fcntl
+
+    path = _lock_path(folder)
+    key = str(path)
+    with _ONE_LOCKER:  # re-entrant for the thread that holds it; other threads wait here
+        if key in _HELD_LOCKS:
+            yield
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            _HELD_LOCKS.add(key)
+            try:
+                if taken is not None:
+                    taken.write_text(str(os.getpid()))
+                yield
+            finally:
+                _HELD_LOCKS.discard(key)
+                if taken is not None:
+                    taken.unlink(missing_ok=True)
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+#: the threads of one process take a folder's lock one at a time (`_weights_lock`)
+_ONE_LOCKER = threading.RLock()
+
+
+def _failure(file: Path, e: BaseException) -> GGUFError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return GGUFError(f"{file}: cannot read as a GGUF model: {first}")
+
+
+def _import_readers(file: Path, *, torch_too: bool) -> None:
     try:
         import gguf  # noqa: F401 - transformers' GGUF loader needs it; fail with the install hint
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import transformers  # noqa: F401
+        if torch_too:
+            import torch  # noqa: F401
     except ImportError as e:
         raise GGUFError(f"{file}: reading GGUF models needs {' and '.join(GGUF_READERS)}: run {GGUF_READERS_INSTALL} ({e})")
+
+
+def _convert_head(file: Path, out: Path, dtype: str) -> None:
+    """Config, generation config, tokenizer and chat template, as the whole model's
+    conversion writes them, without the weights (no model built, nothing dequantized)."""
+    t_imports = time.perf_counter()
+    _import_readers(file, torch_too=False)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     t0 = time.perf_counter()
-    seconds: dict[str, float] = {"imports": t0 - t_imports}  # where a first use's conversion goes
+    seconds: dict[str, float] = {"imports": t0 - t_imports}
+    try:
+        with _ONE_CONVERSION, _read_once(dequantize_ahead=False):
+            config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+            seconds["config"] = time.perf_counter() - t0
+            tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+            seconds["tokenizer"] = time.perf_counter() - t0 - seconds["config"]
+    except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
+        raise _failure(file, e) from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if architecture:  # as a model's save_pretrained names its class
+        config.architectures = [architecture]
+    config.dtype = dtype
+    config.save_pretrained(str(out))
+    _add_legacy_rope_theta(out / "config.json")
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    if getattr(tokenizer, "chat_template", None) and not (out / "chat_template.jinja").is_file():
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    st = file.stat()
+    head = {"source": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": dtype,
+            "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+    (out / _HEAD_MARKER).write_text(json.dumps(head, indent=2))
+
+
+def _convert_weights(file: Path, folder: Path, dtype: str) -> None:
+    """Dequantize through transformers (in float32), cast to ``dtype`` and add the
+    safetensors to ``folder``, whose head is made here where nobody has made it by then
+    (`converted_folder`); the finished marker is written last."""
+    t_imports = time.perf_counter()
+    _import_readers(file, torch_too=True)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    seconds = {"imports": t0 - t_imports}
     try:
         with _ONE_CONVERSION, _read_once():
             model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
-            seconds["model"] = time.perf_counter() - t0
-            tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-            seconds["tokenizer"] = time.perf_counter() - t0 - seconds["model"]
     except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GGUFError(f"{file}: cannot read as a GGUF model: {first}") from None
+        raise _failure(file, e) from None
+    seconds["model"] = time.perf_counter() - t0
     # The loaded model is flagged as GGUF-quantized and refuses save_pretrained; its
     # weights are plain dequantized tensors by now, so drop the flag and save them.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.to(getattr(torch, dtype))  # save_pretrained writes the dtype into config.json
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    _add_legacy_rope_theta(out / "config.json")
-    if getattr(tokenizer, "chat_template", None) and not (out / "chat_template.jinja").is_file():
-        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
-    seconds["saved"] = time.perf_counter() - t0 - seconds["model"] - seconds["tokenizer"]
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.weights.", dir=folder.parent))
+    try:
+        model.save_pretrained(str(scratch), safe_serialization=True)
+        _add_legacy_rope_theta(scratch / "config.json")
+        seconds["saved"] = time.perf_counter() - t0 - seconds["model"]
+        if not (folder / _HEAD_MARKER).is_file():
+            converted_folder(file, dtype, weights=False)
+        for part in sorted(scratch.iterdir()):
+            if part.name.endswith(".safetensors") or part.name == "model.safetensors.index.json":
+                os.replace(part, folder / part.name)
+        for name in ("config.json", "generation_config.json"):  # the model's own, where the head's differ
+            if (scratch / name).is_file() and _json_or_none(scratch / name) != _json_or_none(folder / name):
+                os.replace(scratch / name, folder / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    head = _json_or_none(folder / _HEAD_MARKER) or {}
+    seconds = {**{f"head_{k}": v for k, v in head.get("seconds", {}).items()}, **seconds}
     marker = {"source": str(file.resolve()), "size": file.stat().st_size, "sha256": _sha256(file), "dtype": dtype,
               "seconds": {k: round(v, 3) for k, v in seconds.items()}}
-    (out / _MARKER_FILE).write_text(json.dumps(marker, indent=2))
+    scratch_marker = folder / f".{_MARKER_FILE}.{os.getpid()}"
+    scratch_marker.write_text(json.dumps(marker, indent=2))
+    os.replace(scratch_marker, folder / _MARKER_FILE)
+
+
+def _json_or_none(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 #: one conversion at a time in a process: `_read_once` swaps names of the gguf module
@@ -251,14 +474,16 @@ class _BytesNumpy(types.ModuleType):
 
 
 @contextlib.contextmanager
-def _read_once() -> Iterator[None]:
+def _read_once(dequantize_ahead: bool = True) -> Iterator[None]:
     """transformers parses a GGUF file three times for one model (its config, its weights,
     its tokenizer: each a `gguf.GGUFReader` that walks every field, the vocabulary's 49k
     strings included, and turns each field into Python values), and builds gguf's
     tensor-name map once per module of the model (397 times for SmolLM2). All are pure
     functions of their arguments: while this is open the file is read once, into memory
     (`_BytesNumpy`), its metadata parsed once, and each name map built once. On SmolLM2-135M
-    that took the conversion from 20 s to 6 s of CPU (2-core machine)."""
+    that took the conversion from 20 s to 6 s of CPU (2-core machine). With
+    ``dequantize_ahead`` (a conversion of the weights) the tensors are dequantized on threads
+    as soon as the file is opened (`_DequantizeAhead`)."""
     import gguf
     import gguf.gguf_reader as gguf_reader
     import transformers.modeling_gguf_pytorch_utils as hf_gguf
@@ -273,7 +498,7 @@ def _read_once() -> Iterator[None]:
         if key not in readers:
             readers[key] = reader(path, mode)
             tensors = getattr(readers[key], "tensors", None)
-            if mode == "r" and tensors and _fits_in_memory(path):
+            if dequantize_ahead and mode == "r" and tensors and _fits_in_memory(path):
                 ahead.start(tensors)  # while the config and the model class load
         return readers[key]
 

@@ -28,14 +28,16 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def resolve_model_path(path: str | Path, dtype: str = "float32") -> Path:
+def resolve_model_path(path: str | Path, dtype: str = "float32", *, weights: bool = False) -> Path:
     """`builtin:<name>` names a model shipped in plora/assets; a `.gguf` file (or a built-in
-    GGUF) its folder converted for the model's ``dtype``; anything else is a folder."""
+    GGUF) its folder converted for the model's ``dtype`` (the weights only with ``weights``:
+    whatever reads them converts them first, `plora.models.gguf.ensure_weights`); anything
+    else is a folder."""
     text = str(path)
     from plora.models.gguf import GGUFError, gguf_folder  # a .gguf file or built-in GGUF: its converted folder
 
     try:
-        converted = gguf_folder(text, dtype)
+        converted = gguf_folder(text, dtype, weights=weights)
     except GGUFError as e:
         raise ModelError(str(e)) from None
     if converted is not None:
@@ -112,10 +114,80 @@ def build_model(info: ModelInfo, max_seq_len: int) -> nn.Module:
     return get_family(info.family).build(info, max(max_seq_len, 8))
 
 
+def build_on_meta(info: ModelInfo, max_seq_len: int) -> nn.Module:
+    """`build_model` on the meta device: no memory, no values (`_MetaBuild`). Some ops on
+    meta tensors run through torch's Python references, whose first call imports
+    ``torch._dynamo``: 5.9 s of a job process's 12 s of imports on an H100 machine, for a
+    job that compiles nothing. Their calls in a model's build are its parameters'
+    initialisation (values a meta tensor does not have) and its RoPE caches (a few
+    kilobytes, computed on the CPU; every load computes them again on its device:
+    `_rebuild_rope_caches`)."""
+    with torch.device("meta"), _MetaBuild():
+        return build_model(info, max_seq_len)
+
+
+class _MetaBuild(torch.overrides.TorchFunctionMode):
+    """Inside an enclosing ``torch.device("meta")``: ``torch.nn.init`` functions and
+    in-place random fills of a meta tensor do nothing (there are no values to fill), and a
+    tensor made without a device by a ``rope_init`` (or what it calls) is made on the CPU.
+    The frames are looked at only for tensor constructors, a few hundred calls in a build."""
+
+    _FRAMES = 8  # how far up from a constructor a rope_init may be (torchtune's go two deep)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes it by name
+        if isinstance(target, torch.Tensor) and target.is_meta and _fills(func):
+            return target
+        if kwargs.get("device") is None and func in _constructors() and _inside_rope_init(self._FRAMES):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+#: in-place fills of a tensor's values, as module initialisers call them
+_FILLS = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "trunc_normal_", "kaiming_uniform_",
+                    "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_", "ones_", "zeros_",
+                    "constant_", "eye_", "dirac_", "sparse_", "uniform", "normal", "exponential_", "bernoulli_",
+                    "random_", "cauchy_", "log_normal_", "geometric_"})
+
+
+def _fills(func) -> bool:
+    return getattr(func, "__name__", "") in _FILLS and (getattr(func, "__module__", "") == "torch.nn.init"
+                                                         or isinstance(func, _TENSOR_METHOD_TYPES))
+
+
+_TENSOR_METHOD_TYPES = (type(torch.Tensor.normal_), type(torch.Tensor.__dict__.get("normal_")))
+
+
+def _constructors() -> set:
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+def _inside_rope_init(depth: int) -> bool:
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "rope_init":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors (the shards its index names, if it has one)."""
     from safetensors.torch import load_file
 
+    from plora.models.gguf import GGUFError, ensure_weights
+
+    try:
+        ensure_weights(folder)  # a GGUF file's folder converted head first
+    except GGUFError as e:
+        raise ModelError(str(e)) from None
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -151,8 +223,7 @@ def load_base_model(
     info = read_model_info(resolve_model_path(path, dtype), family)
     if random_init:
         return _random_model(info, max_seq_len, dtype, device), info
-    with torch.device("meta"):
-        model = build_model(info, max_seq_len)
+    model = build_on_meta(info, max_seq_len)
     state = get_family(info.family).hf_to_tune(read_hf_weights(info.path), info)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -169,8 +240,7 @@ def load_base_model(
 
 
 def _random_model(info: ModelInfo, max_seq_len: int, dtype: str, device) -> nn.Module:
-    with torch.device("meta"):
-        model = build_model(info, max_seq_len)
+    model = build_on_meta(info, max_seq_len)
     model.to(dtype=DTYPES[dtype])  # on meta: no full-precision copy ever lands on the device
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -19,10 +19,16 @@ through them ``torch._dynamo``, sympy and the inductor): 7.7 s of a 21 s job sta
 H100 machine, for jobs that quantize nothing. `defer_nf4` puts a stand-in under its name
 whose names load the real module the first time they are used (a QLoRA job's
 `plora.quantize.nf4` does, and then pays that import where it did before).
-(``torch._dynamo`` itself still comes in: ``torchtune.modules`` decorates with
-``torch.compiler.disable``, and building a model on the meta device runs torch's Python
-references, which import it. What this saves is the rest of torchao: a quarter of a
-spare's imports and model build on a 2-core CPU, 1.76 s against 1.33 s.)
+(What this saves is the rest of torchao: a quarter of a spare's imports and model build on
+a 2-core CPU, 1.76 s against 1.33 s.)
+
+``torch._dynamo`` came in twice more: ``torchtune.modules`` decorates
+``TransformerDecoder.chunked_output`` with ``torch.compiler.disable``, which imports it at
+once, and a model built on the meta device computed its RoPE caches through torch's Python
+references, whose first call imports it: 5.9 s of a spare's 12.3 s of imports on an H100
+machine, for a job that compiles nothing. `defer_compiler_disable` makes that decorator wait
+for ``torch._dynamo`` to be loaded by something else (nothing can be compiling before), and
+`plora.models.loading.build_on_meta` computes the RoPE caches on the CPU.
 
 On a GPU, ``torchtune.modules`` also compiles flex attention with ``torch.compile`` as it
 is imported, which imports ``torch._dynamo`` and the inductor: 6.3 s of an 11.5 s spare
@@ -39,6 +45,7 @@ Only processes plora starts ahead of their job (`plora.train.spare`) use this;
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
@@ -46,8 +53,8 @@ import types
 
 from plora.settings import settings
 
-__all__ = ["JOB_MODULES", "LEAN_PACKAGES", "NF4_MODULE", "defer_nf4", "import_job_modules", "lean_job_imports",
-           "skip_flex_attention", "skip_package_inits"]
+__all__ = ["JOB_MODULES", "LEAN_PACKAGES", "NF4_MODULE", "defer_compiler_disable", "defer_nf4", "import_job_modules",
+           "lean_job_imports", "skip_flex_attention", "skip_package_inits"]
 
 #: the packages whose ``__init__`` a job does not need (parents before children); the model
 #: families are those `plora.models.families` builds from
@@ -123,11 +130,49 @@ def skip_flex_attention() -> bool:
 def lean_job_imports() -> bool:
     """Everything above, before anything imports torchtune or torchao: its package
     ``__init__``s skipped (`skip_package_inits`), torchao's NF4 deferred (`defer_nf4`), flex
-    attention off (`skip_flex_attention`); whether the package ``__init__``s are skipped."""
+    attention off (`skip_flex_attention`), ``torch.compiler.disable`` lazy
+    (`defer_compiler_disable`); whether the package ``__init__``s are skipped."""
     lean = skip_package_inits()
     defer_nf4()
     skip_flex_attention()
+    defer_compiler_disable()
     return lean
+
+
+def defer_compiler_disable() -> bool:
+    """Make ``torch.compiler.disable`` (as a decorator) import ``torch._dynamo`` only when the
+    function it decorates is called with ``torch._dynamo`` loaded; until then nothing can be
+    compiling, and the function runs as it is. Whether it did: not where lean imports are off
+    or ``torch._dynamo`` is loaded already."""
+    if not settings().lean_imports or "torch._dynamo" in sys.modules:
+        return False
+    import torch.compiler
+
+    real = torch.compiler.disable
+    if getattr(real, "_plora_deferred", False):
+        return True
+
+    def disable(fn=None, recursive=True, **kwargs):
+        if fn is None:
+            return lambda f: disable(f, recursive, **kwargs)
+        if "torch._dynamo" in sys.modules:
+            return real(fn, recursive, **kwargs)
+        disabled = None
+
+        @functools.wraps(fn)
+        def run(*args, **kw):
+            nonlocal disabled
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kw)
+            if disabled is None:
+                disabled = real(fn, recursive, **kwargs)
+            return disabled(*args, **kw)
+
+        return run
+
+    disable._plora_deferred = True  # type: ignore[attr-defined]
+    torch.compiler.disable = disable
+    return True
 
 
 def import_job_modules() -> None:

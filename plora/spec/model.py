@@ -135,13 +135,15 @@ class ModelConfig(_Model):
             raise _Issue(f"no config.json in {p} (expected a Hugging Face model folder)")
         return str(p)
 
-    def resolved_path(self) -> Path:
+    def resolved_path(self, *, weights: bool = False) -> Path:
         """The model folder on disk (``builtin:<name>`` mapped into plora/assets;
-        ``shape:<preset>`` to a config-only folder in plora's cache, see `random_init`)."""
+        ``shape:<preset>`` to a config-only folder in plora's cache, see `random_init`). A
+        GGUF file's is converted once (per dtype) into plora's cache: its config and
+        tokenizer at once, its weights with ``weights`` or where they are first read."""
         if self.path.endswith(".gguf") or self.path.removeprefix("builtin:") in _gguf_builtins():
             from plora.models.loading import resolve_model_path
 
-            return resolve_model_path(self.path, self.dtype)  # converted once (per dtype) into plora's cache
+            return resolve_model_path(self.path, self.dtype, weights=weights)
         if self.path.startswith("builtin:"):
             return ASSETS_DIR / self.path.removeprefix("builtin:")
         if self.path.startswith("shape:"):

@@ -114,7 +114,10 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     """Write a Hugging Face model folder whose weights have the adapter merged in (W + s·B·A)."""
     import shutil
 
+    from plora.models.gguf import ensure_weights
+
     model_dir, adapter_dir, out = Path(model_dir), Path(adapter_dir), Path(out_dir)
+    ensure_weights(model_dir)  # a GGUF file's folder converted head first
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     scale = float(cfg["lora_alpha"]) / (math.sqrt(int(cfg["r"])) if cfg.get("use_rslora") else int(cfg["r"]))
     lora = load_file(str(adapter_dir / "adapter_model.safetensors"))
