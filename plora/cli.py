@@ -134,11 +134,13 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
             _AHEAD.append(convert_weights_ahead(spec.model.path, spec.model.dtype))
             for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
                 spare.prime(gpus)
+            if spec.hardware.device != "cpu":  # the GPU's size decides the rows; the checks before need no torch
+                _import_ahead("torch")
             if kernels_ahead:
                 from plora.engine import kernel_warmer
 
                 kernel_warmer.start(spec.hardware.device)  # told what to compile once the rows are decided
-        from plora.models.check import check_spec_model, start_spec_model_check  # torch: after the spare started
+        from plora.models.check import check_spec_model, start_spec_model_check
 
         if check_later:  # config, tokenizer now; the weights in the first job's process, or meanwhile
             elsewhere = _check_in_spare if warm and spare.enabled() and spec.hardware.backend == "local" else None
@@ -209,7 +211,9 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         _check_output(spec.run_dir(output))
         if not fresh:
             _check_resumable(spec, output)
-        prep = _plan(spec, output, probe=probe, fresh=fresh)
+        first_model = _FirstModel(spec, warm)
+        first_model.send_early(output, probe=probe, fresh=fresh)  # on a thread: it waits for torch's import
+        prep = _plan(spec, output, probe=probe, fresh=fresh, on_cost_model=first_model.send)
         _model_checked()  # before anything is written or launched
     except BaseException:
         _PENDING_CHECK.clear()  # a check of this space never reaches another command of this process
@@ -221,12 +225,75 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         if prep.hardware is not None and prep.hardware.gpu:  # the other one-GPU jobs that start at once
             wanted += [j.gpus for j in prep.plan.jobs if j.tp == 1 and j.start <= 0 and j.gpus]
         spare.keep_only(wanted)  # those started before planning for a GPU no job starts on go
-        # the first job's model, loaded as soon as the spare has imported: after planning, so
-        # that a quick calibration's probes never share the GPU with a second copy of it
-        m = spec.model
-        spare.preload(spare.PreloadOrder(path=str(m.resolved_path()), family=m.family, max_seq_len=m.max_seq_len,
-                                         dtype=m.dtype, device=spec.hardware.device, random_init=m.random_init))
+        first_model.send()  # (where the cost model's moment did not: a plan that needed no cost model)
     return prep
+
+
+def _import_ahead(module: str) -> None:
+    """Import ``module`` on a thread while this one goes on: whoever imports it next waits for
+    that import (Python's import lock) instead of starting it. On an H100 machine a sweep's
+    torch import took 4.4 s, in series with the model and data checks, which need no torch."""
+    import importlib
+    import threading
+
+    def run() -> None:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - whoever needs it imports it and says what is wrong
+            pass
+
+    threading.Thread(target=run, name=f"plora-import-{module}", daemon=True).start()
+
+
+class _FirstModel:
+    """The sweep's base model, sent once to the first job's process to load ahead
+    (`plora.engine.spare.preload`): at once where planning is sure to measure nothing on the
+    GPU (`send_early`: a profile or calibration of the model is at hand), else as soon as the
+    cost model is decided (`send`), so that a quick calibration's probes never share the GPU
+    with it. On an H100 machine a warm sweep's first job waited 3.7 s for the load when it
+    was sent after planning."""
+
+    def __init__(self, spec, enabled: bool) -> None:
+        import threading
+
+        self.spec, self.enabled, self.sent = spec, enabled, False
+        self._lock = threading.Lock()
+
+    def send(self) -> None:
+        from plora.engine import spare
+
+        with self._lock:
+            if not self.enabled or self.sent:
+                return
+            self.sent = True
+            m = self.spec.model
+            spare.preload(spare.PreloadOrder(path=str(m.resolved_path()), family=m.family, max_seq_len=m.max_seq_len,
+                                             dtype=m.dtype, device=self.spec.hardware.device,
+                                             random_init=m.random_init))
+
+    def send_early(self, output: Optional[Path], *, probe: bool, fresh: bool) -> None:
+        """`send` now, on a thread (it needs torch, which is being imported meanwhile: the
+        GPU's name finds what was measured of the model), where nothing can be measured
+        before the plan (`plora.sweep.may_measure_before_planning`)."""
+        import threading
+
+        if not self.enabled:
+            return
+
+        def run() -> None:
+            from plora.hardware import hardware_for
+            from plora.sweep import may_measure_before_planning
+
+            try:
+                hw = hardware_for(self.spec)
+                run_dir = None if fresh else self.spec.run_dir(output)
+                if may_measure_before_planning(self.spec, run_dir, hw, probe=probe and hw.gpu):
+                    return
+            except Exception:  # noqa: BLE001 - planning says what is wrong; the model is sent after it
+                return
+            self.send()
+
+        threading.Thread(target=run, name="plora-first-model", daemon=True).start()
 
 
 def _warm_kernels(spec, configs, rows, hw) -> None:
@@ -245,21 +312,21 @@ def _warm_kernels(spec, configs, rows, hw) -> None:
                                   length_buckets=rows.length_buckets, graphed=graphed_steps(spec, hw))
 
 
-def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False):
+def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False, on_cost_model=None):
     from plora.data.dataset import DataError
-    from plora.models.loading import ModelError
+    from plora.models.folders import ModelError
     from plora.planner import PlannerError
-    from plora.hardware import hardware_for
     from plora.sweep import prepare
 
-    try:
-        hw = hardware_for(spec)
-        _note_hardware(spec, hw)
-        prep = prepare(spec, output, probe=probe and hw.gpu, hardware=hw, fresh=fresh,
+    try:  # the data is checked before the hardware is asked (torch: imported meanwhile, `_load`)
+        prep = prepare(spec, output, probe=probe, fresh=fresh,
                        check_model=_model_checked if _PENDING_CHECK else True, on_rows=_warm_kernels,
+                       on_cost_model=on_cost_model,
                        log=lambda line: console.print(f"[dim]{escape(line)}[/]", highlight=False))
     except (DataError, ModelError, PlannerError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if prep.hardware is not None:
+        _note_hardware(spec, prep.hardware)
     for note in prep.data.notes if prep.data else []:
         console.print(f"[yellow]data:[/] {note}", highlight=False, soft_wrap=True)
     from plora.sweep import memory_notes
@@ -341,7 +408,7 @@ def tune(
 ) -> None:
     """Search SPACE with an Optuna sampler: ask a batch of trials, train them packed, tell the results, repeat."""
     from plora.data.dataset import DataError
-    from plora.models.loading import ModelError
+    from plora.models.folders import ModelError
     from plora.tuning.budget import Budget
     from plora.tuning.loop import check_tune_request, run_tune
     from plora.tuning.study import storage_url, study_name
@@ -499,7 +566,7 @@ def profile(
     force: bool = typer.Option(False, "--force", help="Probe again even when a cached profile matches."),
 ) -> None:
     """Fit SPACE's memory and step-time model from short probe jobs on this machine; print it and its held-out error."""
-    from plora.models.loading import ModelError
+    from plora.models.folders import ModelError
     from plora.cost.profiling.errors import ProfileError
     from plora.cost.profiling.profile import profile_sweep
     from plora.cost.profiling.record import load_profile

@@ -206,6 +206,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
             log: Callable[[str], None] | None = None, fresh: bool = False,
             check_model: bool | Callable[[], None] = True,
             on_rows: Callable[[SweepSpec, Sequence[AdapterConfig], SweepRows, Hardware], None] | None = None,
+            on_cost_model: Callable[[], None] | None = None,
             ) -> PreparedSweep:
     """Everything a sweep decides before training: configurations, step budgets, the plan.
 
@@ -217,7 +218,9 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     plan on them. The sweep's own jobs calibrate the model further while they run. ``fresh``:
     the run directory is started over, its profile.json is not this sweep's. ``on_rows``: told
     the rows once they are decided, before the cost model and the plan (what a first job
-    will step: `plora.engine.kernel_warmer`). ``check_model``:
+    will step: `plora.engine.kernel_warmer`). ``on_cost_model``: called once the cost model is
+    decided, when nothing more is measured on the GPU before the plan (the first job's model
+    may be loaded there from then on). ``check_model``:
     True, the model is checked first; a callable, the caller checks it meanwhile
     (`plora.models.check.start_spec_model_check`) and this waits for it before a quick
     calibration measures anything; False, the caller checks it.
@@ -253,6 +256,8 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     else:
         cost_model = priced_for_sweep(spec, cost_model, hw, buckets, lengths, layout)
     moments["cost_model_at"] = time.time()
+    if on_cost_model is not None:
+        on_cost_model()
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     moments["jobs_planned_at"] = time.time()
     return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
@@ -396,6 +401,18 @@ def largest_pack(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mappi
     loads = sweep_loads(configs, steps, micro_batch_size_of(spec))
     loads.sort(key=lambda a: (a.batch_size, a.rank), reverse=True)
     return loads[: max(1, int(spec.planner.max_adapters_per_job))]
+
+
+def may_measure_before_planning(spec: SweepSpec, run_dir: Path | None, hw: Hardware, *, probe: bool) -> bool:
+    """Whether `prepare` (with ``probe``) may measure on this machine's GPU before it plans:
+    a quick calibration (`calibrate_first`), where nothing measured of the model is at hand
+    (no profile of it, in ``run_dir`` or cached, and no cached calibration). A sweep sure not
+    to may load its first job's model on that GPU at once (`plora.engine.spare.preload`)."""
+    from plora.cost.sweep_model import cached_calibration, profiled_model
+
+    if not (probe and hw.gpu and hw.local):
+        return False
+    return profiled_model(spec, run_dir, hw) is None and cached_calibration(spec, hw).empty
 
 
 def calibrate_first(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int], prior: CostModel,

@@ -129,7 +129,7 @@ def test_a_folder_that_passed_is_not_built_again_until_its_files_change(tmp_path
     def no_build(*_a, **_k):
         raise AssertionError("built again")
 
-    monkeypatch.setattr(mc, "build_on_meta", no_build)
+    monkeypatch.setattr("plora.models.loading.build_on_meta", no_build)
     assert check_model(folder).family == "llama"  # remembered: torchtune is not needed for it
     config = folder / "config.json"
     config.write_text(config.read_text() + "\n")  # a changed file is checked again
@@ -207,14 +207,14 @@ def test_a_sweeps_model_check_builds_the_model_while_the_caller_goes_on(tmp_path
     folder = model_copy(tmp_path)
     spec = load_spec(space(tmp_path, str(folder)))
     release, building = threading.Event(), threading.Event()
-    real_build = mc.build_on_meta
+    from plora.models.loading import build_on_meta as real_build
 
     def slow_build(*a, **k):
         building.set()
         assert release.wait(30)
         return real_build(*a, **k)
 
-    monkeypatch.setattr(mc, "build_on_meta", slow_build)
+    monkeypatch.setattr("plora.models.loading.build_on_meta", slow_build)
     mc._check_folder.cache_clear()
     wait = mc.start_spec_model_check(spec)  # returns while the model is still being built
     assert building.wait(30)
@@ -226,9 +226,9 @@ def test_a_sweeps_model_check_builds_the_model_while_the_caller_goes_on(tmp_path
     def no_build(*_a, **_k):
         raise AssertionError("built again")
 
-    monkeypatch.setattr(mc, "build_on_meta", no_build)
+    monkeypatch.setattr("plora.models.loading.build_on_meta", no_build)
     assert mc.start_spec_model_check(spec)().family == "llama"  # passed before: nothing left to run
-    monkeypatch.setattr(mc, "build_on_meta", real_build)
+    monkeypatch.setattr("plora.models.loading.build_on_meta", real_build)
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -235,7 +235,7 @@ def _not_in_this_process(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("the model was built on meta in the sweep's own process")
 
-    monkeypatch.setattr(mc, "build_on_meta", refuse)
+    monkeypatch.setattr("plora.models.loading.build_on_meta", refuse)
     mc._check_folder.cache_clear()
 
 
@@ -310,3 +310,63 @@ def test_a_spare_that_took_a_check_and_gave_no_answer_is_let_go(monkeypatch):
     order = spare.CheckOrder(check="x", family="auto", random_init=False, max_seq_len=8)
     assert spare.check_model(order) is None
     assert silent.killed and not spare._spares
+
+
+class _Planned(Exception):
+    """Stops a sweep once it has planned (what these tests look at happened by then)."""
+
+
+@pytest.mark.parametrize("may_measure", [False, True])
+def test_the_first_jobs_model_is_loaded_before_planning_unless_planning_may_measure(tmp_path, monkeypatch, may_measure):
+    """A sweep whose plan measures nothing on the GPU (a profile or calibration of the model is
+    at hand) has the first spare load the model at once; one whose quick calibration may
+    measure sends it once the cost model is decided, so that the probes never share the GPU
+    with it; either way once."""
+    import threading
+
+    import plora.sweep as sweep_module
+
+    events: list[str] = []
+    monkeypatch.setenv(spare.ENV_SWITCH, "1")
+    monkeypatch.setattr(sweep_module, "may_measure_before_planning", lambda *a, **k: may_measure)
+    monkeypatch.setattr(spare, "preload", lambda order: events.append(f"preload on {threading.current_thread().name}"))
+    real_prepare = sweep_module.prepare
+
+    def prepare(*a, **k):
+        events.append("plan")
+        real_prepare(*a, **k)
+        events.append("planned")
+        raise _Planned
+
+    monkeypatch.setattr(sweep_module, "prepare", prepare)
+    result = CliRunner().invoke(app, ["sweep", str(_space(tmp_path))])
+    assert isinstance(result.exception, _Planned), result.output
+    if may_measure:  # once the cost model is decided, in planning
+        assert events == ["plan", "preload on MainThread", "planned"]
+    else:  # at once, from the thread that found the model measured
+        import time
+
+        deadline = time.monotonic() + 30
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(events) == ["plan", "planned", "preload on plora-first-model"]
+    assert not spare._spares
+
+
+def test_planning_may_measure_only_on_this_machines_gpu_with_nothing_measured(tmp_path, monkeypatch):
+    from plora.cost import sweep_model
+    from plora.cost.profiling.calibrate import Calibration
+    from plora.hardware import Hardware
+    from plora.spec.loading import load_spec
+    from plora.sweep import may_measure_before_planning
+
+    spec = load_spec(_space(tmp_path))
+    gpu = Hardware(True, 1, 80 * 2**30)
+    monkeypatch.setattr(sweep_model, "profiled_model", lambda *a: None)
+    monkeypatch.setattr(sweep_model, "cached_calibration", lambda *a: Calibration())
+    assert may_measure_before_planning(spec, None, gpu, probe=True)
+    assert not may_measure_before_planning(spec, None, gpu, probe=False)  # --no-profile
+    assert not may_measure_before_planning(spec, None, Hardware(False, 2), probe=True)
+    assert not may_measure_before_planning(spec, None, Hardware(True, 1, 80 * 2**30, local=False), probe=True)
+    monkeypatch.setattr(sweep_model, "profiled_model", lambda *a: (object(), "a profile"))
+    assert not may_measure_before_planning(spec, None, gpu, probe=True)

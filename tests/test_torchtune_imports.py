@@ -174,3 +174,18 @@ assert int(compiled(torch.tensor(3))) == 8
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=str(Path(__file__).resolve().parents[1]), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_spare_on_a_gpu_imports_what_a_job_imports_late_on_a_thread(monkeypatch):
+    """torch's varlen attention (which imports ``torch._dynamo``) comes in while the spare
+    waits for its job, where a GPU is visible; not at all on a CPU."""
+    from plora.models import torchtune_imports as lean_imports
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert lean_imports.import_late_modules({}) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    moments: dict = {}
+    thread = lean_imports.import_late_modules(moments)
+    assert thread is not None
+    thread.join(120)
+    assert "late_imports_at" in moments and all(m in sys.modules for m in lean_imports.LATE_GPU_MODULES)

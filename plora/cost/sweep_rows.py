@@ -26,7 +26,7 @@ ROWS_SAMPLED = 2000
 
 def _tokenizer(spec: "SweepSpec"):
     from plora.data.dataset import TextTokenizer
-    from plora.models.loading import read_model_info
+    from plora.models.folders import read_model_info
 
     info = read_model_info(spec.model.resolved_path(), spec.model.family)
     return TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)

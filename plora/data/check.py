@@ -58,7 +58,7 @@ def check_data(spec: "SweepSpec") -> DataReport:
     """Read and tokenize the sweep's train and eval rows; raises `plora.data.dataset.DataError`
     (one line: file, line or row, column) or `plora.models.loading.ModelError`."""
     from plora.data.dataset import DataError, TextTokenizer, prepare_data
-    from plora.models.loading import read_model_info
+    from plora.models.folders import read_model_info
 
     info = read_model_info(spec.model.resolved_path(), spec.model.family)
     tok = TextTokenizer(info.path, info.eos_token_id, info.pad_token_id)

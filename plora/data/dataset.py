@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from plora.data.formats import DataError, RowFormat, read_rows, rows_to_examples
 from plora.data.row_layout import bucket_bounds
 
 if TYPE_CHECKING:
+    import torch
+
     from plora.job.config import JobData, JobEval
 
 IGNORE_INDEX = -100
@@ -42,6 +43,8 @@ def read_examples(path: str | Path, input_column: str = "input", output_column: 
 def synthetic_samples(count: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[Sample]:
     """Random token rows of exactly `seq_len`, loss on every token: what profiling and
     throughput benchmarks train on, where only shapes matter."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randint(4, vocab_size, (count, seq_len), generator=gen).tolist()
     return [Sample(r, r) for r in rows]
@@ -469,6 +472,8 @@ def collate(samples: Sequence[Sample], pad_id: int, width: int | None = None) ->
     """Right-padded tokens and labels, ``width`` wide (default: the longest row). Right
     padding keeps every real position's causal context identical whatever the batch's
     width, so padding cannot change an adapter."""
+    import torch
+
     longest = max(len(s.tokens) for s in samples)
     if width is None:
         width = longest

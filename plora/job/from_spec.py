@@ -26,7 +26,7 @@ def model_targets(spec: SweepSpec, targets: str | Sequence[str] | None = None) -
     """The layers a job adapts: ``targets`` (default ``lora.targets``) resolved for the
     model's family (Phi-3's ``all-linear`` is its fused qkv_proj/gate_up_proj, not llama's
     seven layers)."""
-    from plora.models.loading import read_model_info
+    from plora.models.folders import read_model_info
     from plora.spec.model import resolve_targets
 
     family = read_model_info(spec.model.resolved_path(), spec.model.family).family

@@ -31,7 +31,7 @@ from plora.settings import settings
 from plora.models.families import ModelError
 from plora.data.json_errors import json_error_text
 from plora.models.info import ModelInfo
-from plora.models.loading import build_on_meta, read_model_info, resolve_model_path
+from plora.models.folders import read_model_info, resolve_model_path
 
 __all__ = ["check_model", "check_spec_model", "expected_weights", "start_spec_model_check"]
 
@@ -141,6 +141,8 @@ def _read_json(path: Path, what: str) -> Any:
 
 def expected_weights(info: ModelInfo, max_seq_len: int = 8) -> dict[str, tuple[int, ...]]:
     """torchtune weight name -> shape of the empty model the family's builder makes (on meta)."""
+    from plora.models.loading import build_on_meta  # torch: where a model is built
+
     model = build_on_meta(info, max_seq_len)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 

@@ -53,8 +53,8 @@ import types
 
 from plora.settings import settings
 
-__all__ = ["JOB_MODULES", "LEAN_PACKAGES", "NF4_MODULE", "defer_compiler_disable", "defer_nf4", "import_job_modules",
-           "lean_job_imports", "skip_flex_attention", "skip_package_inits"]
+__all__ = ["JOB_MODULES", "LATE_GPU_MODULES", "LEAN_PACKAGES", "NF4_MODULE", "defer_compiler_disable", "defer_nf4",
+           "import_job_modules", "import_late_modules", "lean_job_imports", "skip_flex_attention", "skip_package_inits"]
 
 #: the packages whose ``__init__`` a job does not need (parents before children); the model
 #: families are those `plora.models.families` builds from
@@ -179,6 +179,38 @@ def import_job_modules() -> None:
     """Import `JOB_MODULES` now (a spare, before it says ready)."""
     for name in JOB_MODULES:
         importlib.import_module(name)
+
+
+#: what a job on a GPU imports at its first attention call: torch's varlen flash attention
+#: (`plora.train.packed.varlen_attention`), whose module imports ``torch._dynamo`` (5 s on an
+#: H100 machine, in the base model's evaluation that opens the first job)
+LATE_GPU_MODULES = ("torch.nn.attention.varlen",)
+
+
+def import_late_modules(moments: dict | None = None) -> threading.Thread | None:
+    """Import `LATE_GPU_MODULES` on a thread of their own, where a GPU is visible (a spare,
+    once it has said ready: it waits for its job meanwhile); the thread, or None. A job that
+    needs one before the thread is done waits for that import (Python's import lock) rather
+    than starting it again. ``moments`` gets ``late_imports_at`` when they are done."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+
+    def run() -> None:
+        import time
+
+        for name in LATE_GPU_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the job imports it (and says why) when it needs it
+                pass
+        if moments is not None:
+            moments["late_imports_at"] = time.time()
+
+    thread = threading.Thread(target=run, name="plora-late-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 #: torchao's NF4 module (`defer_nf4`)

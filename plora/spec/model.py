@@ -141,14 +141,14 @@ class ModelConfig(_Model):
         GGUF file's is converted once (per dtype) into plora's cache: its config and
         tokenizer at once, its weights with ``weights`` or where they are first read."""
         if self.path.endswith(".gguf") or self.path.removeprefix("builtin:") in _gguf_builtins():
-            from plora.models.loading import resolve_model_path
+            from plora.models.folders import resolve_model_path
 
             return resolve_model_path(self.path, self.dtype, weights=weights)
         if self.path.startswith("builtin:"):
             return ASSETS_DIR / self.path.removeprefix("builtin:")
         if self.path.startswith("shape:"):
             from plora.models.shape import ModelShape
-            from plora.models.loading import shape_folder
+            from plora.models.folders import shape_folder
 
             return shape_folder(ModelShape.preset(self.path.removeprefix("shape:")))
         return Path(self.path)

@@ -19,7 +19,7 @@ def main() -> int:
 
     import torch
 
-    from plora.models.torchtune_imports import import_job_modules, lean_job_imports
+    from plora.models.torchtune_imports import import_job_modules, import_late_modules, lean_job_imports
 
     # no torchtune dataset builders, generation or tokenizers, no torchao beyond a QLoRA job's
     # NF4, no flex attention compiled as torchtune imports: none of it is a job's
@@ -40,6 +40,7 @@ def main() -> int:
     # the imports asked CUDA about the GPU: the spare serves only a job for the GPUs it sees
     # (`plora.engine.spare.Spare.compatible`)
     print(READY, flush=True)
+    import_late_modules(SPARE_MOMENTS)  # on a GPU, while the job is still being planned
     while True:
         line = sys.stdin.readline()
         if not line.strip():
@@ -65,6 +66,7 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - the job loads its own model then
             pass
     order = SpareOrder.model_validate_json(line)
+    SPARE_MOMENTS["dynamo_at_handover"] = "torch._dynamo" in sys.modules
     os.chdir(order.cwd)
     os.environ.clear()
     os.environ.update(order.env)

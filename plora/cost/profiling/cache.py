@@ -59,7 +59,7 @@ def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloa
                      quantize: str | None = None) -> ModelShape:
     """The `ModelShape` of a Hugging Face model folder (parameters counted from config.json),
     its block linears held as ``quantize`` says (``model.quantize``)."""
-    from plora.models.loading import read_model_info
+    from plora.models.folders import read_model_info
 
     info = read_model_info(path, family)
     h, inter, L, V = info.embed_dim, info.intermediate_dim, info.num_layers, info.vocab_size

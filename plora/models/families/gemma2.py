@@ -15,9 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from plora.models.families.base import (
     LLAMA_LAYER_KEYS,
     check_activation,
@@ -30,6 +27,9 @@ from plora.models.families.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from plora.models.info import ModelInfo
 
 _GELU = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -59,6 +59,7 @@ def read_gemma2(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def build_gemma2(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from torch import nn
     from plora.models.families.modules import SoftCappedOutput  # torchtune: imported where a model is built
     from torchtune.models.gemma._component_builders import gemma_mlp
     from torchtune.models.gemma.gemma_norm_embedding import GemmaNormEmbeddings

@@ -11,9 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from plora.models.families.base import (
     LLAMA_LAYER_KEYS,
     ModelError,
@@ -28,6 +25,9 @@ from plora.models.families.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from plora.models.info import ModelInfo
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import math
 
-import torch
-from torch import nn
-
 from plora.models.families.base import ModelError, check_activation, head_dim_of, map_keys, refuse_if, rope_settings, sliding_window, top_keys
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from plora.models.info import ModelInfo
 
 _LAYER_KEYS = {
@@ -61,6 +61,7 @@ def read_phi3(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def build_phi3(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from torch import nn
     from plora.models.families.modules import FusedGateUpMLP, HFOrderAttention, PartialRotaryEmbedding  # torchtune: imported where a model is built
     from torchtune.modules import RMSNorm, TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
 

@@ -9,9 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from plora.models.families.base import (
     LLAMA_LAYER_KEYS,
     check_activation,
@@ -24,6 +21,9 @@ from plora.models.families.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from plora.models.info import ModelInfo
 
 
@@ -58,6 +58,7 @@ def build_qwen2(info: "ModelInfo", max_seq_len: int) -> nn.Module:
 
 
 def build_qwen3(info: "ModelInfo", max_seq_len: int) -> nn.Module:
+    from torch import nn
     from plora.models.families.modules import HFOrderAttention  # torchtune: imported where a model is built
     from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
     from torchtune.modules import FeedForward, RMSNorm, TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
