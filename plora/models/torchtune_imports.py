@@ -28,7 +28,10 @@ once, and a model built on the meta device computed its RoPE caches through torc
 references, whose first call imports it: 5.9 s of a spare's 12.3 s of imports on an H100
 machine, for a job that compiles nothing. `defer_compiler_disable` makes that decorator wait
 for ``torch._dynamo`` to be loaded by something else (nothing can be compiling before), and
-`plora.models.loading.build_on_meta` computes the RoPE caches on the CPU.
+`plora.models.loading.build_on_meta` computes the RoPE caches on the CPU. A job on a GPU
+still imports it once it runs (its first forward pass does, where a CPU job's does not), so
+a spare on a GPU imports it on a thread once it has said ready, while the sweep plans
+(`import_late_modules`): the spare is ready 6 s sooner, and its job does not pay for it.
 
 On a GPU, ``torchtune.modules`` also compiles flex attention with ``torch.compile`` as it
 is imported, which imports ``torch._dynamo`` and the inductor: 6.3 s of an 11.5 s spare
@@ -181,17 +184,19 @@ def import_job_modules() -> None:
         importlib.import_module(name)
 
 
-#: what a job on a GPU imports at its first attention call: torch's varlen flash attention
-#: (`plora.train.packed.varlen_attention`), whose module imports ``torch._dynamo`` (5 s on an
-#: H100 machine, in the base model's evaluation that opens the first job)
-LATE_GPU_MODULES = ("torch.nn.attention.varlen",)
+#: what a job on a GPU imports once it runs: ``torch._dynamo`` (its first forward pass on the
+#: GPU imports it, where a CPU job's does not; not imported ahead, it took 2.3 s of a warm
+#: sweep's first job on an H100 machine, in the base model's evaluation that opens the job,
+#: and 4.2 s of SmolLM2's) and torch's varlen flash attention
+#: (`plora.train.packed.varlen_attention`, where this torch has it)
+LATE_GPU_MODULES = ("torch._dynamo", "torch.nn.attention.varlen")
 
 
 def import_late_modules(moments: dict | None = None) -> threading.Thread | None:
     """Import `LATE_GPU_MODULES` on a thread of their own, where a GPU is visible (a spare,
-    once it has said ready: it waits for its job meanwhile); the thread, or None. A job that
-    needs one before the thread is done waits for that import (Python's import lock) rather
-    than starting it again. ``moments`` gets ``late_imports_at`` when they are done."""
+    once it has said ready: it waits for its job meanwhile, and before it said ready nothing
+    of the job needs them); the thread, or None. A job that needs one before the thread is
+    done waits for that import (Python's import lock) rather than starting it again. ``moments`` gets ``late_imports_at`` when they are done."""
     import torch
 
     if not torch.cuda.is_available():
