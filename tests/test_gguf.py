@@ -155,7 +155,9 @@ def test_weights_being_converted_by_another_process_are_waited_for(tmp_path, mon
             "with gguf._weights_lock(folder, taken=pathlib.Path(sys.argv[2])):\n"
             "    time.sleep(1.0); (folder / gguf._MARKER_FILE).write_text('{}')")
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(taken)])
-    gguf._wait_for_lock_taken(proc, lock)
+    deadline = time.monotonic() + 60
+    while not (taken.is_file() and taken.read_text() == str(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     started = time.monotonic()
     gguf.ensure_weights(folder)
     assert time.monotonic() - started > 0.5 and proc.wait() == 0

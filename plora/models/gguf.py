@@ -211,10 +211,10 @@ def ensure_weights(folder: str | Path) -> None:
 def convert_weights_ahead(path: str | Path, dtype: str = "float32") -> subprocess.Popen | None:
     """Start a process that converts a GGUF model's weights (`ensure_weights`) while the
     caller plans with its head; None where there is nothing to convert (not a GGUF, already
-    converted, not found: the caller's own path says so). The process holds the folder's
-    lock from its first moment, so whoever needs the weights waits for it rather than
-    converting them a second time; it dies with the caller, and a conversion cut short
-    leaves nothing that looks finished."""
+    converted, not found: the caller's own path says so). The process takes the folder's
+    lock as it starts (before its imports), so whoever needs the weights later waits for it
+    rather than converting them a second time; it dies with the caller, and a conversion cut
+    short leaves nothing that looks finished."""
     text = str(path)
     try:
         if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
@@ -240,13 +240,12 @@ def convert_weights_ahead(path: str | Path, dtype: str = "float32") -> subproces
         return None
     finally:
         log.close()
-    _wait_for_lock_taken(proc, lock)
     return proc
 
 
 def _weights_ahead_main(file: str, dtype: str) -> int:
-    """The process `convert_weights_ahead` starts: the lock first, then the weights (the
-    caller makes the head meanwhile)."""
+    """The process `convert_weights_ahead` starts: the lock first (the torch and transformers
+    imports come after it), then the weights (the caller makes the head meanwhile)."""
     try:
         path, target = _target(file, dtype)
         with _weights_lock(target, taken=_lock_path(target).with_suffix(".taken")):
@@ -270,20 +269,6 @@ def _die_with_parent() -> None:
 def _lock_path(folder: Path) -> Path:
     """The lock file of a converted folder's weights (`_weights_lock`), beside it in ``locks/``."""
     return folder.parent / "locks" / f"{folder.name}.lock"
-
-
-def _wait_for_lock_taken(proc: subprocess.Popen, lock: Path, timeout_s: float = 10.0) -> None:
-    """Until the process started by `convert_weights_ahead` holds the lock (it says so with a
-    file beside it), so that nothing in this process converts the weights meanwhile."""
-    taken = lock.with_suffix(".taken")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if taken.read_text() == str(proc.pid):
-                return
-        except OSError:
-            pass
-        time.sleep(0.01)
 
 
 #: the lock files this process holds (`_weights_lock` is re-entrant within a thread)
