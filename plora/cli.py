@@ -127,13 +127,14 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
         spec = load_spec(space, sampled=sampled, overrides=overrides or ())
         _MOMENTS["spec_loaded_at"] = time.time()
         if warm and spec.hardware.backend == "local":
-            for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
-                spare.prime(gpus)
             from plora.models.gguf import convert_weights_ahead
 
             # a GGUF file's weights dequantized in a process of their own while this one reads its
-            # config and tokenizer and plans; the model check waits for them (`ensure_weights`)
+            # config and tokenizer and plans; the model check and the first job's model wait for
+            # them (`ensure_weights`), so it starts first (nothing to start for any other model)
             _AHEAD.append(convert_weights_ahead(spec.model.path, spec.model.dtype))
+            for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
+                spare.prime(gpus)
             if spec.hardware.device != "cpu":  # the GPU's size decides the rows; the checks before need no torch
                 _import_ahead("torch")
             if kernels_ahead:
