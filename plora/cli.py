@@ -132,11 +132,9 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
             # a GGUF file's weights dequantized in a process of their own while this one reads its
             # config and tokenizer and plans; the model check and the first job's model wait for
             # them (`ensure_weights`), so it starts first (nothing to start for any other model)
-            _AHEAD.append(convert_weights_ahead(spec.model.path, spec.model.dtype))
+            _AHEAD.append(convert_weights_ahead(spec.model.path, spec.model.dtype, preexec_fn=spare.die_with_parent))
             for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
                 spare.prime(gpus)
-            if spec.hardware.device != "cpu":  # the GPU's size decides the rows; the checks before need no torch
-                _import_ahead("torch")
             if kernels_ahead:
                 from plora.engine import kernel_warmer
 
@@ -213,7 +211,7 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         if not fresh:
             _check_resumable(spec, output)
         first_model = _FirstModel(spec, warm)
-        first_model.send_early(output, probe=probe, fresh=fresh)  # on a thread: it waits for torch's import
+        first_model.send_early(output, probe=probe, fresh=fresh)  # on a thread: it imports torch meanwhile
         prep = _plan(spec, output, probe=probe, fresh=fresh, on_cost_model=first_model.send)
         _model_checked()  # before anything is written or launched
     except BaseException:
@@ -228,22 +226,6 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         spare.keep_only(wanted)  # those started before planning for a GPU no job starts on go
         first_model.send()  # (where the cost model's moment did not: a plan that needed no cost model)
     return prep
-
-
-def _import_ahead(module: str) -> None:
-    """Import ``module`` on a thread while this one goes on: whoever imports it next waits for
-    that import (Python's import lock) instead of starting it. On an H100 machine a sweep's
-    torch import took 4.4 s, in series with the model and data checks, which need no torch."""
-    import importlib
-    import threading
-
-    def run() -> None:
-        try:
-            importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - whoever needs it imports it and says what is wrong
-            pass
-
-    threading.Thread(target=run, name=f"plora-import-{module}", daemon=True).start()
 
 
 class _FirstModel:
@@ -273,9 +255,9 @@ class _FirstModel:
                                              random_init=m.random_init))
 
     def send_early(self, output: Optional[Path], *, probe: bool, fresh: bool) -> None:
-        """`send` now, on a thread (it needs torch, which is being imported meanwhile: the
-        GPU's name finds what was measured of the model), where nothing can be measured
-        before the plan (`plora.sweep.may_measure_before_planning`)."""
+        """`send` now, on a thread (it needs torch, whose import this starts while the model
+        and data are checked: the GPU's name finds what was measured of the model), where
+        nothing can be measured before the plan (`plora.sweep.may_measure_before_planning`)."""
         import threading
 
         if not self.enabled:
@@ -319,7 +301,7 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False, on_
     from plora.planner import PlannerError
     from plora.sweep import prepare
 
-    try:  # the data is checked before the hardware is asked (torch: imported meanwhile, `_load`)
+    try:  # the data is checked before the hardware is asked (torch: imported meanwhile, `_FirstModel.send_early`)
         prep = prepare(spec, output, probe=probe, fresh=fresh,
                        check_model=_model_checked if _PENDING_CHECK else True, on_rows=_warm_kernels,
                        on_cost_model=on_cost_model,

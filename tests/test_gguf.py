@@ -149,14 +149,13 @@ def test_weights_being_converted_by_another_process_are_waited_for(tmp_path, mon
     src.write_bytes(b"GGUF")
     calls = fake_halves(monkeypatch)
     folder = gguf.converted_folder(src, weights=False)
-    lock = gguf._lock_path(folder)
-    taken = lock.with_suffix(".taken")
+    holding = tmp_path / "holding"  # the other process says it has the lock
     code = ("import sys, time, pathlib; from plora.models import gguf; folder = pathlib.Path(sys.argv[1])\n"
-            "with gguf._weights_lock(folder, taken=pathlib.Path(sys.argv[2])):\n"
-            "    time.sleep(1.0); (folder / gguf._MARKER_FILE).write_text('{}')")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(taken)])
+            "with gguf._weights_lock(folder):\n"
+            "    pathlib.Path(sys.argv[2]).write_text('yes'); time.sleep(1.0); (folder / gguf._MARKER_FILE).write_text('{}')")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder), str(holding)])
     deadline = time.monotonic() + 60
-    while not (taken.is_file() and taken.read_text() == str(proc.pid)) and time.monotonic() < deadline:
+    while not holding.is_file() and time.monotonic() < deadline:
         time.sleep(0.01)
     started = time.monotonic()
     gguf.ensure_weights(folder)

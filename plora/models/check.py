@@ -31,7 +31,7 @@ from plora.settings import settings
 from plora.models.families import ModelError
 from plora.data.json_errors import json_error_text
 from plora.models.info import ModelInfo
-from plora.models.folders import read_model_info, resolve_model_path
+from plora.models.folders import ensure_weights, read_model_info, resolve_model_path
 
 __all__ = ["check_model", "check_spec_model", "expected_weights", "start_spec_model_check"]
 
@@ -49,19 +49,8 @@ def check_model(path: str | Path, family: str = "auto", *, random_init: bool = F
     """
     folder = resolve_model_path(path)
     if not random_init:
-        _ensure_weights(folder)
+        ensure_weights(folder)  # a GGUF file's folder converted head first
     return _check_folder(folder, family, random_init, max_seq_len, _stamp(folder))
-
-
-def _ensure_weights(folder: Path) -> None:
-    """A GGUF file's folder converted head first gets its weights (or waits for the process
-    converting them: `plora.models.gguf.ensure_weights`)."""
-    from plora.models.gguf import GGUFError, ensure_weights
-
-    try:
-        ensure_weights(folder)
-    except GGUFError as e:
-        raise ModelError(str(e)) from None
 
 
 def _stamp(folder: Path) -> tuple:
@@ -238,7 +227,7 @@ def start_spec_model_check(spec: Any, elsewhere: CheckElsewhere | None = None) -
         def ask() -> ModelInfo:
             if not m.random_init:  # a GGUF's weights, converted meanwhile (`plora.models.gguf.convert_weights_ahead`)
                 try:
-                    _ensure_weights(folder)
+                    ensure_weights(folder)
                 except ModelError as e:
                     raise SpecError("model.path", str(e)) from None
             problem = elsewhere(folder, m.family, m.random_init, m.max_seq_len)

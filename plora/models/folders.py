@@ -16,7 +16,8 @@ from plora.models.families.base import ModelError, rope_settings
 from plora.models.families.table import get_family
 from plora.models.info import FAMILIES, ModelInfo
 
-__all__ = ["ASSETS", "ModelError", "read_model_info", "resolve_model_path", "shape_folder", "write_shape_folder"]
+__all__ = ["ASSETS", "ModelError", "ensure_weights", "read_model_info", "resolve_model_path", "shape_folder",
+           "write_shape_folder"]
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -45,6 +46,19 @@ def resolve_model_path(path: str | Path, dtype: str = "float32", *, weights: boo
     if not (folder / "config.json").is_file():
         raise ModelError(f"{folder}: no config.json (expected a Hugging Face-format model folder)")
     return folder
+
+
+def ensure_weights(folder: Path) -> None:
+    """A GGUF file's folder converted head first gets its weights, or waits for the process
+    converting them (`plora.models.gguf.ensure_weights`); its problem is a ModelError like
+    any other folder's. Nothing for any other folder."""
+    from plora.models.gguf import GGUFError
+    from plora.models.gguf import ensure_weights as gguf_ensure_weights
+
+    try:
+        gguf_ensure_weights(folder)
+    except GGUFError as e:
+        raise ModelError(str(e)) from None
 
 
 def read_model_info(path: str | Path, family: str = "auto") -> ModelInfo:

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,12 +124,16 @@ def gguf_folder(path: str | Path, dtype: str = "float32", *, weights: bool = Tru
     """The converted folder (weights in ``dtype``) for a `.gguf` path or a built-in GGUF
     name; None for anything else. With ``weights`` False, only what planning reads is sure to
     be there (`converted_folder`)."""
+    file = _gguf_file(path)
+    return converted_folder(file, dtype, weights=weights) if file is not None else None
+
+
+def _gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file a `.gguf` path or a built-in GGUF name stands for; None for anything else."""
     text = str(path)
     if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
-        return converted_folder(builtin_gguf_file(text.removeprefix("builtin:")), dtype, weights=weights)
-    if is_gguf(text):
-        return converted_folder(Path(text), dtype, weights=weights)
-    return None
+        return builtin_gguf_file(text.removeprefix("builtin:"))
+    return Path(text) if is_gguf(text) else None
 
 
 def _key(file: Path) -> str:
@@ -208,20 +212,18 @@ def ensure_weights(folder: str | Path) -> None:
         _convert_weights(source, folder, str(head.get("dtype", "float32")))
 
 
-def convert_weights_ahead(path: str | Path, dtype: str = "float32") -> subprocess.Popen | None:
+def convert_weights_ahead(path: str | Path, dtype: str = "float32", *,
+                          preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen | None:
     """Start a process that converts a GGUF model's weights (`ensure_weights`) while the
     caller plans with its head; None where there is nothing to convert (not a GGUF, already
     converted, not found: the caller's own path says so). The process takes the folder's
     lock as it starts (before its imports), so whoever needs the weights later waits for it
-    rather than converting them a second time; it dies with the caller, and a conversion cut
-    short leaves nothing that looks finished."""
-    text = str(path)
+    rather than converting them a second time; a conversion cut short leaves nothing that
+    looks finished. ``preexec_fn``: run in the child before it starts (a sweep's makes it die
+    with the sweep)."""
     try:
-        if text.startswith("builtin:") and text.removeprefix("builtin:") in BUILTIN_GGUF:
-            file = builtin_gguf_file(text.removeprefix("builtin:"))
-        elif is_gguf(text):
-            file = Path(text)
-        else:
+        file = _gguf_file(path)
+        if file is None:
             return None
         file, target = _target(file, dtype)
     except GGUFError:
@@ -235,7 +237,7 @@ def convert_weights_ahead(path: str | Path, dtype: str = "float32") -> subproces
     log = lock.with_suffix(".ahead.log").open("ab")  # what the process printed, for a failure's cause
     try:
         proc = subprocess.Popen([sys.executable, "-c", code, str(file), dtype], stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=log, preexec_fn=_die_with_parent)
+                                stdout=log, stderr=log, preexec_fn=preexec_fn)
     except OSError:
         return None
     finally:
@@ -248,7 +250,7 @@ def _weights_ahead_main(file: str, dtype: str) -> int:
     imports come after it), then the weights (the caller makes the head meanwhile)."""
     try:
         path, target = _target(file, dtype)
-        with _weights_lock(target, taken=_lock_path(target).with_suffix(".taken")):
+        with _weights_lock(target):
             if not (target / _MARKER_FILE).is_file():
                 _convert_weights(path, target, dtype)
     except Exception as e:  # noqa: BLE001 - whoever reads the weights converts them and says why
@@ -257,54 +259,29 @@ def _weights_ahead_main(file: str, dtype: str) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except OSError:
-        pass
-
-
 def _lock_path(folder: Path) -> Path:
     """The lock file of a converted folder's weights (`_weights_lock`), beside it in ``locks/``."""
     return folder.parent / "locks" / f"{folder.name}.lock"
 
 
-#: the lock files this process holds (`_weights_lock` is re-entrant within a thread)
-_HELD_LOCKS: set[str] = set()
-
-
 @contextlib.contextmanager
-def _weights_lock(folder: Path, taken: Path | None = None) -> Iterator[None]:
+def _weights_lock(folder: Path) -> Iterator[None]:
     """One process at a time converts a folder's weights: an exclusive lock on a file beside
-    it (released by the system if the holder dies). With ``taken``, the holder's pid is
-    written there once it has the lock."""
+    it (released by the system if the holder dies)."""
     import fcntl
 
     path = _lock_path(folder)
-    key = str(path)
-    with _ONE_LOCKER:  # re-entrant for the thread that holds it; other threads wait here
-        if key in _HELD_LOCKS:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _ONE_LOCKER, path.open("a") as f:  # the threads of this process one at a time too
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
             yield
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            _HELD_LOCKS.add(key)
-            try:
-                if taken is not None:
-                    taken.write_text(str(os.getpid()))
-                yield
-            finally:
-                _HELD_LOCKS.discard(key)
-                if taken is not None:
-                    taken.unlink(missing_ok=True)
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 #: the threads of one process take a folder's lock one at a time (`_weights_lock`)
-_ONE_LOCKER = threading.RLock()
+_ONE_LOCKER = threading.Lock()
 
 
 def _failure(file: Path, e: BaseException) -> GGUFError:

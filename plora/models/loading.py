@@ -17,7 +17,8 @@ from torch import nn
 
 from plora.models.families.base import ModelError, check_seq_len
 from plora.models.families.table import get_family
-from plora.models.folders import ASSETS, read_model_info, resolve_model_path, shape_folder, write_shape_folder
+from plora.models.folders import (ASSETS, ensure_weights, read_model_info, resolve_model_path, shape_folder,
+                                  write_shape_folder)
 from plora.models.info import ModelInfo
 
 __all__ = ["ASSETS", "DTYPES", "ModelError", "build_model", "build_on_meta", "load_base_model", "read_hf_weights",
@@ -104,12 +105,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors (the shards its index names, if it has one)."""
     from safetensors.torch import load_file
 
-    from plora.models.gguf import GGUFError, ensure_weights
-
-    try:
-        ensure_weights(folder)  # a GGUF file's folder converted head first
-    except GGUFError as e:
-        raise ModelError(str(e)) from None
+    ensure_weights(folder)  # a GGUF file's folder converted head first
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
