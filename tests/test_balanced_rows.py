@@ -59,6 +59,20 @@ def test_a_small_set_still_sees_every_row_once_an_epoch():
     assert sorted(seen) == sorted(list(range(10)) * 2)
 
 
+@pytest.mark.parametrize("bs", [2, 4])
+def test_later_epochs_are_balanced_as_the_first(bs):
+    """An epoch that ends on a batch boundary starts the next with a whole group, not a lone
+    batch of two random rows (which set every later segment's size, and priced balanced
+    batches out of the sweeps they suit)."""
+    stream = BalancedStream(len(LENGTHS), seed=7, lengths=LENGTHS, batch_size=bs)
+    steps = len(LENGTHS) // bs
+    sums = [sum(LENGTHS[i] for i in stream.next(bs)) for _ in range(3 * steps)]
+    mean = statistics.fmean(sums)
+    assert max(sums) <= 1.08 * mean
+    epochs = [sums[e * steps:(e + 1) * steps] for e in range(3)]
+    assert max(max(e) for e in epochs[1:]) <= 1.08 * statistics.fmean(epochs[0])
+
+
 def test_the_order_is_the_adapters_own_and_resumes_mid_group():
     a = BalancedStream(len(LENGTHS), seed=5, lengths=LENGTHS, batch_size=4)
     b = BalancedStream(len(LENGTHS), seed=5, lengths=LENGTHS, batch_size=4)
@@ -135,6 +149,8 @@ def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
 
     spec = SimpleNamespace(training=SimpleNamespace(row_layout="auto"), model=SimpleNamespace(max_seq_len=512))
     assert sweep_row_layout(spec, graphed=True, lengths=LENGTHS) == "balanced"
+    # the benchmark's sweep: batch sizes 2 and 4, every adapter one epoch or more
+    assert sweep_row_layout(spec, graphed=True, lengths=LENGTHS, batch_sizes=[2, 4] * 8) == "balanced"
     assert sweep_row_layout(spec, graphed=True, lengths=[250, 251, 252] * 50) == "auto"  # fixed rows: padded
     assert sweep_row_layout(spec, graphed=False, lengths=LENGTHS) == "auto"  # eager steps: flat already
     # batch size 1 balances nothing (each step holds an adapter's longest row): padded buckets win

@@ -187,3 +187,39 @@ def test_job_warmup_is_the_space_files_warmup(tmp_path):
         assert [r.warmup for r in recipe.runs] == want
     finally:
         recipe.cleanup()
+
+
+def test_a_packs_initial_a_is_the_same_drawn_on_threads_or_one(monkeypatch):
+    """A pack's initial A is drawn on several threads at once: each adapter's A in each layer
+    is still its own seeded draw, the same as a pack of it alone makes, bit for bit."""
+    from torch import nn
+
+    import plora.train.packed.inject as inject
+    from plora.train.packed.layer import AdapterSpec
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = nn.ModuleList()
+        for _ in range(3):
+            block = nn.Module()
+            block.attn, block.mlp = nn.Module(), nn.Module()
+            block.attn.q_proj = nn.Linear(24, 24, bias=False)
+            block.mlp.w2 = nn.Linear(40, 24, bias=False)
+            blocks.append(block)
+        m = nn.Module()
+        m.layers = blocks
+        return m
+
+    specs = [AdapterSpec(name=f"a{i}", rank=r, alpha=2.0 * r, seed=100 + i) for i, r in enumerate([2, 4, 8, 4])]
+    targets = ["q_proj", "down_proj"]
+    monkeypatch.setattr(inject, "_A_THREADS", 1)
+    one = inject.inject_packed_lora(model(), specs, targets)
+    monkeypatch.setattr(inject, "_A_THREADS", 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    many = inject.inject_packed_lora(model(), specs, targets)
+    alone = inject.inject_packed_lora(model(), specs[2:3], targets)
+    assert one.layers.keys() == many.layers.keys() and len(one.layers) == 6
+    for name, layer in one.layers.items():
+        assert torch.equal(layer.a_all, many.layers[name].a_all)
+        assert torch.equal(layer.lora_a[2], alone.layers[name].lora_a[0])
+        assert not layer.bt_all.any()

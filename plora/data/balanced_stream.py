@@ -87,6 +87,8 @@ class BalancedStream:
         # a group ends with its epoch (only the rows that do not fill a batch go on into the
         # next, as the plain shuffle's batches do): each epoch still sees every row once
         left = self._rows.rows_left_in_epoch()
+        if left < self.batch_size:  # the epoch has no batch left: this group is the next epoch's
+            left += self.num_samples  # (a lone batch dealt here would be as unbalanced as a random one)
         take = min(self.batch_size * self.group_steps, left - left % self.batch_size) or self.batch_size
         rows = self._rows.next(take)
         batches = balanced_batches(rows, self.lengths, self.batch_size)

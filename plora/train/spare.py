@@ -58,6 +58,7 @@ def main() -> int:
             except OSError:  # the sweep stopped reading (it gave up on the answer): the job comes still
                 pass
             continue
+        SPARE_MOMENTS["preload_ordered_at"] = time.time()
         try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
             preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,

@@ -156,7 +156,7 @@ class PackedLoRALinear(nn.Module):
     ``lora_bt[k]`` are adapter k's rows (views).
     """
 
-    def __init__(self, base: nn.Linear, state: PackState, module_name: str):
+    def __init__(self, base: nn.Linear, state: PackState, module_name: str, a_all: torch.Tensor | None = None):
         super().__init__()
         self.base = base
         self.state = state
@@ -165,17 +165,14 @@ class PackedLoRALinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         device, dtype = base.weight.device, base.weight.dtype
-        a = torch.cat([self._init_a(spec) for spec in state.adapters]) if state.adapters else torch.zeros(0, self.in_features)
-        self.a_all = nn.Parameter(a.to(device=device, dtype=dtype))
+        # ``a_all``: `initial_a` made ahead (`plora.train.packed.inject` makes every layer's at once)
+        a = initial_a(state.adapters, module_name, self.in_features, device, dtype) if a_all is None else a_all
+        self.a_all = nn.Parameter(a)
         self.bt_all = nn.Parameter(torch.zeros(a.shape[0], self.out_features, device=device, dtype=dtype))
         self._rows = state.row_starts
 
     def _init_a(self, spec: AdapterSpec) -> torch.Tensor:
-        # Seeded by (adapter seed, layer name) only, so an adapter starts from the same
-        # weights whatever else is in its pack. A: nn.Linear/PEFT's kaiming-uniform bound.
-        gen = torch.Generator().manual_seed(_stable_seed(spec.seed, self.module_name))
-        bound = 1.0 / math.sqrt(self.in_features)
-        return (torch.rand(spec.rank, self.in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        return adapter_a(spec, self.module_name, self.in_features)
 
     @property
     def lora_a(self) -> tuple[torch.Tensor, ...]:
@@ -206,6 +203,24 @@ class PackedLoRALinear(nn.Module):
     def extra_repr(self) -> str:
         ranks = ",".join(str(s.rank) for s in self.state.adapters)
         return f"in={self.in_features}, out={self.out_features}, ranks=[{ranks}]"
+
+
+def adapter_a(spec: AdapterSpec, module_name: str, in_features: int) -> torch.Tensor:
+    """Adapter ``spec``'s initial A in layer ``module_name`` (float32, on the CPU). Seeded by
+    (adapter seed, layer name) only, so an adapter starts from the same weights whatever else
+    is in its pack; nn.Linear/PEFT's kaiming-uniform bound."""
+    gen = torch.Generator().manual_seed(_stable_seed(spec.seed, module_name))
+    bound = 1.0 / math.sqrt(in_features)
+    return (torch.rand(spec.rank, in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+
+
+def initial_a(adapters: Sequence[AdapterSpec], module_name: str, in_features: int, device: torch.device | str,
+              dtype: torch.dtype) -> torch.Tensor:
+    """A layer's stacked A (every adapter's `adapter_a`, in order) on ``device`` in ``dtype``."""
+    if not adapters:
+        return torch.zeros(0, in_features, device=device, dtype=dtype)
+    a = torch.cat([adapter_a(spec, module_name, in_features) for spec in adapters])
+    return a.to(device=device, dtype=dtype)
 
 
 def _stable_seed(seed: int, name: str) -> int:
