@@ -200,6 +200,7 @@ def sweep_facts(args, space: Path, label: str) -> dict:
                 "step_s": full["rest_s"] / (full["steps"] - 1),
                 "real_tokens_per_s": sum(full.get("rows", [])) * real_row / (full["rest_s"] / (full["steps"] - 1))})
     out["job_phases"] = phases
+    out["row_layouts"] = sorted({_job_row_layout(job) for job in run.glob("jobs/*/job.yaml")})
     out["step_running_s"] = steps_s
     out["real_tokens"] = real
     if span:
@@ -210,6 +211,14 @@ def sweep_facts(args, space: Path, label: str) -> dict:
         if span and rate:
             out["makespan_over_ideal"] = span / (real / rate)
     return out
+
+
+def _job_row_layout(job_yaml: Path) -> str:
+    """How a job laid out its rows (the sweep's decision: `plora.cost.sweep_rows.sweep_row_layout`)."""
+    import yaml
+
+    training = (yaml.safe_load(job_yaml.read_text()) or {}).get("training", {})
+    return f"{training.get('row_layout')}/{training.get('length_buckets')}"
 
 
 def mean_real_row(spec) -> float:
