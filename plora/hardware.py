@@ -38,11 +38,12 @@ def hardware_for(spec: SweepSpec, *, here: bool = True) -> Hardware:
     cpu = Hardware(False, max(1, os.cpu_count() or 1))
     if spec.hardware.device == "cpu":
         return cpu
-    import torch
+    from plora.gpu_facts import visible_gpus
 
-    if torch.cuda.is_available():
-        n = max(1, min(spec.hardware.gpus, torch.cuda.device_count()))
-        return Hardware(True, n, float(torch.cuda.get_device_properties(0).total_memory))
+    gpus = visible_gpus()  # (no torch import: `plora.gpu_facts`)
+    if gpus:
+        n = max(1, min(spec.hardware.gpus, len(gpus)))
+        return Hardware(True, n, float(gpus[0].total_memory))
     if not here:
         return Hardware(True, spec.hardware.gpus, spec.hardware.gpu_memory_gb * 2**30, local=False)
     if spec.hardware.device == "cuda":
@@ -69,6 +70,6 @@ def sweep_on_gpu(spec: SweepSpec, hw: Hardware | None = None) -> bool:
         return hw.gpu
     if spec.hardware.device in ("cpu", "cuda"):
         return spec.hardware.device == "cuda"
-    import torch
+    from plora.gpu_facts import visible_gpus
 
-    return torch.cuda.is_available()
+    return bool(visible_gpus())

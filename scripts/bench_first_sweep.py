@@ -184,7 +184,8 @@ def sweep_facts(args, space: Path, label: str) -> dict:
         (args.out / f"{label}-{summary.parent.name}-summary.json").write_text(summary.read_text())
         ph = s.get("phases", {})
         phases.append({k: ph.get(k) for k in ("start_s", "spare", "load_s", "setup_s", "setup_parts", "eval_base_s",
-                                              "created_at", "clock_at", "spare_moments", "torch_dynamo_imported")}
+                                              "created_at", "clock_at", "spare_moments", "torch_dynamo_imported",
+                                              "torch_dynamo_imported_by")}
                       | {"evals_s": sum(e.get("seconds", 0) for e in ph.get("evals", [])),
                          "saves_s": sum(e.get("seconds", 0) for e in ph.get("saves", [])),
                          "graphs": ph.get("graphs"), "compiled_ahead": ph.get("compiled_ahead"),

@@ -88,9 +88,10 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> CostModel:
     if hw.gpu:
         name = None
         if hw.local:
-            import torch
+            from plora.gpu_facts import visible_gpus
 
-            name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+            gpus = visible_gpus()
+            name = gpus[0].name if gpus else None
         return CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots,
                                   activation_checkpointing=spec.training.checkpointing,
                                   **gpu_prior(name))
@@ -213,12 +214,9 @@ def sweep_models(spec: SweepSpec, run_dir: Path | None, *, hardware: Hardware | 
 
 def graphed_steps(spec: SweepSpec, hw: Hardware) -> bool:
     """Whether this sweep's (one-GPU) jobs will replay their steps from CUDA graphs."""
-    import torch
-
     from plora.job.step_settings import graphs_wanted
 
-    device = torch.device("cuda" if hw.gpu else "cpu")
-    return graphs_wanted(spec.training.cuda_graphs, device, tp=False,
+    return graphs_wanted(spec.training.cuda_graphs, "cuda" if hw.gpu else "cpu", tp=False,
                          activation_checkpointing=spec.training.checkpointing)
 
 

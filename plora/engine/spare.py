@@ -277,14 +277,9 @@ def _gpu_torch() -> bool:
     """Whether the installed torch is a build that can use a GPU, from its version alone
     (a CPU wheel says ``+cpu``) and a GPU device node: a CPU-only container on a GPU host
     sees the driver's list, not the device."""
-    from importlib.metadata import PackageNotFoundError, version
+    from plora.gpu_facts import cuda_torch_build
 
-    try:
-        if "+cpu" in version("torch"):
-            return False
-    except PackageNotFoundError:
-        return False
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+    return cuda_torch_build() and (os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl"))
 
 
 def first_wave(device: str, gpus: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,6 +44,29 @@ def process_started_at() -> float | None:
 #: imports were done (it said ready), when it had loaded the model it was told of; its job's
 #: summary keeps them, to show whether the job waited for the spare's imports
 SPARE_MOMENTS: dict[str, float] = {}
+
+#: where this process first imported ``torch._dynamo`` (`watch_dynamo_import`): the
+#: innermost frame of plora's, torchtune's or torch's code that asked for it
+DYNAMO_IMPORTED_BY: list[str] = []
+
+
+def watch_dynamo_import() -> None:
+    """Note who first imports ``torch._dynamo`` in this process (a job's summary says;
+    seconds of a job's start on the GPU machines): the two frames that imported it and plora's
+    innermost frame then. A finder first on ``sys.meta_path`` that finds nothing itself: it
+    looks at the name of each module not imported yet."""
+    class _Watch:
+        @staticmethod
+        def find_spec(name: str, path: Any = None, target: Any = None) -> None:
+            if name == "torch._dynamo" and not DYNAMO_IMPORTED_BY:
+                frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
+                ours = [f for f in frames if "/plora/" in f.filename and "phases.py" not in f.filename]
+                where = [f"{f.filename}:{f.lineno} ({f.name})" for f in (frames[-2:][::-1] + ours[-1:])]
+                DYNAMO_IMPORTED_BY.append(" via ".join(dict.fromkeys(where)) or "?")
+            return None
+
+    if not any(isinstance(f, type) and f.__name__ == "_Watch" for f in sys.meta_path):
+        sys.meta_path.insert(0, _Watch)
 
 
 class _EvalEvent:
@@ -196,6 +220,7 @@ class PhaseClock:
             # whether anything in the job imported torch's compiler front end (seconds of a
             # start that a spare's imports avoid: `plora.models.torchtune_imports`)
             "torch_dynamo_imported": "torch._dynamo" in sys.modules,
+            "torch_dynamo_imported_by": DYNAMO_IMPORTED_BY[0] if DYNAMO_IMPORTED_BY else None,
             "finished_at": time.time(),
         }
 

@@ -26,7 +26,7 @@ JOB_ALLOCATOR = "expandable_segments:True"
 CUDA_GRAPHS_ENV = CUDA_GRAPHS
 
 
-def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_checkpointing: bool) -> bool:
+def graphs_wanted(setting: Any, device: torch.device | str, *, tp: bool, activation_checkpointing: bool) -> bool:
     """Whether steps should be replayed from CUDA graphs on this job.
 
     "auto" turns them on for a CUDA device, off under tensor parallelism (collectives in a
@@ -38,7 +38,8 @@ def graphs_wanted(setting: Any, device: torch.device, *, tp: bool, activation_ch
         value = cuda_graphs_setting(env if env is not None else setting if setting is not None else "auto")
     except ValueError as e:
         raise ValueError(f"cuda_graphs: {e}") from None
-    if value is False or device.type != "cuda":
+    kind = device.partition(":")[0] if isinstance(device, str) else device.type
+    if value is False or kind != "cuda":
         return False
     if value == "auto" and (tp or activation_checkpointing):
         return False

@@ -184,28 +184,30 @@ def import_job_modules() -> None:
         importlib.import_module(name)
 
 
-#: what a job on a GPU imports once it runs: ``torch._dynamo`` (its first forward pass on the
-#: GPU imports it, where a CPU job's does not; not imported ahead, it took 2.3 s of a warm
-#: sweep's first job on an H100 machine, in the base model's evaluation that opens the job,
-#: and 4.2 s of SmolLM2's) and torch's varlen flash attention
-#: (`plora.train.packed.varlen_attention`, where this torch has it)
+#: what a job on a GPU imports once it runs where its torch's flash ops cannot be called
+#: directly (`plora.train.packed.flash_varlen`): torch's varlen flash attention
+#: (`plora.train.packed.varlen_attention`), whose import imports ``torch._dynamo`` (not
+#: imported ahead, it took 2.3 s of a warm sweep's first job on an H100 machine, in the base
+#: model's evaluation that opens the job, and 4.2 s of SmolLM2's)
 LATE_GPU_MODULES = ("torch._dynamo", "torch.nn.attention.varlen")
 
 
-def import_late_modules(moments: dict | None = None) -> threading.Thread | None:
-    """Import `LATE_GPU_MODULES` on a thread of their own, where a GPU is visible (a spare,
-    once it has said ready: it waits for its job meanwhile, and before it said ready nothing
-    of the job needs them); the thread, or None. A job that needs one before the thread is
-    done waits for that import (Python's import lock) rather than starting it again. ``moments`` gets ``late_imports_at`` when they are done."""
+def import_late_modules(moments: dict | None = None,
+                        modules: tuple[str, ...] = LATE_GPU_MODULES) -> threading.Thread | None:
+    """Import ``modules`` on a thread of their own, where a GPU is visible (a spare, once it
+    has said ready: it waits for its job meanwhile, and before it said ready nothing of the
+    job needs them); the thread, or None (nothing to import, or no GPU). A job that needs
+    one before the thread is done waits for that import (Python's import lock) rather than
+    starting it again. ``moments`` gets ``late_imports_at`` when they are done."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not modules or not torch.cuda.is_available():
         return None
 
     def run() -> None:
         import time
 
-        for name in LATE_GPU_MODULES:
+        for name in modules:
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - the job imports it (and says why) when it needs it

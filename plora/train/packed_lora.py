@@ -595,6 +595,9 @@ def leave(code: int | None) -> None:
 
 
 if __name__ == "__main__":
+    from plora.job.phases import watch_dynamo_import
+
+    watch_dynamo_import()
     from torchtune import config as tune_config
 
     leave(tune_config.parse(recipe_main)())

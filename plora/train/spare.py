@@ -17,9 +17,12 @@ import sys
 def main() -> int:
     import time
 
+    from plora.job.phases import watch_dynamo_import
+
+    watch_dynamo_import()  # who imports torch._dynamo, if anything does (the job's summary says)
     import torch
 
-    from plora.models.torchtune_imports import import_job_modules, import_late_modules, lean_job_imports
+    from plora.models.torchtune_imports import LATE_GPU_MODULES, import_job_modules, import_late_modules, lean_job_imports
 
     # no torchtune dataset builders, generation or tokenizers, no torchao beyond a QLoRA job's
     # NF4, no flex attention compiled as torchtune imports: none of it is a job's
@@ -29,6 +32,7 @@ def main() -> int:
     from plora.engine.spare import CHECKED, READY, PreloadOrder, SpareOrder
     from plora.job.phases import SPARE_MOMENTS, process_started_at
     from plora.train import preload
+    from plora.train.packed.flash_varlen import flash_varlen
     from plora.train.packed_lora import _pick_device, leave, recipe_main
 
     import_job_modules()  # what the job's model build imports, whatever its family
@@ -40,7 +44,9 @@ def main() -> int:
     # the imports asked CUDA about the GPU: the spare serves only a job for the GPUs it sees
     # (`plora.engine.spare.Spare.compatible`)
     print(READY, flush=True)
-    import_late_modules(SPARE_MOMENTS)  # on a GPU, while the job is still being planned
+    # on a GPU, while the job is still being planned: nothing, where the flash ops are called
+    # directly (`plora.train.packed.flash_varlen`: no torch._dynamo)
+    import_late_modules(SPARE_MOMENTS, () if flash_varlen() is not None else LATE_GPU_MODULES)
     while True:
         line = sys.stdin.readline()
         if not line.strip():

@@ -74,16 +74,18 @@ def shape_from_model(path: str | Path, family: str = "auto", dtype: str = "bfloa
 
 def _device_info(device: str) -> tuple[str, str, float | None]:
     """(resolved device, device name, total memory in bytes or None on CPU)."""
-    import torch
+    from plora.gpu_facts import visible_gpus
 
+    gpus = visible_gpus()  # (no torch import: `plora.gpu_facts`)
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if gpus else "cpu"
     if device.startswith("cuda"):
-        if not torch.cuda.is_available():
+        if not gpus:
             raise ProfileError("hardware.device is cuda but no CUDA device is visible")
-        dev = torch.device(device)
-        props = torch.cuda.get_device_properties(dev)
-        return device, torch.cuda.get_device_name(dev), float(props.total_memory)
+        index = int(device.partition(":")[2] or 0)
+        if index >= len(gpus):
+            raise ProfileError(f"hardware.device is {device} but this machine sees {len(gpus)} CUDA device(s)")
+        return device, gpus[index].name, float(gpus[index].total_memory)
     return "cpu", "cpu", None
 
 
@@ -92,10 +94,8 @@ def _backend(device: str, activation_checkpointing: bool = False, cuda_graphs: A
     from CUDA graphs (a profile measured one way does not predict the other)."""
     if not device.startswith("cuda"):
         return "torch"
-    import torch
-
     kernels = "torch" if settings().kernels == "torch" else "triton"
-    graphed = graphs_wanted(cuda_graphs, torch.device(device), tp=False,
+    graphed = graphs_wanted(cuda_graphs, device, tp=False,
                             activation_checkpointing=activation_checkpointing)
     return kernels + ("+graph" if graphed else "")
 

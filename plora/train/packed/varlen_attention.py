@@ -9,7 +9,8 @@ original call runs (padded batches, generation with a KV cache).
 Backends:
 
 - CUDA, half precision, a torch with ``torch.nn.attention.varlen.varlen_attn``: one
-  flash varlen launch for all rows (split-KV off, so a row's result does not depend on the
+  flash varlen launch for all rows (its ATen ops called directly where this torch allows:
+  `plora.train.packed.flash_varlen`) (split-KV off, so a row's result does not depend on the
   longest row of the batch); it reads the boundaries from a device tensor, so it can be
   replayed from a CUDA graph (`RowAttention.graph_safe`).
 - otherwise (the CPU path, float32 on CUDA): one causal SDPA per row. Each row's
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plora.train.packed.flash_varlen import flash_varlen
+
 _ATTR = "_plora_row_attention"
 
 
@@ -38,6 +41,11 @@ def _varlen_fn() -> Callable | None:
     except ImportError:
         return None
     return varlen_attn
+
+
+def _has_row_kernel() -> bool:
+    """Whether one flash launch can attend every row (`flash_varlen`, else torch's ``varlen_attn``)."""
+    return flash_varlen() is not None or _varlen_fn() is not None
 
 
 class RowAttention:
@@ -76,7 +84,7 @@ class RowAttention:
     def graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a step with these rows can be captured in a CUDA graph: only the varlen
         kernel reads its boundaries from the device (the per-row loop slices on the host)."""
-        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _has_row_kernel()
 
 
 class _RowAttentionCall:
@@ -122,6 +130,10 @@ _VARLEN_PARAMS: set[str] | None = None
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: RowAttention) -> torch.Tensor:
     """The flash varlen kernel over every row at once, [1, H, T, D] in and out."""
     global _VARLEN_PARAMS
+    direct = flash_varlen()  # the same ops, without importing torch._dynamo (`flash_varlen`)
+    if direct is not None:
+        qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]
+        return direct(qt, kt, vt, state.cu_seqlens, state.max_len).transpose(0, 1).unsqueeze(0)
     fn = _varlen_fn()
     if _VARLEN_PARAMS is None:
         _VARLEN_PARAMS = set(inspect.signature(fn).parameters)
