@@ -5,11 +5,11 @@ torch's ``torch.nn.attention.varlen.varlen_attn`` runs exactly these two ops
 op; but importing that module imports ``torch._dynamo`` (it marks an op as not for graphs),
 4.3-6.3 s of a job process's interpreter on the GPU machines, which either delayed a job's
 first step or shared the interpreter lock with its model load and set-up. This function
-calls the ops with the arguments ``varlen_attn`` gives them for causal rows with split-KV off
-(``window_size=(-1, 0)``, ``num_splits=1``: a row's result does not depend on the other rows
-of its batch), so the results are the same, and nothing imports dynamo. Where this torch's
-ops lack those arguments, `flash_varlen` is None and `plora.train.packed.varlen_attention`
-uses ``varlen_attn``.
+calls the ops with the arguments ``varlen_attn`` gives them for causal rows
+(``window_size=(-1, 0)``; ``num_splits=1``, split-KV off, where this torch has it: a row's
+result then does not depend on the other rows of its batch), so the results are the same,
+and nothing imports dynamo. Where this torch's ops lack the window arguments, `flash_varlen`
+is None and `plora.train.packed.varlen_attention` uses ``varlen_attn``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ import torch
 
 __all__ = ["flash_varlen"]
 
-_FORWARD_ARGS = {"window_size_left", "window_size_right", "num_splits"}
+_FORWARD_ARGS = {"window_size_left", "window_size_right"}
 _BACKWARD_ARGS = {"window_size_left", "window_size_right"}
+
+
+@lru_cache(maxsize=1)
+def _takes_num_splits() -> bool:
+    return "num_splits" in {a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments}
 
 
 class _CausalRows(torch.autograd.Function):
@@ -30,9 +35,12 @@ class _CausalRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+        # split-KV off where this torch can say so (varlen_attn's num_splits=1); where it
+        # cannot, varlen_attn leaves the choice to the kernel too
+        splits = {"num_splits": 1} if _takes_num_splits() else {}
         out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, max_len, max_len, 0.0, True, return_debug_mask=False, scale=None,
-            window_size_left=-1, window_size_right=0, num_splits=1)
+            window_size_left=-1, window_size_right=0, **splits)
         # no dropout: the state varlen_attn saves for the backward is a zero seed and offset
         rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
         ctx.save_for_backward(q, k, v, cu, out, lse, rng_state)
