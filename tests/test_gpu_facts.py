@@ -96,7 +96,7 @@ spec = load_spec(Path(sys.argv[1]))
 prep = prepare(spec, probe=False, check_model=False)  # (a sweep has the first job's process build it)
 print(json.dumps({"torch": "torch" in sys.modules, "gpu": prep.hardware.gpu, "slots": prep.hardware.slots,
                   "memory": prep.hardware.gpu_memory_bytes, "graphed": graphed_steps(prep.spec, prep.hardware),
-                  "jobs": len(prep.plan.jobs)}))
+                  "jobs": len(prep.plan.jobs), "makespan": prep.plan.makespan}))
 """
 
 
@@ -114,7 +114,11 @@ def test_a_gpu_sweep_is_planned_without_importing_torch(tmp_path):
     assert out.returncode == 0, out.stderr[-6000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     assert facts == {"torch": False, "gpu": True, "slots": 1, "memory": 85_045_395_456.0, "graphed": True,
-                     "jobs": facts["jobs"]} and facts["jobs"] >= 1
+                     "jobs": facts["jobs"], "makespan": facts["makespan"]} and facts["jobs"] >= 1
+    # nothing measured yet: each job's set-up, first steps, evals and saves are priced all the same
+    from plora.cost.sweep_model import GPU_JOB_OVERHEAD_S
+
+    assert facts["makespan"] >= GPU_JOB_OVERHEAD_S
 
 
 def test_without_torch_the_driver_answers_unless_torch_is_a_cpu_build(monkeypatch, driver):
