@@ -46,7 +46,7 @@ def test_the_first_import_of_dynamo_is_traced_to_its_importer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
-    assert "torch/nn/attention/varlen.py" in line and line.endswith("varlen_attention.py:40 (_varlen_fn)")
+    assert "torch/nn/attention/varlen.py" in line and "varlen_attention.py:" in line and line.endswith("(_varlen_fn)")
 
 
 @pytest.mark.gpu

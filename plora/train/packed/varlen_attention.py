@@ -9,10 +9,11 @@ original call runs (padded batches, generation with a KV cache).
 Backends:
 
 - CUDA, half precision, a torch with ``torch.nn.attention.varlen.varlen_attn``: one
-  flash varlen launch for all rows (its ATen ops called directly where this torch allows:
-  `plora.train.packed.flash_varlen`) (split-KV off, so a row's result does not depend on the
-  longest row of the batch); it reads the boundaries from a device tensor, so it can be
-  replayed from a CUDA graph (`RowAttention.graph_safe`).
+  flash varlen launch for all rows (split-KV off where the torch allows, so a row's result
+  does not depend on the longest row of the batch); it reads the boundaries from a device
+  tensor, so it can be replayed from a CUDA graph (`RowAttention.graph_safe`). Its ATen ops
+  are called directly where this torch's take the same arguments
+  (`plora.train.packed.flash_varlen`: no ``torch._dynamo`` import).
 - otherwise (the CPU path, float32 on CUDA): one causal SDPA per row. Each row's
   attention is then exactly what it would be alone, bit for bit.
 
@@ -130,10 +131,11 @@ _VARLEN_PARAMS: set[str] | None = None
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: RowAttention) -> torch.Tensor:
     """The flash varlen kernel over every row at once, [1, H, T, D] in and out."""
     global _VARLEN_PARAMS
+    qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]
+    cu = state.cu_seqlens
     direct = flash_varlen()  # the same ops, without importing torch._dynamo (`flash_varlen`)
     if direct is not None:
-        qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]
-        return direct(qt, kt, vt, state.cu_seqlens, state.max_len).transpose(0, 1).unsqueeze(0)
+        return direct(qt, kt, vt, cu, state.max_len).transpose(0, 1).unsqueeze(0)
     fn = _varlen_fn()
     if _VARLEN_PARAMS is None:
         _VARLEN_PARAMS = set(inspect.signature(fn).parameters)
@@ -144,8 +146,6 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: RowAttenti
         kwargs["is_causal"] = True
     if "num_splits" in _VARLEN_PARAMS:  # no split-KV: a row's result is independent of the others
         kwargs["num_splits"] = 1
-    qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]
-    cu = state.cu_seqlens
     out = fn(qt, kt, vt, cu, cu, state.max_len, state.max_len, **kwargs)
     return out.transpose(0, 1).unsqueeze(0)
 
