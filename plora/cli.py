@@ -211,7 +211,7 @@ def _prepare(space: Path, output: Optional[Path], *, probe: bool = False, warm: 
         if not fresh:
             _check_resumable(spec, output)
         first_model = _FirstModel(spec, warm)
-        first_model.send_early(output, probe=probe, fresh=fresh)  # on a thread: it imports torch meanwhile
+        first_model.send_early(output, probe=probe, fresh=fresh)  # on a thread, beside the data check
         prep = _plan(spec, output, probe=probe, fresh=fresh, on_cost_model=first_model.send)
         _model_checked()  # before anything is written or launched
     except BaseException:
@@ -255,9 +255,9 @@ class _FirstModel:
                                              random_init=m.random_init))
 
     def send_early(self, output: Optional[Path], *, probe: bool, fresh: bool) -> None:
-        """`send` now, on a thread (it needs torch, whose import this starts while the model
-        and data are checked: the GPU's name finds what was measured of the model), where
-        nothing can be measured before the plan (`plora.sweep.may_measure_before_planning`)."""
+        """`send` now, on a thread beside the data check (the GPU's name, `plora.gpu_facts`,
+        finds what was measured of the model), where nothing can be measured before the plan
+        (`plora.sweep.may_measure_before_planning`)."""
         import threading
 
         if not self.enabled:
@@ -301,7 +301,7 @@ def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False, on_
     from plora.planner import PlannerError
     from plora.sweep import prepare
 
-    try:  # the data is checked before the hardware is asked (torch: imported meanwhile, `_FirstModel.send_early`)
+    try:
         prep = prepare(spec, output, probe=probe, fresh=fresh,
                        check_model=_model_checked if _PENDING_CHECK else True, on_rows=_warm_kernels,
                        on_cost_model=on_cost_model,

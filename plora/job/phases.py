@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import traceback
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,28 +45,30 @@ def process_started_at() -> float | None:
 #: summary keeps them, to show whether the job waited for the spare's imports
 SPARE_MOMENTS: dict[str, float] = {}
 
-#: where this process first imported ``torch._dynamo`` (`watch_dynamo_import`): the
-#: innermost frame of plora's, torchtune's or torch's code that asked for it
+#: where this process first imported ``torch._dynamo`` (`watch_dynamo_import`): the two
+#: frames that imported it and plora's innermost frame then
 DYNAMO_IMPORTED_BY: list[str] = []
+
+
+class _DynamoWatch:
+    """A finder first on ``sys.meta_path`` that finds nothing itself: it looks at the name of
+    each module not imported yet, and notes who asks for ``torch._dynamo`` first."""
+
+    @staticmethod
+    def find_spec(name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch._dynamo" and not DYNAMO_IMPORTED_BY:
+            frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
+            ours = [f for f in frames if "/plora/" in f.filename and "phases.py" not in f.filename]
+            where = [f"{f.filename}:{f.lineno} ({f.name})" for f in (frames[-2:][::-1] + ours[-1:])]
+            DYNAMO_IMPORTED_BY.append(" via ".join(dict.fromkeys(where)) or "?")
+        return None
 
 
 def watch_dynamo_import() -> None:
     """Note who first imports ``torch._dynamo`` in this process (a job's summary says;
-    seconds of a job's start on the GPU machines): the two frames that imported it and plora's
-    innermost frame then. A finder first on ``sys.meta_path`` that finds nothing itself: it
-    looks at the name of each module not imported yet."""
-    class _Watch:
-        @staticmethod
-        def find_spec(name: str, path: Any = None, target: Any = None) -> None:
-            if name == "torch._dynamo" and not DYNAMO_IMPORTED_BY:
-                frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
-                ours = [f for f in frames if "/plora/" in f.filename and "phases.py" not in f.filename]
-                where = [f"{f.filename}:{f.lineno} ({f.name})" for f in (frames[-2:][::-1] + ours[-1:])]
-                DYNAMO_IMPORTED_BY.append(" via ".join(dict.fromkeys(where)) or "?")
-            return None
-
-    if not any(isinstance(f, type) and f.__name__ == "_Watch" for f in sys.meta_path):
-        sys.meta_path.insert(0, _Watch)
+    seconds of a job's start on the GPU machines)."""
+    if _DynamoWatch not in sys.meta_path:
+        sys.meta_path.insert(0, _DynamoWatch)
 
 
 class _EvalEvent:

@@ -1,9 +1,9 @@
 """A base model's folder: where it is (a shipped model, a GGUF file's converted folder, a
 shape's config-only folder) and what its config.json says, without torch.
 
-A sweep reads these while it plans, before anything it does needs torch: its import took
-4 to 5 s of a warm sweep's 10 s of planning on an H100 machine (`plora.cli` imports torch on a
-thread meanwhile). Building the model and loading its weights is `plora.models.loading`.
+A sweep reads these while it plans, and it plans without torch: its import took 4 to 5 s
+of a warm sweep's 10 s of planning on an H100 machine. Building the model and loading its
+weights is `plora.models.loading`.
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ references, whose first call imports it: 5.9 s of a spare's 12.3 s of imports on
 machine, for a job that compiles nothing. `defer_compiler_disable` makes that decorator wait
 for ``torch._dynamo`` to be loaded by something else (nothing can be compiling before), and
 `plora.models.loading.build_on_meta` computes the RoPE caches on the CPU. A job on a GPU
-still imports it once it runs (its first forward pass does, where a CPU job's does not), so
-a spare on a GPU imports it on a thread once it has said ready, while the sweep plans
-(`import_late_modules`): the spare is ready 6 s sooner, and its job does not pay for it.
+imported it in its first forward pass, through torch's varlen attention; it now calls the
+flash ops directly (`plora.train.packed.flash_varlen`). Where a torch's ops do not allow
+that, a spare on a GPU imports it on a thread once it has said ready, while the sweep plans
+(`import_late_modules`).
 
 On a GPU, ``torchtune.modules`` also compiles flex attention with ``torch.compile`` as it
 is imported, which imports ``torch._dynamo`` and the inductor: 6.3 s of an 11.5 s spare

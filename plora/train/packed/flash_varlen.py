@@ -21,23 +21,16 @@ import torch
 
 __all__ = ["flash_varlen"]
 
-_FORWARD_ARGS = {"window_size_left", "window_size_right"}
-_BACKWARD_ARGS = {"window_size_left", "window_size_right"}
-
-
-@lru_cache(maxsize=1)
-def _takes_num_splits() -> bool:
-    return "num_splits" in {a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments}
+#: what both ops must take for a causal window
+_WINDOW_ARGS = {"window_size_left", "window_size_right"}
 
 
 class _CausalRows(torch.autograd.Function):
     """``[T, H, D]`` query, key and value of rows bounded by ``cu`` (int32, on the device)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
-        # split-KV off where this torch can say so (varlen_attn's num_splits=1); where it
-        # cannot, varlen_attn leaves the choice to the kernel too
-        splits = {"num_splits": 1} if _takes_num_splits() else {}
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                splits: dict) -> torch.Tensor:
         out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, max_len, max_len, 0.0, True, return_debug_mask=False, scale=None,
             window_size_left=-1, window_size_right=0, **splits)
@@ -54,11 +47,7 @@ class _CausalRows(torch.autograd.Function):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad_out, q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_state, unused,
             scale=None, window_size_left=-1, window_size_right=0)
-        return dq, dk, dv, None, None
-
-
-def _causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
-    return _CausalRows.apply(q, k, v, cu, int(max_len))
+        return dq, dk, dv, None, None, None
 
 
 @lru_cache(maxsize=1)
@@ -70,6 +59,13 @@ def flash_varlen() -> Callable[..., torch.Tensor] | None:
         backward = {a.name for a in torch.ops.aten._flash_attention_backward.default._schema.arguments}
     except (AttributeError, RuntimeError):
         return None
-    if not (_FORWARD_ARGS <= forward and _BACKWARD_ARGS <= backward):
+    if not (_WINDOW_ARGS <= forward and _WINDOW_ARGS <= backward):
         return None
-    return _causal_rows
+    # split-KV off where this torch can say so (varlen_attn's num_splits=1); where it cannot,
+    # varlen_attn leaves the choice to the kernel too
+    splits = {"num_splits": 1} if "num_splits" in forward else {}
+
+    def causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+        return _CausalRows.apply(q, k, v, cu, int(max_len), splits)
+
+    return causal_rows
