@@ -44,11 +44,15 @@ CPU_SHARE = "PLORA_CPU_SHARE"
 CPUS = "PLORA_CPUS"
 #: seconds between two progress lines of a running job in a log
 LOG_PROGRESS_S = "PLORA_LOG_PROGRESS_S"
+#: how a GGUF file becomes a model folder: "auto" (plora's own reader where it knows the file's
+#: layout, else transformers) or "transformers" (always through transformers' model classes)
+GGUF_CONVERTER = "PLORA_GGUF_CONVERTER"
 #: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
 REPORT_RUN_DIR = "PLORA_RUN_DIR"
 REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
+GGUF_CONVERTER_CHOICES = ("auto", "transformers")
 DEFAULT_LOG_PROGRESS_S = 30.0
 _OFF = ("0", "false", "no", "off")
 
@@ -72,6 +76,8 @@ class Settings:
     cpu_share: bool
     cpus: str | None
     log_progress_s: float
+    #: "auto" or "transformers" (`GGUF_CONVERTER`); anything else reads as "auto"
+    gguf_converter: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -95,6 +101,7 @@ class Settings:
             cpus=env.get(CPUS) or None,
             log_progress_s=max(0.0, _float(env.get(LOG_PROGRESS_S)) if _float(env.get(LOG_PROGRESS_S)) is not None
                                else DEFAULT_LOG_PROGRESS_S),
+            gguf_converter=_choice(env.get(GGUF_CONVERTER), GGUF_CONVERTER_CHOICES),
         )
 
     @property
@@ -118,6 +125,12 @@ def _threads(text: str | None) -> int | None:
         return max(0, int(text))
     except ValueError:
         return None
+
+
+def _choice(text: str | None, choices: tuple[str, ...]) -> str:
+    """``text`` where it is one of ``choices`` (any case), else the first (the default)."""
+    value = (text or "").strip().lower()
+    return value if value in choices else choices[0]
 
 
 def _float(text: str | None) -> float | None:

@@ -167,3 +167,23 @@ def test_a_head_first_conversion_with_its_weights_ahead_makes_the_same_folder(fo
         assert (head / name).read_bytes() == (folder / name).read_bytes(), name
     marker = json.loads((head / "plora-gguf.json").read_text())
     assert marker["sha256"] == json.loads((folder / "plora-gguf.json").read_text())["sha256"]
+
+
+def test_plora_converts_the_file_as_transformers_does(folder, tmp_path, monkeypatch):
+    """The folder a sweep reads is plora's own conversion (no torch, no transformers): its
+    tokenizer and tensors are byte for byte those of transformers' conversion, and its config
+    loads into the same transformers config."""
+    from transformers import AutoConfig
+
+    from plora.models import gguf
+
+    assert json.loads((folder / "plora-gguf.json").read_text())["converter"] == "plora"
+    monkeypatch.setenv("PLORA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PLORA_GGUF_CONVERTER", "transformers")
+    theirs = gguf.gguf_folder(MODEL)
+    assert json.loads((theirs / "plora-gguf.json").read_text())["converter"] == "transformers"
+    for name in ("tokenizer.json", "chat_template.jinja", "model.safetensors"):
+        assert (folder / name).read_bytes() == (theirs / name).read_bytes(), name
+    names = ("_name_or_path", "_model_name_or_path", "transformers_version")
+    a, b = (AutoConfig.from_pretrained(f).to_dict() for f in (folder, theirs))
+    assert {k: v for k, v in a.items() if k not in names} == {k: v for k, v in b.items() if k not in names}

@@ -299,9 +299,37 @@ def _import_readers(file: Path, *, torch_too: bool) -> None:
         raise GGUFError(f"{file}: reading GGUF models needs {' and '.join(GGUF_READERS)}: run {GGUF_READERS_INSTALL} ({e})")
 
 
+def _native(file: Path, dtype: str):
+    """``(header, layout)`` where plora converts this file itself (`plora.models.gguf_native`),
+    else why not (one line; transformers converts it)."""
+    if settings().gguf_converter == "transformers":
+        return "PLORA_GGUF_CONVERTER=transformers"
+    from plora.models.gguf_file import GGUFFormatError, read_gguf
+    from plora.models.gguf_native import layout
+
+    try:
+        header = read_gguf(file)
+    except (GGUFFormatError, OSError) as e:
+        return f"header not read: {e}"
+    found = layout(header, dtype)
+    return found if isinstance(found, str) else (header, found)
+
+
 def _convert_head(file: Path, out: Path, dtype: str) -> None:
     """Config, generation config, tokenizer and chat template, as the whole model's
-    conversion writes them, without the weights (no model built, nothing dequantized)."""
+    conversion writes them, without the weights (no model built, nothing dequantized):
+    by plora's own reader where it knows the file (in well under a second), else by
+    transformers (whose imports alone took 11–13 s on first use on GPU hosts)."""
+    t0 = time.perf_counter()
+    native = _native(file, dtype)
+    if not isinstance(native, str):
+        from plora.models.gguf_native import write_head
+
+        seconds = {"read": time.perf_counter() - t0}
+        write_head(*native, out, dtype)
+        seconds["written"] = time.perf_counter() - t0 - seconds["read"]
+        _write_head_marker(file, out, dtype, seconds, converter="plora")
+        return
     t_imports = time.perf_counter()
     _import_readers(file, torch_too=False)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -329,16 +357,33 @@ def _convert_head(file: Path, out: Path, dtype: str) -> None:
     tokenizer.save_pretrained(str(out))
     if getattr(tokenizer, "chat_template", None) and not (out / "chat_template.jinja").is_file():
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    _write_head_marker(file, out, dtype, seconds, converter="transformers", not_native=native)
+
+
+def _write_head_marker(file: Path, out: Path, dtype: str, seconds: dict[str, float], *, converter: str,
+                       not_native: str | None = None) -> None:
+    """The head's marker: what it was made of, how, and by which converter (the weights are
+    made by the same one, so that the folder's config and tensors agree)."""
     st = file.stat()
     head = {"source": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": dtype,
-            "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+            "converter": converter, "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+    if not_native:
+        head["not_native"] = not_native
     (out / _HEAD_MARKER).write_text(json.dumps(head, indent=2))
 
 
 def _convert_weights(file: Path, folder: Path, dtype: str) -> None:
-    """Dequantize through transformers (in float32), cast to ``dtype`` and add the
-    safetensors to ``folder``, whose head is made here where nobody has made it by then
-    (`converted_folder`); the finished marker is written last."""
+    """Dequantize (in float32), cast to ``dtype`` and add the safetensors to ``folder``, whose
+    head is made here where nobody has made it by then (`converted_folder`); the finished
+    marker is written last. By the converter that made the head: plora's own reader (a
+    second or two, no torch), else transformers' model classes."""
+    head = _json_or_none(folder / _HEAD_MARKER)
+    if head is None and not isinstance(_native(file, dtype), str):  # no head yet, and plora's to make
+        converted_folder(file, dtype, weights=False)
+        head = _json_or_none(folder / _HEAD_MARKER)
+    if (head or {}).get("converter") == "plora":
+        _convert_weights_natively(file, folder, dtype)
+        return
     t_imports = time.perf_counter()
     _import_readers(file, torch_too=True)
     import torch
@@ -373,10 +418,40 @@ def _convert_weights(file: Path, folder: Path, dtype: str) -> None:
                 os.replace(scratch / name, folder / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    _write_finished_marker(file, folder, dtype, seconds, converter="transformers")
+
+
+def _convert_weights_natively(file: Path, folder: Path, dtype: str) -> None:
+    """The weights of a head that plora's reader made (`plora.models.gguf_native`)."""
+    from plora.models.gguf_file import GGUFFormatError, read_gguf
+    from plora.models.gguf_native import layout, write_weights
+
+    t0 = time.perf_counter()
+    try:
+        header = read_gguf(file)
+        found = layout(header, dtype)
+        if isinstance(found, str):  # the file changed under the same name, size and time
+            raise GGUFFormatError(f"its head was made by plora but now: {found}; delete {folder} to convert again")
+        seconds = {"read": time.perf_counter() - t0}
+        scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.weights.", dir=folder.parent))
+        try:
+            write_weights(header, found, scratch, dtype)
+            for part in sorted(scratch.iterdir()):
+                os.replace(part, folder / part.name)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001 - any reader failure is one line naming the file
+        raise _failure(file, e) from None
+    seconds["weights"] = time.perf_counter() - t0 - seconds["read"]
+    _write_finished_marker(file, folder, dtype, seconds, converter="plora")
+
+
+def _write_finished_marker(file: Path, folder: Path, dtype: str, seconds: dict[str, float], *, converter: str) -> None:
+    """Written last: the folder is finished, weights included (atomically, by rename)."""
     head = _json_or_none(folder / _HEAD_MARKER) or {}
     seconds = {**{f"head_{k}": v for k, v in head.get("seconds", {}).items()}, **seconds}
     marker = {"source": str(file.resolve()), "size": file.stat().st_size, "sha256": _sha256(file), "dtype": dtype,
-              "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+              "converter": converter, "seconds": {k: round(v, 3) for k, v in seconds.items()}}
     scratch_marker = folder / f".{_MARKER_FILE}.{os.getpid()}"
     scratch_marker.write_text(json.dumps(marker, indent=2))
     os.replace(scratch_marker, folder / _MARKER_FILE)
