@@ -114,9 +114,9 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
     head_dim = _head_dim(md)
     if "llama.attention.key_length" in md and int(md["llama.attention.key_length"]) != head_dim:
         return "attention.key_length differs from the RoPE dimension"
-    if dtype == "bfloat16" and not _has_module("ml_dtypes"):
+    if dtype == "bfloat16" and not _imports("ml_dtypes"):
         return "bfloat16 needs ml_dtypes"
-    if not _has_module("gguf"):
+    if not _imports("gguf"):
         return "no gguf package"
     names = {}
     for name in g.tensors:
@@ -145,10 +145,15 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
     return NativeLayout(blocks, heads, kv_heads, names)
 
 
-def _has_module(name: str) -> bool:
-    import importlib.util
+def _imports(name: str) -> bool:
+    """Whether ``name`` imports (a wheel built against another numpy fails only there)."""
+    import importlib
 
-    return importlib.util.find_spec(name) is not None
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - any failure: the other converter
+        return False
+    return True
 
 
 def _head_dim(md: dict[str, Any]) -> int:
