@@ -139,7 +139,8 @@ def warmer_answer(caches: Path, since: float) -> dict | None:
 def gguf_seconds(caches: Path) -> dict | None:
     """The GGUF conversion's parts (`plora.models.gguf`), where this run converted one."""
     for marker in sorted((caches / "plora" / "gguf").glob("*/plora-gguf.json")):
-        return json.loads(marker.read_text()).get("seconds")
+        found = json.loads(marker.read_text())
+        return {**(found.get("seconds") or {}), "converter": found.get("converter", "transformers")}
     return None
 
 
