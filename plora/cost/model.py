@@ -58,6 +58,7 @@ from plora.data.accumulation import accumulation_steps, micro_rows
 from plora.cost.job import EvalLoad, JobOverheads
 from plora.models.families.targets import resolve_lora_targets
 from plora.models.shape import ModelShape
+from plora.spec.defaults import EVAL_BATCH_ROWS
 from plora.quantize.cost import base_weight_bytes, dequant_step_bytes, dequant_workspace_bytes
 
 __all__ = [
@@ -312,7 +313,10 @@ class CostModel:
         activations are gone by then) of `eval_bytes_per_token` a token, and one head chunk
         (the loss and the next-token choice read the LM head chunk by chunk, never a
         batch's full logits). The batch holds at most ``batch_rows`` rows, and no more than
-        the eval memory budget where one is set. 0 when the sweep's eval is not known."""
+        the eval memory budget where one is set. 0 when the sweep's eval is not known.
+        A GPU's larger row cap (`plora.spec.defaults.EVAL_BATCH_ROWS_GPU`) only takes what is
+        free when the eval runs (half of it: `plora.results.evaluate.eval_token_budget`), so
+        the batch is priced at the CPU's cap, the rows an eval needs to run as it used to."""
         ev = self.eval_load
         if ev is None or ev.samples <= 0 or not adapters:
             return 0.0
@@ -321,7 +325,7 @@ class CostModel:
         groups: dict[int, int] = {}
         for a in adapters:
             groups[a.steps] = groups.get(a.steps, 0) + 1
-        rows = min(ev.batch_rows, max(groups.values()) * ev.samples)
+        rows = min(ev.batch_rows, EVAL_BATCH_ROWS, max(groups.values()) * ev.samples)
         batch = self.eval_bytes_per_token(d) * rows * ev.row_tokens + (EVAL_HEAD_BYTES if self._shaped else 0.0)
         if ev.budget_bytes is not None:
             batch = min(batch, float(ev.budget_bytes))

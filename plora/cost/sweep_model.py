@@ -171,7 +171,7 @@ def priced_for_sweep(spec: SweepSpec, cost_model: CostModel, hw: Hardware, lengt
     rows = train_row_tokens(spec, graphed=graphed, length_buckets=length_buckets, lengths=lengths,
                             row_layout=row_layout)
     widest = widest_train_row(spec, graphed=graphed, lengths=lengths, row_layout=row_layout) if hw.gpu else None
-    return cost_model.for_eval(eval_load_for(spec)).for_rows(rows, widest)
+    return cost_model.for_eval(eval_load_for(spec, hw.gpu)).for_rows(rows, widest)
 
 
 def sweep_cost_model(spec: SweepSpec, run_dir: Path | None, *, probe: bool = False,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from plora.cost.job import EvalLoad
 from plora.data.row_layout import priced_row_tokens
 from plora.results.metrics import generated_metrics
+from plora.spec.defaults import eval_batch_rows
 
 if TYPE_CHECKING:
     from plora.spec.schema import SweepSpec
@@ -139,10 +140,12 @@ def widest_train_row(spec: "SweepSpec", *, graphed: bool = False, lengths: list[
                              max_seq_len=int(spec.model.max_seq_len))
 
 
-def eval_load_for(spec: "SweepSpec") -> EvalLoad | None:
+def eval_load_for(spec: "SweepSpec", gpu: bool | None = None) -> EvalLoad | None:
     """The eval one adapter of a sweep gets: its eval rows (at most ``max_eval_samples``), their
-    mean tokens and prompt tokens under the model's tokenizer, and the tokens generated per
-    row (``eval.max_new_tokens`` when a metric decodes answers). None without eval rows.
+    mean tokens and prompt tokens under the model's tokenizer, the tokens generated per row
+    (``eval.max_new_tokens`` when a metric decodes answers), and the rows one eval forward
+    takes on the sweep's device (``gpu``; None: as `plora.hardware.sweep_on_gpu` says). None
+    without eval rows.
 
     Where the rows cannot be tokenized here, each counts as ``max_seq_len`` tokens."""
     from plora.data.dataset import load_split
@@ -169,5 +172,10 @@ def eval_load_for(spec: "SweepSpec") -> EvalLoad | None:
     except Exception:  # noqa: BLE001 - pricing only: the job itself reports bad data
         count, row, prompt = min(len(examples), cap), float(seq), float(seq)
     scored = spec.scored_epochs
+    if gpu is None:
+        from plora.hardware import sweep_on_gpu
+
+        gpu = sweep_on_gpu(spec)
     return EvalLoad(samples=count, row_tokens=float(row), prompt_tokens=float(prompt), max_new_tokens=new,
+                    batch_rows=eval_batch_rows(spec.eval.batch_rows, "cuda" if gpu else "cpu"),
                     evals=int(scored) if isinstance(scored, int) else 1)

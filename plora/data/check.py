@@ -41,6 +41,7 @@ def eval_config(spec: "SweepSpec") -> JobEval:
         choices=list(spec.eval.choices) if spec.eval.choices is not None else None,
         choices_column=spec.eval.choices_column,
         python_path=metric_paths(spec.eval.metrics),
+        batch_rows=spec.eval.batch_rows,
     )
 
 

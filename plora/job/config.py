@@ -187,7 +187,8 @@ class JobEval(_Section):
     choices: list[str] | None = None  # choice_accuracy: the labels of every row
     choices_column: str | None = None  # or a column of each row's own choices
     python_path: list[str] = Field(default_factory=list)  # where user metrics are imported from
-    batch_rows: int = Field(D.EVAL_BATCH_ROWS, ge=1)  # rows an eval forward takes at once
+    #: rows an eval forward takes at once; None: by the job's device (`plora.spec.defaults.eval_batch_rows`)
+    batch_rows: int | None = Field(None, ge=1)
     token_budget: int | None = Field(None, ge=1)  # tokens of one eval batch; None: from device memory
 
 

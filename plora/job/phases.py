@@ -75,8 +75,9 @@ class _EvalEvent:
     """One packed eval of adapters leaving together (or due an intermediate eval)."""
 
     def __init__(self, clock: "PhaseClock", adapters: int, max_new_tokens: int, device: Any,
-                 samples: int | None = None):
+                 samples: int | None = None, batch_rows: int | None = None):
         self.clock, self.adapters, self.max_new_tokens = clock, adapters, max_new_tokens
+        self.batch_rows = batch_rows
         self.samples = clock.eval_rows if samples is None else int(samples)
         self.cuda = getattr(device, "type", str(device)) == "cuda"
         self.device = device
@@ -90,6 +91,8 @@ class _EvalEvent:
         row: dict[str, Any] = {"adapters": self.adapters, "samples": self.samples,
                                "max_new_tokens": self.max_new_tokens,
                                "seconds": time.perf_counter() - self.t0}
+        if self.batch_rows is not None:  # what the cost model's fit counts the forwards by
+            row["batch_rows"] = int(self.batch_rows)
         if self.cuda:
             import torch
 
@@ -183,11 +186,12 @@ class PhaseClock:
             if footprint is not None:
                 phase["device_bytes"] = footprint
 
-    def eval_event(self, adapters: int, max_new_tokens: int, device: Any, samples: int | None = None) -> _EvalEvent:
+    def eval_event(self, adapters: int, max_new_tokens: int, device: Any, samples: int | None = None,
+                   batch_rows: int | None = None) -> _EvalEvent:
         """Start timing one eval of ``adapters`` adapters (``max_new_tokens`` 0: no generation)
         on ``samples`` eval rows (default: the whole eval set); call ``done()`` on the result
         when it has finished."""
-        return _EvalEvent(self, adapters, max_new_tokens, device, samples)
+        return _EvalEvent(self, adapters, max_new_tokens, device, samples, batch_rows)
 
     def saved(self, adapters: int, seconds: float) -> None:
         self.saves.append({"adapters": int(adapters), "seconds": float(seconds)})

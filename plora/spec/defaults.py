@@ -42,3 +42,15 @@ MAX_NEW_TOKENS = 16
 INTERMEDIATE_SAMPLES = 32
 #: rows an eval forward takes at once (a job's ``eval.batch_rows``; what the cost model prices an eval at)
 EVAL_BATCH_ROWS = 256
+#: the same on a GPU, where an eval forward's own cost is mostly fixed (launches, the host's
+#: work: about 0.1 s for SmolLM2-135M on an H200 whether it holds 16k tokens or 190k), so few
+#: large forwards beat many small ones; the device's free memory still caps each one's tokens
+#: (`plora.results.evaluate.eval_token_budget`)
+EVAL_BATCH_ROWS_GPU = 2048
+
+
+def eval_batch_rows(configured: int | None, device_type: str) -> int:
+    """Rows an eval forward takes at once: ``eval.batch_rows`` where set, else by device."""
+    if configured is not None:
+        return int(configured)
+    return EVAL_BATCH_ROWS_GPU if device_type == "cuda" else EVAL_BATCH_ROWS

@@ -275,6 +275,10 @@ class EvalConfig(_Model):
     intermediate_samples: int = Field(D.INTERMEDIATE_SAMPLES, ge=1)
     choices: Optional[list[str]] = None  # choice_accuracy: the label choices of every row
     choices_column: Optional[str] = Field(None, min_length=1)  # or: a column with each row's own choices
+    # rows one eval forward takes at once (every adapter's rows counted); default: 256 on a
+    # CPU, 2048 on a GPU (`plora.spec.defaults.eval_batch_rows`); the device's free memory
+    # still caps each forward's tokens
+    batch_rows: Optional[int] = Field(None, ge=1)
 
     @field_validator("metrics")
     @classmethod

@@ -22,6 +22,7 @@ from plora.job.config import JobEval
 from plora.job.phases import PhaseClock
 from plora.results.evaluate import evaluate_adapters
 from plora.results.metrics import generated_metrics, metric_name
+from plora.spec.defaults import eval_batch_rows
 from plora.train.adapter_run import AdapterRun
 from plora.train.packed.inject import PackedModel
 
@@ -50,14 +51,20 @@ class Evaluator:
             self.pm, adapters, self.samples if samples is None else samples,
             self.examples if examples is None else examples, self.tok,
             metrics=metrics, max_new_tokens=max_new_tokens, max_seq_len=self.max_seq_len,
-            device=self.device, batch_rows=self.cfg.batch_rows, token_budget=self.cfg.token_budget,
+            device=self.device, batch_rows=self.batch_rows, token_budget=self.cfg.token_budget,
         )
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows one eval forward takes (the job's ``eval.batch_rows``, else by device)."""
+        return eval_batch_rows(self.cfg.batch_rows, self.device.type)
 
     def full(self, adapters: list[int], metrics: list[str]) -> list[dict[str, float]]:
         """Every metric of ``metrics`` on the whole eval set (an adapter's final or epoch-end
         scores), timed as one eval event. The room is the caller's to make."""
         max_new = self.cfg.max_new_tokens
-        clock = self.clock.eval_event(len(adapters), max_new if generated_metrics(metrics) else 0, self.device)
+        clock = self.clock.eval_event(len(adapters), max_new if generated_metrics(metrics) else 0, self.device,
+                                     batch_rows=self.batch_rows)
         out = self.evaluate(adapters, metrics=metrics, max_new_tokens=max_new)
         clock.done()
         return out
@@ -92,7 +99,7 @@ class Evaluator:
         ids = [r.index for r in due]
         objective = self.objective_metric()
         loss_metrics = ["loss"] + (["perplexity"] if objective == "perplexity" else [])
-        clock = self.clock.eval_event(len(due), 0, self.device)
+        clock = self.clock.eval_event(len(due), 0, self.device, batch_rows=self.batch_rows)
         metrics = self.evaluate(ids, metrics=loss_metrics, max_new_tokens=1)
         clock.done()
         scored: dict[str, Any] = {"objective": self.cfg.objective} if self.cfg.objective else {}
@@ -100,7 +107,7 @@ class Evaluator:
             samples, examples = self.intermediate_slice()
             max_new = self.cfg.max_new_tokens
             clock = self.clock.eval_event(len(due), max_new if generated_metrics([objective]) else 0, self.device,
-                                          samples=len(samples))
+                                          samples=len(samples), batch_rows=self.batch_rows)
             for m, o in zip(metrics, self.evaluate(ids, metrics=[objective], max_new_tokens=max_new,
                                                    samples=samples, examples=examples)):
                 m.update(o)
