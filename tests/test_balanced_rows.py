@@ -159,3 +159,35 @@ def test_a_graphed_sweep_of_varied_rows_resolves_to_balanced_and_prices_it():
     price = balanced_row_tokens(LENGTHS)
     assert mean < price < 1.15 * mean
     assert price < priced_row_tokens("auto", graphed=True, lengths=LENGTHS, max_seq_len=512, length_buckets=8)
+
+
+def _dealt_by_scanning(rows, lengths, batch_size):
+    """The deal as first written: each row, longest first, into the emptiest batch with room
+    (ties: the first), found by looking at every batch."""
+    n = len(rows)
+    k = -(-n // batch_size)
+    room = [batch_size] * k
+    if n % batch_size:
+        room[-1] = n % batch_size
+    batches, totals = [[] for _ in range(k)], [0] * k
+    for i in sorted(rows, key=lambda r: (-int(lengths[r]), r)):
+        j = min((b for b in range(k) if len(batches[b]) < room[b]), key=lambda b: (totals[b], b))
+        batches[j].append(int(i))
+        totals[j] += int(lengths[i])
+    return batches
+
+
+def test_the_heap_deals_the_batches_the_scan_dealt():
+    """The deal keeps its batches on a heap now; every batch is the one the scan made (rows
+    with equal lengths included: ties go to the first batch, as before)."""
+    import random
+
+    from plora.data.balanced_stream import balanced_batches
+
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 300)
+        lengths = [rng.choice([rng.randint(1, 400), 16, 32]) for _ in range(n + 5)]
+        rows = rng.sample(range(n + 5), n)
+        b = rng.choice([1, 2, 3, 4, 7, 8, 16])
+        assert balanced_batches(rows, lengths, b) == _dealt_by_scanning(rows, lengths, b)

@@ -19,6 +19,8 @@ alone. A step's segment is then sized once for all of an adapter's steps
 
 from __future__ import annotations
 
+import heapq
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,11 +53,14 @@ def balanced_batches(rows: Sequence[int], lengths: Sequence[int], batch_size: in
     if n % batch_size:
         room[-1] = n % batch_size
     batches: list[list[int]] = [[] for _ in range(k)]
-    totals = [0] * k
+    # the batches with room, emptiest first (ties: the first): a heap of (total, batch), where a
+    # scan of every batch per row took a sweep's planning 0.8 s for its four epochs' pricing
+    open_ = [(0, b) for b in range(k)]
     for i in sorted(rows, key=lambda r: (-int(lengths[r]), r)):
-        j = min((b for b in range(k) if len(batches[b]) < room[b]), key=lambda b: (totals[b], b))
+        total, j = heapq.heappop(open_)
         batches[j].append(int(i))
-        totals[j] += int(lengths[i])
+        if len(batches[j]) < room[j]:
+            heapq.heappush(open_, (total + int(lengths[i]), j))
     return batches
 
 
