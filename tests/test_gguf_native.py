@@ -35,7 +35,8 @@ def _alphabet() -> list[str]:
 
 
 def write_tiny_llama(path: Path, *, pre: str = "llama-bpe", add_bos: bool = True, tied: bool = False,
-                     arch: str = "llama", extra_tensors: dict | None = None, extra_kv: dict | None = None) -> Path:
+                     arch: str = "llama", extra_tensors: dict | None = None, extra_kv: dict | None = None,
+                     kv_per_layer: bool = False) -> Path:
     import gguf as g
 
     rng = np.random.default_rng(0)
@@ -52,7 +53,7 @@ def write_tiny_llama(path: Path, *, pre: str = "llama-bpe", add_bos: bool = True
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
-    w.add_head_count_kv(kv)
+    w.add_head_count_kv([kv] * layers if kv_per_layer else kv)
     w.add_rope_dimension_count(hidden // heads)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
@@ -199,6 +200,7 @@ def test_the_native_folder_reads_into_plora_as_transformers_folder_does(tmp_path
     (dict(pre="qwen2"), "pre-tokenizer 'qwen2'"),
     (dict(extra_tensors={"blk.0.attn_q.bias": (64,)}), "tensor 'blk.0.attn_q.bias'"),
     (dict(extra_kv={"llama.rope.scaling.factor": 8.0}), "RoPE scaling"),
+    (dict(kv_per_layer=True), "llama.attention.head_count_kv is not one number"),
 ])
 def test_what_the_native_path_does_not_know_is_left_to_transformers(tmp_path, change, reason):
     from plora.models.gguf_native import layout

@@ -109,11 +109,17 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
                 "llama.attention.head_count", "llama.context_length", "llama.attention.layer_norm_rms_epsilon"):
         if not isinstance(md.get(key), (int, float)):
             return f"{key} missing"
+    for key in ("llama.attention.head_count_kv", "llama.rope.dimension_count", "llama.attention.key_length",
+                "llama.rope.freq_base", "llama.vocab_size"):
+        if key in md and not isinstance(md[key], (int, float)):  # a per-layer array, say
+            return f"{key} is not one number"
     blocks, heads = int(md["llama.block_count"]), int(md["llama.attention.head_count"])
     kv_heads = int(md.get("llama.attention.head_count_kv", heads))
     head_dim = _head_dim(md)
     if "llama.attention.key_length" in md and int(md["llama.attention.key_length"]) != head_dim:
         return "attention.key_length differs from the RoPE dimension"
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads or head_dim % 2:
+        return f"{heads} heads, {kv_heads} key/value heads of {head_dim}"
     if dtype == "bfloat16" and not _imports("ml_dtypes"):
         return "bfloat16 needs ml_dtypes"
     if not _imports("gguf"):
@@ -132,6 +138,12 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
     expected = {f"blk.{i}.{n}" for i in range(blocks) for n in _BLOCK_NAMES} | {"token_embd.weight", "output_norm.weight"}
     if missing := sorted(expected - set(names)):
         return f"tensor {missing[0]!r} missing"
+    hidden = int(md["llama.embedding_length"])
+    for i in range(blocks):  # what un-permuting q and k reshapes by
+        for part, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim)):
+            shape = g.tensors[f"blk.{i}.{part}.weight"].shape
+            if shape != (rows, hidden):
+                return f"tensor 'blk.{i}.{part}.weight' of shape {shape}, not {(rows, hidden)}"
     from gguf import GGMLQuantizationType
     from gguf.quants import _type_traits  # what gguf dequantizes in numpy (F32 and F16 besides)
 
