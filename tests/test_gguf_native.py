@@ -36,16 +36,17 @@ def _alphabet() -> list[str]:
 
 def write_tiny_llama(path: Path, *, pre: str = "llama-bpe", add_bos: bool = True, tied: bool = False,
                      arch: str = "llama", extra_tensors: dict | None = None, extra_kv: dict | None = None,
-                     kv_per_layer: bool = False) -> Path:
+                     kv_per_layer: bool = False, kv_missing: bool = False, extra_tokens: tuple[str, ...] = (),
+                     bos: str = "<|begin_of_text|>") -> Path:
     import gguf as g
 
     rng = np.random.default_rng(0)
     hidden, ff, heads, kv, layers = 64, 128, 4, 2, 2
     merges = ["Ġ t", "h e", "t h", "Ġt he", "i t"]
     merged = ["Ġt", "he", "th", "Ġthe", "it"]
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-    tokens = _alphabet() + merged + specials + ["<think>", "</think>"]
-    types = [1] * (256 + len(merged)) + [3] * len(specials) + [4, 4]
+    specials = [bos, "<|end_of_text|>", "<|eot_id|>"]
+    tokens = _alphabet() + merged + specials + ["<think>", "</think>"] + list(extra_tokens)
+    types = [1] * (256 + len(merged)) + [3] * len(specials) + [4, 4] + [1] * len(extra_tokens)
     w = g.GGUFWriter(str(path), arch)
     w.add_name("tiny llama")
     w.add_block_count(layers)
@@ -53,7 +54,8 @@ def write_tiny_llama(path: Path, *, pre: str = "llama-bpe", add_bos: bool = True
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
-    w.add_head_count_kv([kv] * layers if kv_per_layer else kv)
+    if not kv_missing:
+        w.add_head_count_kv([kv] * layers if kv_per_layer else kv)
     w.add_rope_dimension_count(hidden // heads)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
@@ -63,7 +65,7 @@ def write_tiny_llama(path: Path, *, pre: str = "llama-bpe", add_bos: bool = True
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    w.add_bos_token_id(tokens.index(bos))
     w.add_eos_token_id(tokens.index("<|eot_id|>"))
     w.add_pad_token_id(tokens.index("<|end_of_text|>"))
     w.add_add_bos_token(add_bos)
@@ -120,13 +122,30 @@ def test_the_header_reads_as_ggufs_own_reader_reads_it(tmp_path):
         == {n: (t.dims, t.ggml_type, t.offset) for n, t in ours.tensors.items()}
 
 
-@pytest.mark.parametrize("damage", ["magic", "cut", "empty"])
+@pytest.mark.parametrize("damage", ["magic", "cut", "empty", "not utf-8", "big-endian"])
 def test_a_damaged_header_is_one_error(tmp_path, damage):
     file = write_tiny_llama(tmp_path / "m.gguf")
     raw = file.read_bytes()
-    file.write_bytes({"magic": b"GGUX" + raw[4:], "cut": raw[:2000], "empty": b""}[damage])
+    at = raw.index(b"<|eot_id|>")
+    file.write_bytes({"magic": b"GGUX" + raw[4:], "cut": raw[:2000], "empty": b"",
+                      "not utf-8": raw[:at] + b"\xff" + raw[at + 1:],
+                      "big-endian": raw[:4] + (3).to_bytes(4, "big") + raw[8:]}[damage])
     with pytest.raises(GGUFFormatError):
         read_gguf(file)
+
+
+def test_a_head_plora_cannot_write_is_written_by_transformers(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from plora.models import gguf_native
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("token out of vocabulary")
+
+    monkeypatch.setattr(gguf_native, "write_head", fail)
+    folder = _convert(write_tiny_llama(tmp_path / "m.gguf"), tmp_path / "cache", "float32", "auto", monkeypatch)
+    head = json.loads((folder / "plora-gguf-head.json").read_text())
+    assert head["converter"] == "transformers" and "token out of vocabulary" in head["not_native"]
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
 
 
 def _convert(file: Path, cache: Path, dtype: str, converter: str, monkeypatch) -> Path:
@@ -201,6 +220,9 @@ def test_the_native_folder_reads_into_plora_as_transformers_folder_does(tmp_path
     (dict(extra_tensors={"blk.0.attn_q.bias": (64,)}), "tensor 'blk.0.attn_q.bias'"),
     (dict(extra_kv={"llama.rope.scaling.factor": 8.0}), "RoPE scaling"),
     (dict(kv_per_layer=True), "llama.attention.head_count_kv is not one number"),
+    (dict(kv_missing=True), "llama.attention.head_count_kv missing"),
+    (dict(extra_tokens=(" t",)), "two tokens spelled alike in the byte alphabet"),
+    (dict(bos="<｜begin▁of▁sentence｜>"), "special token '<｜begin▁of▁sentence｜>' not in the byte alphabet"),
 ])
 def test_what_the_native_path_does_not_know_is_left_to_transformers(tmp_path, change, reason):
     from plora.models.gguf_native import layout

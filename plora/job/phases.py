@@ -99,6 +99,10 @@ class _EvalEvent:
             torch.cuda.synchronize(self.device)
             row["seconds"] = time.perf_counter() - self.t0
             row["peak_reserved"] = float(torch.cuda.max_memory_reserved(self.device))
+            # the eval's batches (up to 2048 rows on a GPU) are not the next pack's: its
+            # footprint, which the memory calibration reads, starts from what training holds
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.clock.evals.append(row)
 
 

@@ -2,9 +2,11 @@
 
 Everything downstream of `plora.models.loading.resolve_model_path` (the torchtune checkpointer, the
 PEFT export, the tokenizer, the model checks) reads a Hugging Face folder. A `.gguf` file
-is therefore turned into one the first time it is named, through `transformers`' own GGUF
-loader (the same dequantization a `transformers` user gets), and every later use reads
-the cached folder. The folder is written under a temporary name and renamed into place,
+is therefore turned into one the first time it is named, and every later use reads the
+cached folder: by plora's own reader where it knows the file's layout
+(`plora.models.gguf_native`: the llama architecture with a byte-level vocabulary, the
+same dequantization, no torch or transformers import), else through `transformers`' own
+GGUF loader (the same dequantization a `transformers` user gets). The folder is written under a temporary name and renamed into place,
 so a conversion that is killed half-way leaves nothing that looks finished.
 
 Storage dtype: the sweep's (``model.dtype``), one folder per dtype asked for. The weights
@@ -309,9 +311,11 @@ def _native(file: Path, dtype: str):
 
     try:
         header = read_gguf(file)
+        found = layout(header, dtype)
     except (GGUFFormatError, OSError) as e:
         return f"header not read: {e}"
-    found = layout(header, dtype)
+    except Exception as e:  # noqa: BLE001 - anything unforeseen in a file: transformers reads it
+        return f"header not understood: {type(e).__name__}: {e}"
     return found if isinstance(found, str) else (header, found)
 
 
@@ -326,10 +330,16 @@ def _convert_head(file: Path, out: Path, dtype: str) -> None:
         from plora.models.gguf_native import write_head
 
         seconds = {"read": time.perf_counter() - t0}
-        write_head(*native, out, dtype)
-        seconds["written"] = time.perf_counter() - t0 - seconds["read"]
-        _write_head_marker(file, out, dtype, seconds, converter="plora")
-        return
+        try:
+            write_head(*native, out, dtype)
+        except Exception as e:  # noqa: BLE001 - what plora could not write, transformers may
+            native = f"its head not written: {type(e).__name__}: {e}"
+            for part in out.iterdir():
+                part.unlink()
+        else:
+            seconds["written"] = time.perf_counter() - t0 - seconds["read"]
+            _write_head_marker(file, out, dtype, seconds, converter="plora")
+            return
     t_imports = time.perf_counter()
     _import_readers(file, torch_too=False)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig

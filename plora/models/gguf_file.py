@@ -76,7 +76,7 @@ class _Cursor:
         end = self.pos + n
         if end > len(self.buf):
             raise GGUFFormatError(f"a string runs past the end of the file (at byte {self.pos})")
-        text = _utf8(self.buf[self.pos:end], self.pos)
+        text = _utf8(bytes(self.buf[self.pos:end]), self.pos)
         self.pos = end
         return text
 
@@ -101,7 +101,9 @@ class _Cursor:
                 for _ in range(count):
                     (n,) = unpack("<Q", buf, pos)
                     pos += 8
-                    out.append(_utf8(buf[pos:pos + n], pos))
+                    if pos + n > len(buf):
+                        raise struct.error
+                    out.append(_utf8(bytes(buf[pos:pos + n]), pos))
                     pos += n
             except struct.error:
                 raise GGUFFormatError(f"a string array runs past the end of the file (at byte {pos})") from None
@@ -120,9 +122,10 @@ class _Cursor:
         return values.astype(bool) if etype == _BOOL else values
 
 
-def _utf8(raw: memoryview, at: int) -> str:
+def _utf8(raw: bytes, at: int) -> str:
+    """A copy's text: a view of the map would outlive the map in an error's traceback."""
     try:
-        return bytes(raw).decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise GGUFFormatError(f"a string that is not UTF-8 (at byte {at})") from None
 
@@ -151,12 +154,16 @@ def _parse(path: Path, buf: memoryview) -> GGUFFile:
     c = _Cursor(buf)
     c.pos = 4
     version = c.take("<I")
+    if version > 0xFFFF and struct.unpack("<I", struct.pack(">I", version))[0] in (2, 3):
+        raise GGUFFormatError("a big-endian GGUF file (this reader reads little-endian files)")
     if version not in (2, 3):
         raise GGUFFormatError(f"GGUF version {version} (this reader reads versions 2 and 3)")
     n_tensors, n_kv = c.take("<Q"), c.take("<Q")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string()
+        if key in metadata:
+            raise GGUFFormatError(f"the key {key!r} twice")
         metadata[key] = c.value(c.take("<I"))
     infos = []
     for _ in range(n_tensors):
@@ -169,4 +176,6 @@ def _parse(path: Path, buf: memoryview) -> GGUFFile:
         raise GGUFFormatError(f"general.alignment {alignment} is not a power of two")
     data_start = -(-c.pos // alignment) * alignment
     tensors = {name: TensorInfo(name, dims, ggml_type, data_start + offset) for name, dims, ggml_type, offset in infos}
+    if len(tensors) != len(infos):
+        raise GGUFFormatError("a tensor name twice")
     return GGUFFile(path, version, metadata, tensors, data_start)

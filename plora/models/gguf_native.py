@@ -62,11 +62,11 @@ _LLAMA3_SPLIT_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe"})
 #: matched whole but is not special (``<think>``)
 _CONTROL, _USER_DEFINED = 3, 4
 
-#: tensors are written in files of about this size (a larger model gets an index, as
-#: transformers' ``save_pretrained`` shards it), and dequantized a file at a time
+#: tensors are written in files of about this size (a larger model gets an index), and
+#: dequantized a file at a time, which bounds the memory a conversion holds
 SHARD_BYTES = 5 << 30
 
-_NUMPY_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,8 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
     tokens = md.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         return "no vocabulary"
+    if problem := _vocabulary_problem(md, tokens):
+        return problem
     for key in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
                 "llama.attention.head_count", "llama.context_length", "llama.attention.layer_norm_rms_epsilon"):
         if not isinstance(md.get(key), (int, float)):
@@ -113,8 +115,10 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
                 "llama.rope.freq_base", "llama.vocab_size"):
         if key in md and not isinstance(md[key], (int, float)):  # a per-layer array, say
             return f"{key} is not one number"
+    if "llama.attention.head_count_kv" not in md:  # transformers then leaves q and k as llama.cpp stored them
+        return "llama.attention.head_count_kv missing"
     blocks, heads = int(md["llama.block_count"]), int(md["llama.attention.head_count"])
-    kv_heads = int(md.get("llama.attention.head_count_kv", heads))
+    kv_heads = int(md["llama.attention.head_count_kv"])
     head_dim = _head_dim(md)
     if "llama.attention.key_length" in md and int(md["llama.attention.key_length"]) != head_dim:
         return "attention.key_length differs from the RoPE dimension"
@@ -144,8 +148,11 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
             shape = g.tensors[f"blk.{i}.{part}.weight"].shape
             if shape != (rows, hidden):
                 return f"tensor 'blk.{i}.{part}.weight' of shape {shape}, not {(rows, hidden)}"
-    from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits  # what gguf dequantizes in numpy (F32 and F16 besides)
+    try:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import _type_traits  # what gguf dequantizes in numpy (F32 and F16 besides)
+    except ImportError:
+        return "this gguf package's dequantizers not found"
 
     for name, info in g.tensors.items():
         try:
@@ -155,6 +162,31 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
         if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) and qtype not in _type_traits:
             return f"tensor {name!r} of type {qtype.name}"
     return NativeLayout(blocks, heads, kv_heads, names)
+
+
+def _vocabulary_problem(md: dict[str, Any], tokens: list[str]) -> str | None:
+    """Why transformers would build another tokenizer of this vocabulary, if it would: two
+    tokens spelled alike in the byte alphabet (transformers keeps the last), or a special
+    token not spelled in it (DeepSeek's ``<｜begin▁of▁sentence｜>``, which transformers names
+    but the vocabulary it builds does not hold)."""
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    keys = {token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8"))
+            for token in tokens}
+    if len(keys) != len(tokens):
+        return "two tokens spelled alike in the byte alphabet"
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+        token_id = md.get(f"tokenizer.ggml.{key}")
+        if token_id is None:
+            continue
+        if not isinstance(token_id, int) or not 0 <= token_id < len(tokens):
+            return f"tokenizer.ggml.{key} {token_id} outside the vocabulary"
+        if not set(tokens[token_id]) <= spelled:
+            return f"special token {tokens[token_id]!r} not in the byte alphabet"
+    types = md.get("tokenizer.ggml.token_type")
+    if types is not None and len(types) != len(tokens):
+        return "token types and tokens differ in number"
+    return None
 
 
 def _imports(name: str) -> bool:
@@ -257,11 +289,10 @@ def _tokenizer(md: dict[str, Any]):
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     tokens: list[str] = md["tokenizer.ggml.tokens"]
-    # a token written outside the byte alphabet is spelled in it, byte by byte (as transformers does)
-    vocab = {}
-    for i, token in enumerate(tokens):
-        key = token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8"))
-        vocab.setdefault(key, i)
+    # a token written outside the byte alphabet is spelled in it, byte by byte, as transformers
+    # does (no two alike: `_vocabulary_problem`)
+    vocab = {token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8")): i
+             for i, token in enumerate(tokens)}
     merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                                end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
@@ -321,7 +352,7 @@ def write_weights(g: GGUFFile, lay: NativeLayout, out: Path, dtype: str, *, thre
     import numpy as np
     from safetensors.numpy import save_file
 
-    if dtype not in _NUMPY_DTYPES:
+    if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"cannot write weights as {dtype!r}")
     itemsize = 4 if dtype == "float32" else 2
     order = sorted(lay.names, key=lambda n: lay.names[n])
@@ -344,7 +375,7 @@ def write_weights(g: GGUFFile, lay: NativeLayout, out: Path, dtype: str, *, thre
             arrays = dict(zip((lay.names[n] for n in names),
                               pool.map(lambda n: _tensor(g, lay, data, n, dtype), names)))
             save_file(arrays, str(out / file), metadata={"format": "pt"})
-            (out / file).chmod(0o644)  # safetensors creates it readable by its owner only
+            (out / file).chmod(0o666 & ~_umask())  # safetensors creates it readable by its owner only
             total += sum(a.nbytes for a in arrays.values())
             weight_map.update((n, file) for n in arrays)
             del arrays
@@ -373,7 +404,13 @@ def _tensor(g: GGUFFile, lay: NativeLayout, data, name: str, dtype: str):
         import ml_dtypes
 
         return np.ascontiguousarray(w).astype(ml_dtypes.bfloat16)
-    return np.ascontiguousarray(w, dtype=np.dtype(_NUMPY_DTYPES[dtype]))
+    return np.ascontiguousarray(w, dtype=np.dtype(dtype))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _unpermute(w, heads: int):
