@@ -6,8 +6,9 @@ is therefore turned into one the first time it is named, and every later use rea
 cached folder: by plora's own reader where it knows the file's layout
 (`plora.models.gguf_native`: the llama architecture with a byte-level vocabulary, the
 same dequantization, no torch or transformers import), else through `transformers`' own
-GGUF loader (the same dequantization a `transformers` user gets). The folder is written under a temporary name and renamed into place,
-so a conversion that is killed half-way leaves nothing that looks finished.
+GGUF loader (the same dequantization a `transformers` user gets). The folder is written
+under a temporary name and renamed into place, so a conversion that is killed half-way
+leaves nothing that looks finished.
 
 Storage dtype: the sweep's (``model.dtype``), one folder per dtype asked for. The weights
 are dequantized in float32 and cast once, exactly as ``from_pretrained(..., gguf_file=...,

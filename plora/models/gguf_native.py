@@ -62,6 +62,11 @@ _LLAMA3_SPLIT_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe"})
 #: matched whole but is not special (``<think>``)
 _CONTROL, _USER_DEFINED = 3, 4
 
+#: the config's special token ids -> llama.cpp's keys (``tokenizer.ggml.<key>``); without
+#: ``_id``, the tokenizer config's names of the same tokens
+_GGUF_ID_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+                 "pad_token_id": "padding_token_id", "unk_token_id": "unknown_token_id"}
+
 #: tensors are written in files of about this size (a larger model gets an index), and
 #: dequantized a file at a time, which bounds the memory a conversion holds
 SHARD_BYTES = 5 << 30
@@ -169,18 +174,15 @@ def _vocabulary_problem(md: dict[str, Any], tokens: list[str]) -> str | None:
     tokens spelled alike in the byte alphabet (transformers keeps the last), or a special
     token not spelled in it (DeepSeek's ``<｜begin▁of▁sentence｜>``, which transformers names
     but the vocabulary it builds does not hold)."""
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
-    keys = {token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8"))
-            for token in tokens}
-    if len(keys) != len(tokens):
+    spelled = set(_byte_alphabet().values())
+    if len(_byte_level_vocab(tokens)) != len(tokens):
         return "two tokens spelled alike in the byte alphabet"
-    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
-        token_id = md.get(f"tokenizer.ggml.{key}")
+    for gguf_key in _GGUF_ID_KEYS.values():
+        token_id = md.get(f"tokenizer.ggml.{gguf_key}")
         if token_id is None:
             continue
         if not isinstance(token_id, int) or not 0 <= token_id < len(tokens):
-            return f"tokenizer.ggml.{key} {token_id} outside the vocabulary"
+            return f"tokenizer.ggml.{gguf_key} {token_id} outside the vocabulary"
         if not set(tokens[token_id]) <= spelled:
             return f"special token {tokens[token_id]!r} not in the byte alphabet"
     types = md.get("tokenizer.ggml.token_type")
@@ -228,9 +230,6 @@ def write_head(g: GGUFFile, lay: NativeLayout, out: Path, dtype: str) -> None:
     if isinstance(template, str) and template:
         (out / "chat_template.jinja").write_text(template)
 
-
-_GGUF_ID_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
-                 "pad_token_id": "padding_token_id", "unk_token_id": "unknown_token_id"}
 
 
 def _config(g: GGUFFile, lay: NativeLayout, dtype: str) -> dict[str, Any]:
@@ -283,16 +282,21 @@ def _byte_alphabet() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """Token -> id, a token written outside the byte alphabet spelled in it byte by byte, as
+    transformers does (where two come out alike the last wins there too; `layout` refuses them)."""
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    return {token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8")): i
+            for i, token in enumerate(tokens)}
+
+
 def _tokenizer(md: dict[str, Any]):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
+    spelled = set(_byte_alphabet().values())
     tokens: list[str] = md["tokenizer.ggml.tokens"]
-    # a token written outside the byte alphabet is spelled in it, byte by byte, as transformers
-    # does (no two alike: `_vocabulary_problem`)
-    vocab = {token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8")): i
-             for i, token in enumerate(tokens)}
+    vocab = _byte_level_vocab(tokens)
     merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                                end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
@@ -329,11 +333,10 @@ def _tokenizer_config(md: dict[str, Any]) -> dict[str, Any]:
     for flag in ("add_bos_token", "add_eos_token"):
         if f"tokenizer.ggml.{flag}" in md:
             config[flag] = bool(md[f"tokenizer.ggml.{flag}"])
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
-        token_id = md.get(f"tokenizer.ggml.{key}")
+    for id_key, gguf_key in _GGUF_ID_KEYS.items():
+        token_id = md.get(f"tokenizer.ggml.{gguf_key}")
         if token_id is not None and 0 <= int(token_id) < len(tokens):
-            config[name] = tokens[int(token_id)]
+            config[id_key.removesuffix("_id")] = tokens[int(token_id)]
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     return config
 

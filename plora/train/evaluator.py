@@ -59,12 +59,16 @@ class Evaluator:
         """Rows one eval forward takes (the job's ``eval.batch_rows``, else by device)."""
         return eval_batch_rows(self.cfg.batch_rows, self.device.type)
 
+    def _timed(self, adapters: int, max_new_tokens: int, samples: int | None = None):
+        """An eval event on the job's clock, with the rows its forwards take (what the cost
+        model's fit counts the forwards by)."""
+        return self.clock.eval_event(adapters, max_new_tokens, self.device, samples, batch_rows=self.batch_rows)
+
     def full(self, adapters: list[int], metrics: list[str]) -> list[dict[str, float]]:
         """Every metric of ``metrics`` on the whole eval set (an adapter's final or epoch-end
         scores), timed as one eval event. The room is the caller's to make."""
         max_new = self.cfg.max_new_tokens
-        clock = self.clock.eval_event(len(adapters), max_new if generated_metrics(metrics) else 0, self.device,
-                                     batch_rows=self.batch_rows)
+        clock = self._timed(len(adapters), max_new if generated_metrics(metrics) else 0)
         out = self.evaluate(adapters, metrics=metrics, max_new_tokens=max_new)
         clock.done()
         return out
@@ -99,15 +103,14 @@ class Evaluator:
         ids = [r.index for r in due]
         objective = self.objective_metric()
         loss_metrics = ["loss"] + (["perplexity"] if objective == "perplexity" else [])
-        clock = self.clock.eval_event(len(due), 0, self.device, batch_rows=self.batch_rows)
+        clock = self._timed(len(due), 0)
         metrics = self.evaluate(ids, metrics=loss_metrics, max_new_tokens=1)
         clock.done()
         scored: dict[str, Any] = {"objective": self.cfg.objective} if self.cfg.objective else {}
         if objective is not None and objective not in loss_metrics:
             samples, examples = self.intermediate_slice()
             max_new = self.cfg.max_new_tokens
-            clock = self.clock.eval_event(len(due), max_new if generated_metrics([objective]) else 0, self.device,
-                                          samples=len(samples), batch_rows=self.batch_rows)
+            clock = self._timed(len(due), max_new if generated_metrics([objective]) else 0, samples=len(samples))
             for m, o in zip(metrics, self.evaluate(ids, metrics=[objective], max_new_tokens=max_new,
                                                    samples=samples, examples=examples)):
                 m.update(o)
