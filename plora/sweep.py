@@ -260,8 +260,28 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
         on_cost_model()
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
     moments["jobs_planned_at"] = time.time()
-    return PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
+    prep = PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
                          row_layout=layout, prior=prior, calibration=calibration, moments=moments)
+    prep.plan = replace(plan, streamed_makespan=streamed_forecast(prep) or 0.0)
+    return prep
+
+
+def streamed_forecast(prep: PreparedSweep) -> float | None:
+    """The plan's makespan as the engine will run it, streaming queued adapters into running
+    jobs (`plora.engine.stream_forecast`); None where the sweep does not stream or the plan
+    made no prediction. Never raises: a forecast that fails leaves the plan's own."""
+    spec, plan = prep.spec, prep.plan
+    if prep.cost_model is None or plan.makespan <= 0 or not spec.planner.streams(sweep_on_gpu(spec, prep.hardware)):
+        return None
+    from plora.engine.join_choice import JOIN_TP
+    from plora.engine.stream_forecast import streamed_makespan
+
+    try:
+        policy = stream_policy(prep)
+        return streamed_makespan(plan, prep.cost_model, [policy.load(c.id) for c in prep.configs],
+                                 lambda loads: policy.fits(loads, JOIN_TP), targets=policy.targets)
+    except Exception:  # noqa: BLE001 - the plan's own makespan stands
+        return None
 
 
 @dataclass(frozen=True)
@@ -574,7 +594,7 @@ def run_prepared(
     study_ready = open_study_meanwhile(prep)
     engine = Engine(
         prep.run_dir, journal, slots, write_job,
-        max_retries=max_retries, predicted_makespan_s=prep.plan.makespan or None, on_tick=tick,
+        max_retries=max_retries, predicted_makespan_s=prep.plan.expected_makespan or None, on_tick=tick,
         replan=replan_waiting if replan and prep.cost_model is not None else None,
         launcher=backend.launcher,
         streaming=(stream_policy(prep) if prep.spec.planner.streams(sweep_on_gpu(prep.spec, prep.hardware))

@@ -154,7 +154,9 @@ def sweep_facts(args, space: Path, label: str) -> dict:
     run = spec.run_dir(None)
     plan = Plan.of_run(run)
     span = measured_makespan(run)
-    out: dict = {"makespan_s": span, "predicted_makespan_s": plan.makespan if plan else None,
+    # the prediction the sweep showed: the plan's makespan as the engine streams it (`Plan.expected_makespan`)
+    out: dict = {"makespan_s": span, "predicted_makespan_s": plan.expected_makespan if plan else None,
+                 "plan_makespan_s": plan.makespan if plan else None,
                  "plan_source": getattr(plan, "cost_model_source", None), "jobs": len(plan.jobs) if plan else 0}
     if span and out["predicted_makespan_s"]:
         out["measured_over_predicted"] = span / out["predicted_makespan_s"]

@@ -112,7 +112,7 @@ def run_plora(args, variant: str, data_dir: Path) -> dict:
     run_dir = spec.run_dir(None)
     plan = Plan.of_run(run_dir)
     span = measured_makespan(run_dir)
-    predicted = plan.makespan if plan is not None else None
+    predicted = plan.expected_makespan if plan is not None else None
     tokens, rows = real_tokens(spec)
     configs = 4 * len(args.ranks)
     status = {}

@@ -320,7 +320,7 @@ def run_sweep(part: str, s: dict[str, Any]) -> dict[str, Any]:
         status = pd.read_csv(run_dir / "results.csv")["status"].value_counts().to_dict()
     return {
         "streaming": spec.planner.streaming, "configs": n_configs, "exit_code": code, "wall_s": wall,
-        "profile_s": profile_s, "makespan_s": span, "predicted_makespan_s": plan.makespan if plan else None,
+        "profile_s": profile_s, "makespan_s": span, "predicted_makespan_s": plan.expected_makespan if plan else None,
         "jobs_planned": len(plan.jobs) if plan else None,
         "jobs_ran": sum(1 for j in jobs if j["at_s"] is not None),
         "jobs_streamed": sum(1 for j in jobs if j["status"] == "streamed"),

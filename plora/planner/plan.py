@@ -116,6 +116,15 @@ class Plan:
     #: (`plora.planner.micro_batch`); absent: one pass, or the sweep's ``training.micro_batch_size``
     micro_batches: dict[str, int] = field(default_factory=dict)
     batches: list[dict[str, Any]] = field(default_factory=list)
+    #: the makespan once the engine streams queued adapters into running jobs
+    #: (`plora.engine.stream_forecast`); 0: the sweep does not stream, or it was not forecast
+    streamed_makespan: float = 0.0
+
+    @property
+    def expected_makespan(self) -> float:
+        """What the sweep is predicted to take as the engine will run it: the streamed
+        forecast where there is one, else the plan's own makespan."""
+        return self.streamed_makespan or self.makespan
 
     @property
     def bound_ratio(self) -> float:
@@ -138,6 +147,7 @@ class Plan:
             "cost_model_source": self.cost_model_source,
             "gpus": self.gpus,
             "makespan": self.makespan,
+            "streamed_makespan": self.streamed_makespan or None,
             "lower_bound": self.lower_bound,
             "bound_ratio": self.bound_ratio if self.lower_bound > 0 else None,
             "baselines": dict(self.baselines),
@@ -168,6 +178,7 @@ class Plan:
             adapters=[AdapterLoad.from_dict(a) for a in d.get("adapters", [])],
             gpus=int(d.get("gpus", 0)),
             makespan=float(d.get("makespan", 0.0)),
+            streamed_makespan=float(d.get("streamed_makespan") or 0.0),
             lower_bound=float(d.get("lower_bound", 0.0)),
             baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
             packed_makespan=float(d.get("packed_makespan", 0.0)),

@@ -341,6 +341,8 @@ def makespan_values(run: RunData) -> dict[str, float]:
         return out
     if plan.makespan > 0:
         out["planned (predicted)"] = plan.makespan
+    if plan.streamed_makespan > 0:
+        out["planned, streamed (predicted)"] = plan.streamed_makespan
     for name, v in plan.baselines.items():
         if math.isfinite(v):
             out[f"baseline: {name} (predicted)"] = v
