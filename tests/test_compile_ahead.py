@@ -204,3 +204,43 @@ def test_the_optimizers_launches_are_collected_and_change_nothing(monkeypatch):
         pack.optimizer_launches()
     assert {ca._variant(c) for c in calls} == real and len({id(c[0]) for c in calls}) == 2  # norms, AdamW
     assert torch.equal(pack.bank.weights, after_step[0]) and torch.equal(pack.optimizer.exp_avg, after_step[1])
+
+
+def test_kernels_are_loaded_ahead_once_the_compiling_process_has_exited_and_the_job_waits_for_them(monkeypatch, fresh):
+    """A job process started ahead is sent the sweep's `WarmOrder` with the compiling
+    process's pid (`warm_cache.warm_ahead`): it waits for that process to exit (an exited,
+    unreaped one counts as gone), then loads the variants on a thread; the job's own
+    compile-ahead waits for that thread and finds nothing left to load."""
+    import subprocess
+    import sys
+    import time
+
+    from plora.kernels import meta as meta_module
+    from plora.kernels import warm_cache
+
+    monkeypatch.setattr(ca, "AHEAD", [])
+    kernel = _Kernel()
+    monkeypatch.setattr(ca, "launches_of", lambda *a, **k: [(kernel, (1,), (torch.empty(4), 32), {"BT": 16})])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(meta_module, "build_lora_meta", lambda *a, **k: _meta())
+    compiling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.8)"])
+    try:
+        t0 = time.perf_counter()
+        seen: list[tuple[int, float]] = []
+        order = warm_cache.WarmOrder(dtype="bfloat16", shapes=sorted(SHAPES), after_pid=compiling.pid,
+                                     packs=[{"tokens": TOKENS, "ranks": RANKS}])
+        warm_cache.warm_ahead(order, lambda kernels, seconds: seen.append((kernels, seconds)))
+        time.sleep(0.3)
+        assert not kernel.threads  # the compiling process still runs: nothing loaded beside it
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:  # exited, not reaped (a zombie): gone all the same
+            time.sleep(0.05)
+        assert seen and compiling.returncode is None
+        assert ca.compile_ahead(_meta(), SHAPES, torch.bfloat16, "cuda", backward=True, threads=2) == 0
+        assert time.perf_counter() - t0 >= 0.7 and not ca.AHEAD
+        assert seen and seen[0][0] == 1 and len(kernel.threads) == 1 and kernel.loaded == 1
+        stats = ca.COMPILED.to_dict()
+        assert stats["ahead"] == 1 and stats["kernels"] == 0 and stats["calls"] == 1 and stats["ahead_wait_s"] >= 0
+    finally:
+        compiling.kill()
+        compiling.wait()

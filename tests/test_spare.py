@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from conftest import tiny_space_file
 from plora.cli import app
 from plora.engine import spare
+from plora.kernels.warm_cache import WarmOrder
 
 
 def _space(root: Path) -> Path:
@@ -279,6 +280,10 @@ def test_a_spare_answers_a_check_between_its_preload_and_its_job(tmp_path, monke
         folder = str(ASSETS / "tiny-llama")
         assert one.wait_ready(180) and one.tell(spare.PreloadOrder(
             path=folder, family="llama", max_seq_len=48, dtype="float32", device="cpu", random_init=False))
+        # the first job's kernels, loaded on a thread (none on a CPU): no answer, the protocol goes on
+        spare._spares[()] = one
+        assert spare.warm_kernels(WarmOrder(device="cpu", dtype="float32", shapes=[(64, 64)],
+                                            packs=[{"tokens": [64], "ranks": [8]}], after_pid=os.getpid()))
         good = spare.CheckOrder(check=folder, family="auto", random_init=False, max_seq_len=48)
         assert one.check(good, 180) == spare.CheckAnswer(ok=True)
         missing = spare.CheckOrder(check=str(tmp_path / "nothing"), family="auto", random_init=False, max_seq_len=48)
@@ -286,6 +291,7 @@ def test_a_spare_answers_a_check_between_its_preload_and_its_job(tmp_path, monke
         assert answer is not None and not answer.ok and str(tmp_path / "nothing") in (answer.error or "")
         assert one.wait_ready(0)  # its ready line was read once, and stays read
     finally:
+        spare._spares.pop((), None)
         one.kill()
 
 
