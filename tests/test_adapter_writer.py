@@ -95,3 +95,40 @@ def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own
     with torch.no_grad():
         bank.weights.zero_()  # the slots change at the next step: the copies do not
     assert all(float(t.abs().max()) > 0 for t in states[0].values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_device_snapshot_is_taken_at_once_and_written_by_the_writer_as_the_adapters_were(tiny_model, info, tmp_path,
+                                                                                            device):
+    """`LoRABank.snapshot` copies the leaving adapters' rows when they leave; the writer
+    brings them to the host on its thread (a callable state) and writes the same files as
+    from their state dicts taken at once, whatever the bank holds by then."""
+    from safetensors.torch import load_file
+
+    from plora.train.packed.bank import LoRABank
+    from plora.train.packed.inject import inject_packed_lora
+    from plora.train.packed.layer import AdapterSpec
+
+    model, _ = load_base_model(tiny_model, max_seq_len=32, random_init=True, device=device)
+    specs = [AdapterSpec("a", 2, 4.0, 1), AdapterSpec("b", 4, 8.0, 2), AdapterSpec("c", 2, 2.0, 3)]
+    pm = inject_packed_lora(model, specs, ["q_proj", "v_proj"])
+    bank = LoRABank(pm)
+    with torch.no_grad():
+        bank.weights.copy_(torch.randn_like(bank.weights))
+    want = [{k: v.cpu().clone() for k, v in pm.adapter_state_dict(k).items()} for k in (1, 2)]
+    snap = bank.snapshot([1, 2])
+    with torch.no_grad():
+        bank.weights.zero_()  # a refilled slot, the next steps: the snapshot keeps what left
+    peft = [dict(PEFT, rank=4, alpha=8.0, targets=["q_proj", "v_proj"]), dict(PEFT, rank=2, alpha=2.0, targets=["q_proj", "v_proj"])]
+    writer = AdapterWriter(background=True)
+    outs = writer.save_all([(tmp_path / "lazy" / n, lambda i=i: snap.state(i), p) for i, (n, p) in enumerate(zip("bc", peft))],
+                           info, on_host=True)
+    writer.save_all([(tmp_path / "eager" / n, w, p) for n, w, p in zip("bc", want, peft)], info)
+    writer.drain()
+    writer.close()
+    for out in outs:
+        lazy = load_file(str(out / "adapter_model.safetensors"))
+        eager = load_file(str(tmp_path / "eager" / out.name / "adapter_model.safetensors"))
+        assert lazy.keys() == eager.keys() and all(torch.equal(lazy[k], eager[k]) for k in lazy)
+        assert all(float(t.abs().max()) > 0 for t in lazy.values())
+    assert snap.states() is snap.states()  # brought over once

@@ -11,6 +11,7 @@ the pack laid out again for adapters that join (`plora.train.packed.slots`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -112,6 +113,15 @@ class AdapterPack:
         for them all, or under TP gathered to full tensors (a collective, on every rank)."""
         if self.tp is None:
             return self.bank.host_states(list(indices))
+        return [self.tp.adapter_state_dict(k) for k in indices]
+
+    def leaving_states(self, indices: Sequence[int]) -> list[Any]:
+        """What the adapter writer saves of leaving adapters: each one's state, to be brought
+        to the host on the writer's thread from one device copy of their rows made now
+        (`LoRABank.snapshot`); under TP, gathered full tensors on the host (a collective)."""
+        if self.tp is None:
+            snap = self.bank.snapshot(list(indices))
+            return [partial(snap.state, i) for i in range(len(indices))]
         return [self.tp.adapter_state_dict(k) for k in indices]
 
     def keep_weights(self, k: int) -> torch.Tensor:

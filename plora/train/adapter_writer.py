@@ -2,9 +2,10 @@
 
 An adapter that leaves a pack is saved (PEFT format) and evaluated; its metrics.json, the
 file that says it is finished, comes last. Writing sixteen rank-64 adapters of a 0.5B
-model took a second on an H100 machine, a second in which the GPU did nothing. The writer
-copies each adapter's tensors to the host at once (its slot may be refilled at the next
-step) and writes the files on one background thread, in the order asked: an adapter's
+model took a second on an H100 machine, a second in which the GPU did nothing. The job copies
+the leaving adapters' rows on the device at once (their slots may be refilled at the next
+step: `plora.train.packed.bank.BankSnapshot`), and the writer brings them to the host and
+writes the files on one background thread, in the order asked: an adapter's
 metrics.json is written after its weights, so a job killed mid-write leaves an adapter
 without a result (trained again), never a result without its weights.
 
@@ -71,19 +72,23 @@ class AdapterWriter:
         """Save an adapter's weights in the PEFT format to ``out`` (a host copy is taken now)."""
         return self.save_all([(out, state, peft)], info)[0]
 
-    def save_all(self, items: list[tuple[Path, Mapping[str, torch.Tensor], dict[str, Any]]], info: Any, *,
-                 on_host: bool = False) -> list[Path]:
+    def save_all(self, items: list[tuple[Path, Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
+                                         dict[str, Any]]], info: Any, *, on_host: bool = False) -> list[Path]:
         """`save` for several adapters (out, state, PEFT settings): every host copy is taken
         before the first write starts, so the copies do not wait on the writing thread.
-        ``on_host``: the states are already a private host copy (`LoRABank.host_states`)."""
+        ``on_host``: the states are already a private copy, on the host or to be brought
+        there by the writing thread (a callable giving the state: `BankSnapshot.state`)."""
         if self._pool is not None and not on_host:
             items = [(out, host_copy(state), peft) for out, state, peft in items]
         for out, state, peft in items:
             self._do(self._save, Path(out), state, info, peft)
         return [out for out, _, _ in items]
 
-    def _save(self, out: Path, state: Mapping[str, torch.Tensor], info: Any, peft: dict[str, Any]) -> None:
+    def _save(self, out: Path, state: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
+              info: Any, peft: dict[str, Any]) -> None:
         try:
+            if callable(state):  # a device snapshot: brought to the host here, while the pack trains on
+                state = state()
             # views of one host copy (`host_copy`, `LoRABank.host_states`): each its own storage,
             # as safetensors wants
             state = {k: v.contiguous().clone() if not v.is_cuda else v for k, v in state.items()}

@@ -404,8 +404,9 @@ class PackedLoRARecipe:
 
     def _save(self, runs: list[AdapterRun]) -> list[Path | None]:
         """Save leaving adapters' weights as they are in their slots, in the PEFT format (by
-        the writer, in the background); their folders (None on a rank that does not write)."""
-        states = self.pack.host_states([r.index for r in runs])
+        the writer, in the background, which also brings a GPU's copy of them to the host);
+        their folders (None on a rank that does not write)."""
+        states = self.pack.leaving_states([r.index for r in runs])
         items = [(self.output_dir / "adapters" / r.id, state,
                   dict(rank=r.cfg.rank, alpha=r.cfg.alpha, targets=self.targets, dropout=r.cfg.dropout or 0.0,
                        rslora=bool(r.cfg.rslora),

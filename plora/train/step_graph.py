@@ -80,6 +80,7 @@ from typing import Any, Protocol
 import torch
 
 from plora.data.row_layout import WIDTH_MULTIPLE, padded_width
+from plora.train.cuda_capture import CAPTURE_LOCK
 
 __all__ = [
     "WIDTH_MULTIPLE",
@@ -218,12 +219,13 @@ class CudaGraphs:
         return max(0, torch.cuda.memory_reserved(self.device) - before) if measure else 0
 
     def capture(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, pool: Any) -> tuple[Any, Any]:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the eager steps' cached blocks: not held beside the pool
-        before = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self._side_stream(), pool=pool):
-            body(buffers)
+        with CAPTURE_LOCK:  # no other thread of the job touches the device while it records
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the eager steps' cached blocks: not held beside the pool
+            before = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._side_stream(), pool=pool):
+                body(buffers)
         self._pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         return graph, pool if pool is not None else graph.pool()
 
