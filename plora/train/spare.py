@@ -68,15 +68,17 @@ def main() -> int:
                 pass
             continue
         SPARE_MOMENTS["preload_ordered_at"] = time.time()
-        try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
+        try:  # the sweep's base model, loaded on a thread while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
-            preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
-                                             _pick_device(ahead.device), ahead.random_init))
-            SPARE_MOMENTS["preloaded_at"] = time.time()
+            preload.hold_in_background(
+                preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
+                                    _pick_device(ahead.device), ahead.random_init),
+                lambda: SPARE_MOMENTS.__setitem__("preloaded_at", time.time()))
         except Exception:  # noqa: BLE001 - the job loads its own model then
             pass
     order = SpareOrder.model_validate_json(line)
     SPARE_MOMENTS["dynamo_at_handover"] = "torch._dynamo" in sys.modules
+    preload.wait()  # a model still loading on its thread reads its folder before the job's folder is entered
     os.chdir(order.cwd)
     # changed in place, never emptied: a thread loading kernels ahead (`warm_kernels_ahead`)
     # may be reading Triton's cache folder from it right now (a spare's job has the same one)

@@ -71,8 +71,13 @@ class BankSnapshot:
         with CAPTURE_LOCK:
             stream = torch.cuda.Stream(flat.device)
             stream.wait_event(self._ready)
+            # into pinned memory: a copy to pageable memory is staged by the driver and holds
+            # the copy engine several times as long, and the eval running meanwhile queues
+            # its own small copies to the host behind it
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
-                host = flat.to("cpu")  # pageable memory: returns once the copy is done
+                host.copy_(flat, non_blocking=True)
+            stream.synchronize()
             del flat
         return host
 
