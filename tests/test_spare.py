@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 from conftest import tiny_space_file
 from plora.cli import app
 from plora.engine import spare
-from plora.kernels.warm_cache import WarmOrder
 
 
 def _space(root: Path) -> Path:
@@ -280,10 +279,6 @@ def test_a_spare_answers_a_check_between_its_preload_and_its_job(tmp_path, monke
         folder = str(ASSETS / "tiny-llama")
         assert one.wait_ready(180) and one.tell(spare.PreloadOrder(
             path=folder, family="llama", max_seq_len=48, dtype="float32", device="cpu", random_init=False))
-        # the first job's kernels, loaded on a thread (none on a CPU): no answer, the protocol goes on
-        spare._spares[()] = one
-        assert spare.warm_kernels(WarmOrder(device="cpu", dtype="float32", shapes=[(64, 64)],
-                                            packs=[{"tokens": [64], "ranks": [8]}], after_pid=os.getpid()))
         good = spare.CheckOrder(check=folder, family="auto", random_init=False, max_seq_len=48)
         assert one.check(good, 180) == spare.CheckAnswer(ok=True)
         missing = spare.CheckOrder(check=str(tmp_path / "nothing"), family="auto", random_init=False, max_seq_len=48)
@@ -291,7 +286,6 @@ def test_a_spare_answers_a_check_between_its_preload_and_its_job(tmp_path, monke
         assert answer is not None and not answer.ok and str(tmp_path / "nothing") in (answer.error or "")
         assert one.wait_ready(0)  # its ready line was read once, and stays read
     finally:
-        spare._spares.pop((), None)
         one.kill()
 
 
@@ -376,35 +370,3 @@ def test_planning_may_measure_only_on_this_machines_gpu_with_nothing_measured(tm
     assert not may_measure_before_planning(spec, None, Hardware(True, 1, 80 * 2**30, local=False), probe=True)
     monkeypatch.setattr(sweep_model, "profiled_model", lambda *a: (object(), "a profile"))
     assert not may_measure_before_planning(spec, None, gpu, probe=True)
-
-
-def test_a_model_loaded_ahead_on_a_thread_is_what_the_job_takes_and_a_failed_one_is_loaded_again(monkeypatch):
-    """The spare loads the sweep's model on a thread (`preload.hold_in_background`) so that it
-    reads the next orders meanwhile; the job's `load` waits for that thread and takes the
-    model; a load that failed there leaves nothing held and the job loads its own."""
-    import threading
-    import time
-
-    from plora.train import preload
-
-    gate, calls = threading.Event(), []
-
-    def slow(key):
-        calls.append(threading.current_thread().name)
-        if key.path == "broken":
-            raise OSError("no such model")
-        gate.wait(10)
-        return f"model of {key.path}", "info"
-
-    monkeypatch.setattr(preload, "_load", slow)
-    key = preload.ModelKey.of("m", "llama", 8, "float32", "cpu", True)
-    done: list[float] = []
-    preload.hold_in_background(key, lambda: done.append(time.time()))
-    time.sleep(0.1)
-    assert calls == ["plora-preload"] and not done  # still loading: the caller went on
-    threading.Timer(0.2, gate.set).start()
-    assert preload.load(key) == ("model of m", "info") and done  # waited for it, and took it
-    preload.hold_in_background(preload.ModelKey.of("broken", "llama", 8, "float32", "cpu", True))
-    preload.wait()
-    assert preload._held is None
-    assert preload.load(key) == ("model of m", "info") and calls[-1] == "MainThread"

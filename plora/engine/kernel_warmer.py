@@ -6,9 +6,7 @@ sweep on a local GPU starts `plora.kernels.warm_cache` next to its first spare: 
 torch and the kernels while the sweep checks its data, and once the sweep has decided its
 rows (`order`) it is told the packs the sweep expects (its adapters, as many as a job takes,
 with the tokens each puts in a step) and compiles their steps' kernels into Triton's cache,
-where the first job then finds them. The first job's own process (a spare) is sent the same
-order and loads them from there as soon as this process has exited, still while the sweep
-plans (`plora.kernels.warm_cache.warm_ahead`). A wrong guess costs nothing but the compile: the job
+where the first job then finds them. A wrong guess costs nothing but the compile: the job
 compiles whatever it still misses, as before. The process takes the first job's GPU and
 environment, dies with the sweep, and exits once done; ``PLORA_SPARE_JOBS=0`` (no processes
 started ahead) or ``PLORA_COMPILE_THREADS=0`` turns it off.
@@ -117,10 +115,6 @@ def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict
     except (OSError, ValueError):
         discard()
         return False
-    from plora.engine import spare
-
-    # the first job's process loads them too, once this one has compiled them (`warm_cache.warm_ahead`)
-    spare.warm_kernels(WarmOrder.model_validate_json(line).model_copy(update={"after_pid": _proc.pid}))
     return True
 
 

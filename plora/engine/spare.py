@@ -18,8 +18,7 @@ that is never used is killed; one whose sweep dies dies with it (parent-death si
 On a host of several GPUs, each job planned to start at once gets a spare of its own (one per
 GPU). The sweep's first spares are also told its base model (`preload`, a `PreloadOrder` line ahead
 of the job's): it loads it once its imports are done, while the sweep plans, and the job
-takes it (`plora.train.preload`); and the kernels its first job will likely launch
-(`warm_kernels`, a `WarmOrder` line): it loads them on a thread, and the job finds them loaded.
+takes it (`plora.train.preload`).
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
 """
 
@@ -325,17 +324,6 @@ def preload(order: PreloadOrder) -> bool:
     for spare in list(_spares.values()):
         if spare.proc.poll() is None:
             told = spare.tell(order) or told
-    return told
-
-
-def warm_kernels(order: BaseModel) -> bool:
-    """Have the spares there are load the first job's likely kernels while the sweep plans
-    (a `plora.kernels.warm_cache.WarmOrder`, read after any preload; `warm_ahead`). Whether
-    an order went out."""
-    told = False
-    for spare in list(_spares.values()):
-        if spare.proc.poll() is None:
-            told = spare._send(order) or told
     return told
 
 

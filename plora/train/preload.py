@@ -15,13 +15,11 @@ trains exactly as one that loads it.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelKey", "hold", "hold_in_background", "load", "wait"]
+__all__ = ["ModelKey", "hold", "load"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +41,6 @@ class ModelKey:
 
 #: the model loaded ahead and its key, until a job takes it
 _held: tuple[ModelKey, Any, Any] | None = None
-#: a load still running (`hold_in_background`): `load` waits for it
-_loading: threading.Thread | None = None
 
 
 def _load(key: ModelKey) -> tuple[Any, Any]:
@@ -61,39 +57,10 @@ def hold(key: ModelKey) -> None:
     _held = (key, *_load(key))
 
 
-def hold_in_background(key: ModelKey, done: Callable[[], None] | None = None) -> None:
-    """`hold` on a thread, so that the process reads its next orders meanwhile (the first
-    job's kernels, loaded beside it: `plora.kernels.warm_cache.warm_ahead`); ``done()`` once
-    it is held. A load that fails leaves nothing held: the job loads its own model and
-    meets the error there."""
-    global _loading
-    wait()
-
-    def run() -> None:
-        try:
-            hold(key)
-        except Exception:  # noqa: BLE001 - the job's own load reports it
-            return
-        if done is not None:
-            done()
-
-    _loading = threading.Thread(target=run, name="plora-preload", daemon=True)
-    _loading.start()
-
-
-def wait() -> None:
-    """Wait for a load still running on its thread (`hold_in_background`)."""
-    global _loading
-    if _loading is not None:
-        _loading.join()
-        _loading = None
-
-
 def load(key: ModelKey) -> tuple[Any, Any]:
     """The held model of ``key`` (given away: a job injects its adapters into it), else one
     loaded now; (model, `plora.models.info.ModelInfo`)."""
     global _held
-    wait()
     held, _held = _held, None
     if held is not None and held[0] == key:
         return held[1], held[2]

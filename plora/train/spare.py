@@ -57,9 +57,6 @@ def main() -> int:
             fields = {}
         if not isinstance(fields, dict) or "config" in fields:
             break
-        if "packs" in fields:  # the first job's likely kernels: loaded on a thread while the sweep plans
-            warm_kernels_ahead(fields)
-            continue
         if "check" in fields:  # the sweep's model check, done here where torchtune is imported
             answer = answer_check(fields)
             try:
@@ -68,22 +65,17 @@ def main() -> int:
                 pass
             continue
         SPARE_MOMENTS["preload_ordered_at"] = time.time()
-        try:  # the sweep's base model, loaded on a thread while the sweep plans; a failure is the job's to report
+        try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
-            preload.hold_in_background(
-                preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
-                                    _pick_device(ahead.device), ahead.random_init),
-                lambda: SPARE_MOMENTS.__setitem__("preloaded_at", time.time()))
+            preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
+                                             _pick_device(ahead.device), ahead.random_init))
+            SPARE_MOMENTS["preloaded_at"] = time.time()
         except Exception:  # noqa: BLE001 - the job loads its own model then
             pass
     order = SpareOrder.model_validate_json(line)
     SPARE_MOMENTS["dynamo_at_handover"] = "torch._dynamo" in sys.modules
-    preload.wait()  # a model still loading on its thread reads its folder before the job's folder is entered
     os.chdir(order.cwd)
-    # changed in place, never emptied: a thread loading kernels ahead (`warm_kernels_ahead`)
-    # may be reading Triton's cache folder from it right now (a spare's job has the same one)
-    for key in [k for k in os.environ if k not in order.env]:
-        del os.environ[key]
+    os.environ.clear()
     os.environ.update(order.env)
     fd = os.open(order.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     sys.stdout.flush()
@@ -96,26 +88,6 @@ def main() -> int:
     sys.argv = ["plora/train/packed_lora.py", "--config", order.config]
     leave(tune_config.parse(recipe_main)())
     return 0
-
-
-def warm_kernels_ahead(fields: dict) -> None:
-    """Load a `WarmOrder`'s kernels on a thread (`plora.kernels.warm_cache.warm_ahead`); the
-    job's summary says when, how many and how long (its spare moments)."""
-    import time
-
-    from plora.job.phases import SPARE_MOMENTS
-    from plora.kernels.warm_cache import WarmOrder, warm_ahead
-
-    SPARE_MOMENTS["kernels_ordered_at"] = time.time()
-    try:
-        order = WarmOrder.model_validate(fields)
-    except ValueError:  # the job compiles its kernels itself
-        return
-
-    def done(kernels: int, seconds: float) -> None:
-        SPARE_MOMENTS.update(kernels_loaded_at=time.time(), kernels_loaded=kernels, kernels_load_s=round(seconds, 3))
-
-    warm_ahead(order, done)
 
 
 def answer_check(fields: dict):
