@@ -4,8 +4,9 @@ A plan's own makespan (`plora.planner.plan.Plan.makespan`) replays its jobs one 
 another on their GPUs (`plora.planner.simulate`). With ``planner.streaming`` the engine does
 better than that: whenever a running pack has room, adapters of jobs not started yet join
 it (`plora.engine.join_choice`), so a job planned to wait for the GPU may never start at all.
-On issue 48's sweep (effective batches 16 and 64 at 1k-token rows, one H200) the plan said
-31.4 s and the sweep took 23.8 s: its second job's adapters had joined the first. A
+On the effective-batch sweep of `scripts/bench_long_rows.py` (batches 16 and 64 at 1k-token
+rows, one H200) the plan said 31.4 s and the sweep took 23.8 s: its second job's adapters had
+joined the first, and the second job never started. A
 prediction the user is shown is only worth reading if it is what the engine will do, so
 this replays the engine's own rule on the cost model:
 
@@ -14,7 +15,8 @@ this replays the engine's own rule on the cost model:
 * at every moment something changes (an adapter leaves, a job starts) and at least every
   `tick` seconds (a held-back adapter's turn comes as its pack drains), `choose_joins`
   picks the joins from the running one-GPU packs (their adapters about to leave counted
-  as gone, as the engine does: `staying`) and the adapters still queued;
+  as gone, as the engine does: `staying`) and the adapters still queued; a join sent while
+  the adapters it makes room for are leaving waits in the job until they have left;
 * a pack steps at the cost model's step time of its adapters; each composition after its
   first pays a capture, and adapters that leave together pay their eval and saves
   (`CostModel.exit_time`), exactly as `CostModel.job_time` prices a job that takes no joins
@@ -77,7 +79,7 @@ def streamed_makespan(plan: Plan, cost: CostModel, loads: Sequence[AdapterLoad],
     cost model cannot time a one-GPU pack or the plan has no jobs. ``loads``: every
     adapter as `StreamPolicy.load` gives it; ``fits``: whether a grown pack fits one GPU
     (the engine's); ``targets``: an adapter's target set where a sweep has several;
-    ``tick``: how often waiting adapters are offered again (default: 1/400 of the plan's
+    ``tick``: how often waiting adapters are offered again (default: 1/200 of the plan's
     makespan, at least 0.25 s, the engine's tick)."""
     if not plan.jobs or JOIN_TP not in cost.time:
         return None
@@ -85,7 +87,7 @@ def streamed_makespan(plan: Plan, cost: CostModel, loads: Sequence[AdapterLoad],
     queue: list[tuple[str, int, list[str]]] = [
         (j.id, j.tp, [a for a in j.adapters if a in by_id])
         for j in sorted(plan.jobs, key=lambda j: (j.start, j.id))]
-    tick = tick if tick is not None else max(0.25, plan.makespan / 400.0)
+    tick = tick if tick is not None else max(0.25, plan.makespan / 200.0)
     free = [0.0] * max(1, int(plan.gpus or 1))  #: when each free GPU is free (a job's exit eval may run on)
     capture = cost.overheads.capture_s if cost.overheads is not None else 0.0
     running: list[_Pack] = []
