@@ -243,43 +243,6 @@ def test_a_sweeps_model_check_builds_the_model_while_the_caller_goes_on(tmp_path
         mc.start_spec_model_check(load_spec(space(broken, str(broken / "model"))))
 
 
-def test_the_spare_is_asked_for_the_check_at_once_and_its_answer_waited_for_later(tmp_path):
-    """With a spare to ask (``elsewhere``), the check is asked when the sweep starts, not
-    after its plan: the spare checks while the sweep plans. Its problem is raised by the
-    wait, and where it gave no answer the folder is checked here."""
-    import threading
-
-    import plora.models.check as mc
-    from plora.spec.base import SpecError
-    from plora.spec.loading import load_spec
-
-    folder = model_copy(tmp_path)
-    spec = load_spec(space(tmp_path, str(folder)))
-    asked, answer = threading.Event(), threading.Event()
-    replies: list = []
-
-    def spare_check(path, family, random_init, max_seq_len):
-        asked.set()
-        assert answer.wait(30)
-        return replies.pop(0)
-
-    mc._check_folder.cache_clear()
-    replies.append("")
-    wait = mc.start_spec_model_check(spec, spare_check)
-    assert asked.wait(30)  # asked before anyone waits for the answer
-    answer.set()
-    assert wait().family == "llama"
-
-    for reply, outcome in (("weights do not match", "weights do not match"), (None, None)):
-        asked.clear()
-        replies.append(reply)
-        wait = mc.start_spec_model_check(spec, spare_check)
-        assert asked.wait(30)
-        if outcome:
-            with pytest.raises(SpecError, match=outcome):
-                wait()
-
-
 def test_a_sweep_refused_before_planning_leaves_no_model_check_behind(tmp_path):
     """A later command of the same process never waits for (or reports) this space's check."""
     import plora.cli as cli

@@ -370,28 +370,3 @@ def test_planning_may_measure_only_on_this_machines_gpu_with_nothing_measured(tm
     assert not may_measure_before_planning(spec, None, Hardware(True, 1, 80 * 2**30, local=False), probe=True)
     monkeypatch.setattr(sweep_model, "profiled_model", lambda *a: (object(), "a profile"))
     assert not may_measure_before_planning(spec, None, gpu, probe=True)
-
-
-def test_a_check_asked_on_a_thread_of_a_sweep_that_stopped_leaves_the_next_sweeps_spares_alone(monkeypatch):
-    """The model check is asked of the spare on a thread as a sweep starts. A sweep that
-    stops before its plan kills its spares; the asking thread then sees its spare gone and
-    gives up nothing a later sweep of the same process has started (spares stay on, the new
-    spare stays registered)."""
-    import threading
-
-    first = spare.Spare(spare.spare_env(()))
-    monkeypatch.setattr(spare, "_spares", {(): first})
-    monkeypatch.setattr(spare, "_broken", False)
-    result: list = []
-    order = spare.CheckOrder(check="nowhere", family="auto", random_init=True, max_seq_len=8)
-    asking = threading.Thread(target=lambda: result.append(spare.check_model(order)))
-    asking.start()
-    spare.discard()  # the first sweep stopped
-    second = spare.Spare(spare.spare_env(()))  # the next sweep's
-    spare._spares[()] = second
-    try:
-        asking.join(60)
-        assert not asking.is_alive() and result == [None]
-        assert spare.enabled() and spare._spares.get(()) is second and second.proc.poll() is None
-    finally:
-        spare.discard()

@@ -330,23 +330,18 @@ def preload(order: PreloadOrder) -> bool:
 def check_model(order: CheckOrder) -> CheckAnswer | None:
     """Have the first spare check a model folder (`CheckOrder`): its answer, or None where
     it gave none (the caller checks it itself). Waits for the spare's imports, which the
-    sweep would otherwise pay again in its own process; safe on a thread: the spare is chosen
-    when it is called, and only one still registered is given up or let go. A spare that never said ready turns
+    sweep would otherwise pay again in its own process. A spare that never said ready turns
     spares off (`_give_up`: the next would hang too); one that took the order and gave no
     answer is let go (its answer, written later, would find no reader and kill it as its job
     began)."""
     for key, spare in list(_spares.items()):
         if spare.proc.poll() is not None:
             continue
-        # asked on a thread (`plora.models.check.start_spec_model_check`): a sweep that stopped
-        # meanwhile has killed this spare, and the spares there are now may be another sweep's,
-        # which nothing here may touch
         if not spare.wait_ready(READY_WAIT_S):
-            if _spares.get(key) is spare:
-                _give_up()
+            _give_up()
             return None
         answer = spare.check(order, READY_WAIT_S)
-        if answer is None and _spares.get(key) is spare:
+        if answer is None:
             _spares.pop(key, None)
             spare.kill()
         return answer

@@ -207,9 +207,8 @@ def start_spec_model_check(spec: Any, elsewhere: CheckElsewhere | None = None) -
     weights' names and shapes needs torchtune, whose import took 9 s of a first sweep's start
     on an H100 machine, in series with its data check and planning. With ``elsewhere`` (a
     sweep's job process started ahead, which imports torchtune anyway: `plora.engine.spare`)
-    that part is asked of it at once, on a thread, and the returned callable waits for the
-    answer; it is done here only where that process gave none (``elsewhere`` must therefore
-    be safe on a thread, and touch nothing a later sweep owns); without, it runs on a thread (which shares this process's interpreter lock
+    that part is asked of it when the returned callable is called, and done here only where it
+    gave no answer; without, it runs on a thread (which shares this process's interpreter lock
     with the planning: on an H100 machine the two took as long together as one after the
     other). The returned callable raises the `SpecError`: a sweep calls it after planning and
     before it writes or launches anything. A folder that passed before (`_passed_marker`) has
@@ -227,30 +226,13 @@ def start_spec_model_check(spec: Any, elsewhere: CheckElsewhere | None = None) -
     if _passed_marker(folder, m.family, m.random_init, m.max_seq_len, stamp).is_file():
         return lambda: info
     if elsewhere is not None:
-        # asked at once, on a thread that mostly waits (for a GGUF's weights, the process's
-        # imports and its answer): the other process checks while this one plans. Asked only
-        # after the plan, a first sweep of the 0.5B shape waited 2.5-2.7 s for it on H200 hosts.
-        asked: dict[str, Any] = {}
-
-        def ask_now() -> None:
-            try:
-                if not m.random_init:  # a GGUF's weights, converted meanwhile (`plora.models.gguf.convert_weights_ahead`)
-                    ensure_weights(folder)
-                asked["problem"] = elsewhere(folder, m.family, m.random_init, m.max_seq_len)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                asked["error"] = e
-
-        asking = threading.Thread(target=ask_now, name="plora-model-check-ahead", daemon=True)
-        asking.start()
-
         def ask() -> ModelInfo:
-            asking.join()
-            error = asked.get("error")
-            if isinstance(error, ModelError):
-                raise SpecError("model.path", str(error)) from None
-            if error is not None:
-                raise error
-            problem = asked.get("problem")
+            if not m.random_init:  # a GGUF's weights, converted meanwhile (`plora.models.gguf.convert_weights_ahead`)
+                try:
+                    ensure_weights(folder)
+                except ModelError as e:
+                    raise SpecError("model.path", str(e)) from None
+            problem = elsewhere(folder, m.family, m.random_init, m.max_seq_len)
             if problem:
                 raise SpecError("model.path", problem)
             if problem is None:  # not answered there: here, then
