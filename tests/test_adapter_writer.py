@@ -132,3 +132,35 @@ def test_a_device_snapshot_is_taken_at_once_and_written_by_the_writer_as_the_ada
         assert lazy.keys() == eager.keys() and all(torch.equal(lazy[k], eager[k]) for k in lazy)
         assert all(float(t.abs().max()) > 0 for t in lazy.values())
     assert snap.states() is snap.states()  # brought over once
+
+
+def test_an_adapters_curve_is_on_disk_before_its_metrics_json(tmp_path, monkeypatch):
+    """metrics.json says an adapter is finished, and the sweep then reads its curve once (to
+    forward it to TensorBoard or W&B): every metrics.jsonl line logged before it is in the
+    file by the time metrics.json is written."""
+    from types import SimpleNamespace
+
+    from plora.train.job_files import JobFiles
+
+    job_dir, out = tmp_path / "jobs" / "job-000", tmp_path
+    job_dir.mkdir(parents=True)
+    writer = AdapterWriter(background=True)
+    files = JobFiles(job_dir, out, "job-000", is_main=True, attempt=1, writer=writer, started_at=0.0)
+    seen: list[int] = []
+    write = aw.write_metrics
+
+    def spy(where, row):
+        seen.append(len((job_dir / "metrics.jsonl").read_text().splitlines()))
+        write(where, row)
+
+    monkeypatch.setattr(aw, "write_metrics", spy)
+    for step in range(5):
+        files.log({"adapter": "a", "adapter_step": step, "loss": 1.0})
+    run = SimpleNamespace(id="a", losses=[1.0], status="done", reason=None, step=5, total_steps=5, earlier_s=0.0,
+                          finished_at=1.0, cfg=SimpleNamespace(hyperparameters=lambda: {}), warmup=0, epochs=[],
+                          best_epoch=None)
+    files.adapter_result(run, {}, None, targets=["q_proj"], epochs=False)
+    writer.drain()
+    files.close()
+    writer.close()
+    assert seen == [5] and (out / "adapters" / "a" / "metrics.json").is_file()

@@ -88,9 +88,13 @@ class JobFiles:
     def adapter_result(self, r: AdapterRun, m: dict[str, Any], checkpoint: Path | None, *, targets: list[str],
                        epochs: bool) -> None:
         """An adapter's metrics.json: the file that says it is finished, written after its
-        weights (the writer keeps the order). ``epochs``: it was scored at each epoch end."""
+        weights (the writer keeps the order) and after its steps' metrics.jsonl lines (flushed
+        now: the sweep forwards a finished adapter's curve to its trackers once, when its
+        metrics.json appears, and a curve read before the buffered lines reached the file was
+        forwarded cut short). ``epochs``: it was scored at each epoch end."""
         if not self.is_main:
             return
+        self.flush()
         tail = r.losses[-10:]
         row = {
             "adapter_id": r.id,
