@@ -28,6 +28,7 @@ Pure: a plan, a cost model and the engine's ``fits`` in, seconds out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -59,7 +60,7 @@ class _Pack:
     def training(self) -> list[AdapterLoad]:
         """Its adapters as the engine reads them: each with the steps it has left, a join
         still waiting with all of its own."""
-        return ([replace(self.loads[a], steps=max(1, int(-(-s // 1)))) for a, s in self.left.items()]
+        return ([replace(self.loads[a], steps=max(1, math.ceil(s))) for a, s in self.left.items()]
                 + [self.loads[a] for a in self.pending])
 
     def admit(self) -> bool:

@@ -83,6 +83,8 @@ class NativeLayout:
     kv_heads: int
     #: GGUF tensor name -> Hugging Face name
     names: dict[str, str]
+    #: token -> id, respelled in the byte alphabet (`_byte_level_vocab`): what the tokenizer holds
+    vocab: dict[str, int]
 
 
 def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
@@ -110,7 +112,8 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
     tokens = md.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         return "no vocabulary"
-    if problem := _vocabulary_problem(md, tokens):
+    vocab = _byte_level_vocab(tokens)
+    if problem := _vocabulary_problem(md, tokens, vocab):
         return problem
     for key in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
                 "llama.attention.head_count", "llama.context_length", "llama.attention.layer_norm_rms_epsilon"):
@@ -166,16 +169,17 @@ def layout(g: GGUFFile, dtype: str) -> NativeLayout | str:
             return f"tensor {name!r} of unknown type {info.ggml_type}"
         if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) and qtype not in _type_traits:
             return f"tensor {name!r} of type {qtype.name}"
-    return NativeLayout(blocks, heads, kv_heads, names)
+    return NativeLayout(blocks, heads, kv_heads, names, vocab)
 
 
-def _vocabulary_problem(md: dict[str, Any], tokens: list[str]) -> str | None:
+def _vocabulary_problem(md: dict[str, Any], tokens: list[str], vocab: dict[str, int]) -> str | None:
     """Why transformers would build another tokenizer of this vocabulary, if it would: two
     tokens spelled alike in the byte alphabet (transformers keeps the last), or a special
     token not spelled in it (DeepSeek's ``<｜begin▁of▁sentence｜>``, which transformers names
-    but the vocabulary it builds does not hold)."""
+    but the vocabulary it builds does not hold). ``vocab``: the tokens respelled
+    (`_byte_level_vocab`)."""
     spelled = set(_byte_alphabet().values())
-    if len(_byte_level_vocab(tokens)) != len(tokens):
+    if len(vocab) != len(tokens):
         return "two tokens spelled alike in the byte alphabet"
     for gguf_key in _GGUF_ID_KEYS.values():
         token_id = md.get(f"tokenizer.ggml.{gguf_key}")
@@ -224,12 +228,11 @@ def write_head(g: GGUFFile, lay: NativeLayout, out: Path, dtype: str) -> None:
             generation[key] = int(value)
     generation.update(output_attentions=False, output_hidden_states=False, use_cache=True)
     _write_json(out / "generation_config.json", dict(sorted(generation.items())))
-    _tokenizer(md).save(str(out / "tokenizer.json"))
+    _tokenizer(md, lay.vocab).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(md))
     template = md.get("tokenizer.chat_template")
     if isinstance(template, str) and template:
         (out / "chat_template.jinja").write_text(template)
-
 
 
 def _config(g: GGUFFile, lay: NativeLayout, dtype: str) -> dict[str, Any]:
@@ -291,12 +294,11 @@ def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
             for i, token in enumerate(tokens)}
 
 
-def _tokenizer(md: dict[str, Any]):
+def _tokenizer(md: dict[str, Any], vocab: dict[str, int]):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     spelled = set(_byte_alphabet().values())
     tokens: list[str] = md["tokenizer.ggml.tokens"]
-    vocab = _byte_level_vocab(tokens)
     merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                                end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
@@ -372,13 +374,14 @@ def write_weights(g: GGUFFile, lay: NativeLayout, out: Path, dtype: str, *, thre
     threads = threads or min(8, os.cpu_count() or 1)
     weight_map: dict[str, str] = {}
     total = 0
+    mode = 0o666 & ~_umask()  # (read before the pool's threads start: reading it sets it for a moment)
     with ThreadPoolExecutor(threads, thread_name_prefix="plora-gguf") as pool:
         for k, names in enumerate(shards, 1):
             file = "model.safetensors" if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             arrays = dict(zip((lay.names[n] for n in names),
                               pool.map(lambda n: _tensor(g, lay, data, n, dtype), names)))
             save_file(arrays, str(out / file), metadata={"format": "pt"})
-            (out / file).chmod(0o666 & ~_umask())  # safetensors creates it readable by its owner only
+            (out / file).chmod(mode)  # safetensors creates it readable by its owner only
             total += sum(a.nbytes for a in arrays.values())
             weight_map.update((n, file) for n in arrays)
             del arrays

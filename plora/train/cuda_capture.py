@@ -15,4 +15,4 @@ import threading
 __all__ = ["CAPTURE_LOCK"]
 
 #: held by a capture, and by another thread's device copies of a job
-CAPTURE_LOCK = threading.RLock()
+CAPTURE_LOCK = threading.Lock()
