@@ -223,3 +223,48 @@ def test_a_packs_initial_a_is_the_same_drawn_on_threads_or_one(monkeypatch):
         assert torch.equal(layer.a_all, many.layers[name].a_all)
         assert torch.equal(layer.lora_a[2], alone.layers[name].lora_a[0])
         assert not layer.bt_all.any()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_packs_initial_a_is_drawn_there_and_each_adapter_starts_as_alone():
+    """On a GPU the initial A is drawn by that GPU (milliseconds, not a CPU draw copied over):
+    each adapter's A in each layer is its own seeded draw, the same in a pack of four as in a
+    pack of it alone, within kaiming-uniform's bound, and an adapter that joins later
+    (`PackedLoRALinear._init_a`) starts from the same A."""
+    from torch import nn
+
+    import plora.train.packed.inject as inject
+    from plora.train.packed.layer import AdapterSpec
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+
+    def model() -> nn.Module:
+        blocks = nn.ModuleList()
+        for _ in range(2):
+            block = nn.Module()
+            block.attn, block.mlp = nn.Module(), nn.Module()
+            block.attn.q_proj = nn.Linear(64, 64, bias=False, device="cuda", dtype=torch.bfloat16)
+            block.mlp.w2 = nn.Linear(256, 64, bias=False, device="cuda", dtype=torch.bfloat16)
+            blocks.append(block)
+        m = nn.Module()
+        m.layers = blocks
+        return m
+
+    specs = [AdapterSpec(name=f"a{i}", rank=r, alpha=2.0 * r, seed=100 + i) for i, r in enumerate([2, 4, 8, 4])]
+    pack = inject.inject_packed_lora(model(), specs, ["q_proj", "down_proj"])
+    alone = inject.inject_packed_lora(model(), specs[2:3], ["q_proj", "down_proj"])
+    for name, layer in pack.layers.items():
+        assert layer.a_all.is_cuda and layer.a_all.dtype == torch.bfloat16
+        assert torch.equal(layer.lora_a[2], alone.layers[name].lora_a[0])
+        assert not torch.equal(layer.lora_a[1], layer.lora_a[3])  # same rank, own seeds
+        assert layer.a_all.abs().max().item() <= 1.0 / math.sqrt(layer.in_features)
+        assert torch.equal(layer._init_a(specs[2]).to(torch.bfloat16), layer.lora_a[2])
+
+
+def test_prewarming_triton_does_nothing_where_nothing_compiles():
+    """A spare pays Triton's once-a-process costs ahead only where a step would compile
+    Triton kernels: on the CPU (or under the interpreter) it does nothing and says so."""
+    from plora.kernels.prewarm import prewarm
+
+    assert prewarm("cpu") == {}

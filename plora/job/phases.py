@@ -122,6 +122,8 @@ class PhaseClock:
         #: use of a machine spends its extra set-up time)
         self.setup_parts: dict[str, float] = {}
         self.eval_base_s = 0.0
+        #: whether the base model's scores came from an earlier job's (`plora.train.base_scores`)
+        self.base_scores_remembered = False
         self.eval_rows = 0
         self.eval_row_tokens = 0.0
         self.eval_prompt_tokens = 0.0
@@ -218,6 +220,7 @@ class PhaseClock:
             "setup_s": self.setup_s,
             "setup_parts": self.setup_parts,
             "eval_base_s": self.eval_base_s,
+            "base_scores_remembered": self.base_scores_remembered,
             "eval_rows": self.eval_rows,
             "eval_row_tokens": self.eval_row_tokens,
             "eval_prompt_tokens": self.eval_prompt_tokens,

@@ -63,7 +63,7 @@ from plora.models.loading import ModelError
 from plora.quantize.cost import check_tp
 from plora.results.metrics import use_metric_paths
 from plora.settings import settings
-from plora.train import hooks, preload
+from plora.train import base_scores, hooks, preload
 from plora.train.adapter_pack import AdapterPack, adapter_spec
 from plora.train.adapter_run import AdapterRun
 from plora.train.adapter_writer import AdapterWriter
@@ -253,7 +253,7 @@ class PackedLoRARecipe:
         leave: tests look in there."""
         if self.cfg.eval_base:
             with self.clock.timed("eval_base_s"):
-                self.files.base_metrics(self.evaluator.base())
+                self.files.base_metrics(self._base_scores())
         self.resumed = self.checkpointer.restore(self.runs)
         step = self.checkpointer.job_step
         # Time in optimizer steps after the first (which pays kernel compilation): what the
@@ -308,6 +308,22 @@ class PackedLoRARecipe:
         )
         self.files.summary(summary)
         return summary
+
+    def _base_scores(self) -> dict[str, float]:
+        """The base model's scores: remembered from an earlier job with the same model, rows
+        and eval (`plora.train.base_scores`), else scored now and remembered. Under tensor
+        parallelism every rank scores (the eval's collectives need them all)."""
+        key = None
+        if self.tp is None:
+            key = base_scores.key_of(self.cfg.model, self.cfg.eval, self.eval_samples, self.eval_examples,
+                                     self.device)
+            found = base_scores.recall(key)
+            if found is not None:
+                self.clock.base_scores_remembered = True
+                return found
+        scores = self.evaluator.base()
+        base_scores.remember(key, scores)
+        return scores
 
     def train_step(self, active: list[AdapterRun], step: int) -> None:
         """One optimizer step of the active adapters (`PackedStep`), and its books: each

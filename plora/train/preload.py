@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelKey", "hold", "load"]
+__all__ = ["ModelKey", "held_model", "hold", "load"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ def hold(key: ModelKey) -> None:
     global _held
     _held = None
     _held = (key, *_load(key))
+
+
+def held_model(key: ModelKey) -> Any | None:
+    """The model held for ``key`` (still held: not given away), or None."""
+    return _held[1] if _held is not None and _held[0] == key else None
 
 
 def load(key: ModelKey) -> tuple[Any, Any]:

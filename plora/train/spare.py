@@ -17,11 +17,12 @@ import sys
 def main() -> int:
     import time
 
-    from plora.job.phases import watch_dynamo_import
+    from plora.job.phases import SPARE_MOMENTS, watch_dynamo_import
 
     watch_dynamo_import()  # who imports torch._dynamo, if anything does (the job's summary says)
     import torch
 
+    _cuda_context_ahead(SPARE_MOMENTS)
     from plora.models.torchtune_imports import LATE_GPU_MODULES, import_job_modules, import_late_modules, lean_job_imports
 
     # no torchtune dataset builders, generation or tokenizers, no torchao beyond a QLoRA job's
@@ -30,7 +31,7 @@ def main() -> int:
     from torchtune import config as tune_config
 
     from plora.engine.spare import CHECKED, READY, PreloadOrder, SpareOrder
-    from plora.job.phases import SPARE_MOMENTS, process_started_at
+    from plora.job.phases import process_started_at
     from plora.train import preload
     from plora.train.packed.flash_varlen import flash_varlen
     from plora.train.packed_lora import _pick_device, leave, recipe_main
@@ -47,6 +48,14 @@ def main() -> int:
     # on a GPU, while the job is still being planned: nothing, where the flash ops are called
     # directly (`plora.train.packed.flash_varlen`: no torch._dynamo)
     import_late_modules(SPARE_MOMENTS, () if flash_varlen() is not None else LATE_GPU_MODULES)
+    warming = [_prewarm_kernels(SPARE_MOMENTS)]  # threads the job waits for at its handover
+    # what is alive now (torch, torchtune, the recipe: most of a job's objects) moved where
+    # garbage collections do not walk it: the job's first collection (`plora.train.heap`)
+    # walks the model and its own objects only
+    import gc
+
+    gc.collect()
+    gc.freeze()
     while True:
         line = sys.stdin.readline()
         if not line.strip():
@@ -67,12 +76,17 @@ def main() -> int:
         SPARE_MOMENTS["preload_ordered_at"] = time.time()
         try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
-            preload.hold(preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
-                                             _pick_device(ahead.device), ahead.random_init))
+            key = preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
+                                      _pick_device(ahead.device), ahead.random_init)
+            preload.hold(key)
             SPARE_MOMENTS["preloaded_at"] = time.time()
         except Exception:  # noqa: BLE001 - the job loads its own model then
-            pass
+            continue
+        warming.append(_warm_up_thread(key, SPARE_MOMENTS))
     order = SpareOrder.model_validate_json(line)
+    for thread in warming:  # done before the job's own work starts (seconds before, as a rule)
+        if thread is not None:
+            thread.join()
     SPARE_MOMENTS["dynamo_at_handover"] = "torch._dynamo" in sys.modules
     os.chdir(order.cwd)
     os.environ.clear()
@@ -88,6 +102,90 @@ def main() -> int:
     sys.argv = ["plora/train/packed_lora.py", "--config", order.config]
     leave(tune_config.parse(recipe_main)())
     return 0
+
+
+def _cuda_context_ahead(moments: dict) -> None:
+    """The GPU's context made on a thread as soon as torch is imported, beside the spare's
+    other imports (1-2 s of a first allocation on an H200 machine, which the base model's
+    preload had paid while the sweep waited for it). Torch lets go of the interpreter lock
+    while it allocates, so the imports go on meanwhile. Nothing on a machine without a GPU."""
+    import threading
+    import time
+
+    def run() -> None:
+        import torch
+
+        try:
+            if torch.cuda.is_available():
+                torch.zeros(1, device="cuda")
+                moments["cuda_context_at"] = time.time()
+        except Exception:  # noqa: BLE001 - the preload (or the job) makes it then, as before
+            pass
+
+    threading.Thread(target=run, name="plora-cuda-context", daemon=True).start()
+
+
+def _warm_up_thread(key, moments: dict):
+    """What a job's first GPU work would pay, paid on a thread while the spare waits: the
+    held model once forward and backward (`plora.train.gpu_warm_up`). A thread, so that the
+    spare answers the sweep's model check meanwhile (1.8-2.3 s of warm-up on a machine's
+    first use, which the check, and so the sweep's first job, had waited for); the thread,
+    or None where there is no GPU."""
+    import threading
+    import time
+
+    from plora.train import preload
+    from plora.train.gpu_warm_up import warm_up
+
+    model = preload.held_model(key)
+    if model is None or _device_type(key.device) != "cuda":
+        return None
+
+    def run() -> None:
+        try:
+            seconds = warm_up(model, key.device)
+        except Exception:  # noqa: BLE001 - the job's first step pays it then, as before
+            return
+        if seconds is not None:
+            moments["warmed_up_s"] = round(seconds, 3)
+            moments["ready_for_job_at"] = time.time()
+
+    thread = threading.Thread(target=run, name="plora-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def _device_type(device: str) -> str:
+    """``"cuda"`` for ``"cuda"`` / ``"cuda:1"``, and so on."""
+    return str(device).split(":", 1)[0]
+
+
+def _prewarm_kernels(moments: dict):
+    """On a GPU, Triton's once-a-process costs paid on a thread while the spare waits
+    (`plora.kernels.prewarm`), beside the base model's preload: the job's first step then
+    only loads its kernels. The thread, or None where there is no GPU."""
+    import threading
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+
+    def run() -> None:
+        from plora.kernels.prewarm import prewarm
+
+        try:
+            parts = prewarm(torch.device("cuda", torch.cuda.current_device()))
+        except Exception:  # noqa: BLE001 - the job's first step pays it then, as before
+            return
+        if parts:
+            moments["prewarmed_at"] = time.time()
+            moments["prewarm_s"] = round(sum(parts.values()), 3)
+
+    thread = threading.Thread(target=run, name="plora-prewarm", daemon=True)
+    thread.start()
+    return thread
 
 
 def answer_check(fields: dict):

@@ -110,15 +110,17 @@ def inject_packed_lora(
 
 
 def _initial_as(adapters: Sequence[AdapterSpec], layers: list[tuple[str, nn.Linear]]) -> list[torch.Tensor]:
-    """Every layer's stacked initial A (`plora.train.packed.layer.initial_a`), drawn on a few
-    threads at once: each A is its own seeded CPU draw, and a 16-adapter pack of a 0.5B model
-    draws 118 M numbers (1.8-2.2 s of a job's set-up on one thread on an H100 machine). Each
-    layer's draw is the same whatever thread makes it."""
+    """Every layer's stacked initial A (`plora.train.packed.layer.initial_a`). On a GPU each
+    draw is a launch there; on the CPU they are drawn on a few threads at once: each A is its
+    own seeded CPU draw, and a 16-adapter pack of a 0.5B model draws 118 M numbers (1.8-2.2 s
+    of a job's set-up on one thread on an H100 machine). Each layer's draw is the same
+    whatever thread makes it."""
     def one(layer: tuple[str, nn.Linear]) -> torch.Tensor:
         name, base = layer
         return initial_a(adapters, name, base.in_features, base.weight.device, base.weight.dtype)
 
-    threads = max(1, min(_A_THREADS, torch.get_num_threads(), len(layers)))
+    on_gpu = any(base.weight.device.type == "cuda" for _, base in layers)
+    threads = 1 if on_gpu else max(1, min(_A_THREADS, torch.get_num_threads(), len(layers)))
     if threads == 1 or not adapters:
         return [one(layer) for layer in layers]
     with ThreadPoolExecutor(threads, thread_name_prefix="plora-lora-init") as pool:
