@@ -58,3 +58,16 @@ def test_a_user_metric_is_never_remembered_and_a_broken_entry_is_scored_again(ti
     over = {"metrics": ["loss", "my_metric_mod:length"], "python_path": [str(metrics)]}
     assert not _job(tiny_model, reverse_data, tmp_path / "three", **over)["remembered"]
     assert not _job(tiny_model, reverse_data, tmp_path / "four", **over)["remembered"]
+
+
+def test_no_key_for_a_users_metric_even_without_its_python_path(tmp_path):
+    """A metric of the user's (``module:function``) is code the key cannot see change."""
+    from plora.data.dataset import Sample
+    from plora.job.config import JobEval, JobModel
+    from plora.train.base_scores import key_of
+
+    model = JobModel(path=str(tmp_path), max_seq_len=8)
+    rows = [Sample(tokens=[1, 2], labels=[1, 2])]
+    assert key_of(model, JobEval(metrics=["loss"]), rows, [], "cpu") is not None
+    assert key_of(model, JobEval(metrics=["loss", "mine:score"]), rows, [], "cpu") is None
+    assert key_of(model, JobEval(metrics=["loss"]), [], [], "cpu") is None

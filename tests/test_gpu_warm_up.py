@@ -33,3 +33,31 @@ def test_a_warm_up_on_the_gpu_leaves_the_model_as_it_was(tiny_model):
     assert {n: p.requires_grad for n, p in model.named_parameters()} == wanted
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_job_waits_for_its_spares_warm_up_a_bounded_time_then_loads_its_own_model(monkeypatch):
+    """A warm-up thread that never ends does not hold the job: past the handover's wait the
+    job goes on, and the model the thread may still be running is not handed to it."""
+    import threading
+
+    from plora.train import preload, spare
+
+    monkeypatch.setattr(spare, "HANDOVER_WAIT_S", 0.2)
+    key = preload.ModelKey.of("m", "llama", 8, "float32", "cpu", True)
+    monkeypatch.setattr(preload, "_held", (key, object(), object()))
+    stop = threading.Event()
+    stuck = threading.Thread(target=stop.wait, name="plora-warm-up", daemon=True)
+    done = threading.Thread(target=lambda: None, name="plora-prewarm", daemon=True)
+    stuck.start()
+    done.start()
+    moments: dict = {}
+    try:
+        spare._join_warming([done, None, stuck], moments)
+        assert moments["warming_abandoned"] == "plora-warm-up"
+        assert preload.held_model(key) is None
+    finally:
+        stop.set()
+    moments = {}
+    monkeypatch.setattr(preload, "_held", (key, "model", "info"))
+    spare._join_warming([done], moments)
+    assert moments == {} and preload.held_model(key) == "model"

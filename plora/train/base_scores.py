@@ -7,13 +7,14 @@ tune of many sweeps paid it each time. A job that scores a base remembers the sc
 a key of everything they follow from; a later job with that key writes them without
 running the eval.
 
-The key: the model's folder (each file's name, size and modification time: changed
-weights are another model), family, sequence length, dtype, random init and quantization;
-the device's kind (a GPU's numbers differ in their last bits from a CPU's); every eval
-row's tokens, labels, prompt, reference and choices and every raw example; the eval's
-metrics and generation settings; the versions of torch, torchtune and plora, and the code
-that builds the model and scores it. A metric of the user's (``python_path``) is code this
-cannot see change: such an eval is never remembered.
+The key: the model's folder (each file's name, size, modification time, inode and change
+time: changed or copied-over weights are another model), family, sequence length, dtype,
+random init and quantization; the device's kind (a GPU's numbers differ in their last bits
+from a CPU's) and whether eval rows are flattened or padded; every eval row's tokens,
+labels, prompt, reference and choices and every raw example; the eval's metrics and
+generation settings; the versions of torch and the packages the scores follow from, and
+every source file of plora. A metric of the user's is code this cannot see change: such an
+eval is never remembered.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, is_dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +32,26 @@ from plora.settings import settings
 __all__ = ["key_of", "recall", "remember"]
 
 #: the eval's settings that decide its scores
-_EVAL_FIELDS = ("metrics", "max_new_tokens", "max_eval_samples", "objective", "choices", "choices_column")
+_EVAL_FIELDS = ("metrics", "max_new_tokens", "max_eval_samples", "choices", "choices_column")
+#: packages whose code the scores also follow from
+_PACKAGES = ("torchtune", "triton", "tokenizers", "safetensors", "gguf", "transformers", "rouge-score", "sacrebleu")
 
 
 def key_of(model: Any, evaluation: Any, samples: list, examples: list, device: Any) -> str | None:
     """The key of this base model's scores on these rows (``model``: a job's `JobModel`,
     ``evaluation``: its `JobEval`), or None where they are not to be remembered."""
-    if evaluation.python_path or not samples:
+    from plora.results.metrics import is_user_metric
+
+    if evaluation.python_path or any(is_user_metric(m) for m in evaluation.metrics) or not samples:
         return None
     import torch
 
     from plora import __version__
+    from plora.train.packed.flash_varlen import flash_varlen
 
     folder = Path(model.path)
     try:
-        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()) \
-            if folder.is_dir() else [(folder.name, folder.stat().st_size, folder.stat().st_mtime_ns)]
+        files = sorted(_stamp(p) for p in folder.iterdir() if p.is_file()) if folder.is_dir() else [_stamp(folder)]
     except OSError:
         return None
     device = torch.device(device)
@@ -55,8 +61,9 @@ def key_of(model: Any, evaluation: Any, samples: list, examples: list, device: A
         "model": [str(folder.resolve()), files, model.family, model.max_seq_len, model.dtype, model.random_init,
                   json.dumps(model.quantize, default=str, sort_keys=True)],
         "device": kind,
+        "flat_rows": flash_varlen() is not None,  # an eval's rows flattened, or padded
         "eval": {f: getattr(evaluation, f, None) for f in _EVAL_FIELDS},
-        "versions": [__version__, torch.__version__, _package_version("torchtune"), _code_version()],
+        "versions": [__version__, torch.__version__, *(_package_version(p) for p in _PACKAGES), _code_version()],
     }
     digest.update(json.dumps(head, default=str, sort_keys=True).encode())
     for sample in samples:
@@ -107,15 +114,23 @@ def _package_version(name: str) -> str:
         return ""
 
 
+def _stamp(path: Path) -> tuple:
+    """A file as its copies cannot pass for it: name, size, modification time, and the
+    inode and change time that no copy (``cp -p``, ``rsync -a``) keeps."""
+    st = path.stat()
+    return (path.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+@lru_cache(maxsize=1)
 def _code_version() -> str:
-    """The code the scores follow from besides the model's files: how the model is built
-    (`plora.models.check`'s own version of it) and how an eval scores."""
-    from importlib.util import find_spec
+    """Every source file of plora and its kernels: the code that builds the model, lays out
+    its rows and scores them (a few hundred kilobytes, read once a process)."""
+    import plora
+    import plora.kernels
 
-    from plora.models.check import _checker_version
-
-    digest = hashlib.sha1(_checker_version().encode())
-    for module in ("plora.results.evaluate", "plora.results.metrics", "plora.data.dataset"):
-        origin = find_spec(module).origin
-        digest.update(Path(origin).read_bytes())
+    digest = hashlib.sha1()
+    roots = {Path(plora.__file__).resolve().parent, Path(plora.kernels.__file__).resolve().parent}
+    for path in sorted({p.resolve() for root in roots for p in root.rglob("*.py")}):
+        digest.update(str(path.name).encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

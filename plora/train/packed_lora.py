@@ -315,8 +315,11 @@ class PackedLoRARecipe:
         parallelism every rank scores (the eval's collectives need them all)."""
         key = None
         if self.tp is None:
-            key = base_scores.key_of(self.cfg.model, self.cfg.eval, self.eval_samples, self.eval_examples,
-                                     self.device)
+            try:
+                key = base_scores.key_of(self.cfg.model, self.cfg.eval, self.eval_samples, self.eval_examples,
+                                         self.device)
+            except Exception:  # noqa: BLE001 - a key it cannot make is only a cache missed
+                key = None
             found = base_scores.recall(key)
             if found is not None:
                 self.clock.base_scores_remembered = True

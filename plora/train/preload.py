@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelKey", "held_model", "hold", "load"]
+__all__ = ["ModelKey", "held_model", "hold", "load", "release"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ def hold(key: ModelKey) -> None:
 def held_model(key: ModelKey) -> Any | None:
     """The model held for ``key`` (still held: not given away), or None."""
     return _held[1] if _held is not None and _held[0] == key else None
+
+
+def release() -> None:
+    """Hold nothing: the next job loads its own model."""
+    global _held
+    _held = None
 
 
 def load(key: ModelKey) -> tuple[Any, Any]:

@@ -17,12 +17,11 @@ import sys
 def main() -> int:
     import time
 
-    from plora.job.phases import SPARE_MOMENTS, watch_dynamo_import
+    from plora.job.phases import watch_dynamo_import
 
     watch_dynamo_import()  # who imports torch._dynamo, if anything does (the job's summary says)
     import torch
 
-    _cuda_context_ahead(SPARE_MOMENTS)
     from plora.models.torchtune_imports import LATE_GPU_MODULES, import_job_modules, import_late_modules, lean_job_imports
 
     # no torchtune dataset builders, generation or tokenizers, no torchao beyond a QLoRA job's
@@ -31,7 +30,7 @@ def main() -> int:
     from torchtune import config as tune_config
 
     from plora.engine.spare import CHECKED, READY, PreloadOrder, SpareOrder
-    from plora.job.phases import process_started_at
+    from plora.job.phases import SPARE_MOMENTS, process_started_at
     from plora.train import preload
     from plora.train.packed.flash_varlen import flash_varlen
     from plora.train.packed_lora import _pick_device, leave, recipe_main
@@ -48,7 +47,7 @@ def main() -> int:
     # on a GPU, while the job is still being planned: nothing, where the flash ops are called
     # directly (`plora.train.packed.flash_varlen`: no torch._dynamo)
     import_late_modules(SPARE_MOMENTS, () if flash_varlen() is not None else LATE_GPU_MODULES)
-    warming = [_prewarm_kernels(SPARE_MOMENTS)]  # threads the job waits for at its handover
+    warming: list = []  # threads its job waits for at the handover
     # what is alive now (torch, torchtune, the recipe: most of a job's objects) moved where
     # garbage collections do not walk it: the job's first collection (`plora.train.heap`)
     # walks the model and its own objects only
@@ -74,6 +73,11 @@ def main() -> int:
                 pass
             continue
         SPARE_MOMENTS["preload_ordered_at"] = time.time()
+        # a preload is sent only to the spare of an idle GPU (the sweep's first job): Triton's
+        # once-a-process costs paid beside it, a CUDA context and all (a spare beside a running
+        # job takes no GPU memory before its job)
+        if not warming:
+            warming.append(_prewarm_kernels(SPARE_MOMENTS))
         try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
             key = preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
@@ -82,11 +86,12 @@ def main() -> int:
             SPARE_MOMENTS["preloaded_at"] = time.time()
         except Exception:  # noqa: BLE001 - the job loads its own model then
             continue
-        warming.append(_warm_up_thread(key, SPARE_MOMENTS))
+        try:
+            warming.append(_warm_up_thread(key, SPARE_MOMENTS))
+        except Exception:  # noqa: BLE001 - the job's first step pays it then, as before
+            pass
     order = SpareOrder.model_validate_json(line)
-    for thread in warming:  # done before the job's own work starts (seconds before, as a rule)
-        if thread is not None:
-            thread.join()
+    _join_warming(warming, SPARE_MOMENTS)
     SPARE_MOMENTS["dynamo_at_handover"] = "torch._dynamo" in sys.modules
     os.chdir(order.cwd)
     os.environ.clear()
@@ -104,25 +109,28 @@ def main() -> int:
     return 0
 
 
-def _cuda_context_ahead(moments: dict) -> None:
-    """The GPU's context made on a thread as soon as torch is imported, beside the spare's
-    other imports (1-2 s of a first allocation on an H200 machine, which the base model's
-    preload had paid while the sweep waited for it). Torch lets go of the interpreter lock
-    while it allocates, so the imports go on meanwhile. Nothing on a machine without a GPU."""
-    import threading
+#: seconds a job waits at its handover for the spare's warming threads (a second or two, as a
+#: rule); past that it goes on without them, and loads its own model
+HANDOVER_WAIT_S = 60.0
+
+
+def _join_warming(threads: list, moments: dict) -> None:
+    """Wait for the warming threads before the job starts (nothing of theirs runs beside it),
+    at most `HANDOVER_WAIT_S` in all. A thread still running then is left to end on its own,
+    and the model held for the job is dropped, so the job never shares a model a warm-up
+    may still be running."""
     import time
 
-    def run() -> None:
-        import torch
+    from plora.train import preload
 
-        try:
-            if torch.cuda.is_available():
-                torch.zeros(1, device="cuda")
-                moments["cuda_context_at"] = time.time()
-        except Exception:  # noqa: BLE001 - the preload (or the job) makes it then, as before
-            pass
-
-    threading.Thread(target=run, name="plora-cuda-context", daemon=True).start()
+    deadline = time.monotonic() + HANDOVER_WAIT_S
+    for thread in threads:
+        if thread is None:
+            continue
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            moments["warming_abandoned"] = thread.name
+            preload.release()
 
 
 def _warm_up_thread(key, moments: dict):
