@@ -145,18 +145,16 @@ def streamed_makespan(plan: Plan, cost: CostModel, loads: Sequence[AdapterLoad],
             return end if not queue else None  # a job wider than the GPUs: the plan's own makespan stands
         # the next moment something changes: an adapter leaves, or a waiting adapter is offered again
         nxt = now + tick
+        steps = {id(p): cost.step_time(list(p.loads[a] for a in p.left), p.tp) for p in running if p.left}
         for p in running:
-            if not p.left:
-                continue
-            step = cost.step_time(list(p.loads[a] for a in p.left), p.tp)
-            nxt = min(nxt, max(now, p.ready_at) + min(p.left.values()) * step)
+            if p.left:
+                nxt = min(nxt, max(now, p.ready_at) + min(p.left.values()) * steps[id(p)])
         nxt = max(nxt, now + 1e-9)
         for p in running:
             start = max(now, p.ready_at)
             if start >= nxt or not p.left:
                 continue
-            step = cost.step_time(list(p.loads[a] for a in p.left), p.tp)
-            done = (nxt - start) / step
+            done = (nxt - start) / steps[id(p)]
             for a in p.left:
                 p.left[a] -= done
             leaving = [a for a, s in p.left.items() if s <= _DONE * max(1.0, p.loads[a].steps)]

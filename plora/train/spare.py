@@ -142,11 +142,13 @@ def _warm_up_thread(key, moments: dict):
     import threading
     import time
 
+    import torch
+
     from plora.train import preload
     from plora.train.gpu_warm_up import warm_up
 
     model = preload.held_model(key)
-    if model is None or _device_type(key.device) != "cuda":
+    if model is None or torch.device(key.device).type != "cuda":
         return None
 
     def run() -> None:
@@ -161,11 +163,6 @@ def _warm_up_thread(key, moments: dict):
     thread = threading.Thread(target=run, name="plora-warm-up", daemon=True)
     thread.start()
     return thread
-
-
-def _device_type(device: str) -> str:
-    """``"cuda"`` for ``"cuda"`` / ``"cuda:1"``, and so on."""
-    return str(device).split(":", 1)[0]
 
 
 def _prewarm_kernels(moments: dict):

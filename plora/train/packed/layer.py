@@ -172,9 +172,9 @@ class PackedLoRALinear(nn.Module):
         self._rows = state.row_starts
 
     def _init_a(self, spec: AdapterSpec) -> torch.Tensor:
-        """``spec``'s initial A here (float32), drawn as a pack that began with it draws it."""
-        device = self.a_all.device
-        return adapter_a(spec, self.module_name, self.in_features, device if device.type == "cuda" else "cpu")
+        """``spec``'s initial A for this layer's device (float32), drawn as a pack that began
+        with it draws it."""
+        return adapter_a(spec, self.module_name, self.in_features, self.a_all.device)
 
     @property
     def lora_a(self) -> tuple[torch.Tensor, ...]:
@@ -209,7 +209,8 @@ class PackedLoRALinear(nn.Module):
 
 def adapter_a(spec: AdapterSpec, module_name: str, in_features: int,
               device: torch.device | str = "cpu") -> torch.Tensor:
-    """Adapter ``spec``'s initial A in layer ``module_name`` (float32, on ``device``). Seeded by
+    """Adapter ``spec``'s initial A in layer ``module_name`` (float32) for ``device``: drawn
+    on it where it is a GPU, else on the CPU (and left there). Seeded by
     (adapter seed, layer name) only, so an adapter starts from the same weights whatever else
     is in its pack; nn.Linear/PEFT's kaiming-uniform bound.
 
@@ -234,8 +235,7 @@ def initial_a(adapters: Sequence[AdapterSpec], module_name: str, in_features: in
     """A layer's stacked A (every adapter's `adapter_a`, in order) on ``device`` in ``dtype``."""
     if not adapters:
         return torch.zeros(0, in_features, device=device, dtype=dtype)
-    draw_on = device if torch.device(device).type == "cuda" else "cpu"
-    a = torch.cat([adapter_a(spec, module_name, in_features, draw_on) for spec in adapters])
+    a = torch.cat([adapter_a(spec, module_name, in_features, device) for spec in adapters])
     return a.to(device=device, dtype=dtype)
 
 
