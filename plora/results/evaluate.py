@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from plora.data.dataset import IGNORE_INDEX, Sample, TextTokenizer
 from plora.spec.defaults import EVAL_BATCH_ROWS
 from plora.results.metrics import choice_accuracy, generated_metrics, needs_eval_loss, perplexity, score_predictions
-from plora.train.packed.head_loss import adapter_loss_sums, chunk_rows, final_hidden, labels_to, last_position_logits
+from plora.results.eval_forward import eval_batch, eval_hidden, vocab_size
+from plora.results.generate import decode_cache_bytes, greedy_generate
+from plora.train.packed.head_loss import adapter_loss_sums, chunk_rows, labels_to
 from plora.train.packed.inject import PackedModel
 from plora.train.packed.rows import LabelParts
-from plora.train.packed.step_batch import StepBatch, build_step_batch, label_counts
-from plora.train.packed.varlen_attention import row_attention
+from plora.train.packed.step_batch import label_counts
 
 #: tokens per eval forward on a CPU (or when the device's free memory is unknown)
 CPU_EVAL_TOKENS = 32768
@@ -75,10 +76,11 @@ def per_adapter_loss(logits: torch.Tensor, labels: torch.Tensor, rows: Sequence[
 
 
 # ------------------------------------------------------------------ budgets
-def eval_token_budget(pm: PackedModel, device: torch.device, budget: int | None = None) -> int:
+def eval_token_budget(pm: PackedModel, device: torch.device, budget: int | None = None, held_bytes: int = 0) -> int:
     """Tokens one eval forward may hold: ``budget`` when given; on CUDA, a share of the free
     memory over the bytes a token's activations take (the widest layer's few live tensors;
-    the head's chunk is bounded on its own); `CPU_EVAL_TOKENS` elsewhere."""
+    the head's chunk is bounded on its own) and ``held_bytes`` more per token (a decode
+    cache's keys and values); `CPU_EVAL_TOKENS` elsewhere."""
     if budget is not None:
         return max(1, int(budget))
     if device.type != "cuda":
@@ -89,7 +91,7 @@ def eval_token_budget(pm: PackedModel, device: torch.device, budget: int | None 
     hidden = int(model.tok_embeddings.weight.shape[1])
     widest = max([hidden] + [int(layer.out_features) for layer in pm.layers.values()])
     elem = model.tok_embeddings.weight.element_size()
-    per_token = elem * (6 * hidden + 3 * widest) + 64  # + positions, ids, row metadata
+    per_token = elem * (6 * hidden + 3 * widest) + 64 + int(held_bytes)  # + positions, ids, row metadata
     return max(MIN_EVAL_TOKENS, int(free * CUDA_MEMORY_SHARE) // per_token)
 
 
@@ -104,6 +106,20 @@ def split_pieces(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list
         tokens += n
     if start < len(lengths):
         pieces.append((start, len(lengths)))
+    return pieces
+
+
+def split_widest_pieces(widths: Sequence[int], max_tokens: int, max_rows: int) -> list[tuple[int, int]]:
+    """`split_pieces` for rows that each take their piece's widest row's room (a decode
+    cache, padded rows): ``widths`` in ascending order, a piece's cost its rows times its
+    last width."""
+    pieces, start = [], 0
+    for i, w in enumerate(widths):
+        if i > start and ((i - start + 1) * w > max_tokens or i - start >= max_rows):
+            pieces.append((start, i))
+            start = i
+    if start < len(widths):
+        pieces.append((start, len(widths)))
     return pieces
 
 
@@ -131,39 +147,6 @@ def retry_smaller(run: Callable[[list[_T], tuple[int, int]], None], group: list[
 def _free_cached() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-# ------------------------------------------------------------------ forward
-def _hidden(pm: PackedModel, batch: StepBatch, active: Sequence[int], device: torch.device,
-            compile_ahead: bool = True) -> torch.Tensor:
-    """The final-norm hidden states ``[T, d]`` of a batch whose rows belong, adapter by
-    adapter, to ``active`` (empty: the base model). ``compile_ahead``: compile the batch's
-    kernels all at once first (`PackedModel.compile_kernels_ahead`)."""
-    tokens = batch.tokens.to(device)
-    positions = batch.positions.to(device) if batch.positions is not None else None
-    rows = row_attention(pm.model)
-    if active:
-        pm.state.set_batch(active, batch.segment_tokens, device)
-    try:
-        if active and compile_ahead:
-            pm.compile_kernels_ahead(training=False)
-        if batch.flat:
-            cu = batch.cu_seqlens().to(device) if device.type == "cuda" else None
-            rows.set(batch.row_lengths, cu, batch.max_len)
-        h = final_hidden(pm.model, tokens, positions)
-    finally:
-        pm.state.clear()
-        if rows is not None:
-            rows.clear()
-    return h.reshape(-1, h.shape[-1])
-
-
-def _batch(pm: PackedModel, samples: Sequence[Sample], rows_per_adapter: Sequence[int], pad_id: int) -> StepBatch:
-    return build_step_batch(samples, rows_per_adapter, pad_id, flat=row_attention(pm.model) is not None)
-
-
-def _vocab(pm: PackedModel) -> int:
-    return int(pm.model.tok_embeddings.weight.shape[0])
 
 
 # ------------------------------------------------------------------ metrics
@@ -202,7 +185,8 @@ def evaluate_adapters(
         generated = generated_metrics(metrics)
         if generated and (samples or examples):
             prompts, references = _prompts(samples, examples, tok, max_seq_len)
-            answers = _answers(pm, list(adapters), prompts, tok, max_new_tokens, max_seq_len, device, budget,
+            room = eval_token_budget(pm, device, token_budget, held_bytes=decode_cache_bytes(pm))
+            answers = _answers(pm, list(adapters), prompts, tok, max_new_tokens, max_seq_len, device, room,
                                batch_rows)
             for i, predictions in enumerate(answers):
                 results[i].update(score_predictions(generated, predictions, references))
@@ -226,7 +210,7 @@ def _eval_loss(pm, adapters, samples, device, budget, batch_rows, pad_id) -> lis
     """Token-weighted mean loss over the eval set, per adapter."""
     sums = [0.0] * len(adapters)
     counts = [0] * len(adapters)
-    chunk = chunk_rows(_vocab(pm))
+    chunk = chunk_rows(vocab_size(pm))
 
     def run(group: list[int], piece: tuple[int, int]) -> None:
         loss_sums, loss_counts = eval_loss_piece(pm, [adapters[j] for j in group], samples[piece[0] : piece[1]],
@@ -245,20 +229,23 @@ def eval_loss_piece(pm: PackedModel, adapters: Sequence[int | None], samples: Se
     summed loss and label count."""
     active = [a for a in adapters if a is not None]
     rows = [len(samples)] * len(adapters)
-    batch = _batch(pm, list(samples) * len(adapters), rows, pad_id)
-    hidden = _hidden(pm, batch, active, device)
+    batch = eval_batch(pm, list(samples) * len(adapters), rows, pad_id)
+    hidden = eval_hidden(pm, batch, active, device)
     sums, counts = adapter_loss_sums(pm.model.output, hidden, labels_to(batch.labels, device), chunk)
     return [float(s) for s in torch.stack(sums).tolist()], [int(c) for c in torch.stack(counts).tolist()]
 
 
 def _each_piece(n_adapters: int, lengths: Sequence[int], budget: int, batch_rows: int,
-                run: Callable[[list[int], tuple[int, int]], None]) -> None:
+                run: Callable[[list[int], tuple[int, int]], None],
+                pieces: Sequence[tuple[int, int]] | None = None) -> None:
     """``run(group, piece)`` over the eval rows cut into budget-sized pieces (the same pieces
-    whatever adapters are evaluated) and the adapters in groups that fit, retried smaller on
-    out-of-memory."""
+    whatever adapters are evaluated; ``pieces``: these, each costing its rows times its
+    widest) and the adapters in groups that fit, retried smaller on out-of-memory."""
     slots = list(range(n_adapters))
-    for piece in split_pieces(lengths, budget, batch_rows):
-        per = _groups(n_adapters, sum(lengths[piece[0] : piece[1]]), piece[1] - piece[0], budget, batch_rows)
+    for piece in pieces if pieces is not None else split_pieces(lengths, budget, batch_rows):
+        rows = piece[1] - piece[0]
+        tokens = rows * max(lengths[piece[0] : piece[1]]) if pieces is not None else sum(lengths[piece[0] : piece[1]])
+        per = _groups(n_adapters, tokens, rows, budget, batch_rows)
         for g0 in range(0, len(slots), per):
             retry_smaller(run, slots[g0 : g0 + per], piece)
 
@@ -273,18 +260,24 @@ def _prompts(samples, examples, tok: TextTokenizer, max_seq_len: int) -> tuple[l
 
 def _answers(pm, adapters, prompts, tok: TextTokenizer, max_new_tokens, max_seq_len, device, budget,
              batch_rows) -> list[list[str]]:
-    """Greedy answers of every eval prompt, per adapter (decoded until eos)."""
+    """Greedy answers of every eval prompt, per adapter (decoded until eos). Prompts go in
+    order of length, so that a forward's rows (each as wide as its widest: a decode cache's
+    rows, or padded rows) are of about one length."""
     out: list[list[str | None]] = [[None] * len(prompts) for _ in adapters]
+    widths = [min(max_seq_len, len(p) + max_new_tokens) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: widths[i])
 
     def run(group: list[int], piece: tuple[int, int]) -> None:
-        chunk = prompts[piece[0] : piece[1]]
-        n = len(chunk)
-        answers = greedy_generate(pm, chunk * len(group), [adapters[j] for j in group], n, tok, max_new_tokens,
-                                  max_seq_len, device)
+        rows = order[piece[0] : piece[1]]
+        n = len(rows)
+        answers = greedy_generate(pm, [prompts[i] for i in rows] * len(group), [adapters[j] for j in group], n,
+                                  tok, max_new_tokens, max_seq_len, device)
         for gi, j in enumerate(group):
-            out[j][piece[0] : piece[1]] = answers[gi * n : (gi + 1) * n]
+            for i, answer in zip(rows, answers[gi * n : (gi + 1) * n]):
+                out[j][i] = answer
 
-    _each_piece(len(adapters), [min(max_seq_len, len(p) + max_new_tokens) for p in prompts], budget, batch_rows, run)
+    sizes = [widths[i] for i in order]
+    _each_piece(len(adapters), sizes, budget, batch_rows, run, pieces=split_widest_pieces(sizes, budget, batch_rows))
     return [[a or "" for a in answers] for answers in out]
 
 
@@ -296,14 +289,14 @@ def _choice_accuracy(pm, adapters, samples: Sequence[Sample], device, budget, ba
     if not rows:
         return [math.nan] * len(adapters)
     logliks: list[list[float]] = [[0.0] * len(rows) for _ in adapters]
-    chunk = chunk_rows(_vocab(pm))
+    chunk = chunk_rows(vocab_size(pm))
 
     def run(group: list[int], piece: tuple[int, int]) -> None:
         part = rows[piece[0] : piece[1]]
         active = [adapters[j] for j in group if adapters[j] is not None]
         scored = list(part) * len(group)
-        batch = _batch(pm, scored, [len(part)] * len(group), pad_id)
-        hidden = _hidden(pm, batch, active, device)
+        batch = eval_batch(pm, scored, [len(part)] * len(group), pad_id)
+        hidden = eval_hidden(pm, batch, active, device)
         # the batch's labels are in row order: split per row instead of per adapter
         per_row = label_counts(scored, [1] * len(scored))
         labels = LabelParts(batch.labels.index, batch.labels.targets, per_row, per_row)
@@ -321,51 +314,3 @@ def _choice_accuracy(pm, adapters, samples: Sequence[Sample], device, budget, ba
             scores[i].append(v)
         out.append(choice_accuracy([sc for sc in scores if sc], gold))
     return out
-
-
-def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters: Sequence[int | None],
-                    rows_per_adapter: int, tok: TextTokenizer, max_new_tokens: int, max_seq_len: int,
-                    device: torch.device) -> list[str]:
-    """Decode all rows together (adapter k owns rows ``k·n:(k+1)·n``; ``adapters`` = [None] or
-    []: the base model owns them all); each row grows by its
-    own next token until eos. Finished rows leave the batch; the LM head runs at each live
-    row's last token only, per adapter (so its shapes are the adapter's own)."""
-    adapters = list(adapters) or [None]  # no adapter: the base model
-    active = [a for a in adapters if a is not None]
-    owners = [k for k in range(len(adapters)) for _ in range(rows_per_adapter)]
-    seqs = [list(p) for p in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    live = [i for i, p in enumerate(seqs) if len(p) < max_seq_len]
-    for step in range(max_new_tokens):
-        if not live:
-            break
-        per_adapter = [sum(1 for i in live if owners[i] == k) for k in range(len(adapters))]
-        keep = [k for k, n in enumerate(per_adapter) if n]
-        samples = [Sample(seqs[i], [IGNORE_INDEX] * len(seqs[i])) for i in live]
-        batch = _batch(pm, samples, [per_adapter[k] for k in keep], tok.pad_id)
-        # each decode step is a new token layout: only the first one's kernels are compiled ahead
-        hidden = _hidden(pm, batch, [active[k] for k in keep] if active else [], device, compile_ahead=step == 0)
-        last = _last_positions(batch, [len(s.tokens) for s in samples])
-        nxt: list[int] = []
-        start = 0
-        for k in keep:  # the head per adapter: its rows' shapes do not depend on the others
-            n = per_adapter[k]
-            nxt.extend(last_position_logits(pm.model.output, hidden, last[start : start + n]).argmax(-1).tolist())
-            start += n
-        still = []
-        for i, t in zip(live, nxt):
-            if t in tok.stop_ids:
-                continue
-            out[i].append(t)
-            seqs[i].append(t)
-            if len(seqs[i]) < max_seq_len:
-                still.append(i)
-        live = still
-    return [tok.decode(ids) for ids in out]
-
-
-def _last_positions(batch: StepBatch, lengths: Sequence[int]) -> list[int]:
-    if batch.flat:
-        return batch.last_positions()[: len(lengths)]
-    width = int(batch.tokens.shape[1])
-    return [r * width + n - 1 for r, n in enumerate(lengths)]

@@ -4,7 +4,9 @@ torchtune's `MultiHeadAttention` computes attention through its ``_attention_cal
 attribute. `install_row_attention` swaps that for a `_RowAttentionCall` that reads the
 current row boundaries from one `RowAttention` shared by every layer: while rows are set
 (`RowAttention.rows`), a ``[1, T]`` batch is attended row by row, causally; otherwise the
-original call runs (padded batches, generation with a KV cache).
+original call runs (padded batches). While a `DecodeCache` is set (`RowAttention.cache`,
+greedy generation), a prefill's rows also store their keys and values there, and a decode
+forward (one token per row) attends to its row's cached ones instead.
 
 Backends:
 
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plora.train.packed.decode_cache import DecodeCache
 from plora.train.packed.flash_varlen import flash_varlen
 
 _ATTR = "_plora_row_attention"
@@ -56,6 +59,7 @@ class RowAttention:
         self.lengths: list[int] | None = None
         self.cu_seqlens: torch.Tensor | None = None  # int32 [rows + 1] on the device (varlen kernel)
         self.max_len = 0
+        self.cache: DecodeCache | None = None  # greedy generation's keys and values, while it runs
 
     @property
     def active(self) -> bool:
@@ -91,20 +95,28 @@ class RowAttention:
 class _RowAttentionCall:
     """Stands in for a `MultiHeadAttention`'s ``_attention_call`` (module docstring)."""
 
-    def __init__(self, state: RowAttention, original: Callable):
+    def __init__(self, state: RowAttention, original: Callable, q_per_kv: int = 1):
         self.state = state
         self.original = original
+        self.q_per_kv = max(1, int(q_per_kv))  # query heads per key-value head (expanded copies)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, dropout_p: float = 0.0,
                  is_causal: bool = True) -> torch.Tensor:
         state = self.state
+        cache = state.cache
+        if cache is not None and cache.decoding:
+            return cache.attend(self, q, k, v, self.q_per_kv)
         if not state.active:
             return self.original(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         if mask is not None or q.shape[0] != 1:
             raise ValueError("row attention takes one flattened sequence [1, T] and no mask")
         if state.cu_seqlens is not None and dropout_p == 0.0 and self.graph_ok(q):
-            return _varlen(q, k, v, state)
-        return _per_row(q, k, v, state.lengths, dropout_p)
+            out = _varlen(q, k, v, state)
+        else:
+            out = _per_row(q, k, v, state.lengths, dropout_p)
+        if cache is not None:
+            cache.store(self, k, v, self.q_per_kv)
+        return out
 
     @staticmethod
     def graph_ok(q: torch.Tensor) -> bool:
@@ -166,7 +178,9 @@ def install_row_attention(model: nn.Module) -> RowAttention | None:
         return None
     state = RowAttention()
     for attn in attns:
-        attn._attention_call = _RowAttentionCall(state, attn._attention_call)
+        heads, kv_heads = int(getattr(attn, "num_heads", 1)), int(getattr(attn, "num_kv_heads", 0) or 0)
+        q_per_kv = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 1
+        attn._attention_call = _RowAttentionCall(state, attn._attention_call, q_per_kv)
     setattr(model, _ATTR, state)
     return state
 

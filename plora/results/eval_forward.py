@@ -1,0 +1,48 @@
+"""One eval forward of a packed model: rows laid out as the model's attention allows, the
+adapters' LoRA segments set, the final norm's hidden states out (shared by the eval's
+losses, choices and greedy generation)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from plora.data.dataset import Sample
+from plora.train.packed.head_loss import final_hidden
+from plora.train.packed.inject import PackedModel
+from plora.train.packed.step_batch import StepBatch, build_step_batch
+from plora.train.packed.varlen_attention import row_attention
+
+
+def eval_hidden(pm: PackedModel, batch: StepBatch, active: Sequence[int], device: torch.device,
+                compile_ahead: bool = True) -> torch.Tensor:
+    """The final-norm hidden states ``[T, d]`` of a batch whose rows belong, adapter by
+    adapter, to ``active`` (empty: the base model). ``compile_ahead``: compile the batch's
+    kernels all at once first (`PackedModel.compile_kernels_ahead`)."""
+    tokens = batch.tokens.to(device)
+    positions = batch.positions.to(device) if batch.positions is not None else None
+    rows = row_attention(pm.model)
+    if active:
+        pm.state.set_batch(active, batch.segment_tokens, device)
+    try:
+        if active and compile_ahead:
+            pm.compile_kernels_ahead(training=False)
+        if batch.flat:
+            cu = batch.cu_seqlens().to(device) if device.type == "cuda" else None
+            rows.set(batch.row_lengths, cu, batch.max_len)
+        h = final_hidden(pm.model, tokens, positions)
+    finally:
+        pm.state.clear()
+        if rows is not None:
+            rows.clear()
+    return h.reshape(-1, h.shape[-1])
+
+
+def eval_batch(pm: PackedModel, samples: Sequence[Sample], rows_per_adapter: Sequence[int], pad_id: int) -> StepBatch:
+    """Adapter-contiguous rows, flattened where the model's attention is confined to rows."""
+    return build_step_batch(samples, rows_per_adapter, pad_id, flat=row_attention(pm.model) is not None)
+
+
+def vocab_size(pm: PackedModel) -> int:
+    return int(pm.model.tok_embeddings.weight.shape[0])
