@@ -105,7 +105,11 @@ def test_a_cache_refuses_what_does_not_fit():
         DecodeCache(0, 4, torch.device("cpu"))
     cache.prefill([1, 2])
     with pytest.raises(ValueError, match="expects 3"):
-        cache.store(object(), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), 1)
+        cache.store(object(), torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), 1)
+    cache.store(object(), torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8), 1)  # a trailing padding row
+    cache.decode(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="expects 2"):
+        cache.store(object(), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 1)
 
 
 @pytest.mark.parametrize("max_new_tokens, max_seq_len", [(6, 64), (5, 12)])
@@ -126,6 +130,18 @@ def test_cached_generation_gives_the_answers_of_full_rows(trained, max_new_token
                                                 device)
     assert cached == plain and base == base_plain
     assert any(cached) and len({len(a) for a in cached}) > 1
+
+
+def test_short_prompts_flattened_with_a_padding_row_decode_as_full_rows(trained):
+    """Prompts shorter in all than a flattened batch's smallest size: the batch ends in a
+    padding row, which the cache leaves out."""
+    tok = trained.tok
+    prompts = [tok.prompt_ids(s) for s in ("ab>", "c>", "fed>")]
+    assert sum(map(len, prompts)) < 16
+    with torch.no_grad():
+        plain = gen.generate_without_cache(trained.pm, prompts, [1], 3, tok, 4, 64, torch.device("cpu"))
+        cached = gen.greedy_generate(trained.pm, prompts, [1], 3, tok, 4, 64, torch.device("cpu"))
+    assert cached == plain
 
 
 def test_cached_generation_stops_rows_at_their_stop_tokens(trained, monkeypatch):

@@ -64,10 +64,12 @@ class DecodeCache:
         """Write a forward's keys and values ``[1, heads, T, head_dim]`` (heads expanded
         ``q_per_kv`` times per key-value head, as torchtune's attention passes them) at the
         forward's slots of this layer."""
-        if self._slots is None or k.shape[2] != self._slots.numel():
-            raise ValueError(f"a forward of {k.shape[2]} tokens, the cache expects "
-                             f"{0 if self._slots is None else self._slots.numel()}")
-        kv = [t[0, ::q_per_kv].transpose(0, 1) for t in (k, v)]  # [T, kv_heads, head_dim]
+        n = 0 if self._slots is None else self._slots.numel()
+        # a prefill's flattened rows may end in a padding row (`flatten_rows`' smallest
+        # size): its tokens are no row's
+        if n == 0 or k.shape[2] < n or (self.decoding and k.shape[2] != n):
+            raise ValueError(f"a forward of {k.shape[2]} tokens, the cache expects {n}")
+        kv = [t[0, ::q_per_kv, :n].transpose(0, 1) for t in (k, v)]  # [n, kv_heads, head_dim]
         key = id(layer)
         if key not in self._layers:
             shape = (self.rows * self.capacity, kv[0].shape[1], kv[0].shape[2])
