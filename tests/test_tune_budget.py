@@ -213,6 +213,25 @@ def test_stop_prunes_the_running_trials_once_the_budget_is_spent(tmp_path, demo_
     assert summary["budget_spent"] is True and summary["on_budget"] == "stop"
 
 
+def test_async_stop_asks_no_trial_that_could_not_train_to_its_end_within_the_budget(tmp_path, demo_model):
+    """``--async`` under ``on_budget: stop``: once a new trial, joining a freed slot, would
+    need more than the budget left to train through (the cost model made very slow here), it
+    is told pruned untrained and no trial follows it; the trials running then train to their
+    ends, within the budget, rather than all being pruned at its last second."""
+    from plora.cost.sweep_model import sweep_cost_model
+
+    spec = parse_spec(space(tmp_path, demo_model))
+    slow = sweep_cost_model(spec, spec.run_dir()).scaled(1e6)
+    study = tloop.run_tune(spec, sampler="random", trials=6, batch=2, slots=["cpu:0"], asynchronous=True,
+                           budget=Budget(3600, "stop"), cost_model=slow)
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
+    assert all(t.user_attrs["steps"] == 8 for t in trials[:2])  # the first two trained through
+    assert "could not train it to its end" in trials[2].user_attrs["reason"]
+    summary = json.loads((spec.run_dir() / SUMMARY_FILE).read_text())
+    assert summary["budget_spent"] is False and summary["best"] == pytest.approx(min(t.value for t in trials[:2]))
+
+
 def test_the_loop_starts_no_queued_job_once_the_budget_is_spent(tmp_path, demo_model):
     """Two jobs of one batch on one slot: the budget is spent while the first trains, so the
     second never starts; its trials are told pruned ("the budget was spent")."""

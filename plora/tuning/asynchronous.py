@@ -24,7 +24,12 @@ step after its score, its slot taken by the next trial in the same control.json 
 model-based sampler explores at random until as many trials are *told* as the loop's first
 batch holds (`plora.tuning.samplers.Startup`), not merely asked. Once the budget is spent
 (`plora.tuning.budget`) no trial is asked; trials waiting for a slot are told pruned, and
-the jobs wind down: their adapters finish, or are pruned with ``on_budget: stop``.
+the jobs wind down: their adapters finish, or are pruned with ``on_budget: stop``. Under
+``stop``, asking ends sooner: at the first trial that the cost model says could not train
+to its end before the budget is spent (`_Feeder._finishes_in_budget`), so that the trials
+running then end within it. Without that, trials joined freed slots until the budget's
+last second and every one was pruned by it: on SmolLM2's arithmetic task with a quarter of
+the grid's makespan, none of three seeds trained a trial through.
 
 A trial that proposes an adapter already trained is told that result without training;
 one that proposes an adapter still training shares its result. Every trial of the run
@@ -55,7 +60,7 @@ from plora.job.from_spec import job_adapter
 from plora.results.collect import result_row
 from plora.sweep import PreparedSweep, SweepRows, collect_results, run_prepared
 from plora.tuning.base import TuneError, _quiet_optuna
-from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained
+from plora.tuning.budget import BUDGET_LEFT_SHORT, BUDGET_SPENT, Budget, TuneHistory, never_trained
 from plora.tuning.fidelity import Rungs
 from plora.tuning.prune import _finished_status, _PruneWatcher
 from plora.tuning.run_state import RunState
@@ -175,9 +180,36 @@ class _Feeder:
             return self.waiting[0]
         while self._busy() < self.in_flight and len(self.asked) < self.n_trials:
             a = self._ask()
+            if a is not None and not self._finishes_in_budget(a):
+                self._last_ask(a)
+                return None
             if a is not None:
                 return a
         return None
+
+    def _finishes_in_budget(self, adapter_id: str) -> bool:
+        """Under ``on_budget: stop``, whether a new trial's adapter, joining now, can train to
+        its end before the budget is spent (the cost model's step of a pack with it, every
+        job's GPUs busy meanwhile). A trial that cannot would only be pruned by the budget, and
+        the search would end with none of its trials trained through: such a trial is not
+        started, and no trial after it. The trials the run starts with all start (the
+        loop's first batch does too)."""
+        budget, model = self.budget, self.cost_model
+        if budget.on_budget != "stop" or budget.gpu_seconds is None or model is None or not self.jobs:
+            return True
+        jobs = [j for j in self.jobs if any(self.home.get(a) == j for a in self.live if a not in self.pruning)]
+        job = min(jobs, key=self._busy) if jobs else None
+        pack = [self._load(a) for a in self.live
+                if a != adapter_id and a not in self.pruning and job is not None and self.home.get(a) == job]
+        pack.append(self._load(adapter_id))
+        seconds = self.prep.steps[adapter_id] * model.step_time(pack, 1) + model.exit_time(1)
+        return budget.spent + self.n_jobs * seconds <= budget.gpu_seconds
+
+    def _last_ask(self, adapter_id: str) -> None:
+        """No trial is asked after this one, which is told pruned untrained; the running ones
+        train on to their ends, within the budget."""
+        self._tell(adapter_id, self.live.pop(adapter_id), BUDGET_LEFT_SHORT)
+        self.n_trials = len(self.asked)
 
     def _take(self, job_id: str) -> list[str]:
         """Adapters that join a job now (it may be one not made yet): the waiting ones in

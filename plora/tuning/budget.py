@@ -33,6 +33,8 @@ SUMMARY_FILE = "tune.json"
 ON_BUDGET = ("finish", "stop")
 #: the result of a trial whose adapter never trained because the budget was spent first
 BUDGET_SPENT = {"status": "pruned", "reason": "the budget was spent before it trained"}
+#: the result of a trial not started because it could not have trained to its end within the budget
+BUDGET_LEFT_SHORT = {"status": "pruned", "reason": "the budget left could not train it to its end"}
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 from plora.spec.adapter import AdapterConfig
 from plora.spec.schema import SweepSpec
 from plora.tuning.base import TuneError, _quiet_optuna
+from plora.tuning.budget import never_trained
 from plora.tuning.prune import intermediate_value
 from plora.tuning.space import params_of, search_space
 
@@ -185,8 +186,10 @@ def record_sweep(spec: SweepSpec, run_dir: Path, configs: Iterable[AdapterConfig
 
     An adapter already in the study with the same status is skipped, and so is one whose
     trial is still running (a batch of :func:`run_tune`, which tells its own trials), so
-    re-running a sweep adds only what changed. Never raises: the results table matters more
-    than the study, so a storage problem becomes a warning.
+    re-running a sweep adds only what changed. An adapter that never trained (no result) and
+    already has a trial is skipped too: a tune told that trial why (its budget was spent
+    first). Never raises: the results table matters more than the study, so a storage
+    problem becomes a warning.
     """
     try:
         study = open_study(spec, run_dir)
@@ -194,6 +197,7 @@ def record_sweep(spec: SweepSpec, run_dir: Path, configs: Iterable[AdapterConfig
         for t in study.get_trials(deepcopy=False):
             a = t.user_attrs.get("adapter_id")
             seen.add((a, t.user_attrs.get("status")))
+            seen.add((a, "any"))
             if t.state in (TrialState.RUNNING, TrialState.WAITING):
                 seen.add((a, "*"))
         space = search_space(spec, include_seed=True)
@@ -204,6 +208,8 @@ def record_sweep(spec: SweepSpec, run_dir: Path, configs: Iterable[AdapterConfig
         for row in frame.to_dict("records"):
             cfg = cfg_of.get(row["adapter_id"])
             if cfg is None or (cfg.id, row.get("status")) in seen or (cfg.id, "*") in seen:
+                continue
+            if (cfg.id, "any") in seen and never_trained(row):
                 continue
             state, value = _state_and_value(row, spec)
             params, dists = params_of(spec, cfg, space)
