@@ -190,6 +190,7 @@ def sweep_facts(args, space: Path, label: str) -> dict:
                                               "created_at", "clock_at", "spare_moments", "torch_dynamo_imported",
                                               "torch_dynamo_imported_by")}
                       | {"evals_s": sum(e.get("seconds", 0) for e in ph.get("evals", [])),
+                         "evals": ph.get("evals", []),  # each: adapters, samples, new tokens, seconds
                          "saves_s": sum(e.get("seconds", 0) for e in ph.get("saves", [])),
                          "graphs": ph.get("graphs"), "compiled_ahead": ph.get("compiled_ahead"),
                          "wall_s": s.get("wall_time_s"),
