@@ -176,10 +176,10 @@ def test_generated_metrics_through_the_cache_equal_those_without(trained, monkey
 
 
 def test_widest_pieces_cost_their_rows_times_their_widest():
-    assert ev.split_widest_pieces([2, 3, 3, 5, 8], max_tokens=10, max_rows=8) == [(0, 3), (3, 4), (4, 5)]
-    assert ev.split_widest_pieces([2, 3, 3, 5, 8], max_tokens=100, max_rows=2) == [(0, 2), (2, 4), (4, 5)]
-    assert ev.split_widest_pieces([40], max_tokens=10, max_rows=8) == [(0, 1)]  # a wide row alone
-    assert ev.split_widest_pieces([], max_tokens=10, max_rows=8) == []
+    assert ev.split_pieces([2, 3, 3, 5, 8], max_tokens=10, max_rows=8, widest=True) == [(0, 3), (3, 4), (4, 5)]
+    assert ev.split_pieces([2, 3, 3, 5, 8], max_tokens=100, max_rows=2, widest=True) == [(0, 2), (2, 4), (4, 5)]
+    assert ev.split_pieces([40], max_tokens=10, max_rows=8, widest=True) == [(0, 1)]  # a wide row alone
+    assert ev.split_pieces([], max_tokens=10, max_rows=8, widest=True) == []
 
 
 def test_a_decode_cache_is_counted_only_where_rows_are_cached(trained):

@@ -20,22 +20,30 @@ def eval_hidden(pm: PackedModel, batch: StepBatch, active: Sequence[int], device
     """The final-norm hidden states ``[T, d]`` of a batch whose rows belong, adapter by
     adapter, to ``active`` (empty: the base model). ``compile_ahead``: compile the batch's
     kernels all at once first (`PackedModel.compile_kernels_ahead`)."""
-    tokens = batch.tokens.to(device)
     positions = batch.positions.to(device) if batch.positions is not None else None
     rows = row_attention(pm.model)
+    if batch.flat:
+        rows.set(batch.row_lengths, batch.cu_seqlens().to(device) if device.type == "cuda" else None, batch.max_len)
+    try:
+        return adapters_hidden(pm, batch.tokens.to(device), positions, active, batch.segment_tokens, device,
+                               compile_ahead)
+    finally:
+        if rows is not None:
+            rows.clear()
+
+
+def adapters_hidden(pm: PackedModel, tokens: torch.Tensor, positions: torch.Tensor | None, active: Sequence[int],
+                    segment_tokens: Sequence[int], device: torch.device, compile_ahead: bool = True) -> torch.Tensor:
+    """`eval_hidden` of tokens already on the device, adapter by adapter (``segment_tokens``
+    each), with whatever attention the model is set for."""
     if active:
-        pm.state.set_batch(active, batch.segment_tokens, device)
+        pm.state.set_batch(active, list(segment_tokens), device)
     try:
         if active and compile_ahead:
             pm.compile_kernels_ahead(training=False)
-        if batch.flat:
-            cu = batch.cu_seqlens().to(device) if device.type == "cuda" else None
-            rows.set(batch.row_lengths, cu, batch.max_len)
         h = final_hidden(pm.model, tokens, positions)
     finally:
         pm.state.clear()
-        if rows is not None:
-            rows.clear()
     return h.reshape(-1, h.shape[-1])
 
 

@@ -95,31 +95,21 @@ def eval_token_budget(pm: PackedModel, device: torch.device, budget: int | None 
     return max(MIN_EVAL_TOKENS, int(free * CUDA_MEMORY_SHARE) // per_token)
 
 
-def split_pieces(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[tuple[int, int]]:
+def split_pieces(lengths: Sequence[int], max_tokens: int, max_rows: int, widest: bool = False
+                 ) -> list[tuple[int, int]]:
     """Consecutive ``[start, end)`` ranges of rows, each at most ``max_tokens`` tokens (a
-    longer row is a piece of its own) and ``max_rows`` rows."""
+    longer row is a piece of its own) and ``max_rows`` rows. ``widest``: each row takes its
+    piece's widest row's room (a decode cache, padded rows), ``lengths`` ascending, so that
+    a piece costs its rows times its last length."""
     pieces, start, tokens = [], 0, 0
     for i, n in enumerate(lengths):
-        if i > start and (tokens + n > max_tokens or i - start >= max_rows):
+        cost = (i - start + 1) * n if widest else tokens + n
+        if i > start and (cost > max_tokens or i - start >= max_rows):
             pieces.append((start, i))
             start, tokens = i, 0
         tokens += n
     if start < len(lengths):
         pieces.append((start, len(lengths)))
-    return pieces
-
-
-def split_widest_pieces(widths: Sequence[int], max_tokens: int, max_rows: int) -> list[tuple[int, int]]:
-    """`split_pieces` for rows that each take their piece's widest row's room (a decode
-    cache, padded rows): ``widths`` in ascending order, a piece's cost its rows times its
-    last width."""
-    pieces, start = [], 0
-    for i, w in enumerate(widths):
-        if i > start and ((i - start + 1) * w > max_tokens or i - start >= max_rows):
-            pieces.append((start, i))
-            start = i
-    if start < len(widths):
-        pieces.append((start, len(widths)))
     return pieces
 
 
@@ -236,16 +226,14 @@ def eval_loss_piece(pm: PackedModel, adapters: Sequence[int | None], samples: Se
 
 
 def _each_piece(n_adapters: int, lengths: Sequence[int], budget: int, batch_rows: int,
-                run: Callable[[list[int], tuple[int, int]], None],
-                pieces: Sequence[tuple[int, int]] | None = None) -> None:
+                run: Callable[[list[int], tuple[int, int]], None], widest: bool = False) -> None:
     """``run(group, piece)`` over the eval rows cut into budget-sized pieces (the same pieces
-    whatever adapters are evaluated; ``pieces``: these, each costing its rows times its
-    widest) and the adapters in groups that fit, retried smaller on out-of-memory."""
+    whatever adapters are evaluated; ``widest``: as `split_pieces` takes it) and the adapters
+    in groups that fit, retried smaller on out-of-memory."""
     slots = list(range(n_adapters))
-    for piece in pieces if pieces is not None else split_pieces(lengths, budget, batch_rows):
-        rows = piece[1] - piece[0]
-        tokens = rows * max(lengths[piece[0] : piece[1]]) if pieces is not None else sum(lengths[piece[0] : piece[1]])
-        per = _groups(n_adapters, tokens, rows, budget, batch_rows)
+    for piece in split_pieces(lengths, budget, batch_rows, widest):
+        part = lengths[piece[0] : piece[1]]
+        per = _groups(n_adapters, len(part) * max(part) if widest else sum(part), len(part), budget, batch_rows)
         for g0 in range(0, len(slots), per):
             retry_smaller(run, slots[g0 : g0 + per], piece)
 
@@ -276,8 +264,7 @@ def _answers(pm, adapters, prompts, tok: TextTokenizer, max_new_tokens, max_seq_
             for i, answer in zip(rows, answers[gi * n : (gi + 1) * n]):
                 out[j][i] = answer
 
-    sizes = [widths[i] for i in order]
-    _each_piece(len(adapters), sizes, budget, batch_rows, run, pieces=split_widest_pieces(sizes, budget, batch_rows))
+    _each_piece(len(adapters), [widths[i] for i in order], budget, batch_rows, run, widest=True)
     return [[a or "" for a in answers] for answers in out]
 
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 
 from plora.data.dataset import IGNORE_INDEX, Sample, TextTokenizer
-from plora.results.eval_forward import eval_batch, eval_hidden
+from plora.results.eval_forward import adapters_hidden, eval_batch, eval_hidden
 from plora.train.packed.decode_cache import DecodeCache
-from plora.train.packed.head_loss import final_hidden, last_position_logits
+from plora.train.packed.head_loss import last_position_logits
 from plora.train.packed.inject import PackedModel
 from plora.train.packed.step_batch import StepBatch
 from plora.train.packed.varlen_attention import row_attention
@@ -38,7 +38,7 @@ def decode_cache_bytes(pm: PackedModel) -> int:
     total = 0
     for layer in getattr(pm.model, "layers", []):
         attn = layer.attn
-        total += DecodeCache.bytes_per_token(1, int(attn.num_kv_heads), int(attn.head_dim), elem)
+        total += DecodeCache.layer_bytes_per_token(int(attn.num_kv_heads), int(attn.head_dim), elem)
     return total
 
 
@@ -100,19 +100,12 @@ def greedy_generate(pm: PackedModel, prompts: Sequence[Sequence[int]], adapters:
 
 def _decode_forward(pm: PackedModel, cache: DecodeCache, active: Sequence[int], segments: Sequence[int],
                     tokens: Sequence[int], positions: Sequence[int], device: torch.device) -> torch.Tensor:
-    """One token per row at its position, through the cache: the hidden states ``[rows, d]``."""
+    """One token per row at its position, through the cache: the hidden states ``[rows, d]``
+    (the kernels compiled ahead at the first decode's layout; the rest are the same)."""
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     pos = torch.tensor([list(positions)], dtype=torch.long, device=device)
     cache.decode(pos[0])
-    if active:
-        pm.state.set_batch(active, list(segments), device)
-    try:
-        if active:
-            pm.compile_kernels_ahead(training=False)  # the first decode's layout; the rest are the same
-        h = final_hidden(pm.model, ids, pos)
-    finally:
-        pm.state.clear()
-    return h.reshape(-1, h.shape[-1])
+    return adapters_hidden(pm, ids, pos, active, segments, device)
 
 
 def _next_tokens(pm: PackedModel, hidden: torch.Tensor, last: Sequence[int], segments: Sequence[int]) -> list[int]:

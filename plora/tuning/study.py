@@ -193,11 +193,11 @@ def record_sweep(spec: SweepSpec, run_dir: Path, configs: Iterable[AdapterConfig
     """
     try:
         study = open_study(spec, run_dir)
-        seen = set()
+        seen, tried = set(), set()
         for t in study.get_trials(deepcopy=False):
             a = t.user_attrs.get("adapter_id")
+            tried.add(a)
             seen.add((a, t.user_attrs.get("status")))
-            seen.add((a, "any"))
             if t.state in (TrialState.RUNNING, TrialState.WAITING):
                 seen.add((a, "*"))
         space = search_space(spec, include_seed=True)
@@ -209,7 +209,7 @@ def record_sweep(spec: SweepSpec, run_dir: Path, configs: Iterable[AdapterConfig
             cfg = cfg_of.get(row["adapter_id"])
             if cfg is None or (cfg.id, row.get("status")) in seen or (cfg.id, "*") in seen:
                 continue
-            if (cfg.id, "any") in seen and never_trained(row):
+            if cfg.id in tried and never_trained(row):
                 continue
             state, value = _state_and_value(row, spec)
             params, dists = params_of(spec, cfg, space)

@@ -38,9 +38,9 @@ class DecodeCache:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_size: int) -> int:
-        """What one cached token takes over all layers (its key and value)."""
-        return 2 * layers * kv_heads * head_dim * element_size
+    def layer_bytes_per_token(kv_heads: int, head_dim: int, element_size: int) -> int:
+        """What one cached token takes in one layer (its key and value)."""
+        return 2 * kv_heads * head_dim * element_size
 
     def prefill(self, lengths: Sequence[int]) -> None:
         """The next forward is the rows' prompts, flattened in row order (``lengths`` tokens each)."""
