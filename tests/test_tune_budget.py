@@ -214,10 +214,11 @@ def test_stop_prunes_the_running_trials_once_the_budget_is_spent(tmp_path, demo_
 
 
 def test_async_stop_asks_no_trial_that_could_not_train_to_its_end_within_the_budget(tmp_path, demo_model):
-    """``--async`` under ``on_budget: stop``: once a new trial, joining a freed slot, would
-    need more than the budget left to train through (the cost model made very slow here), it
-    is told pruned untrained and no trial follows it; the trials running then train to their
-    ends, within the budget, rather than all being pruned at its last second."""
+    """``--async`` under ``on_budget: stop``: once a new trial would need more than the
+    budget left for its pack to train through (the cost model made very slow here), it is
+    told pruned untrained and no trial follows it, even in the run's first fill; the run's
+    first trial always starts and trains to its end, within the budget, rather than every
+    trial being pruned at the budget's last second."""
     from plora.cost.sweep_model import sweep_cost_model
 
     spec = parse_spec(space(tmp_path, demo_model))
@@ -225,11 +226,70 @@ def test_async_stop_asks_no_trial_that_could_not_train_to_its_end_within_the_bud
     study = tloop.run_tune(spec, sampler="random", trials=6, batch=2, slots=["cpu:0"], asynchronous=True,
                            budget=Budget(3600, "stop"), cost_model=slow)
     trials = sorted(study.get_trials(), key=lambda t: t.number)
-    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
-    assert all(t.user_attrs["steps"] == 8 for t in trials[:2])  # the first two trained through
-    assert "could not train it to its end" in trials[2].user_attrs["reason"]
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED]
+    assert trials[0].user_attrs["steps"] == 8  # the first trained through
+    assert "could not train it to its end" in trials[1].user_attrs["reason"]
     summary = json.loads((spec.run_dir() / SUMMARY_FILE).read_text())
-    assert summary["budget_spent"] is False and summary["best"] == pytest.approx(min(t.value for t in trials[:2]))
+    assert summary["budget_spent"] is False and summary["best"] == pytest.approx(trials[0].value)
+
+
+def test_async_stop_fills_as_many_slots_as_the_budget_lets_end(tmp_path, demo_model):
+    """With a cost model that times the demo's jobs as they are, the same budget lets the
+    whole first fill start and every trial train through (the check refuses only what could
+    not end)."""
+    spec = parse_spec(space(tmp_path, demo_model))
+    study = tloop.run_tune(spec, sampler="random", trials=4, batch=2, slots=["cpu:0"], asynchronous=True,
+                           budget=Budget(3600, "stop"))
+    trials = study.get_trials()
+    assert len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
+
+
+def test_the_loop_under_stop_starts_no_batch_that_could_not_end_within_the_budget(tmp_path, demo_model):
+    """The loop's first batch starts; a later one that its plan (scaled by the earlier
+    batches' measured pace) says could not end within the budget left does not: its trials
+    are told pruned untrained, and the budget is not spent on jobs it would prune."""
+    from plora.cost.sweep_model import sweep_cost_model
+
+    spec = parse_spec(space(tmp_path, demo_model))
+    slow = sweep_cost_model(spec, spec.run_dir()).scaled(1e6)
+    study = tloop.run_tune(spec, sampler="random", trials=4, batch=2, slots=["cpu:0"],
+                           budget=Budget(3600, "stop"), cost_model=slow)
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2 + [TrialState.PRUNED] * 2
+    assert all("could not train it to its end" in t.user_attrs["reason"] for t in trials[2:])
+    summary = json.loads((spec.run_dir() / SUMMARY_FILE).read_text())
+    assert summary["budget_spent"] is False and summary["trials"] == 4
+    assert {p.name[:3] for p in (spec.run_dir() / "jobs").iterdir()} == {"b01"}  # no job of batch 2
+
+
+def test_batch_fits_the_budget_left():
+    assert tloop.batch_fits(Budget(100, "stop"), 50, 1.0)
+    assert not tloop.batch_fits(Budget(100, "stop"), 50, 2.5)
+    assert tloop.batch_fits(Budget(100, "finish"), 500, 1.0)  # finish lets a started batch end
+    assert tloop.batch_fits(Budget(None, "stop"), 500, 1.0)
+
+
+def test_a_jobs_pace_counts_its_steps_and_stalls_but_not_its_start():
+    from plora.cost.model import AdapterLoad
+    from plora.tuning.pace import MIN_MEASURED_S, PACE_RANGE, JobPaces, Pace
+
+    class Model:  # 0.1 s a step whatever the pack
+        def step_time(self, pack, tp):
+            return 0.1
+
+    pack = [AdapterLoad("a", 8, 2, 100), AdapterLoad("b", 8, 4, 50)]
+    paces = JobPaces(Model())
+    paces.observe("j", {}, pack, 0.0)
+    paces.observe("j", {"a": 0, "b": 0}, pack, 5.0)  # loading: no step yet
+    assert not paces.stepped("j") and paces.factor("j") == 1.0
+    paces.observe("j", {"a": 10, "b": 10}, pack, 6.0)  # its first steps: the start, not measured
+    assert paces.stepped("j") and paces.factor("j") == 1.0
+    paces.observe("j", {"a": 20, "b": 20}, pack, 8.0)  # 10 steps in 2 s: twice the model's time
+    assert paces.factor("j") == pytest.approx(2.0)
+    paces.observe("j", {"a": 20, "b": 20}, pack, 9.0)  # a stall (an eval at a rung) counts too
+    assert paces.factor("j") == pytest.approx(3.0)
+    assert Pace(MIN_MEASURED_S / 2, 0.01).factor == 1.0  # too little measured
+    assert Pace(100.0, 1.0).factor == PACE_RANGE[1] and Pace(1.0, 100.0).factor == PACE_RANGE[0]
 
 
 def test_the_loop_starts_no_queued_job_once_the_budget_is_spent(tmp_path, demo_model):

@@ -25,11 +25,16 @@ model-based sampler explores at random until as many trials are *told* as the lo
 batch holds (`plora.tuning.samplers.Startup`), not merely asked. Once the budget is spent
 (`plora.tuning.budget`) no trial is asked; trials waiting for a slot are told pruned, and
 the jobs wind down: their adapters finish, or are pruned with ``on_budget: stop``. Under
-``stop``, asking ends sooner: at the first trial that the cost model says could not train
-to its end before the budget is spent (`_Feeder._finishes_in_budget`), so that the trials
-running then end within it. Without that, trials joined freed slots until the budget's
-last second and every one was pruned by it: on SmolLM2's arithmetic task with a quarter of
-the grid's makespan, none of three seeds trained a trial through.
+``stop``, asking ends sooner: at the first trial that could not train to its end before
+the budget is spent, or would keep a trial of the pack it joins from doing so
+(`_Feeder._finishes_in_budget`: the cost model's time for the steps the pack has left,
+with it, scaled by the job's measured pace, `plora.tuning.pace`); the run's first trials
+are dealt out only while their packs can end within the budget (the first always starts).
+So the trials running then end within it. Without that, trials joined freed slots until
+the budget's last second and every one was pruned by it: on SmolLM2's arithmetic task with
+a quarter of the grid's makespan, none of three seeds trained a trial through; and with a
+check of the joining trial's own steps alone, the slower pack kept the first trials from
+ending in two seeds of three.
 
 A trial that proposes an adapter already trained is told that result without training;
 one that proposes an adapter still training shares its result. Every trial of the run
@@ -49,7 +54,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from plora.cost.model import AdapterLoad, CostModel, packed_load
-from plora.engine.join_choice import JOIN_TP, pack_fits
+from plora.engine.join_choice import JOIN_TP, pack_fits, remaining_seconds, steps_left
 from plora.engine.streaming import STREAM_LINGER_S
 from plora.job.config import JobAdapter, JobStreaming
 from plora.planner.plan import Job, Plan
@@ -62,6 +67,7 @@ from plora.sweep import PreparedSweep, SweepRows, collect_results, run_prepared
 from plora.tuning.base import TuneError, _quiet_optuna
 from plora.tuning.budget import BUDGET_LEFT_SHORT, BUDGET_SPENT, Budget, TuneHistory, never_trained
 from plora.tuning.fidelity import Rungs
+from plora.tuning.pace import JobPaces
 from plora.tuning.prune import _finished_status, _PruneWatcher
 from plora.tuning.run_state import RunState
 from plora.tuning.space import config_from_params
@@ -108,6 +114,11 @@ class _Feeder:
         # reads the live trials
         self.watcher = _PruneWatcher(self.live, self.sign, can_prune=True, rungs=self.rungs, totals=self.prep.steps)
         self.wound_down = False
+        timed = self.cost_model is not None and JOIN_TP in self.cost_model.time
+        #: each running job's measured pace against the cost model (`plora.tuning.pace`)
+        self.paces = JobPaces(self.cost_model, JOIN_TP) if timed else None
+        #: packed steps each adapter has taken, as its job last said
+        self.done: dict[str, int] = {}
 
     # ------------------------------------------------------------------ trials
     def _ask(self) -> str | None:
@@ -188,21 +199,29 @@ class _Feeder:
         return None
 
     def _finishes_in_budget(self, adapter_id: str) -> bool:
-        """Under ``on_budget: stop``, whether a new trial's adapter, joining now, can train to
-        its end before the budget is spent (the cost model's step of a pack with it, every
-        job's GPUs busy meanwhile). A trial that cannot would only be pruned by the budget, and
-        the search would end with none of its trials trained through: such a trial is not
-        started, and no trial after it. The trials the run starts with all start (the
-        loop's first batch does too)."""
+        """Under ``on_budget: stop``, whether a new trial's adapter, joining the job it would
+        join now, lets that job's pack train to its end before the budget is spent: the cost
+        model's time for the steps the pack has left with it (trials leaving as they finish,
+        and their evals), scaled by the job's measured pace, plus the job's start where its
+        pack has not stepped yet; every job's GPUs busy meanwhile. A trial that fails this
+        would be pruned by the budget or get another pruned; it is not started, and no
+        trial after it. The run's first trial always starts."""
         budget, model = self.budget, self.cost_model
-        if budget.on_budget != "stop" or budget.gpu_seconds is None or model is None or not self.jobs:
+        if budget.on_budget != "stop" or budget.gpu_seconds is None or self.paces is None:
             return True
-        jobs = [j for j in self.jobs if any(self.home.get(a) == j for a in self.live if a not in self.pruning)]
-        job = min(jobs, key=self._busy) if jobs else None
+        homes = {self.home[a] for a in self.live if a in self.home and a not in self.pruning}
+        if not homes:
+            return True
+        fresh = len(homes) < self.n_jobs and not self.jobs  # the first fill deals to an empty job first
+        job = None if fresh else min(homes, key=lambda j: (self._busy(j), j))
         pack = [self._load(a) for a in self.live
                 if a != adapter_id and a not in self.pruning and job is not None and self.home.get(a) == job]
-        pack.append(self._load(adapter_id))
-        seconds = self.prep.steps[adapter_id] * model.step_time(pack, 1) + model.exit_time(1)
+        loads = [*steps_left(pack, self.done), self._load(adapter_id)]
+        seconds = remaining_seconds(loads, model)
+        if job is not None:
+            seconds *= self.paces.factor(job)
+        if job is None or not self.paces.stepped(job):
+            seconds += model.job_overhead_s
         return budget.spent + self.n_jobs * seconds <= budget.gpu_seconds
 
     def _last_ask(self, adapter_id: str) -> None:
@@ -256,6 +275,7 @@ class _Feeder:
     def __call__(self, engine: Engine) -> None:
         running = {j: rj for j, rj in engine.running.items() if rj.proc.proc.poll() is None}
         self.budget.observe([rj.proc for rj in engine.running.values()], engine.finished)
+        self._measure(running)
         if self.budget.exhausted and not self.wound_down:
             self._wind_down(engine)
         status = engine.journal.adapter_status()
@@ -293,6 +313,18 @@ class _Feeder:
         for job_id in running:  # a job the engine made (an out-of-memory half) takes no joins
             if job_id not in self.jobs and job_id not in engine.closed:
                 engine.close(job_id)
+
+    def _measure(self, running: dict[str, Any]) -> None:
+        """Each running job's adapters' steps, and its pace (`plora.tuning.pace`)."""
+        now = time.time()
+        for job_id, rj in running.items():
+            if job_id not in self.jobs:
+                continue
+            done = rj.proc.progress().get("adapter_steps") or {}
+            self.done.update({a: int(n) for a, n in done.items()})
+            if self.paces is not None:
+                pack = [self._load(a) for a in self.live if a not in self.pruning and self.home.get(a) == job_id]
+                self.paces.observe(job_id, done, pack, now)
 
     def _wind_down(self, engine: Engine) -> None:
         """The budget is spent: ask no more trials, tell the waiting ones pruned, and let the

@@ -20,7 +20,8 @@ from plora.spec.schema import SweepSpec
 from plora.spec.space import Range
 from plora.sweep import PreparedSweep, SweepRows, collect_results, dataset_size, decide_rows, plan_jobs, run_prepared
 from plora.tuning.base import TuneError, _quiet_optuna
-from plora.tuning.budget import BUDGET_SPENT, Budget, TuneHistory, never_trained, strategy_name
+from plora.tuning.budget import BUDGET_LEFT_SHORT, BUDGET_SPENT, Budget, TuneHistory, never_trained, strategy_name
+from plora.tuning.pace import Pace
 from plora.tuning.fidelity import Rungs
 from plora.tuning.prune import _finished_status, _PruneWatcher
 from plora.tuning.run_state import RunState
@@ -199,12 +200,15 @@ def run_tune(
 
     asked = 0
     told_before = len(study.get_trials(deepcopy=False))
+    pace = Pace()  # the batches' GPU-seconds against their plans' (`plora.tuning.pace`)
+    started = False
     while asked < n_trials and not budget.exhausted:
         t0 = time.time()
         b = state.next_batch()
         k = min(size, n_trials - asked)
         batch_trials: list[optuna.Trial] = []
         asked += k
+        short = False  # a batch that could not end within the budget left (on_budget: stop)
         try:
             with _quiet_optuna():
                 for _ in range(k):
@@ -226,6 +230,13 @@ def run_tune(
             if new:
                 steps = {c.id: spec.steps_for(c, n_train) for c in new}
                 plan = plan_jobs(job_rows.spec, new, steps, cost_model)
+                predicted = plan_gpu_seconds(plan)
+                short = started and not batch_fits(budget, predicted, pace.factor)
+            if short:  # it could not train to its end within the budget left: it does not start
+                state.add(new, steps, [])
+                state.write()
+            elif new:
+                started = True
                 jobs = [dataclasses.replace(j, id=f"b{b:02d}-{j.id}") for j in plan.jobs]
                 plan = dataclasses.replace(plan, jobs=jobs)
                 state.add(new, steps, jobs)
@@ -238,6 +249,7 @@ def run_tune(
                     if on_tick is not None:
                         on_tick(running, finished)
 
+                spent_before = budget.spent
                 # no re-planning: a re-planned job's id (r1-job-000) would be taken again by the next batch's
                 run_prepared(PreparedSweep(job_rows.spec, run_dir, new, steps, plan, rungs=scored_at,
                                            row_layout=job_rows.layout, length_buckets=job_rows.length_buckets), on_tick=tick,
@@ -246,6 +258,8 @@ def run_tune(
                              if budget.gpu_seconds is not None else None)
                 for job_dir in sorted((run_dir / "jobs").glob(f"b{b:02d}-*")):
                     watcher.poll(job_dir, prune=False)  # evals written after the last tick: curves only
+                if not budget.exhausted:  # a batch the budget cut short says nothing of its pace
+                    pace.add(budget.spent - spent_before, predicted)
             else:
                 state.write()
             frame = collect_results(state.prep())
@@ -256,6 +270,8 @@ def run_tune(
                 row = rows.get(cfg.id)
                 if budget.exhausted and never_trained(row):
                     row = BUDGET_SPENT  # its job never started: the budget was spent before
+                elif short and never_trained(row):
+                    row = BUDGET_LEFT_SHORT
                 tell_trial(study, spec, t, row, cfg, tp_of.get(cfg.id), run_dir, b)
                 history.record(study.get_trials(deepcopy=False)[t.number])
         except BaseException:
@@ -264,6 +280,8 @@ def run_tune(
                     with contextlib.suppress(Exception):
                         study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
             raise
+        if short:
+            break
         if on_batch is not None:
             numbers = {t.number for t in batch_trials}
             frozen = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
@@ -274,6 +292,21 @@ def run_tune(
             ))
     history.write_summary(run_dir, len(study.get_trials(deepcopy=False)) - told_before)
     return study
+
+
+def plan_gpu_seconds(plan: Any) -> float:
+    """GPU-seconds a batch's plan predicts: each job's predicted span times its GPUs."""
+    return sum(j.tp * max(0.0, (j.end or 0.0) - (j.start or 0.0)) for j in plan.jobs)
+
+
+def batch_fits(budget: Budget, predicted: float, pace: float) -> bool:
+    """Under ``on_budget: stop``, whether a batch predicted to take ``predicted`` GPU-seconds
+    (scaled by the earlier batches' measured ``pace``) ends within the budget left; a batch
+    that would not is pruned by the budget, and its GPU-seconds spent for nothing. Always
+    true otherwise (``finish`` lets a started batch end)."""
+    if budget.on_budget != "stop" or budget.gpu_seconds is None or predicted <= 0:
+        return True
+    return budget.spent + predicted * pace <= budget.gpu_seconds
 
 
 def _startup_of(sampler: optuna.samplers.BaseSampler, n: int, seed: int) -> Startup | None:
