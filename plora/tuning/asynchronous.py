@@ -34,7 +34,7 @@ So the trials running then end within it. Without that, trials joined freed slot
 the budget's last second and every one was pruned by it: on SmolLM2's arithmetic task with
 a quarter of the grid's makespan, none of three seeds trained a trial through; and with a
 check of the joining trial's own steps alone, the slower pack kept the first trials from
-ending in two seeds of three.
+ending in three runs of six (both tasks, three seeds each).
 
 A trial that proposes an adapter already trained is told that result without training;
 one that proposes an adapter still training shares its result. Every trial of the run
