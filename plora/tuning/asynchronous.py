@@ -54,7 +54,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from plora.cost.model import AdapterLoad, CostModel, packed_load
-from plora.engine.join_choice import JOIN_TP, pack_fits, remaining_seconds, steps_left
+from plora.engine.join_choice import JOIN_TP, _timed, pack_fits, remaining_seconds, steps_left
 from plora.engine.streaming import STREAM_LINGER_S
 from plora.job.config import JobAdapter, JobStreaming
 from plora.planner.plan import Job, Plan
@@ -114,11 +114,10 @@ class _Feeder:
         # reads the live trials
         self.watcher = _PruneWatcher(self.live, self.sign, can_prune=True, rungs=self.rungs, totals=self.prep.steps)
         self.wound_down = False
-        timed = self.cost_model is not None and JOIN_TP in self.cost_model.time
-        #: each running job's measured pace against the cost model (`plora.tuning.pace`)
-        self.paces = JobPaces(self.cost_model, JOIN_TP) if timed else None
-        #: packed steps each adapter has taken, as its job last said
-        self.done: dict[str, int] = {}
+        # each running job's steps and measured pace against the cost model (`plora.tuning.pace`):
+        # only what ``on_budget: stop`` asks (`_finishes_in_budget`), and only with a model that times packs
+        stops = self.budget.on_budget == "stop" and self.budget.gpu_seconds is not None
+        self.paces = JobPaces(self.cost_model, JOIN_TP) if stops and _timed(self.cost_model) else None
 
     # ------------------------------------------------------------------ trials
     def _ask(self) -> str | None:
@@ -191,11 +190,12 @@ class _Feeder:
             return self.waiting[0]
         while self._busy() < self.in_flight and len(self.asked) < self.n_trials:
             a = self._ask()
-            if a is not None and not self._finishes_in_budget(a):
+            if a is None:  # told at once, or sharing a live adapter
+                continue
+            if not self._finishes_in_budget(a):
                 self._last_ask(a)
                 return None
-            if a is not None:
-                return a
+            return a
         return None
 
     def _finishes_in_budget(self, adapter_id: str) -> bool:
@@ -206,8 +206,8 @@ class _Feeder:
         pack has not stepped yet; every job's GPUs busy meanwhile. A trial that fails this
         would be pruned by the budget or get another pruned; it is not started, and no
         trial after it. The run's first trial always starts."""
-        budget, model = self.budget, self.cost_model
-        if budget.on_budget != "stop" or budget.gpu_seconds is None or self.paces is None:
+        model = self.cost_model
+        if self.paces is None:  # no budget, ``finish``, or no model that times packs
             return True
         homes = {self.home[a] for a in self.live if a in self.home and a not in self.pruning}
         if not homes:
@@ -216,13 +216,13 @@ class _Feeder:
         job = None if fresh else min(homes, key=lambda j: (self._busy(j), j))
         pack = [self._load(a) for a in self.live
                 if a != adapter_id and a not in self.pruning and job is not None and self.home.get(a) == job]
-        loads = [*steps_left(pack, self.done), self._load(adapter_id)]
+        loads = [*steps_left(pack, self.paces.done(job) if job is not None else {}), self._load(adapter_id)]
         seconds = remaining_seconds(loads, model)
         if job is not None:
             seconds *= self.paces.factor(job)
         if job is None or not self.paces.stepped(job):
             seconds += model.job_overhead_s
-        return budget.spent + self.n_jobs * seconds <= budget.gpu_seconds
+        return self.budget.ends_within(self.n_jobs * seconds)
 
     def _last_ask(self, adapter_id: str) -> None:
         """No trial is asked after this one, which is told pruned untrained; the running ones
@@ -315,16 +315,16 @@ class _Feeder:
                 engine.close(job_id)
 
     def _measure(self, running: dict[str, Any]) -> None:
-        """Each running job's adapters' steps, and its pace (`plora.tuning.pace`)."""
+        """Each running job's adapters' steps, and its pace (`plora.tuning.pace`), where
+        ``on_budget: stop`` needs them."""
+        if self.paces is None:
+            return
         now = time.time()
         for job_id, rj in running.items():
             if job_id not in self.jobs:
                 continue
-            done = rj.proc.progress().get("adapter_steps") or {}
-            self.done.update({a: int(n) for a, n in done.items()})
-            if self.paces is not None:
-                pack = [self._load(a) for a in self.live if a not in self.pruning and self.home.get(a) == job_id]
-                self.paces.observe(job_id, done, pack, now)
+            pack = [self._load(a) for a in self.live if a not in self.pruning and self.home.get(a) == job_id]
+            self.paces.observe(job_id, rj.proc.progress().get("adapter_steps") or {}, pack, now)
 
     def _wind_down(self, engine: Engine) -> None:
         """The budget is spent: ask no more trials, tell the waiting ones pruned, and let the

@@ -118,6 +118,13 @@ class Budget:
         """Whether running trials are pruned now (the budget is spent and ``on_budget: stop``)."""
         return self.on_budget == "stop" and self.exhausted
 
+    def ends_within(self, seconds: float) -> bool:
+        """Under ``on_budget: stop``, whether ``seconds`` more GPU-seconds end within the
+        budget left (what was not would be pruned by it); always true otherwise."""
+        if self.on_budget != "stop" or self.gpu_seconds is None:
+            return True
+        return self.spent + seconds <= self.gpu_seconds
+
     def describe(self) -> str:
         spent = f"{_seconds(self.spent)} GPU-s"
         if self.gpu_seconds is None:

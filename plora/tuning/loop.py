@@ -304,9 +304,7 @@ def batch_fits(budget: Budget, predicted: float, pace: float) -> bool:
     (scaled by the earlier batches' measured ``pace``) ends within the budget left; a batch
     that would not is pruned by the budget, and its GPU-seconds spent for nothing. Always
     true otherwise (``finish`` lets a started batch end)."""
-    if budget.on_budget != "stop" or budget.gpu_seconds is None or predicted <= 0:
-        return True
-    return budget.spent + predicted * pace <= budget.gpu_seconds
+    return predicted <= 0 or budget.ends_within(predicted * pace)
 
 
 def _startup_of(sampler: optuna.samplers.BaseSampler, n: int, seed: int) -> Startup | None:

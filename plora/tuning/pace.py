@@ -77,7 +77,11 @@ class JobPaces:
         pace = self.paces.get(job_id)
         return pace.factor if pace is not None else 1.0
 
+    def done(self, job_id: str) -> dict[str, int]:
+        """Packed steps each adapter of the job had taken when it was last read."""
+        last = self.last.get(job_id)
+        return last[1] if last is not None else {}
+
     def stepped(self, job_id: str) -> bool:
         """Whether the job's pack has taken a step (its start is paid)."""
-        last = self.last.get(job_id)
-        return last is not None and any(last[1].values())
+        return any(self.done(job_id).values())
