@@ -43,7 +43,7 @@ def process_started_at() -> float | None:
 #: a process started ahead of its job (`plora.train.spare`): when it was created, when its
 #: imports were done (it said ready), when it had loaded the model it was told of; its job's
 #: summary keeps them, to show whether the job waited for the spare's imports
-SPARE_MOMENTS: dict[str, float] = {}
+SPARE_MOMENTS: dict[str, Any] = {}
 
 #: where this process first imported ``torch._dynamo`` (`watch_dynamo_import`): the two
 #: frames that imported it and plora's innermost frame then

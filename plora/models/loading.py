@@ -160,7 +160,7 @@ def load_base_model(
 def _random_model(info: ModelInfo, max_seq_len: int, dtype: str, device) -> nn.Module:
     model = build_on_meta(info, max_seq_len)
     model.to(dtype=DTYPES[dtype])  # on meta: no full-precision copy ever lands on the device
-    model.to_empty(device=device)
+    _materialize(model, device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -173,6 +173,26 @@ def _random_model(info: ModelInfo, max_seq_len: int, dtype: str, device) -> nn.M
         p.requires_grad_(False)
     model.eval()
     return model
+
+
+def _materialize(model: nn.Module, device: str | torch.device) -> None:
+    """`nn.Module.to_empty` without its ``empty_like`` of meta tensors, which runs through
+    torch's Python references, whose first call imports sympy: 2 s of a spare's 2.6 s model
+    load on an H200 machine (its bytecode compiled again in every process there). Parameters
+    shared between modules stay shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is not None:
+                    table[name] = empty(t)
 
 
 def _rebuild_rope_caches(model: nn.Module, device: str | torch.device) -> None:

@@ -73,11 +73,11 @@ def main() -> int:
                 pass
             continue
         SPARE_MOMENTS["preload_ordered_at"] = time.time()
-        # a preload is sent only to the spare of an idle GPU (the sweep's first job): Triton's
-        # once-a-process costs paid beside it, a CUDA context and all (a spare beside a running
-        # job takes no GPU memory before its job)
-        if not warming:
-            warming.append(_prewarm_kernels(SPARE_MOMENTS))
+        # a preload is sent only to the spare of an idle GPU (the sweep's first job): the model
+        # first, then on a thread its warm-up and Triton's once-a-process costs, one after the
+        # other (a spare beside a running job takes no GPU memory before its job). Side by side
+        # they shared one interpreter lock: on an H200 the three took 3.7-5.1 s so, 3.2-3.9 s in turn.
+        key = None
         try:  # the sweep's base model, loaded while the sweep plans; a failure is the job's to report
             ahead = PreloadOrder.model_validate(fields)
             key = preload.ModelKey.of(ahead.path, ahead.family, ahead.max_seq_len, ahead.dtype,
@@ -85,11 +85,9 @@ def main() -> int:
             preload.hold(key)
             SPARE_MOMENTS["preloaded_at"] = time.time()
         except Exception:  # noqa: BLE001 - the job loads its own model then
-            continue
-        try:
-            warming.append(_warm_up_thread(key, SPARE_MOMENTS))
-        except Exception:  # noqa: BLE001 - the job's first step pays it then, as before
-            pass
+            key = None
+        if not warming:
+            warming.append(_warming_thread(key, SPARE_MOMENTS))
     order = SpareOrder.model_validate_json(line)
     _join_warming(warming, SPARE_MOMENTS)
     SPARE_MOMENTS["dynamo_at_handover"] = "torch._dynamo" in sys.modules
@@ -133,42 +131,13 @@ def _join_warming(threads: list, moments: dict) -> None:
             preload.release()
 
 
-def _warm_up_thread(key, moments: dict):
+def _warming_thread(key, moments: dict):
     """What a job's first GPU work would pay, paid on a thread while the spare waits: the
-    held model once forward and backward (`plora.train.gpu_warm_up`). A thread, so that the
-    spare answers the sweep's model check meanwhile (1.8-2.3 s of warm-up on a machine's
-    first use, which the check, and so the sweep's first job, had waited for); the thread,
-    or None where there is no GPU."""
-    import threading
-    import time
-
-    import torch
-
-    from plora.train import preload
-    from plora.train.gpu_warm_up import warm_up
-
-    model = preload.held_model(key)
-    if model is None or torch.device(key.device).type != "cuda":
-        return None
-
-    def run() -> None:
-        try:
-            seconds = warm_up(model, key.device)
-        except Exception:  # noqa: BLE001 - the job's first step pays it then, as before
-            return
-        if seconds is not None:
-            moments["warmed_up_s"] = round(seconds, 3)
-            moments["ready_for_job_at"] = time.time()
-
-    thread = threading.Thread(target=run, name="plora-warm-up", daemon=True)
-    thread.start()
-    return thread
-
-
-def _prewarm_kernels(moments: dict):
-    """On a GPU, Triton's once-a-process costs paid on a thread while the spare waits
-    (`plora.kernels.prewarm`), beside the base model's preload: the job's first step then
-    only loads its kernels. The thread, or None where there is no GPU."""
+    held model (of ``key``, if one is held) once forward and backward (`plora.train.gpu_warm_up`),
+    then Triton's once-a-process costs (`plora.kernels.prewarm`: the job's first step then
+    only loads its kernels). A thread, so that the spare answers the sweep's model check
+    meanwhile (1.8-2.3 s of warm-up on a machine's first use, which the check, and so the
+    sweep's first job, had waited for); the thread, or None where there is no GPU."""
     import threading
     import time
 
@@ -179,16 +148,30 @@ def _prewarm_kernels(moments: dict):
 
     def run() -> None:
         from plora.kernels.prewarm import prewarm
+        from plora.train import preload
+        from plora.train.gpu_warm_up import warm_up
 
+        model = preload.held_model(key) if key is not None else None
+        if model is not None and torch.device(key.device).type == "cuda":
+            moments["warm_up_began_at"] = time.time()
+            try:
+                seconds = warm_up(model, key.device)
+            except Exception:  # noqa: BLE001 - the job's first step pays it then, as before
+                seconds = None
+            if seconds is not None:
+                moments["warmed_up_s"] = round(seconds, 3)
+        del model
         try:
             parts = prewarm(torch.device("cuda", torch.cuda.current_device()))
         except Exception:  # noqa: BLE001 - the job's first step pays it then, as before
-            return
+            parts = {}
         if parts:
             moments["prewarmed_at"] = time.time()
             moments["prewarm_s"] = round(sum(parts.values()), 3)
+            moments["prewarm_parts"] = {k: round(v, 3) for k, v in parts.items()}
+        moments["ready_for_job_at"] = time.time()
 
-    thread = threading.Thread(target=run, name="plora-prewarm", daemon=True)
+    thread = threading.Thread(target=run, name="plora-warming", daemon=True)
     thread.start()
     return thread
 
