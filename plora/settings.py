@@ -38,6 +38,9 @@ LEAN_IMPORTS = "PLORA_LEAN_IMPORTS"
 #: threads that compile a step's Triton kernels ahead of its first launch (0: compile each
 #: kernel at its launch, one after another)
 COMPILE_THREADS = "PLORA_COMPILE_THREADS"
+#: 0 (false, no, off) runs a new composition's first step eagerly and captures its graph at
+#: the second (by default a composition's graph is captured, then replayed, at its first step)
+CAPTURE_FIRST = "PLORA_CAPTURE_FIRST"
 #: 0 leaves each job's threads and cores to the libraries' defaults
 CPU_SHARE = "PLORA_CPU_SHARE"
 #: the cores a job process is bound to (``0-7,32-39``; set by the engine)
@@ -78,6 +81,8 @@ class Settings:
     log_progress_s: float
     #: "auto" or "transformers" (`GGUF_CONVERTER`); anything else reads as "auto"
     gguf_converter: str = "auto"
+    #: a new composition's graph captured at its first step (`CAPTURE_FIRST`)
+    capture_first: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -102,6 +107,7 @@ class Settings:
             log_progress_s=max(0.0, _float(env.get(LOG_PROGRESS_S)) if _float(env.get(LOG_PROGRESS_S)) is not None
                                else DEFAULT_LOG_PROGRESS_S),
             gguf_converter=_choice(env.get(GGUF_CONVERTER), GGUF_CONVERTER_CHOICES),
+            capture_first=env.get(CAPTURE_FIRST, "1").strip().lower() not in _OFF,
         )
 
     @property

@@ -35,6 +35,7 @@ class FakeGraphs:
         self.eager_keys: list[tuple] = []
         self.captured: list[tuple] = []
         self.released = 0
+        self.grew = 0
 
     def eager(self, body, buffers, *, measure: bool = False) -> int:
         body(buffers)
@@ -45,7 +46,11 @@ class FakeGraphs:
         if self.fail_capture:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured.append(buffers.key)
+        self.grew = self.per_token * int(buffers.tokens.numel())
         return FakeGraph(body, buffers), pool if pool is not None else object()
+
+    def captured_bytes(self) -> int:
+        return self.grew
 
     def room(self) -> int:
         return self.free

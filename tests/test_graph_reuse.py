@@ -58,6 +58,31 @@ def test_a_key_runs_eagerly_then_captures_then_replays():
     assert len(fake.captured) == 1 and fake.eager_keys == [(X, SHAPE)]
 
 
+def test_with_capture_first_a_key_is_captured_and_replayed_at_its_first_step():
+    sg, fake = _graphs()
+    sg.capture_first = True
+    ran: list = []
+    for comp in (X, X, X, Y, Y, X):
+        _step(sg, comp, ran=ran)
+    assert fake.eager_keys == [] and [k[0] for k in fake.captured] == [X, Y]
+    assert [sg.captures, sg.replays, sg.counts.eager_steps, sg.counts.reuses] == [2, 6, 0, 1]
+    assert len(ran) == 6  # every step ran its body once: from the graph captured at its first step
+    assert sg._bytes_per_token == fake.per_token  # what the capture added to the pool, per batch token
+
+
+def test_a_capture_at_the_first_step_that_fails_falls_back_to_eager_then_capture():
+    messages = []
+    backend = FakeGraphs(fail_capture=True)
+    sg = StepGraph(CPU, backend=backend, log=messages.append, capture_first=True)
+    ran: list = []
+    _step(sg, X, ran=ran)
+    assert sg.enabled and not sg.capture_first and sg.last_run == "eager" and len(ran) == 1
+    assert "before its first run failed" in messages[0]
+    backend.fail_capture = False  # what failed there was the first capture alone
+    _step(sg, X, ran=ran)
+    assert sg.last_run == "capture" and sg.captures == 1 and len(ran) == 2
+
+
 def test_a_composition_that_comes_back_replays_its_held_graphs():
     sg, fake = _graphs()
     for comp in (X, X, X, Y, Y, X, X, Y):
@@ -182,8 +207,8 @@ def _fake_graphs_in(monkeypatch, made: list) -> None:
     kernels read them (on a CPU the torch path reads its host numbers, which
     `LoRAMeta.set_scale` writes too)."""
 
-    def step_graph(device):
-        sg = StepGraph(device, backend=FakeGraphs())
+    def step_graph(device, **kw):
+        sg = StepGraph(device, backend=FakeGraphs(), **kw)
         made.append(sg)
         return sg
 
@@ -271,7 +296,7 @@ def test_a_slot_refilled_with_a_smaller_batch_replays_the_packs_graph_padded(tin
         summary = recipe.run()
     assert summary["adapters"] == {"a": "done", "c": "pruned", "e1": "done"} and summary["joined"] == {"e1": 2}
     [sg] = fake_graphs
-    assert runs[:2] == ["eager", "capture"] and runs[2:7] == ["cover"] * 5
+    assert runs[:2] == ["capture", "replay"] and runs[2:7] == ["cover"] * 5
     assert _captured_compositions(sg) == {Composition((0, 1), (2, 2))}
     for adapter in (A, e1):
         assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
@@ -346,7 +371,7 @@ def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_mo
     runs.clear()
     with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
         recipe.run()
-    assert runs[6:8] == ["eager", "capture"]
+    assert runs[6:8] == ["capture", "replay"]
     assert _captured_compositions(fake_graphs[1]) == {Composition((0, 1), (2, 2)), Composition((1,), (2,))}
 
     cfg = _graphed_config(tiny_model, reverse_data, tmp_path / "probe", [A, C])
@@ -355,4 +380,4 @@ def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_mo
     runs.clear()
     with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
         recipe.run()
-    assert runs[6:8] == ["eager", "capture"] and fake_graphs[2].counts.covered_steps == 0
+    assert runs[6:8] == ["capture", "replay"] and fake_graphs[2].counts.covered_steps == 0

@@ -171,7 +171,7 @@ class PackedLoRARecipe:
         self.graphs: StepGraph | None = None
         if graphs_wanted(t.cuda_graphs, self.device, tp=self.tp is not None,
                          activation_checkpointing=t.activation_checkpointing):
-            self.graphs = StepGraph(self.device)
+            self.graphs = StepGraph(self.device, capture_first=settings().capture_first)
             self.graphs.cover = t.cover_vacant_slots
         graphed = self.graphs is not None
         self.rows = TrainRows(train_samples, t, pad_id=self.tok.pad_id, max_seq_len=c.model.max_seq_len,

@@ -16,9 +16,11 @@ one small tensor back after the replay and keeps the books.
 batch and each one's rows) and one batch shape (`plora.train.packed.step_batch`: each adapter's
 segment and label part padded to a held size when rows are flattened, which only grows; or
 the padded width, one of a few when rows come in length buckets). The first step of a key
-runs eagerly (on the stream the graph is captured on: it also builds the kernels'
-schedules, which the graph then reads), the second captures the graph and replays it, the
-following ones replay it.
+captures its graph and replays it, the following ones replay it: what a capture must not
+make itself (the kernels' schedules, which the graph then reads, and their compilation) is
+made ahead (`PackedModel.compile_kernels_ahead`). Where that first capture fails, or with
+``PLORA_CAPTURE_FIRST=0``, the first step of a key runs eagerly (on the stream the graph is
+captured on: it builds the schedules too) and the second captures.
 
 A composition names slots, not adapters: whatever a slot's adapter is, the graph reads it
 from device memory at fixed addresses. The weights, the AdamW moments and the gradients
@@ -52,7 +54,7 @@ choices, and nothing captured at all when the slot is refilled soon.
 **One memory pool for all graphs.** Every graph is captured into one pool. This is safe:
 every tensor a capture allocates is freed by the end of the capture (a step writes what it
 reports into its `StepBuffers`, allocated outside the pool, and the schedules it reads were
-built by the eager step before), so between replays no live tensor lives in the pool; and
+built before it), so between replays no live tensor lives in the pool; and
 replays run one at a time on one stream (eager steps on the capture stream, ordered with
 it both ways), so the scratch memory two graphs share is never in use by both. (PyTorch
 asks graphs sharing a pool to be replayed in capture order for the case where one graph's
@@ -183,6 +185,9 @@ class GraphBackend(Protocol):
         """Record ``body(buffers)`` into a graph (with a ``replay()``) that allocates from
         ``pool`` (None: a new one); the graph and its pool. Raises when it cannot."""
 
+    def captured_bytes(self) -> int:
+        """What the last capture added to the pool: a step's activations, where the pool was new."""
+
     def room(self) -> int:
         """Bytes an eager step could take now, beside what the held graphs keep."""
 
@@ -198,6 +203,7 @@ class CudaGraphs:
         self.device = device
         self._stream: torch.cuda.Stream | None = None
         self._pool_bytes = 0  # what the captures added to the reserved memory: the pool's size
+        self._grew = 0  # what the last capture added
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -226,8 +232,12 @@ class CudaGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._side_stream(), pool=pool):
                 body(buffers)
-        self._pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        self._grew = max(0, torch.cuda.memory_reserved(self.device) - before)
+        self._pool_bytes += self._grew
         return graph, pool if pool is not None else graph.pool()
+
+    def captured_bytes(self) -> int:
+        return self._grew
 
     def room(self) -> int:
         free, _total = torch.cuda.mem_get_info(self.device)
@@ -296,9 +306,11 @@ class StepGraph:
     ROOM_MARGIN = 1.1
 
     def __init__(self, device: torch.device, log: Callable[[str], None] | None = None,
-                 backend: GraphBackend | None = None, cover: bool = True):
+                 backend: GraphBackend | None = None, cover: bool = True, capture_first: bool = False):
         self.device = device
         self.enabled = True
+        #: a new key's graph is captured, then replayed, at its first step (`_first_step`)
+        self.capture_first = capture_first
         self.cover = cover  # whether a composition may replay a held one that covers it (`plan`)
         self.backend: GraphBackend = backend if backend is not None else CudaGraphs(device)
         self._log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -443,13 +455,39 @@ class StepGraph:
             self._pool = None  # every graph of the pool evicted: the next capture starts a new one
             self.backend.release()
         buffers = make()
-        self._held[key] = _Held(buffers, None, self._made, tokens)
+        entry = self._held[key] = _Held(buffers, None, self._made, tokens)
         self._made += 1
+        if self.capture_first and self.enabled:
+            entry.graph = self._capture_at_first(body, buffers, tokens)
+            if entry.graph is not None:
+                entry.graph.replay()
+                self.counts.replays += 1
+                self.last_run = "capture"
+                return buffers
         took = self.backend.eager(body, buffers, measure=True)
         self._bytes_per_token = max(self._bytes_per_token, took / max(1, tokens))
         self.counts.eager_steps += 1
         self.last_run = "eager"
         return buffers
+
+    def _capture_at_first(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, tokens: int) -> Any:
+        """A new key's graph captured before any eager step of it: the step then runs at once
+        from its graph, not eagerly first at the host's launch rate (0.3-0.5 s of Python a
+        composition on an H200, its GPU mostly idle), since what the eager step used to make
+        for the capture is made ahead (the kernels' schedules, with their compilation:
+        `PackedModel.compile_kernels_ahead`). Its bytes per token are what the capture added
+        to the pool. The graph, or None where this capture failed: this job's new keys then
+        run eagerly once first (a capture at the second step fails alone)."""
+        try:
+            graph, self._pool = self.backend.capture(body, buffers, self._pool)
+        except Exception as e:  # noqa: BLE001 - the eager step first, as without capture_first
+            self.capture_first = False
+            self._log(f"capturing a step's graph before its first run failed ({type(e).__name__}: {e}); "
+                      "new compositions run once eagerly first")
+            return None
+        self.counts.captures += 1
+        self._bytes_per_token = max(self._bytes_per_token, self.backend.captured_bytes() / max(1, tokens))
+        return graph
 
     def _fits(self, tokens: int) -> bool:
         """Whether an eager step of ``tokens`` batch tokens fits beside the held graphs."""
