@@ -170,6 +170,9 @@ Replan = Callable[[list[str], Drift, float, int], list[Job]]
 DRIFT_THRESHOLD = 0.25
 #: how often running jobs' measurements are read for the calibration (seconds)
 CALIBRATE_EVERY_S = 1.0
+#: the tick once nothing is queued: the sweep ends when its last job does, and a tick's
+#: wait is the user's (a local job's end is seen from its files, `Engine._done_by_its_files`)
+LAST_WAVE_POLL_S = 0.05
 #: after a re-plan that failed (`Engine._replan_waiting`), the next try waits this long: each
 #: try may spend the planner's time limit, and measurements move the model a little at a time
 REPLAN_RETRY_S = 60.0
@@ -305,7 +308,7 @@ class Engine:
                     self.feed(self)
                 if self.on_tick:
                     self.on_tick(self.snapshot())
-                time.sleep(self.poll_s)
+                time.sleep(self.poll_s if self.queue else min(self.poll_s, LAST_WAVE_POLL_S))
         except KeyboardInterrupt:
             self.stop("interrupted")
             raise
@@ -523,7 +526,7 @@ class Engine:
             self.free.extend(rj.slots)
             self.free.sort(key=self.slots.index)
             self._collect(rj, rc)
-            self._after_exit(rj.job, rc, lost=rj.proc.lost)
+            self._after_exit(rj.job, rc, lost=rj.proc.lost, ended=rj.proc.ended)
             if rc == 0:
                 if self.calibrator is not None:
                     from plora.job.phases import read_phases
@@ -659,9 +662,11 @@ class Engine:
             if result is not None:
                 self._record_result(a, result)
 
-    def _after_exit(self, job: Job, rc: int, lost: bool = False) -> None:
+    def _after_exit(self, job: Job, rc: int, lost: bool = False, ended: float | None = None) -> None:
+        """What follows a job's exit (``ended``: when it was seen, before its results were
+        read: the journal's end of the job, as its makespan counts it)."""
         left = self.unfinished(job.adapters)
-        now = time.time()
+        now = time.time() if ended is None else ended
         history = self._history(job.id)
         if not left and (rc == 0 or lost):  # lost after its last result: nothing to run again
             self.journal.update_job(job.id, status="finished", ended=now, returncode=rc)
