@@ -41,6 +41,9 @@ COMPILE_THREADS = "PLORA_COMPILE_THREADS"
 #: 0 (false, no, off) runs a new composition's first step eagerly and captures its graph at
 #: the second (by default a composition's graph is captured, then replayed, at its first step)
 CAPTURE_FIRST = "PLORA_CAPTURE_FIRST"
+#: "0" runs a job's evals of leaving adapters and its captures ahead in its own thread, in
+#: turn with its steps, instead of beside them on its side lane (`plora.train.side_lane`)
+OVERLAP = "PLORA_OVERLAP"
 #: 0 leaves each job's threads and cores to the libraries' defaults
 CPU_SHARE = "PLORA_CPU_SHARE"
 #: the cores a job process is bound to (``0-7,32-39``; set by the engine)
@@ -83,6 +86,9 @@ class Settings:
     gguf_converter: str = "auto"
     #: a new composition's graph captured at its first step (`CAPTURE_FIRST`)
     capture_first: bool = True
+    #: a GPU job's side lane: leaving adapters scored, and the next composition captured,
+    #: while the pack replays (`OVERLAP`)
+    overlap: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -108,6 +114,7 @@ class Settings:
                                else DEFAULT_LOG_PROGRESS_S),
             gguf_converter=_choice(env.get(GGUF_CONVERTER), GGUF_CONVERTER_CHOICES),
             capture_first=env.get(CAPTURE_FIRST, "1").strip().lower() not in _OFF,
+            overlap=env.get(OVERLAP, "1").strip().lower() not in _OFF,
         )
 
     @property

@@ -36,18 +36,24 @@ class FakeGraphs:
         self.captured: list[tuple] = []
         self.released = 0
         self.grew = 0
+        self.beside: list[tuple] = []  # keys captured beside the job's thread (ahead)
 
     def eager(self, body, buffers, *, measure: bool = False) -> int:
         body(buffers)
         self.eager_keys.append(buffers.key)
         return self.per_token * int(buffers.tokens.numel()) if measure else 0
 
-    def capture(self, body, buffers, pool: Any) -> tuple[FakeGraph, Any]:
+    def capture(self, body, buffers, pool: Any, *, beside: bool = False) -> tuple[FakeGraph, Any]:
         if self.fail_capture:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured.append(buffers.key)
+        if beside:
+            self.beside.append(buffers.key)
         self.grew = self.per_token * int(buffers.tokens.numel())
         return FakeGraph(body, buffers), pool if pool is not None else object()
+
+    def stream(self) -> None:
+        return None
 
     def captured_bytes(self) -> int:
         return self.grew

@@ -381,3 +381,121 @@ def test_a_draining_pack_is_covered_only_where_a_capture_would_cost_more(tiny_mo
     with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
         recipe.run()
     assert runs[6:8] == ["capture", "replay"] and fake_graphs[2].counts.covered_steps == 0
+
+
+# ------------------------------------------------------------------ the side lane, fake graphs
+
+@pytest.fixture
+def inline_lane(monkeypatch):
+    """Jobs get a side lane that runs its tasks at once in the job's thread (`SideLane`'s
+    ``inline``): the books around it, without the threads (a CPU job's fake replays run the
+    model eagerly, so nothing may run beside them here)."""
+    from plora.train.side_lane import SideLane
+
+    monkeypatch.setattr(packed_lora, "side_lane_for", lambda device: SideLane(device, inline=True))
+
+
+def test_the_next_composition_is_captured_ahead_and_its_first_step_replays(tiny_model, reverse_data, tmp_path,
+                                                                           alone, fake_graphs, inline_lane):
+    """A (6 steps) and C (12) train packed: after the first step, C's composition alone is
+    captured ahead on the side lane, so when A leaves C's first step alone replays; A is
+    scored on the lane and its result written after; both equal themselves alone."""
+    recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path, [A, C]))
+    runs: list[str] = []
+    with hooks.installed("after_step", lambda recipe, step: runs.append(recipe.graphs.last_run)):
+        summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "done"}
+    [sg] = fake_graphs
+    both, alone_c = Composition((0, 1), (2, 2)), Composition((1,), (2,))
+    assert [key[0] for key in sg.backend.beside] == [alone_c]  # captured beside the job's thread
+    assert _captured_compositions(sg) == {both, alone_c}
+    assert runs[0] == "capture" and runs[1:] == ["replay"] * 11  # C's first step alone (the 7th) replays too
+    graphs = json.loads((recipe.job_dir / "summary.json").read_text())["phases"]["graphs"]
+    assert graphs["captures"] == 2 and graphs["ahead"] == 1 and graphs["eager_steps"] == 0
+    assert graphs["reuses"] == 0  # a graph captured ahead is not a capture saved by reuse
+    for adapter in (A, C):
+        metrics = json.loads((tmp_path / "adapters" / adapter["id"] / "metrics.json").read_text())
+        assert metrics["status"] == "done" and "eval_loss" in metrics
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
+def test_without_overlap_the_job_has_no_side_lane(tiny_model, reverse_data, tmp_path, fake_graphs, inline_lane,
+                                                   monkeypatch):
+    """``PLORA_OVERLAP=0``: no lane and nothing captured ahead: C's 6 steps alone replay the
+    pack's graph, A's slot padded (covering them costs less than a capture of their own)."""
+    monkeypatch.setenv("PLORA_OVERLAP", "0")
+    recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path, [A, C]))
+    summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "done"} and recipe.lane is None
+    [sg] = fake_graphs
+    assert sg.backend.beside == [] and sg.counts.ahead == 0 and sg.captures == 1 and sg.counts.covered_steps == 6
+
+
+def test_a_failed_capture_ahead_costs_only_the_capture(tiny_model, reverse_data, tmp_path, alone, fake_graphs,
+                                                       inline_lane, monkeypatch, capsys):
+    """The capture ahead fails: the job says so once, captures no composition ahead again,
+    and C's steps alone go on as without a lane (covered by the pack's graph); both
+    adapters still equal themselves alone."""
+    real = FakeGraphs.capture
+
+    def fail_beside(self, body, buffers, pool, *, beside=False):
+        if beside:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(self, body, buffers, pool, beside=beside)
+
+    monkeypatch.setattr(FakeGraphs, "capture", fail_beside)
+    recipe = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path, [A, C]))
+    summary = recipe.run()
+    assert summary["adapters"] == {"a": "done", "c": "done"}
+    [sg] = fake_graphs
+    assert sg.counts.ahead == 0 and sg.captures == 1 and sg.counts.covered_steps == 6 and sg.enabled
+    assert capsys.readouterr().err.count("capturing a composition ahead failed") == 1
+    for adapter in (A, C):
+        assert max_weight_diff(adapter_weights(tmp_path, adapter["id"]), alone(adapter)) <= ATOL, adapter["id"]
+
+
+def test_a_graph_captured_ahead_into_a_pool_given_up_is_not_adopted():
+    """Every graph dropped (memory wanted) while a composition was captured ahead: the graph
+    of the old pool is not taken; the composition's first step captures its own."""
+    sg, fake = _graphs()
+    sg.capture_first = True
+    _step(sg, X)  # captured at its first step: the pool
+    assert sg.ahead_wanted(Z, 64)
+    buffers = StepBuffers.allocate((Z, SHAPE), {"tokens": torch.zeros(64, dtype=torch.long)}, torch.zeros(4, 8),
+                                   Z.slots, 4, CPU)
+    task = sg.capture_ahead(lambda: buffers, lambda b: None)
+    made = task()
+    sg.drop()
+    assert not sg.adopt((Z, SHAPE), *made)
+    _step(sg, Z)
+    assert sg.last_run == "capture" and sg.counts.ahead == 0
+
+
+def test_a_composition_is_not_captured_ahead_without_room_or_when_held():
+    sg, fake = _graphs(room=0)
+    sg.capture_first = True
+    assert not sg.ahead_wanted(Z, 64)  # no pool yet
+    _step(sg, X)
+    assert not sg.ahead_wanted(X, 64)  # its graphs are held
+    assert not sg.ahead_wanted(Z, 64)  # a step of it would not fit beside the held graphs
+    sg2, _ = _graphs()
+    sg2.capture_first = True
+    _step(sg2, X)
+    assert sg2.ahead_wanted(Z, 64)
+    sg2.capture_first = False
+    assert not sg2.ahead_wanted(Z, 64)
+
+
+def test_a_key_whose_graph_the_lane_brings_at_its_first_step_replays_it():
+    """The lane's capture of a composition is taken at that composition's first step (the
+    wait for the lane there brings it): the step replays it, captures nothing of its own."""
+    sg, fake = _graphs()
+    sg.capture_first = True
+    _step(sg, X)
+    buffers = StepBuffers.allocate((Z, SHAPE), {"tokens": torch.zeros(64, dtype=torch.long)}, torch.zeros(4, 8),
+                                   Z.slots, 4, CPU)
+    made = sg.capture_ahead(lambda: buffers, lambda b: None)()
+    sg.before_work = lambda: sg.adopt((Z, SHAPE), *made)
+    _step(sg, Z)
+    assert sg.last_run == "replay" and sg.counts.ahead == 1 and sg.captures == 2
+    assert fake.beside == [(Z, SHAPE)] and len(fake.captured) == 2

@@ -93,6 +93,10 @@ def test_graph_replayed_job_equals_the_eager_job(tiny_model, reverse_data, tmp_p
     of that element: so the check is the loss of every adapter at every step (a stale or
     misplaced input would change those at once) and the weights in the mean."""
     monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
+    # a new key's first step eager and no side lane: what this test is about (the graph
+    # covering the packs that drain); the defaults are `test_the_side_lane_job_equals_the_eager_job`'s
+    monkeypatch.setenv("PLORA_CAPTURE_FIRST", "0")
+    monkeypatch.setenv("PLORA_OVERLAP", "0")
     weights, recipes, losses = {}, {}, {}
     for mode in ("off", "on"):
         out = tmp_path / mode
@@ -164,6 +168,7 @@ def test_a_refilled_slot_replays_the_packs_graph_and_reads_its_new_scale(tiny_mo
     from plora.job.control import request
 
     monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
+    monkeypatch.setenv("PLORA_CAPTURE_FIRST", "0")  # the counts below are those of an eager first step
     a = dict(id="a", rank=2, alpha=4.0, learning_rate=1e-2, batch_size=2, seed=21, steps=6, warmup_steps=2)
     c = dict(id="c", rank=4, alpha=8.0, learning_rate=3e-3, batch_size=2, seed=22, steps=12, warmup_steps=2)
     e = dict(id="e", rank=4, alpha=2.0, learning_rate=2e-3, batch_size=2, seed=24, steps=5, warmup_steps=1)
@@ -187,6 +192,41 @@ def test_a_refilled_slot_replays_the_packs_graph_and_reads_its_new_scale(tiny_mo
     assert losses["on"].keys() == losses["off"].keys()
     for key, value in losses["off"].items():
         assert losses["on"][key] == pytest.approx(value, rel=1e-4), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_side_lane_job_equals_the_eager_job(tiny_model, reverse_data, tmp_path, monkeypatch):
+    """With the defaults (a key captured at its first step, the side lane on): each
+    composition after the first is captured ahead on the lane while the one before replays
+    ((a, c) once b is 5 steps from leaving, then c alone), every step replays, the leaving
+    adapters are scored on the lane's stream; every loss and every eval score equals the
+    eager job's."""
+    import json
+
+    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
+    monkeypatch.delenv("PLORA_CAPTURE_FIRST", raising=False)
+    monkeypatch.delenv("PLORA_OVERLAP", raising=False)
+    recipes, losses, scores = {}, {}, {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        cfg = job_config(tiny_model, reverse_data, out, ADAPTERS, device="cuda")
+        cfg["training"] = dict(cfg["training"], cuda_graphs=mode, length_buckets=1)
+        recipes[mode] = PackedLoRARecipe(cfg)
+        summary = recipes[mode].run()
+        assert set(summary["adapters"].values()) == {"done"}
+        losses[mode] = _losses(recipes[mode].job_dir)
+        scores[mode] = {a["id"]: json.loads((out / "adapters" / a["id"] / "metrics.json").read_text())["eval_loss"]
+                        for a in ADAPTERS}
+    assert recipes["off"].lane is None
+    counts = recipes["on"].graphs.counts
+    assert counts.ahead == 2 and counts.captures == 3 and counts.eager_steps == 0 and counts.covered_steps == 0
+    assert counts.replays == 12
+    assert losses["on"].keys() == losses["off"].keys()
+    for key, value in losses["off"].items():
+        assert losses["on"][key] == pytest.approx(value, rel=1e-4), key
+    for k, value in scores["off"].items():
+        assert scores["on"][k] == pytest.approx(value, rel=1e-3), k
 
 
 def test_rows_are_priced_as_the_layout_lays_them_out():

@@ -31,6 +31,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,10 +119,12 @@ class JobCheckpointer:
             self.stop_requested = stop
         return go or stop
 
-    def maybe_save(self, step: int, runs: list[AdapterRun]) -> bool:
-        """Save when due; after a SIGTERM, save and leave (SystemExit with `EXIT_STOPPED`)."""
+    def maybe_save(self, step: int, runs: list[AdapterRun], before: Callable[[], None] = lambda: None) -> bool:
+        """Save when due (``before()`` first); after a SIGTERM, save and leave (SystemExit
+        with `EXIT_STOPPED`)."""
         if not self.due(step):
             return False
+        before()
         self.save(step, runs)
         if self.stop_requested:
             raise SystemExit(EXIT_STOPPED)

@@ -34,6 +34,11 @@ The recipe is a shell over components, each in its own file, that share no attri
 
 Here they are built (`setup`), driven step by step (`train`) and closed (`cleanup`); what an
 adapter leaving the pack goes through (saved, scored, its result written) is wired here.
+
+On a GPU whose steps replay CUDA graphs, the job has a side lane (`plora.train.side_lane`):
+while the pack replays, the lane captures the composition it changes to next
+(`_capture_ahead`) and scores adapters that left while the others train on (`_finish`);
+whatever else uses the model waits for it first (`_lane_idle`).
 """
 
 
@@ -78,6 +83,7 @@ from plora.train.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.train.packed.varlen_attention import install_row_attention
 from plora.train.packed_step import PackedStep
 from plora.train.row_stream import TrainRows
+from plora.train.side_lane import SideLane
 from plora.train.step_graph import StepGraph
 
 #: a job's exit codes and output files are `plora.job.outputs`'; what no retry can fix:
@@ -85,6 +91,17 @@ UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (ModelError, DataError, Conf
                                                       ValidationError)
 #: how often a job lingering for joins looks at its control.json
 LINGER_POLL_S = 0.05
+#: a composition is captured ahead only while the pack before it has at least this many
+#: steps left (fewer: its capture would not be done by then, and the step waits for it)
+AHEAD_MIN_STEPS = 2
+
+
+class _Leaving:
+    """Adapters that left the pack and are being scored on the side lane: their result is
+    written when the scores come (`PackedLoRARecipe._complete_leaving`)."""
+
+    def __init__(self, runs: list[AdapterRun], status: str, checkpoints: list[Path | None], scores):
+        self.runs, self.status, self.checkpoints, self.scores = runs, status, checkpoints, scores
 
 
 class PackedLoRARecipe:
@@ -103,6 +120,7 @@ class PackedLoRARecipe:
         self.targets = list(c.lora.targets)
         self.files: JobFiles | None = None  # what cleanup() closes, whether or not setup() got that far
         self.writer: AdapterWriter | None = None  # likewise
+        self.lane: SideLane | None = None  # likewise
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -188,6 +206,13 @@ class PackedLoRARecipe:
                                   graphs=self.graphs, tp=self.tp,
                                   # where a capture would bake the scales in, a graph is only for those it saw
                                   scales_in_key=graphed and not scales_on_device(self.device))
+        self._ahead = None  # (key, the lane's future) of a composition being captured ahead
+        self._ahead_tried: set = set()  # compositions captured ahead already (or found not wanted)
+        self._leaving: list[_Leaving] = []
+        if self.graphs is not None and self.tp is None and settings().overlap and t.micro_batch_size is None:
+            lane = side_lane_for(self.device)
+            if lane is not None:
+                self._open_lane(lane)
         self.clock.part_done("step")
         self.evaluator = Evaluator(self.pm, self.tok, self.eval_samples, self.eval_examples, c.eval,
                                    max_seq_len=c.model.max_seq_len, device=self.device, clock=self.clock,
@@ -236,8 +261,11 @@ class PackedLoRARecipe:
             self.cleanup()
 
     def cleanup(self) -> None:
-        """Release what the job holds open: the writer (drained) and its logs (flushed and
-        closed). Safe after a setup that failed part way, and twice."""
+        """Release what the job holds open: the side lane, the writer (drained) and its logs
+        (flushed and closed). Safe after a setup that failed part way, and twice."""
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -287,9 +315,13 @@ class PackedLoRARecipe:
                 finished = [r for r in active if r.active and r.step >= r.total_steps]
                 if finished:
                     self._finish(finished, "done")
-                if self.checkpointer.maybe_save(step, self.runs):
+                self._lane_news()
+                # a checkpoint follows the results of every adapter that left before it
+                if self.checkpointer.maybe_save(step, self.runs, before=self._lane_idle):
                     self.files.flush()  # the log holds at least what the checkpoint does
+                self._capture_ahead()
                 self._write_progress(step)
+        self._lane_idle()
         self.writer.drain()  # every leaving adapter's files are on disk before the job says it is done
         self.checkpointer.discard(self.runs)
         self._write_progress(step, final=True)
@@ -377,12 +409,36 @@ class PackedLoRARecipe:
         then drop their state. The weights are copied to the host before the eval runs and
         written while it runs (`AdapterWriter`), so an eval that fails cannot cost their
         training; one that runs out of memory retries in smaller pieces
-        (`evaluate_adapters`). Each adapter's metrics.json follows its weights."""
+        (`evaluate_adapters`). Each adapter's metrics.json follows its weights.
+
+        Where the job has a side lane and adapters stay in the pack, the leaving ones are
+        scored there while the others train on (`_leaves_on_lane`): they are out of the pack
+        at once, and their result is written when the scores come (`_complete_leaving`)."""
         self._room_for_eval()
         t_save = time.perf_counter()
         checkpoints = self._save(runs)
         self.clock.saved(len(runs), time.perf_counter() - t_save)
-        metrics = self.evaluator.final([r.index for r in runs])
+        indices = [r.index for r in runs]
+        if self._leaves_on_lane(runs):
+            for r in runs:
+                r.status = status
+            self._leaving.append(_Leaving(runs, status, checkpoints,
+                                          self.lane.submit_after(lambda: self.evaluator.final(indices))))
+            return
+        self._finish_scored(runs, status, checkpoints, self.evaluator.final(indices))
+
+    def _leaves_on_lane(self, runs: list[AdapterRun]) -> bool:
+        """Whether leaving ``runs`` are scored on the side lane: the job has one, no join can
+        take their slots while they are scored, and the pack trains on without them (the
+        last adapters' scores are waited for at once)."""
+        leaving = {id(r) for r in runs}
+        return (self.lane is not None and not self.joins.may_change_pack
+                and any(r.active and id(r) not in leaving for r in self.runs))
+
+    def _finish_scored(self, runs: list[AdapterRun], status: str, checkpoints: list[Path | None],
+                       metrics: list[dict[str, Any]]) -> None:
+        """Leaving adapters with their scores: their best epoch kept where the job scores
+        epochs, and each one's result written."""
         if self.cfg.eval.each_epoch and self.eval_examples and self.cfg.eval.metrics:
             metrics, earlier = self.epochs.keep_best(runs, metrics)
             if earlier:  # saved over the last epoch's weights (after them: the writer keeps the order)
@@ -390,6 +446,76 @@ class PackedLoRARecipe:
         for r, m, ckpt in zip(runs, metrics, checkpoints):
             r.status, r.finished_at = status, time.time()
             self._result(r, m, checkpoint=ckpt)
+
+    # ---------------------------------------------------------- the side lane
+    def _open_lane(self, lane: SideLane) -> None:
+        """The job's side lane (`plora.train.side_lane`): its thread's CUDA handles made on
+        the capture stream first; every step that is not a plain replay, and every graph
+        dropped, waits for it (`StepGraph.before_work`)."""
+        self.lane = lane
+        self.stepper.lane = lane
+        stream = self.graphs.backend.stream() if self.graphs is not None else None
+        if stream is not None:
+            # the lane's handles once this thread has its own (its first capture took them: a
+            # handle made inside a capture invalidates it, and the lane's thread, warmed
+            # first, took the one this thread would have been given; measured on an H200)
+            dtype = self.pm.model.tok_embeddings.weight.dtype
+            lane.before_first(lambda: lane.warm(stream, dtype))
+        if self.graphs is not None:
+            self.graphs.before_work = self._lane_idle
+
+    def _lane_idle(self) -> None:
+        """Wait for the side lane, then take what it made: a graph captured ahead, the
+        scores of adapters that left (their results written)."""
+        if self.lane is None:
+            return
+        self.lane.wait()
+        self._lane_news()
+
+    def _lane_news(self) -> None:
+        """What the side lane has finished, taken without waiting: a graph captured ahead
+        joins the held ones; leaving adapters whose scores came get their results."""
+        if self._ahead is not None and self._ahead[1].done():
+            key, future = self._ahead
+            self._ahead = None
+            try:
+                buffers, graph, grew, generation = future.result()
+            except Exception as e:  # noqa: BLE001 - costs the capture it saved, not the job
+                self._ahead_tried = None  # none again in this job (the lane's task cleared the pack state)
+                print(f"capturing a composition ahead failed ({type(e).__name__}: {e}); "
+                      "new compositions are captured at their first step", file=sys.stderr)
+            else:
+                self.graphs.adopt(key, buffers, graph, grew, generation)
+        self._complete_leaving(wait=False)
+
+    def _complete_leaving(self, wait: bool) -> None:
+        """Results of adapters scored on the side lane, in the order they left: those whose
+        scores came (all of them, waiting, with ``wait``). A failed eval raises here, as it
+        would have in `_finish`."""
+        while self._leaving and (wait or self._leaving[0].scores.done()):
+            lv = self._leaving.pop(0)
+            self._finish_scored(lv.runs, lv.status, lv.checkpoints, lv.scores.result())
+
+    def _capture_ahead(self) -> None:
+        """Capture, on the side lane, the graph of the composition the pack changes to when
+        its next adapters finish (those with the fewest steps left), while this one replays:
+        its first step then replays too. Only where no join can change the pack first."""
+        if (self.lane is None or self._ahead is not None or self._ahead_tried is None or self.lane.busy
+                or self.joins.may_change_pack):
+            return
+        active = self._active()
+        left = {r.index: (r.total_steps - r.step) * r.parts - r.micro for r in active}
+        if not left or min(left.values()) < AHEAD_MIN_STEPS:
+            return
+        staying = [r for r in active if left[r.index] > min(left.values())]
+        tried = tuple(r.index for r in staying)
+        if not staying or tried in self._ahead_tried:
+            return
+        self._ahead_tried.add(tried)
+        got = self.stepper.ahead(staying)
+        if got is not None:
+            key, task = got
+            self._ahead = (key, self.lane.submit(task))
 
     def _epoch_evals(self, stepped: list[AdapterRun], step: int) -> None:
         """Adapters at the end of an epoch before their last are evaluated (packed, on the
@@ -474,6 +600,8 @@ class PackedLoRARecipe:
         then adapters waiting to join (its "join" list) take the room there is."""
         control = self.joins.poll()
         prune = self.joins.to_prune(control, self.runs)
+        if prune or self.joins.pending or control is not None:
+            self._lane_idle()  # a slot may change hands: the adapters scored on the lane first
         for r in self.runs:
             if r.active and r.id in prune:
                 r.status, r.reason, r.finished_at = "pruned", "pruned", time.time()
@@ -557,6 +685,12 @@ class PackedLoRARecipe:
             if self._active():
                 return True
         return False
+
+
+def side_lane_for(device: torch.device) -> SideLane | None:
+    """A job's side lane where its steps replay CUDA graphs: on a GPU (a CPU job's steps
+    use the model eagerly, so nothing could go on beside them)."""
+    return SideLane(device) if device.type == "cuda" else None
 
 
 def _pick_device(name: str) -> torch.device:

@@ -59,6 +59,11 @@ class PackedStep:
         self.scales_in_key = scales_in_key
         self.real_tokens = 0  # non-padding tokens trained on (throughput)
         self.stepped_tokens = 0  # tokens the steps ran, padding included (a covering graph's too)
+        #: the job's side lane (`plora.train.side_lane`; None: none): while it works, the model's
+        #: state is the lane's, and a replayed step leaves it as it is
+        self.lane = None
+        #: each slot's rows in the last step (what a composition captured ahead is shaped by)
+        self.last_parts: dict[int, list] = {}
 
     def run(self, active: list[AdapterRun], steps_left: int | None) -> list[list[float]]:
         """One optimizer step of ``active``; what the device reported (`device_step`'s ``out``).
@@ -67,6 +72,7 @@ class PackedStep:
         parts = self.rows.next_parts(active)
         rows = [len(p) for p in parts]
         ids = [r.index for r in active]
+        self.last_parts = dict(zip(ids, parts))
         graphed = self.graphs is not None and self.graphs.enabled
         self.pack.set_learning_rates(active)
         planned = self.pack.planned(ids)  # a vacant slot's row says "leave alone"
@@ -89,21 +95,11 @@ class PackedStep:
         if self.rows.accumulates:  # the job's micro-batch, or an adapter's own (the planner's)
             inputs["accum"] = self.accumulation_inputs(active, slots)
         state = self.pm.state
-
-        def make() -> StepBuffers:
-            buffers = StepBuffers.allocate(key, inputs, planned, slots, self.pack.num_slots, self.device)
-            state.set_batch(slots, batch.segment_tokens, self.device)
-            self.pm.compile_kernels_ahead(training=True, also=self.pack.optimizer_launches)
-            buffers.meta = state.meta
-            return buffers
-
+        make, body = self._step_fns(key, slots, batch, inputs, planned)
         if graphed:
-            def body(b: StepBuffers) -> None:
-                state.use(slots, b.meta)  # an eval since the last step may have cleared it
-                self.device_step(b, batch)
-
             buffers = self.graphs.run(use, batch.shape, make, (inputs, planned), body, own=own)
-            state.clear()
+            if self.lane is None or not self.lane.busy:  # else the state is the lane's
+                state.clear()
         else:
             buffers = make()
             try:
@@ -112,7 +108,59 @@ class PackedStep:
                 state.clear()
         self.real_tokens += sum(len(x.tokens) for part in parts for x in part)
         self.stepped_tokens += batch.num_tokens
-        return buffers.out.tolist()
+        return _read_back(buffers.out)
+
+    def _step_fns(self, key: tuple, slots: list[int], batch: StepBatch, inputs: dict[str, torch.Tensor],
+                  planned: torch.Tensor):
+        """``make()``: a key's buffers, with the pack state its body reads (the kernels'
+        schedules made ahead); ``body(buffers)``: the step on them."""
+        state = self.pm.state
+
+        def make() -> StepBuffers:
+            buffers = StepBuffers.allocate(key, inputs, planned, slots, self.pack.num_slots, self.device)
+            state.set_batch(slots, batch.segment_tokens, self.device)
+            self.pm.compile_kernels_ahead(training=True, also=self.pack.optimizer_launches)
+            buffers.meta = state.meta
+            return buffers
+
+        def body(b: StepBuffers) -> None:
+            state.use(slots, b.meta)  # an eval since the last step may have cleared it
+            self.device_step(b, batch)
+
+        return make, body
+
+    def ahead(self, runs: list[AdapterRun]) -> tuple[tuple, Any] | None:
+        """The key of the composition ``runs`` will train in once the others have left, and
+        the side lane's task that captures its graph (`StepGraph.capture_ahead`); None where
+        it is not wanted (its graphs are held, or its step would not fit beside them).
+
+        Its batch is laid out from each adapter's rows of the last step: with fixed-length
+        rows, or balanced ones (whose shape holds every step of the composition), that is the
+        shape its steps take; where a step's rows need another, that step captures its own."""
+        graphs = self.graphs
+        if graphs is None or self.rows.accumulates or any(r.index not in self.last_parts for r in runs):
+            return None
+        ids = [r.index for r in runs]
+        parts = [self.last_parts[k] for k in ids]
+        rows = [len(p) for p in parts]
+        own = self.composition(ids, rows)
+        if graphs.held_shapes(own):
+            return None
+        batch = self.rows.step_batch([x for part in parts for x in part], rows, True, (), self.rows.floors(runs))
+        if not graphs.ahead_wanted(own, batch.num_tokens):
+            return None
+        # the optimizer table's values are each replay's (`StepBuffers.fill`); the capture reads its place
+        key = (own, batch.shape)
+        make, body = self._step_fns(key, ids, batch, step_inputs(batch), self.pack.planned(ids))
+        state = self.pm.state
+
+        def capture_body(b: StepBuffers) -> None:
+            try:
+                body(b)
+            finally:
+                state.clear()
+
+        return key, graphs.capture_ahead(make, capture_body)
 
     @staticmethod
     def accumulation_inputs(active: Sequence[AdapterRun], slots: list[int]) -> torch.Tensor:
@@ -240,3 +288,14 @@ class PackedStep:
             if not math.isfinite(weight_norms[r.index]):
                 books.diverged.append((r, f"non-finite weights after step {r.step}"))
         return books
+
+
+def _read_back(out: torch.Tensor) -> list[list[float]]:
+    """A step's report on the host. On a GPU the wait for the step is a stream
+    synchronisation, which lets go of the interpreter (``tolist`` on a device tensor holds
+    it while it waits): the side lane's work goes on meanwhile."""
+    if out.device.type != "cuda":
+        return out.tolist()
+    host = out.to("cpu", non_blocking=True)
+    torch.cuda.current_stream(out.device).synchronize()
+    return host.tolist()

@@ -20,7 +20,13 @@ captures its graph and replays it, the following ones replay it: what a capture 
 make itself (the kernels' schedules, which the graph then reads, and their compilation) is
 made ahead (`PackedModel.compile_kernels_ahead`). Where that first capture fails, or with
 ``PLORA_CAPTURE_FIRST=0``, the first step of a key runs eagerly (on the stream the graph is
-captured on: it builds the schedules too) and the second captures.
+captured on: it builds the schedules too) and the second captures. A job with a side lane
+(`plora.train.side_lane`) captures the composition its pack changes to next while the one
+before still replays (`capture_ahead`, in CUDA's thread-local capture mode, into the same
+pool: nothing runs during a capture, and the new graph replays only after the old one's last
+replay, on the same stream), and adopts it as if captured at its first step (`adopt`).
+Anything but a replay of a held graph (a new key's step, graphs dropped) first calls
+`StepGraph.before_work`, where the job waits for its lane.
 
 A composition names slots, not adapters: whatever a slot's adapter is, the graph reads it
 from device memory at fixed addresses. The weights, the AdamW moments and the gradients
@@ -181,9 +187,14 @@ class GraphBackend(Protocol):
     def eager(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, *, measure: bool = False) -> int:
         """Run ``body(buffers)`` once; with ``measure``, the bytes its activations took."""
 
-    def capture(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, pool: Any) -> tuple[Any, Any]:
+    def capture(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, pool: Any, *,
+                beside: bool = False) -> tuple[Any, Any]:
         """Record ``body(buffers)`` into a graph (with a ``replay()``) that allocates from
-        ``pool`` (None: a new one); the graph and its pool. Raises when it cannot."""
+        ``pool`` (None: a new one); the graph and its pool. Raises when it cannot. ``beside``:
+        recorded on a side thread while the job's thread replays (`plora.train.side_lane`)."""
+
+    def stream(self) -> Any:
+        """The stream eager steps and captures run on (None where there is none)."""
 
     def captured_bytes(self) -> int:
         """What the last capture added to the pool: a step's activations, where the pool was new."""
@@ -224,13 +235,20 @@ class CudaGraphs:
         main.wait_stream(stream)
         return max(0, torch.cuda.memory_reserved(self.device) - before) if measure else 0
 
-    def capture(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, pool: Any) -> tuple[Any, Any]:
-        with CAPTURE_LOCK:  # no other thread of the job touches the device while it records
+    def stream(self) -> torch.cuda.Stream:
+        return self._side_stream()
+
+    def capture(self, body: Callable[[StepBuffers], None], buffers: StepBuffers, pool: Any, *,
+                beside: bool = False) -> tuple[Any, Any]:
+        # Beside the job's thread (`beside`), in CUDA's thread-local mode: that thread reads
+        # its replays' results meanwhile, which the global mode forbids any thread to do.
+        with CAPTURE_LOCK:  # no other thread of the job syncs a copy while it records
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the eager steps' cached blocks: not held beside the pool
             before = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self._side_stream(), pool=pool):
+            with torch.cuda.graph(graph, stream=self._side_stream(), pool=pool,
+                                  capture_error_mode="thread_local" if beside else "global"):
                 body(buffers)
         self._grew = max(0, torch.cuda.memory_reserved(self.device) - before)
         self._pool_bytes += self._grew
@@ -257,8 +275,9 @@ class GraphCounts:
     once capture failed), ``reuses`` (a step whose composition had changed since the step
     before and that replayed a graph already held, of its own or covering it: a capture
     saved), ``covered_steps`` (steps replayed from a covering composition's graph, vacant
-    slots padded), ``evictions`` (graphs dropped past `StepGraph.MAX_GRAPHS`) and
-    ``releases`` (every graph dropped: a pack laid out again, or memory wanted)."""
+    slots padded), ``evictions`` (graphs dropped past `StepGraph.MAX_GRAPHS`),
+    ``releases`` (every graph dropped: a pack laid out again, or memory wanted) and ``ahead``
+    (captures made ahead, `StepGraph.capture_ahead`)."""
 
     captures: int = 0
     replays: int = 0
@@ -267,6 +286,8 @@ class GraphCounts:
     covered_steps: int = 0
     evictions: int = 0
     releases: int = 0
+    #: of ``captures``, those made ahead on the side lane while an earlier composition replayed
+    ahead: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -278,6 +299,7 @@ class _Held:
     graph: Any = None  # None: run eagerly once, captured the next time
     order: int = 0  # when it was made: held shapes are offered oldest first
     tokens: int = 0
+    ahead: bool = False  # captured ahead and not replayed yet (its first replay saved no capture)
 
 
 @dataclass
@@ -327,6 +349,11 @@ class StepGraph:
         #: how the last step ran: "eager", "capture" (captured, then replayed), "replay" or
         #: "cover" (replayed from a covering composition's graph)
         self.last_run = ""
+        #: called before anything but a replay uses the model or the pool (an eager step, a
+        #: capture, graphs dropped): the job waits there for its side lane (`plora.train.side_lane`)
+        self.before_work: Callable[[], None] = lambda: None
+        #: bumped whenever the pool is given up: a graph captured ahead into the old one is not adopted
+        self._generation = 0
 
     @property
     def captures(self) -> int:
@@ -384,6 +411,8 @@ class StepGraph:
         """Forget every held graph and give their memory back."""
         if not self._held and self._pool is None:
             return
+        self.before_work()
+        self._generation += 1
         self._held.clear()
         self._pool = None
         self.counts.releases += 1
@@ -392,8 +421,53 @@ class StepGraph:
     def make_room(self) -> None:
         """Something other than a step (an eval) is about to use the device's memory: drop
         every graph unless the largest held step could still run eagerly beside them."""
+        self.before_work()
         if self._held and not self._fits(max(h.tokens for h in self._held.values())):
             self.drop()
+
+    # ------------------------------------------------------------ captured ahead
+    def ahead_wanted(self, composition: Composition, tokens: int) -> bool:
+        """Whether a graph of ``composition`` (a step of ``tokens`` batch tokens) should be
+        captured ahead now (`capture_ahead`): captures at a key's first step work here, a
+        pool is there to share, none of the composition's graphs is held, and its step would
+        fit beside the held ones without dropping them (else its first step decides, as now)."""
+        if not (self.enabled and self.capture_first) or self._pool is None:
+            return False
+        if any(key[0] == composition for key in self._held) or len(self._held) >= self.MAX_GRAPHS:
+            return False
+        return self._fits(tokens)
+
+    def capture_ahead(self, make: Callable[[], StepBuffers],
+                      body: Callable[[StepBuffers], None]) -> Callable[[], tuple[Any, ...]]:
+        """The side lane's task for a composition the pack will change to: its buffers made
+        and its graph recorded into the shared pool beside the job's thread, which replays
+        the graph of the composition before it meanwhile. The task returns what `adopt` takes."""
+        pool, generation = self._pool, self._generation
+
+        def task() -> tuple[Any, ...]:
+            buffers = make()
+            graph, _ = self.backend.capture(body, buffers, pool, beside=True)
+            return buffers, graph, self.backend.captured_bytes(), generation
+
+        return task
+
+    def adopt(self, key: tuple[Composition, tuple], buffers: StepBuffers, graph: Any, grew: int,
+              generation: int) -> bool:
+        """A graph captured ahead (`capture_ahead`) joins the held ones, as one captured at
+        its key's first step would; not where the pool it was captured into was given up
+        meanwhile, or the key came first (False)."""
+        if generation != self._generation or self._pool is None or key in self._held:
+            return False
+        while len(self._held) >= self.MAX_GRAPHS:
+            self._held.popitem(last=False)
+            self.counts.evictions += 1
+        tokens = int(buffers.tokens.numel())
+        self._held[key] = _Held(buffers, graph, self._made, tokens, ahead=True)
+        self._made += 1
+        self.counts.captures += 1
+        self.counts.ahead += 1
+        self._bytes_per_token = max(self._bytes_per_token, grew / max(1, tokens))
+        return True
 
     def run(
         self,
@@ -414,6 +488,9 @@ class StepGraph:
         changed = own != self._previous
         self._previous = own
         entry = self._held.get(key)
+        if entry is None or entry.graph is None:
+            self.before_work()  # the job's lane first: it may also bring this key's graph, captured ahead
+            entry = self._held.get(key)
         if entry is None:
             if composition != own:
                 raise ValueError("a covering composition runs only from a graph it holds")
@@ -433,8 +510,9 @@ class StepGraph:
         entry.graph.replay()
         self.counts.replays += 1
         self.last_run = "capture" if captured else "replay"
-        if changed and not captured:
+        if changed and not captured and not entry.ahead:
             self.counts.reuses += 1
+        entry.ahead = False
         if composition != own:
             self.counts.covered_steps += 1
             self.last_run = "cover"
@@ -456,6 +534,7 @@ class StepGraph:
             self.counts.evictions += 1
         if self._pool is not None and not any(h.graph is not None for h in self._held.values()):
             self._pool = None  # every graph of the pool evicted: the next capture starts a new one
+            self._generation += 1
             self.backend.release()
         buffers = make()
         entry = self._held[key] = _Held(buffers, None, self._made, tokens)
@@ -503,6 +582,7 @@ class StepGraph:
             self.enabled = False
             self._held.clear()
             self._pool = None
+            self._generation += 1
             self.backend.release()
             self._log(f"CUDA graph capture failed ({type(e).__name__}: {e}); this job's steps run eagerly")
             return None
