@@ -11,7 +11,8 @@ and eval sections to samples, taken both by a job and by the check before a swee
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,7 @@ class TextTokenizer:
         #: the ids that end a generated answer (generation_config.json's end tokens)
         self.stop_ids = stop_ids(self.model_dir, eos_id)
         self._chat_template: Any = False  # not looked up yet
+        self._primed: dict[str, list[int]] = {}  # texts encoded ahead in one batch (`primed`)
 
     @property
     def chat_template(self):
@@ -134,7 +136,20 @@ class TextTokenizer:
         return self._chat_template
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._primed.get(text)
+        return list(ids) if ids is not None else self._tok.encode(text, add_special_tokens=False).ids
+
+    @contextlib.contextmanager
+    def primed(self, texts: Sequence[str]) -> Iterator[None]:
+        """``encode`` answers these texts from one batch encoding while the block runs: the
+        tokenizer's batch call runs in parallel outside the interpreter lock (a job's 1,000
+        rows: 0.17 s one by one on an H200's host), and gives each text the ids ``encode`` would."""
+        unique = list(dict.fromkeys(texts))
+        self._primed = dict(zip(unique, self.encode_many(unique))) if len(unique) > 1 else {}
+        try:
+            yield
+        finally:
+            self._primed = {}
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -284,19 +299,21 @@ def tokenize_split(examples: Sequence[dict], tok: TextTokenizer, max_seq_len: in
     report = SplitReport(label)
     out: list[Sample] = []
     bad: list[tuple[str, int]] = []
-    for index, ex in enumerate(examples):
-        where = ex.get("where", label)
-        tokens, labels, prompt_len, first_label = _full_row(ex, tok)
-        kept = labels[:max_seq_len]
-        if first_label >= max_seq_len or (eval and prompt_len >= max_seq_len):
-            bad.append((where, prompt_len))
-            continue
-        report.rows += 1
-        report.kept.append(index)
-        if len(tokens) > max_seq_len:
-            report.truncated += 1
-        extra = _eval_parts(ex, tok, choices, where) if eval else {}
-        out.append(Sample(tokens[:max_seq_len], kept, **extra))
+    plain = [t for ex in examples if "messages" not in ex for t in (ex.get("input"), ex.get("output"))]
+    with tok.primed([t for t in plain if isinstance(t, str)]):
+        for index, ex in enumerate(examples):
+            where = ex.get("where", label)
+            tokens, labels, prompt_len, first_label = _full_row(ex, tok)
+            kept = labels[:max_seq_len]
+            if first_label >= max_seq_len or (eval and prompt_len >= max_seq_len):
+                bad.append((where, prompt_len))
+                continue
+            report.rows += 1
+            report.kept.append(index)
+            if len(tokens) > max_seq_len:
+                report.truncated += 1
+            extra = _eval_parts(ex, tok, choices, where) if eval else {}
+            out.append(Sample(tokens[:max_seq_len], kept, **extra))
     if bad:
         where, prompt_len = bad[0]
         message = (f"{where}: the answer is cut away entirely by model.max_seq_len {max_seq_len} (the prompt alone "
