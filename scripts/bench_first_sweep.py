@@ -118,14 +118,9 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
     wall = time.time() - t0
     triton = caches / "triton"
     kernels = sum(1 for _ in triton.iterdir()) if triton.is_dir() else None
-    facts = sweep_facts(args, space, label)
-    if args.keep_runs:  # each sweep's run folder, for `scripts/compare_sweeps.py`
-        from plora.spec.loading import load_spec
-
-        shutil.copytree(load_spec(space).run_dir(None), args.out / "kept" / label, dirs_exist_ok=True)
     return {"label": label, "exit_code": proc.returncode, "wall_s": wall, "started_at": t0,
             "triton_cache_entries": kernels, "kernel_warmer": warmer_answer(caches, t0),
-            "gguf_conversion": gguf_seconds(caches), **facts}
+            "gguf_conversion": gguf_seconds(caches), **sweep_facts(args, space, label)}
 
 
 def warmer_answer(caches: Path, since: float) -> dict | None:
@@ -157,6 +152,8 @@ def sweep_facts(args, space: Path, label: str) -> dict:
 
     spec = load_spec(space)
     run = spec.run_dir(None)
+    if args.keep_runs:  # each sweep's run folder, for `scripts/compare_sweeps.py`
+        shutil.copytree(run, args.out / "kept" / label, dirs_exist_ok=True)
     plan = Plan.of_run(run)
     span = measured_makespan(run)
     # the prediction the sweep showed: the plan's makespan as the engine streams it (`Plan.expected_makespan`)

@@ -454,15 +454,14 @@ class PackedLoRARecipe:
         dropped, waits for it (`StepGraph.before_work`)."""
         self.lane = lane
         self.stepper.lane = lane
-        stream = self.graphs.backend.stream() if self.graphs is not None else None
+        stream = self.graphs.backend.stream()
         if stream is not None:
             # the lane's handles once this thread has its own (its first capture took them: a
             # handle made inside a capture invalidates it, and the lane's thread, warmed
             # first, took the one this thread would have been given; measured on an H200)
             dtype = self.pm.model.tok_embeddings.weight.dtype
             lane.before_first(lambda: lane.warm(stream, dtype))
-        if self.graphs is not None:
-            self.graphs.before_work = self._lane_idle
+        self.graphs.before_work = self._lane_idle
 
     def _lane_idle(self) -> None:
         """Wait for the side lane, then take what it made: a graph captured ahead, the
@@ -479,13 +478,13 @@ class PackedLoRARecipe:
             key, future = self._ahead
             self._ahead = None
             try:
-                buffers, graph, grew, generation = future.result()
+                buffers, graph, grew, pool = future.result()
             except Exception as e:  # noqa: BLE001 - costs the capture it saved, not the job
                 self._ahead_tried = None  # none again in this job (the lane's task cleared the pack state)
                 print(f"capturing a composition ahead failed ({type(e).__name__}: {e}); "
                       "new compositions are captured at their first step", file=sys.stderr)
             else:
-                self.graphs.adopt(key, buffers, graph, grew, generation)
+                self.graphs.adopt(key, buffers, graph, grew, pool)
         self._complete_leaving(wait=False)
 
     def _complete_leaving(self, wait: bool) -> None:

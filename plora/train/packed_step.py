@@ -144,8 +144,6 @@ class PackedStep:
         parts = [self.last_parts[k] for k in ids]
         rows = [len(p) for p in parts]
         own = self.composition(ids, rows)
-        if graphs.held_shapes(own):
-            return None
         batch = self.rows.step_batch([x for part in parts for x in part], rows, True, (), self.rows.floors(runs))
         if not graphs.ahead_wanted(own, batch.num_tokens):
             return None

@@ -12,10 +12,10 @@ The rule that makes it safe: the model's Python state (the pack's segments, the 
 boundaries, the kernels' side streams) has one user at a time. While the lane works, the
 main loop does nothing with the model but replay graphs (which read no Python state); before
 anything else (an eager step, a capture of its own, an eval, a checkpoint, a pack laid out
-again) it waits for the lane (`SideLane.wait`). On the device the lane's work is ordered
-with the replays (the same stream for an eval; a capture records and runs nothing), and a
-capture from the lane is made in CUDA's thread-local mode, so that the main loop's reads of
-its steps' results are allowed meanwhile.
+again) it waits for the lane (`SideLane.wait`). On the device an eval runs on the lane's own
+stream after what the job's stream held when it was submitted (`submit_after`), a capture
+records and runs nothing, and a capture from the lane is made in CUDA's thread-local mode, so
+that the main loop's reads of its steps' results are allowed meanwhile.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class SideLane:
 
     def __init__(self, device: torch.device, *, inline: bool = False):
         self.device = device
-        self.inline = inline
         self._pool = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="plora-lane")
         self._pending: list[Future] = []
         self._stream = None
@@ -50,17 +49,14 @@ class SideLane:
             self.submit(self._enter)
 
     def _enter(self) -> None:
-        """The worker's own CUDA state, made before it captures anything: the device, and its
-        cuBLAS and cuBLASLt handles with their workspaces on the capture stream (made during a
-        capture they invalidate it)."""
+        """The worker's device (its library handles come later, `before_first`)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def warm(self, stream: Any, dtype: torch.dtype, *, attention: bool = True) -> None:
-        """Make the calling thread's library handles (cuBLAS, cuBLASLt; with ``attention``,
-        those of torch's attention) and their workspaces on ``stream``, for ``dtype`` and
-        float32: run on the lane before its first task (a handle made during a capture
-        invalidates it)."""
+    def warm(self, stream: Any, dtype: torch.dtype) -> None:
+        """Make the calling thread's library handles (cuBLAS, cuBLASLt, torch's attention)
+        and their workspaces on ``stream``, for ``dtype`` and float32: run on the lane before
+        its first task (a handle made during a capture invalidates it)."""
         if self.device.type != "cuda":
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -69,7 +65,7 @@ class SideLane:
                 a = torch.ones(16, 16, device=self.device, dtype=dt)
                 torch.nn.functional.linear(a, a, a[0])
                 a @ a
-                if attention and dt != torch.float32:
+                if dt != torch.float32:
                     q = torch.ones(1, 2, 16, 64, device=self.device, dtype=dt, requires_grad=True)
                     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
         stream.synchronize()
@@ -105,8 +101,8 @@ class SideLane:
     def busy(self) -> bool:
         """Whether a task submitted is still running or waiting (the main loop then leaves
         the model alone)."""
-        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
-        return any(not f.done() for f in self._pending)
+        self._pending = [f for f in self._pending if not f.done()]
+        return bool(self._pending)
 
     def before_first(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the lane before its first task (not at once: the lane's thread then

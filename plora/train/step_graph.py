@@ -352,8 +352,6 @@ class StepGraph:
         #: called before anything but a replay uses the model or the pool (an eager step, a
         #: capture, graphs dropped): the job waits there for its side lane (`plora.train.side_lane`)
         self.before_work: Callable[[], None] = lambda: None
-        #: bumped whenever the pool is given up: a graph captured ahead into the old one is not adopted
-        self._generation = 0
 
     @property
     def captures(self) -> int:
@@ -412,7 +410,6 @@ class StepGraph:
         if not self._held and self._pool is None:
             return
         self.before_work()
-        self._generation += 1
         self._held.clear()
         self._pool = None
         self.counts.releases += 1
@@ -441,26 +438,25 @@ class StepGraph:
                       body: Callable[[StepBuffers], None]) -> Callable[[], tuple[Any, ...]]:
         """The side lane's task for a composition the pack will change to: its buffers made
         and its graph recorded into the shared pool beside the job's thread, which replays
-        the graph of the composition before it meanwhile. The task returns what `adopt` takes."""
-        pool, generation = self._pool, self._generation
+        the graph of the composition before it meanwhile. The task returns what `adopt` takes
+        (the pool last: a graph is adopted only into the pool it was captured into)."""
+        pool = self._pool
 
         def task() -> tuple[Any, ...]:
             buffers = make()
             graph, _ = self.backend.capture(body, buffers, pool, beside=True)
-            return buffers, graph, self.backend.captured_bytes(), generation
+            return buffers, graph, self.backend.captured_bytes(), pool
 
         return task
 
     def adopt(self, key: tuple[Composition, tuple], buffers: StepBuffers, graph: Any, grew: int,
-              generation: int) -> bool:
-        """A graph captured ahead (`capture_ahead`) joins the held ones, as one captured at
-        its key's first step would; not where the pool it was captured into was given up
-        meanwhile, or the key came first (False)."""
-        if generation != self._generation or self._pool is None or key in self._held:
+              pool: Any) -> bool:
+        """A graph captured ahead (`capture_ahead`) into ``pool`` joins the held ones, as one
+        captured at its key's first step would; not where that pool was given up meanwhile,
+        or the key came first (False)."""
+        if pool is None or pool is not self._pool or key in self._held:
             return False
-        while len(self._held) >= self.MAX_GRAPHS:
-            self._held.popitem(last=False)
-            self.counts.evictions += 1
+        self._evict_past_max()
         tokens = int(buffers.tokens.numel())
         self._held[key] = _Held(buffers, graph, self._made, tokens, ahead=True)
         self._made += 1
@@ -529,12 +525,9 @@ class StepGraph:
         tokens = int(inputs[0]["tokens"].numel())
         if self._held and not self._fits(tokens):
             self.drop()  # the held graphs' pool and this eager step would not fit side by side
-        while len(self._held) >= self.MAX_GRAPHS:
-            self._held.popitem(last=False)
-            self.counts.evictions += 1
+        self._evict_past_max()
         if self._pool is not None and not any(h.graph is not None for h in self._held.values()):
             self._pool = None  # every graph of the pool evicted: the next capture starts a new one
-            self._generation += 1
             self.backend.release()
         buffers = make()
         entry = self._held[key] = _Held(buffers, None, self._made, tokens)
@@ -570,6 +563,12 @@ class StepGraph:
         self._bytes_per_token = max(self._bytes_per_token, self.backend.captured_bytes() / max(1, tokens))
         return graph
 
+    def _evict_past_max(self) -> None:
+        """Room for one more key: the least recently used go past `MAX_GRAPHS`."""
+        while len(self._held) >= self.MAX_GRAPHS:
+            self._held.popitem(last=False)
+            self.counts.evictions += 1
+
     def _fits(self, tokens: int) -> bool:
         """Whether an eager step of ``tokens`` batch tokens fits beside the held graphs."""
         need = self.ROOM_MARGIN * self._bytes_per_token * tokens
@@ -582,7 +581,6 @@ class StepGraph:
             self.enabled = False
             self._held.clear()
             self._pool = None
-            self._generation += 1
             self.backend.release()
             self._log(f"CUDA graph capture failed ({type(e).__name__}: {e}); this job's steps run eagerly")
             return None
