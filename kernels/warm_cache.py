@@ -20,44 +20,9 @@ from __future__ import annotations
 import sys
 import time
 
-from pydantic import BaseModel, ConfigDict
+from plora.job.warm_order import READY, WarmAnswer, WarmOrder, WarmPack
 
 __all__ = ["READY", "WarmAnswer", "WarmOrder", "WarmPack", "main", "warm"]
-
-#: what the child prints once its imports are done
-READY = "ready"
-
-
-class WarmPack(BaseModel):
-    """One packed step as the sweep expects it: each adapter's tokens in a step and rank."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: list[int]
-    ranks: list[int]
-
-
-class WarmOrder(BaseModel):
-    """The one line the child reads: what to compile, and where."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    device: str = "cuda"
-    dtype: str  #: the adapters' dtype ("bfloat16", "float16", "float32")
-    shapes: list[tuple[int, int]]  #: (in, out) of each targeted linear
-    packs: list[WarmPack]
-    accumulate_dx: bool = True  #: False where LoRA dropout feeds the adapters another input
-
-
-class WarmAnswer(BaseModel):
-    """The one line the child prints when done."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kernels: int = 0
-    seconds: float = 0.0
-    finished_at: float = 0.0  #: epoch seconds (where a sweep's wait went: the log beside its caches)
-    error: str | None = None
 
 
 def warm(order: WarmOrder) -> int:

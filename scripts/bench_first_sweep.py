@@ -113,7 +113,9 @@ def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> di
     log = args.out / f"{label}.log"
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "plora.cli", "sweep", str(space), "--restart"], env=env,
+        sampled = [str(HERE / "stack_samples.py"), str(args.out / "stacks" / f"{label}.txt"), "--"] \
+            if args.sample_stacks else []
+        proc = subprocess.run([sys.executable, *sampled, "-m", "plora.cli", "sweep", str(space), "--restart"], env=env,
                               stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO))
     wall = time.time() - t0
     triton = caches / "triton"
@@ -445,6 +447,8 @@ def main() -> None:
     ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of plora's sweeps (e.g. PLORA_OVERLAP=0)")
     ap.add_argument("--keep-runs", action="store_true", help="copy each sweep's run folder to OUT/kept/LABEL")
+    ap.add_argument("--sample-stacks", action="store_true",
+                    help="sample the sweep process's stacks (`stack_samples.py`) into OUT/stacks/LABEL.txt")
     ap.add_argument("--smollm2-eval-rows", type=int, default=None,
                     help="also a warm SmolLM2 sweep with eval.batch_rows at this value (e.g. 256, the CPU's)")
     args = ap.parse_args()

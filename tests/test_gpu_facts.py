@@ -92,17 +92,37 @@ gpu_facts._from_driver = lambda: (gpu_facts.GpuFacts("NVIDIA H100 80GB HBM3", 85
 from plora.spec.loading import load_spec
 from plora.sweep import prepare
 from plora.cost.sweep_model import graphed_steps
+from plora.engine import kernel_warmer
+from plora.cli import _warm_kernels
+
+
+ORDERS = []
+
+
+class _Warmer:  # the kernel-warming process, as the sweep sees it: it reads one order
+    class stdin:
+        write = staticmethod(ORDERS.append)
+        close = staticmethod(lambda: None)
+
+    poll = staticmethod(lambda: None)
+
+
+kernel_warmer._proc = _Warmer()
 spec = load_spec(Path(sys.argv[1]))
-prep = prepare(spec, probe=False, check_model=False)  # (a sweep has the first job's process build it)
-print(json.dumps({"torch": "torch" in sys.modules, "gpu": prep.hardware.gpu, "slots": prep.hardware.slots,
+prep = prepare(spec, probe=False, check_model=False,  # (a sweep has the first job's process build it)
+               on_rows=_warm_kernels)
+print(json.dumps({"torch": "torch" in sys.modules, "ordered": len(ORDERS),
+                  "gpu": prep.hardware.gpu, "slots": prep.hardware.slots,
                   "memory": prep.hardware.gpu_memory_bytes, "graphed": graphed_steps(prep.spec, prep.hardware),
                   "jobs": len(prep.plan.jobs), "makespan": prep.plan.makespan}))
 """
 
 
 def test_a_gpu_sweep_is_planned_without_importing_torch(tmp_path):
-    """Its GPUs, their name (which finds what was measured of the model there) and whether
-    steps are graphed: all without torch, whose import took 3.7-5 s of a sweep's planning."""
+    """Its GPUs, their name (which finds what was measured of the model there), whether
+    steps are graphed and the kernels its first job will want (ordered of the process that
+    compiles them): all without torch, whose import took 3.7-5 s of a sweep's planning (and
+    again 4 s on an H200 while the kernels were ordered through torch's modules)."""
     space = tiny_space_file(tmp_path, name="gpu-plan", num_train=16,
                             space={"strategy": "grid", "rank": [2, 4], "alpha": {"relative": [2]},
                                    "learning_rate": [1e-3], "batch_size": [2]},
@@ -113,7 +133,7 @@ def test_a_gpu_sweep_is_planned_without_importing_torch(tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-6000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
-    assert facts == {"torch": False, "gpu": True, "slots": 1, "memory": 85_045_395_456.0, "graphed": True,
+    assert facts == {"torch": False, "ordered": 1, "gpu": True, "slots": 1, "memory": 85_045_395_456.0, "graphed": True,
                      "jobs": facts["jobs"], "makespan": facts["makespan"]} and facts["jobs"] >= 1
     # nothing measured yet: each job's set-up, first steps, evals and saves are priced all the same
     from plora.cost.sweep_model import GPU_JOB_OVERHEAD_S

@@ -197,11 +197,11 @@ def test_a_refilled_slot_replays_the_packs_graph_and_reads_its_new_scale(tiny_mo
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_side_lane_job_equals_the_eager_job(tiny_model, reverse_data, tmp_path, monkeypatch):
-    """With the defaults (a key captured at its first step, the side lane on): each
-    composition after the first is captured ahead on the lane while the one before replays
-    ((a, c) once b is 5 steps from leaving, then c alone), every step replays, the leaving
-    adapters are scored on the lane's stream; every loss and every eval score equals the
-    eager job's."""
+    """With the defaults (a key captured at its first step, the side lane on): (a, c) is
+    captured ahead on the lane while (a, b, c) replays; c alone, 3 steps, replays (a, c)'s
+    graph with a's slot vacant (cheaper than a capture of its own); every step replays, the
+    leaving adapters are scored on the lane's stream; every loss and every eval score equals
+    the eager job's. (Measured on an H200.)"""
     import json
 
     monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
@@ -220,7 +220,7 @@ def test_the_side_lane_job_equals_the_eager_job(tiny_model, reverse_data, tmp_pa
                         for a in ADAPTERS}
     assert recipes["off"].lane is None
     counts = recipes["on"].graphs.counts
-    assert counts.ahead == 2 and counts.captures == 3 and counts.eager_steps == 0 and counts.covered_steps == 0
+    assert counts.ahead == 1 and counts.captures == 2 and counts.eager_steps == 0 and counts.covered_steps == 3
     assert counts.replays == 12
     assert losses["on"].keys() == losses["off"].keys()
     for key, value in losses["off"].items():

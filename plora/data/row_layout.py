@@ -14,6 +14,14 @@ def padded_width(width: int, max_width: int) -> int:
     return max(width, min(max_width, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
 
 
+#: fixed (CUDA-graph) segment and label-part sizes are multiples of this
+SIZE_MULTIPLE = 64
+
+
+def round_up(n: int, multiple: int = SIZE_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
 def rows_flattened(layout: str, *, graphed: bool) -> bool:
     """Whether a job's rows go flattened without padding, or right-padded to one width.
 

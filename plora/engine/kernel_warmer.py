@@ -78,9 +78,9 @@ def expected_packs(configs: Sequence[Any], *, row_tokens: float, max_adapters: i
                    micro_batch: Mapping[str, int] | int | None = None) -> list[dict]:
     """The packs a sweep of ``configs`` likely steps first: its adapters in plan order (as
     many as a job takes), each with ``row_tokens`` per row of its (micro-)batch, rounded up
-    as a graphed step's segments are (`plora.train.packed.rows.round_up`); then the pack
+    as a graphed step's segments are (`plora.data.row_layout.round_up`); then the pack
     left when the adapters of the largest batch have finished."""
-    from plora.train.packed.rows import round_up
+    from plora.data.row_layout import round_up
 
     def rows(c) -> int:
         m = micro_batch.get(c.id) if isinstance(micro_batch, Mapping) else micro_batch
@@ -104,7 +104,7 @@ def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict
     if not running() or not packs or not shapes:
         discard()
         return False
-    from plora.kernels.warm_cache import WarmOrder
+    from plora.job.warm_order import WarmOrder
 
     line = WarmOrder(dtype=dtype, shapes=[tuple(s) for s in shapes], packs=list(packs),
                      accumulate_dx=accumulate_dx).model_dump_json()

@@ -8,6 +8,7 @@
 * `plora.job.step_settings` -- how a job's steps run (what the recipe and the profiler share).
 * `plora.job.from_spec` -- a job config from a sweep's spec (what the sweep and tunes write).
 * `plora.job.synthetic` -- a job of random rows on a random-init model (probes, benchmarks).
+* `plora.job.warm_order` -- what a sweep orders of its kernel-warming process, and its answer.
 
 The engine writes and reads these; the recipe (`plora.train`) reads and writes them; neither
 imports the other. Importing this package imports none of its modules.

@@ -23,20 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from plora.data.dataset import IGNORE_INDEX, Sample
+from plora.data.row_layout import SIZE_MULTIPLE, round_up
 
 #: a flattened batch has at least this many tokens (a trailing padding row, in no adapter's
 #: segment, fills it up). Below 16 rows, MKL's float32 GEMM takes other code paths whose
 #: rounding differs from the one of larger calls, so a short batch (an adapter alone) would
 #: round differently from the same rows inside a pack.
 MIN_TOKENS = 16
-#: fixed (CUDA-graph) segment and label-part sizes are multiples of this
-SIZE_MULTIPLE = 64
-
-
-def round_up(n: int, multiple: int = SIZE_MULTIPLE) -> int:
-    return -(-n // multiple) * multiple
-
-
 def held_sizes(needed: Sequence[int], held: Sequence[int] | None, *, extra: int = 0,
                multiple: int = SIZE_MULTIPLE) -> list[int]:
     """Fixed sizes for these needs: each ``needed + extra`` rounded up to ``multiple``;

@@ -1,0 +1,44 @@
+"""What a sweep and its kernel-warming process (`plora.kernels.warm_cache`) say to each other:
+one `WarmOrder` line in, one `WarmAnswer` line out. Kept apart from the kernels so that the
+sweep writes its order without importing torch (`plora.engine.kernel_warmer`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["READY", "WarmAnswer", "WarmOrder", "WarmPack"]
+
+#: what the child prints once its imports are done
+READY = "ready"
+
+
+class WarmPack(BaseModel):
+    """One packed step as the sweep expects it: each adapter's tokens in a step and rank."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int]
+    ranks: list[int]
+
+
+class WarmOrder(BaseModel):
+    """The one line the child reads: what to compile, and where."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = "cuda"
+    dtype: str  #: the adapters' dtype ("bfloat16", "float16", "float32")
+    shapes: list[tuple[int, int]]  #: (in, out) of each targeted linear
+    packs: list[WarmPack]
+    accumulate_dx: bool = True  #: False where LoRA dropout feeds the adapters another input
+
+
+class WarmAnswer(BaseModel):
+    """The one line the child prints when done."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kernels: int = 0
+    seconds: float = 0.0
+    finished_at: float = 0.0  #: epoch seconds (where a sweep's wait went: the log beside its caches)
+    error: str | None = None
