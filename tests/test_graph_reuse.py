@@ -499,3 +499,41 @@ def test_a_key_whose_graph_the_lane_brings_at_its_first_step_replays_it():
     _step(sg, Z)
     assert sg.last_run == "replay" and sg.counts.ahead == 1 and sg.captures == 2
     assert fake.beside == [(Z, SHAPE)] and len(fake.captured) == 2
+
+
+def test_the_base_model_is_scored_on_the_lane_after_the_first_step(tiny_model, reverse_data, tmp_path, fake_graphs,
+                                                                  inline_lane, monkeypatch):
+    """Base scores not remembered yet: with a side lane, the base model is scored there after
+    the first step (no base_metrics.json before it), with the scores a job without a lane
+    writes before its first step; then remembered for the next job."""
+    seen: list[bool] = []
+    lanes: list[bool] = []
+
+    def look(recipe, step) -> None:
+        seen.append((recipe.files.output_dir / "base_metrics.json").exists())
+        lanes.append(recipe.lane is not None)
+
+    cfg = _graphed_config(tiny_model, reverse_data, tmp_path / "lane", [A, C], eval_base=True)
+    with hooks.installed("after_step", look):
+        summary = PackedLoRARecipe(cfg).run()
+    assert all(lanes) and seen[0] is False and all(seen[1:])
+    assert not summary["phases"]["base_scores_remembered"] and summary["phases"]["eval_base_s"] > 0
+    on_lane = json.loads((tmp_path / "lane" / "base_metrics.json").read_text())
+
+    monkeypatch.setenv("PLORA_CACHE_DIR", str(tmp_path / "another-cache"))  # nothing remembered: scored again
+    monkeypatch.setenv("PLORA_OVERLAP", "0")
+    cfg = _graphed_config(tiny_model, reverse_data, tmp_path / "before", [A, C], eval_base=True)
+    seen.clear()
+    lanes.clear()
+    with hooks.installed("after_step", look):
+        summary = PackedLoRARecipe(cfg).run()
+    assert all(seen) and not any(lanes) and not summary["phases"]["base_scores_remembered"]
+    before = json.loads((tmp_path / "before" / "base_metrics.json").read_text())
+    assert on_lane.keys() == before.keys() and "eval_loss" in on_lane
+    for k, v in before.items():
+        assert on_lane[k] == pytest.approx(v, rel=1e-6), k
+
+    monkeypatch.delenv("PLORA_OVERLAP")  # the scores the lane made are remembered
+    summary = PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, tmp_path / "again", [A], eval_base=True)).run()
+    assert summary["phases"]["base_scores_remembered"]
+
