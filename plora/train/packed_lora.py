@@ -49,7 +49,6 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -210,9 +209,6 @@ class PackedLoRARecipe:
         self._ahead = None  # (key, the lane's future) of a composition being captured ahead
         self._ahead_tried: set = set()  # compositions captured ahead already (or found not wanted)
         self._leaving: list[_Leaving] = []
-        #: the base model's scores while the side lane computes them: (key to remember them
-        #: under, the lane's future, when it was asked), `_base_on_lane`
-        self._base: tuple[Any, Future | None, float] | None = None
         if self.graphs is not None and self.tp is None and settings().overlap and t.micro_batch_size is None:
             lane = side_lane_for(self.device)
             if lane is not None:
@@ -283,14 +279,9 @@ class PackedLoRARecipe:
         join came in that time); the job's summary (also summary.json). The ``after_step``
         hook (`plora.train.hooks`) fires after each optimizer step, before finished adapters
         leave: tests look in there."""
-        base_later = False
         if self.cfg.eval_base:
             with self.clock.timed("eval_base_s"):
-                scores = self._base_scores(later=self.lane is not None)
-                if scores is None:
-                    base_later = True
-                else:
-                    self.files.base_metrics(scores)
+                self.files.base_metrics(self._base_scores())
         self.resumed = self.checkpointer.restore(self.runs)
         step = self.checkpointer.job_step
         # Time in optimizer steps after the first (which pays kernel compilation): what the
@@ -319,9 +310,6 @@ class PackedLoRARecipe:
                     steps_s += dt
                 hooks.fire("after_step", recipe=self, step=step)
                 step += 1
-                if base_later:
-                    self._base_on_lane()
-                    base_later = False
                 self._intermediate_eval(active)
                 self._epoch_evals(active, step)
                 finished = [r for r in active if r.active and r.step >= r.total_steps]
@@ -334,12 +322,6 @@ class PackedLoRARecipe:
                 self._capture_ahead()
                 self._write_progress(step)
         self._lane_idle()
-        if base_later:  # no step was taken: scored here, as before any
-            with self.clock.timed("eval_base_s"):
-                scores = self.evaluator.base()
-            self.files.base_metrics(scores)
-            base_scores.remember(self._base[0], scores)
-            self._base = None
         self.writer.drain()  # every leaving adapter's files are on disk before the job says it is done
         self.checkpointer.discard(self.runs)
         self._write_progress(step, final=True)
@@ -359,12 +341,10 @@ class PackedLoRARecipe:
         self.files.summary(summary)
         return summary
 
-    def _base_scores(self, later: bool = False) -> dict[str, float] | None:
+    def _base_scores(self) -> dict[str, float]:
         """The base model's scores: remembered from an earlier job with the same model, rows
         and eval (`plora.train.base_scores`), else scored now and remembered. Under tensor
-        parallelism every rank scores (the eval's collectives need them all). With ``later``
-        (a job with a side lane), None where they would be scored now: the lane scores them
-        after the first step instead, while the pack trains (`_base_on_lane`)."""
+        parallelism every rank scores (the eval's collectives need them all)."""
         key = None
         if self.tp is None:
             try:
@@ -376,9 +356,6 @@ class PackedLoRARecipe:
             if found is not None:
                 self.clock.base_scores_remembered = True
                 return found
-        if later:
-            self._base = (key, None, 0.0)
-            return None
         scores = self.evaluator.base()
         base_scores.remember(key, scores)
         return scores
@@ -508,26 +485,7 @@ class PackedLoRARecipe:
                       "new compositions are captured at their first step", file=sys.stderr)
             else:
                 self.graphs.adopt(key, buffers, graph, grew, pool)
-        self._complete_base()
         self._complete_leaving(wait=False)
-
-    def _base_on_lane(self) -> None:
-        """The base model's scores asked of the side lane, after the job's first step (its
-        capture made this thread's CUDA handles first): the base model's eval, a second or
-        more on a machine's first use, runs beside the pack's replays instead of before them."""
-        key, _, _ = self._base
-        self._base = (key, self.lane.submit_after(self.evaluator.base), time.perf_counter())
-
-    def _complete_base(self) -> None:
-        """The base model's scores once the lane has them: written and remembered."""
-        if self._base is None or self._base[1] is None or not self._base[1].done():
-            return
-        key, future, asked = self._base
-        self._base = None
-        scores = future.result()  # a failed eval raises here, as it would have before the first step
-        self.clock.eval_base_s += time.perf_counter() - asked
-        self.files.base_metrics(scores)
-        base_scores.remember(key, scores)
 
     def _complete_leaving(self, wait: bool) -> None:
         """Results of adapters scored on the side lane, in the order they left: those whose
