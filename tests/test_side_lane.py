@@ -86,3 +86,18 @@ def test_what_runs_before_the_first_task_waits_for_it():
         assert seen == ["warm", "a", "b"]
     finally:
         lane.close()
+
+
+def test_a_task_that_waits_for_the_lane_fails_instead_of_hanging():
+    """A task on the lane that waits for the lane would wait for itself for ever (and the job's
+    main loop for it): it raises, in its own future, and the lane goes on."""
+    lane = SideLane(CPU)
+    try:
+        waiting = lane.submit(lane.wait)
+        with pytest.raises(RuntimeError, match="waited for the lane"):
+            waiting.result(timeout=10)
+        after = lane.submit(lambda: 7)
+        lane.wait()
+        assert after.result(timeout=10) == 7
+    finally:
+        lane.close()

@@ -21,6 +21,7 @@ that the main loop's reads of its steps' results are allowed meanwhile.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -44,12 +45,14 @@ class SideLane:
         self._stream = None
         self._first: Callable[[], Any] | None = None  # run before the first task (`before_first`)
         self._switch = sys.getswitchinterval()
+        self._worker: int | None = None  # the lane's thread (`_enter`)
         if not inline:
             sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL_S))
             self.submit(self._enter)
 
     def _enter(self) -> None:
         """The worker's device (its library handles come later, `before_first`)."""
+        self._worker = threading.get_ident()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -127,7 +130,12 @@ class SideLane:
 
     def wait(self) -> None:
         """Wait until the lane is idle (what the main loop does before any work of its own
-        with the model). A task's error is its future's, raised where its result is taken."""
+        with the model). A task's error is its future's, raised where its result is taken.
+        Asked from a task of the lane itself (which would wait for itself for ever, and the
+        main loop for it), it raises instead: such a task must leave that work to the main
+        loop (an H200 job hung so at its 126th step)."""
+        if self._worker is not None and threading.get_ident() == self._worker:
+            raise RuntimeError("a task on the side lane waited for the lane: the main loop's work, not the lane's")
         pending, self._pending = self._pending, []
         for f in pending:
             try:
