@@ -19,6 +19,9 @@ SIZE_MULTIPLE = 64
 
 
 def round_up(n: int, multiple: int = SIZE_MULTIPLE) -> int:
+    """``n`` rounded up to a multiple of ``multiple``: a graphed step's sizes come in few
+    values, so a composition settles on few captures (and the sweep, which orders the first
+    job's kernels from these sizes, needs no torch for it)."""
     return -(-n // multiple) * multiple
 
 
