@@ -485,13 +485,13 @@ class PackedLoRARecipe:
                       "new compositions are captured at their first step", file=sys.stderr)
             else:
                 self.graphs.adopt(key, buffers, graph, grew, pool)
-        self._complete_leaving(wait=False)
+        self._complete_leaving()
 
-    def _complete_leaving(self, wait: bool) -> None:
+    def _complete_leaving(self) -> None:
         """Results of adapters scored on the side lane, in the order they left: those whose
-        scores came (all of them, waiting, with ``wait``). A failed eval raises here, as it
-        would have in `_finish`."""
-        while self._leaving and (wait or self._leaving[0].scores.done()):
+        scores came (all of them once the lane is idle, `_lane_idle`). A failed eval raises
+        here, as it would have in `_finish`."""
+        while self._leaving and self._leaving[0].scores.done():
             lv = self._leaving.pop(0)
             self._finish_scored(lv.runs, lv.status, lv.checkpoints, lv.scores.result())
 
