@@ -58,6 +58,12 @@ def kernels_module(file: str | Path = "_triton_kernels.py"):
     mode = _interpreting()
     mod = _MODULES.get((file, mode))
     if mod is None:
+        if not mode:  # compiled kernels' cache keys: Triton's own key, kept across processes
+            from plora.settings import settings
+
+            from .triton_key import remember_triton_key
+
+            remember_triton_key(settings().cache_dir)
         name = f"{__package__}.{Path(file).stem}_{'interp' if mode else 'jit'}"
         path = Path(file) if Path(file).is_absolute() else Path(__file__).with_name(str(file))
         spec = importlib.util.spec_from_file_location(name, path)

@@ -8,11 +8,15 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import typer
-from rich.markup import escape
+from plora.bytecode_cache import use_here as _keep_bytecode
 
-from plora import views
-from plora.views import PlainWidthConsole
+_keep_bytecode()  # before the imports below, and those of every process the command starts
+
+import typer  # noqa: E402
+from rich.markup import escape  # noqa: E402
+
+from plora import views  # noqa: E402
+from plora.views import PlainWidthConsole  # noqa: E402
 
 app = typer.Typer(
     add_completion=False,

@@ -54,6 +54,10 @@ LOG_PROGRESS_S = "PLORA_LOG_PROGRESS_S"
 #: layout, else transformers) or "transformers" (always through transformers' model classes)
 GGUF_CONVERTER = "PLORA_GGUF_CONVERTER"
 #: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
+#: 0 (false, no, off) leaves ``PYTHONDONTWRITEBYTECODE`` as it is: plora's processes compile
+#: their imports afresh each time instead of keeping the bytecode in plora's cache
+#: (`plora.bytecode_cache`)
+BYTECODE_CACHE = "PLORA_BYTECODE_CACHE"
 REPORT_RUN_DIR = "PLORA_RUN_DIR"
 REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
 
@@ -89,6 +93,9 @@ class Settings:
     #: a GPU job's side lane: leaving adapters scored, and the next composition captured,
     #: while the pack replays (`OVERLAP`)
     overlap: bool = True
+    #: bytecode kept in plora's cache where ``PYTHONDONTWRITEBYTECODE`` forbids it beside the
+    #: sources (`BYTECODE_CACHE`, `plora.bytecode_cache`)
+    bytecode_cache: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -115,6 +122,7 @@ class Settings:
             gguf_converter=_choice(env.get(GGUF_CONVERTER), GGUF_CONVERTER_CHOICES),
             capture_first=env.get(CAPTURE_FIRST, "1").strip().lower() not in _OFF,
             overlap=env.get(OVERLAP, "1").strip().lower() not in _OFF,
+            bytecode_cache=env.get(BYTECODE_CACHE, "1").strip().lower() not in _OFF,
         )
 
     @property

@@ -41,10 +41,11 @@ from plora.job.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV
 ALL_LINEAR = list(LLAMA_TARGETS)
 
 
-def make_recipe(model_dir: Path, out: Path, ranks: Sequence[int], batch_size: int, seq: int,
+def make_recipe(model_dir: Path, out: Path, ranks: Sequence[int], batch_size: int | Sequence[int], seq: int,
                 dtype: str) -> PackedLoRARecipe:
     """A packed job of one adapter per rank in ``ranks``, on synthetic data, that never ends
-    (set up, ready for `train_step`)."""
+    (set up, ready for `train_step`); ``batch_size``, one for all or one per adapter."""
+    sizes = [batch_size] * len(ranks) if isinstance(batch_size, int) else list(batch_size)
     cfg = JobConfig(
         job_id="bench",
         output_dir=out,
@@ -52,8 +53,8 @@ def make_recipe(model_dir: Path, out: Path, ranks: Sequence[int], batch_size: in
         model=JobModel(path=str(model_dir), max_seq_len=seq, dtype=dtype, random_init=True),
         data=JobData(synthetic=SyntheticRows(seq_len=seq, num_samples=256)),
         lora=JobLora(targets=ALL_LINEAR, dropout=0.0),
-        adapters=[JobAdapter(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=batch_size, seed=k,
-                             steps=10**6)
+        adapters=[JobAdapter(id=f"a{k}", rank=r, alpha=2.0 * r, learning_rate=1e-4, batch_size=sizes[k],
+                             seed=k, steps=10**6)
                   for k, r in enumerate(ranks)],
         training=JobTraining(scheduler="constant", grad_clip=1.0),
         eval=JobEval(metrics=[]),

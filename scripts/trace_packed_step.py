@@ -2,14 +2,18 @@
 
 Small packs are launch-bound: the GPU waits for the host to issue the step's kernels
 (profiles put the floor at 150-250 ms per step on the 0.5B shape, whatever the tokens).
-This traces a few steps of the real recipe step on a random-init model with
+Replayed from a CUDA graph the host's part goes; what is left is the GPU's kernels and the
+gaps between them. This times the step both ways, then traces a few steps of the real recipe step on a random-init model with
 `torch.profiler` and reports, per step: wall time, the GPU's busy time (sum of kernel
 times), the number of kernel launches (Triton and torch), and the operators and Python
 functions with the most host time.
 
     python scripts/trace_packed_step.py --shape qwen2.5-0.5b --seq 256 --adapters 16 --ranks 8,16,32,64 --out DIR
+    python scripts/trace_packed_step.py --adapters 16 --ranks 8,8,16,16,32,32,64,64 \
+        --batch-sizes 4,4,4,4,4,4,4,4,2,2,2,2,2,2,2,2 --out DIR    # the first-sweep benchmark's full pack
 
-Writes DIR/trace_summary.json, DIR/host_ops.txt and a Chrome trace DIR/trace.json.gz.
+Writes DIR/trace_summary.json, DIR/host_ops.txt, DIR/gpu_ops.txt (kernels by GPU time) and a
+Chrome trace DIR/trace.json.gz.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -28,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_packed_step import make_recipe, time_steps  # noqa: E402
 
+from plora.job.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV  # noqa: E402
 from plora.models.shape import ModelShape  # noqa: E402
 from plora.train.heap import frozen_heap  # noqa: E402
 from plora.models.loading import write_shape_folder  # noqa: E402
@@ -45,6 +51,7 @@ def main() -> int:
     ap.add_argument("--adapters", type=int, default=16)
     ap.add_argument("--ranks", default="32", help="ranks, cycled over the adapters")
     ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--batch-sizes", default=None, help="batch sizes, cycled over the adapters (instead of --batch-size)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
@@ -53,11 +60,23 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cycle = [int(r) for r in args.ranks.split(",")]
     ranks = [cycle[i % len(cycle)] for i in range(args.adapters)]
+    sizes: int | list[int] = args.batch_size
+    if args.batch_sizes:
+        size_cycle = [int(b) for b in args.batch_sizes.split(",")]
+        sizes = [size_cycle[i % len(size_cycle)] for i in range(args.adapters)]
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_folder(DEEP_TINY if args.shape == "deep-tiny" else ModelShape.preset(args.shape),
                                        Path(tmp) / "model")
-        recipe = make_recipe(model_dir, Path(tmp) / "out", ranks, args.batch_size, args.seq, args.dtype)
+        graphed: list[float] = []
+        if cuda:  # the step as a job runs it: replayed from a CUDA graph
+            os.environ[GRAPHS_ENV] = "on"
+            recipe = make_recipe(model_dir, Path(tmp) / "graph-out", ranks, sizes, args.seq, args.dtype)
+            graphed = time_steps(recipe, args.warmup, max(args.steps, 10))
+            del recipe
+            torch.cuda.empty_cache()
+        os.environ[GRAPHS_ENV] = "off"
+        recipe = make_recipe(model_dir, Path(tmp) / "out", ranks, sizes, args.seq, args.dtype)
         plain = time_steps(recipe, args.warmup, args.steps)
         active = list(recipe.runs)
         with frozen_heap():
@@ -70,14 +89,18 @@ def main() -> int:
     events = prof.key_averages()
     table = events.table(sort_by="self_cpu_time_total", row_limit=40)
     (args.out / "host_ops.txt").write_text(table + "\n")
+    if cuda:
+        (args.out / "gpu_ops.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=60) + "\n")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_busy_us = sum(e.device_time for e in kernels) if cuda else 0.0
     launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                        "cudaLaunchKernelExC")]
     summary = {
-        "shape": args.shape, "seq": args.seq, "ranks": ranks, "batch_size": args.batch_size,
+        "shape": args.shape, "seq": args.seq, "ranks": ranks, "batch_sizes": sizes,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "step_ms": statistics.median(plain) * 1e3,
+        "graph_step_ms": statistics.median(graphed) * 1e3 if graphed else None,
+        "top_kernels": _top_kernels(kernels, args.steps),
         "gpu_busy_ms_per_step": gpu_busy_us / 1e3 / args.steps,
         "kernels_per_step": len(kernels) / args.steps,
         "launch_calls_per_step": len(launches) / args.steps,
@@ -92,6 +115,16 @@ def main() -> int:
     print(table)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _top_kernels(kernels: list, steps: int, top: int = 25) -> list[dict]:
+    """The kernels with the most GPU time per step, grouped by name (a name cut to 90 characters)."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time)
+    rows = [{"kernel": name, "ms_per_step": sum(t) / 1e3 / steps, "launches_per_step": len(t) / steps}
+            for name, t in by_name.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from plora.bytecode_cache import PREAMBLE
 from plora.engine.job_env import job_env
 from plora.settings import settings, triton_interpreted
 
@@ -28,7 +29,7 @@ __all__ = ["WARMER_MODULE", "discard", "expected_packs", "order", "order_for_swe
 
 #: the child (`plora.kernels.warm_cache`), with the sweep's working folder left off its path
 WARMER_MODULE = "plora.kernels.warm_cache"
-CHILD = ("import sys, runpy; del sys.path[0]; "
+CHILD = ("import sys, runpy; del sys.path[0]; " + PREAMBLE +
          f"runpy.run_module({WARMER_MODULE!r}, run_name='__main__', alter_sys=True)")
 
 _proc: subprocess.Popen | None = None

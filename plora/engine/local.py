@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from plora.bytecode_cache import PREAMBLE
 from plora.job.outputs import read_progress
 from plora.engine import spare
 from plora.engine.job_env import job_env, visible_gpu_ids  # noqa: F401 - visible_gpu_ids: where callers look
@@ -24,8 +25,10 @@ from plora.engine.spare import child_setup
 #: relative path that `tune run` turns into the module `plora.train.packed_lora`
 RECIPE = "plora/train/packed_lora.py"
 #: torchtune's `tune` command with plora imported first, so that torchao's import (which
-#: torchtune's makes) finds its version notice already silenced (`plora.torchao_notice`)
-TUNE = "import runpy, plora; runpy.run_module('torchtune._cli.tune', run_name='__main__', alter_sys=True)"
+#: torchtune's makes) finds its version notice already silenced (`plora.torchao_notice`), and
+#: the bytecode of torchtune's imports is kept where Python may not write it (`plora.bytecode_cache`)
+TUNE = ("import runpy, plora; " + PREAMBLE
+        + "runpy.run_module('torchtune._cli.tune', run_name='__main__', alter_sys=True)")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from plora.bytecode_cache import PREAMBLE
 from plora.engine.cpu_share import bind_to_share, host_gpu_count
 from plora.engine.job_env import job_env
 from plora.settings import ATTEMPT, SPARE_JOBS, TEST_HOOKS, settings
@@ -56,7 +57,7 @@ ADJUSTABLE = frozenset({"OMP_NUM_THREADS", ATTEMPT, HANDED_AT, TEST_HOOKS, "PYTH
 PINNED = frozenset({"CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"})
 #: the child, with the sweep's working folder left off its import path (``python -m`` puts
 #: it first, where a stray module of the user's could shadow one the recipe imports)
-CHILD = ("import sys, runpy; del sys.path[0]; "
+CHILD = ("import sys, runpy; del sys.path[0]; " + PREAMBLE +
          f"runpy.run_module({CHILD_MODULE!r}, run_name='__main__', alter_sys=True)")
 #: how long a hand-over waits for a spare still importing (a cold start would take as long)
 READY_WAIT_S = 180.0

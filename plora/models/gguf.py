@@ -234,7 +234,9 @@ def convert_weights_ahead(path: str | Path, dtype: str = "float32", *,
     if (target / _MARKER_FILE).is_file():
         return None
     lock = _lock_path(target)
-    code = ("import sys; from plora.models.gguf import _weights_ahead_main; "
+    from plora.bytecode_cache import PREAMBLE
+
+    code = (PREAMBLE + "import sys; from plora.models.gguf import _weights_ahead_main; "
             "sys.exit(_weights_ahead_main(sys.argv[1], sys.argv[2]))")
     lock.parent.mkdir(parents=True, exist_ok=True)
     log = lock.with_suffix(".ahead.log").open("ab")  # what the process printed, for a failure's cause
