@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import sysconfig
+import tempfile
+import threading
 from pathlib import Path
 
 __all__ = ["fingerprint", "remember_triton_key"]
@@ -26,6 +29,7 @@ __all__ = ["fingerprint", "remember_triton_key"]
 HASHED_FOLDERS = ("compiler", "backends", "language")
 
 _REMEMBERED: list[str] = []  # this process's key, once remembered
+_LOCK = threading.Lock()  # a job's threads compile ahead side by side
 
 
 def fingerprint(triton_root: Path, version: str) -> str:
@@ -35,7 +39,7 @@ def fingerprint(triton_root: Path, version: str) -> str:
     ext = (sysconfig.get_config_var("EXT_SUFFIX") or ".so").split(".")[-1]
     files = [triton_root / "runtime" / "cache.py", triton_root / "_C" / f"libtriton.{ext}"]
     for folder in HASHED_FOLDERS:
-        for here, dirs, names in os.walk(triton_root / folder):
+        for here, dirs, names in os.walk(triton_root / folder, followlinks=True):  # as pkgutil walks them
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             files.extend(Path(here) / n for n in sorted(names) if n.endswith(".py"))
     for path in files:
@@ -49,38 +53,53 @@ def fingerprint(triton_root: Path, version: str) -> str:
 
 def remember_triton_key(cache_dir: Path) -> str | None:
     """Make this process's ``triton_key()`` the one kept under ``cache_dir`` for this Triton,
-    computing and keeping it first where there is none; the key, or None where Triton has no
-    such function (another release: it computes its own, as before)."""
-    if _REMEMBERED:
-        return _REMEMBERED[0]
-    try:
-        import triton
-        from triton.runtime import cache as triton_cache
-    except ImportError:
-        return None
-    compute = getattr(triton_cache, "triton_key", None)
-    if compute is None:
-        return None
-    kept = Path(cache_dir) / "triton-key" / fingerprint(Path(triton.__file__).parent, triton.__version__)
-    try:
-        key = kept.read_text()
-    except OSError:
-        key = ""
-    if not key:
-        key = compute()
+    computing and keeping it first where there is none (or none well formed); the key, or None
+    where Triton has no such function (another release: it computes its own, as before)."""
+    with _LOCK:
+        if _REMEMBERED:
+            return _REMEMBERED[0]
         try:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            part = kept.with_name(f"{kept.name}.{os.getpid()}.part")
-            part.write_text(key)
-            os.replace(part, kept)
-        except OSError:  # no cache to keep it in: the next process computes it again
-            pass
+            import triton
+            from triton.runtime import cache as triton_cache
+        except ImportError:
+            return None
+        compute = getattr(triton_cache, "triton_key", None)
+        if compute is None:
+            return None
+        kept = Path(cache_dir) / "triton-key" / fingerprint(Path(triton.__file__).parent, triton.__version__)
+        try:
+            key = kept.read_text()
+        except OSError:
+            key = ""
+        if not well_formed(key, triton.__version__):
+            key = compute()
+            _keep(kept, key)
 
-    def triton_key() -> str:
+        def triton_key() -> str:
+            return key
+
+        for name, module in list(sys.modules.items()):  # and where a module imported the name itself
+            if name.startswith("triton.") and getattr(module, "triton_key", None) is compute:
+                module.triton_key = triton_key
+        _REMEMBERED.append(key)
         return key
 
-    for name, module in list(sys.modules.items()):  # and where a module imported the name itself
-        if name.startswith("triton.") and getattr(module, "triton_key", None) is compute:
-            module.triton_key = triton_key
-    _REMEMBERED.append(key)
-    return key
+
+def well_formed(key: str, version: str) -> bool:
+    """Whether ``key`` reads as Triton's: its version, then SHA-256 digests joined by ``-``."""
+    return key.startswith(version) and bool(re.fullmatch(r"[0-9a-f]{64}(-[0-9a-f]{64})*", key[len(version):]))
+
+
+def _keep(kept: Path, key: str) -> None:
+    """Write ``key`` to ``kept`` whole or not at all (a file of its own first, then renamed)."""
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        fd, part = tempfile.mkstemp(dir=kept.parent, prefix=f".{kept.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(key)
+            os.replace(part, kept)
+        except OSError:
+            Path(part).unlink(missing_ok=True)
+    except OSError:  # no cache to keep it in: the next process computes it again
+        pass

@@ -17,16 +17,23 @@ beside a source, which is what the setting is for. (Python's own ``PYTHONPYCACHE
 not do: it ignores every ``__pycache__``, so an image whose packages were compiled at install
 would compile them all again, 15 s of imports where they took 6 s.)
 
-A plora process asks for it first thing (`use_here`): the command itself, and the processes it
-starts (`PREAMBLE`). ``PLORA_BYTECODE_CACHE=0`` leaves Python's behaviour as it is. Python
-checks each cached file against its source's size and modification time, wherever it lies.
+A ``__pycache__`` file counts as fresh where Python itself would take it: its header names this
+Python and the source's size and modification time (or it is a hash-based file Python does not
+check). Any other is left where it is, untouched, and the module's bytecode goes to the cache.
+
+A plora process asks for it first thing (`use_here`): the command as a program (not a test
+importing it: pytest's own bytecode follows ``sys.dont_write_bytecode``), and the processes it
+starts (`PREAMBLE`). ``PLORA_BYTECODE_CACHE=0`` leaves Python's behaviour as it is, and so does
+a prefix of the user's own (``PYTHONPYCACHEPREFIX`` or ``-X pycache_prefix``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
+from importlib.util import MAGIC_NUMBER
 from pathlib import Path
 
 from plora.settings import settings
@@ -39,6 +46,7 @@ PREFIX = "PYTHONPYCACHEPREFIX"
 PREAMBLE = "from plora.bytecode_cache import use_here; use_here(); "
 
 _INSTALLED: list[Path] = []  # this process's folder, once installed
+_LOCK = threading.Lock()
 
 
 def bytecode_dir(environ: Mapping[str, str] | None = None) -> Path | None:
@@ -46,12 +54,12 @@ def bytecode_dir(environ: Mapping[str, str] | None = None) -> Path | None:
     bytecode Python may not write beside its sources; None where Python writes it, or may not
     write it at all, as it would anyway."""
     env = os.environ if environ is None else environ
-    if not env.get(DONT_WRITE) or env.get(PREFIX):
+    if not env.get(DONT_WRITE) or env.get(PREFIX) or (environ is None and sys.pycache_prefix):
         return None
     s = settings(env)
     if not s.bytecode_cache:
         return None
-    return s.cache_dir / "bytecode"
+    return Path(os.path.abspath(s.cache_dir / "bytecode"))  # a relative cache follows no later chdir
 
 
 def use_here() -> Path | None:
@@ -59,38 +67,54 @@ def use_here() -> Path | None:
     one is there, else from plora's cache, where it also writes what it compiles; the folder,
     or None where nothing changed (`bytecode_dir`). Call it before the heavy imports: modules
     already imported stay as they are."""
-    if _INSTALLED:
-        return _INSTALLED[0]
-    where = bytecode_dir()
-    if where is None:
-        return None
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no cache to write to: Python goes on compiling, as before
-        return None
-    from importlib import _bootstrap_external  # the import system's own module: its loaders look names up there
+    with _LOCK:
+        if _INSTALLED:
+            return _INSTALLED[0]
+        where = bytecode_dir()
+        if where is None:
+            return None
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+        except OSError:  # no cache to write to: Python goes on compiling, as before
+            return None
+        from importlib import _bootstrap_external  # the import system's own module: its loaders look names up there
 
-    _bootstrap_external.cache_from_source = _beside_else_in(str(where), _bootstrap_external.cache_from_source)
-    sys.dont_write_bytecode = False  # written only where `_beside_else_in` says: in the cache
-    _INSTALLED.append(where)
-    return where
+        _bootstrap_external.cache_from_source = _beside_else_in(str(where), _bootstrap_external.cache_from_source)
+        sys.dont_write_bytecode = False  # written only where `_beside_else_in` says: in the cache
+        _INSTALLED.append(where)
+        return where
 
 
 def _beside_else_in(prefix: str, beside_of: Callable[..., str]) -> Callable[..., str]:
-    """Python's ``cache_from_source`` that answers the ``__pycache__`` file where it is at
-    least as new as its source, else the file's place under ``prefix``."""
+    """Python's ``cache_from_source`` that answers the ``__pycache__`` file where Python would
+    take it as it is (`_fresh`), else the file's place under ``prefix``: the source's absolute
+    folder below ``prefix``, as Python's own prefix lays it out."""
 
     def cache_from_source(path: str, debug_override: bool | None = None, *, optimization=None) -> str:
         beside = beside_of(path, debug_override, optimization=optimization)
-        try:
-            if os.stat(beside).st_mtime >= os.stat(path).st_mtime:
-                return beside
-        except OSError:
-            pass
-        folder, name = os.path.split(beside)
-        source_dir = os.path.dirname(folder)  # the ``__pycache__`` left out, as Python's prefix does
-        if not os.path.isabs(source_dir):
-            source_dir = os.path.join(os.getcwd(), source_dir)
-        return os.path.join(prefix, source_dir.lstrip(os.sep), name)
+        if _fresh(beside, path):
+            return beside
+        source_dir = os.path.dirname(os.path.abspath(path))
+        return os.path.join(prefix, source_dir.lstrip(os.sep), os.path.basename(beside))
 
     return cache_from_source
+
+
+def _fresh(pyc: str, source: str) -> bool:
+    """Whether Python takes ``pyc`` for ``source`` without compiling again: this Python's magic
+    number, and the source's modification time and size in its header, or a hash-based file
+    whose source Python does not check. (A checked hash-based file is not read here: where
+    it no longer matches, Python would write its new bytecode beside the source.)"""
+    try:
+        with open(pyc, "rb") as f:
+            head = f.read(16)
+        st = os.stat(source)
+    except OSError:
+        return False
+    if len(head) < 16 or head[:4] != MAGIC_NUMBER:
+        return False
+    flags = int.from_bytes(head[4:8], "little")
+    if flags & 0b1:  # hash-based
+        return not flags & 0b10
+    return (int.from_bytes(head[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF
+            and int.from_bytes(head[12:16], "little") == st.st_size & 0xFFFFFFFF)

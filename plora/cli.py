@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from plora.bytecode_cache import use_here as _keep_bytecode
+if __name__ == "__main__":  # ``python -m plora.cli``: as `plora.command` does, before the imports below
+    from plora.bytecode_cache import use_here
 
-_keep_bytecode()  # before the imports below, and those of every process the command starts
+    use_here()
 
 import typer  # noqa: E402
 from rich.markup import escape  # noqa: E402

@@ -23,6 +23,8 @@ def test_only_where_bytecode_is_forbidden_and_no_prefix_is_set(tmp_path):
     assert bytecode_dir({**base, DONT_WRITE: "1", PREFIX: "/elsewhere"}) is None  # the user's own prefix rules
     assert bytecode_dir({**base, DONT_WRITE: "1", "PLORA_BYTECODE_CACHE": "off"}) is None
     assert bytecode_dir({**base, DONT_WRITE: ""}) is None  # set but empty: Python writes, as it would
+    relative = bytecode_dir({"PLORA_CACHE_DIR": "rel-cache", DONT_WRITE: "1"})
+    assert relative == Path.cwd() / "rel-cache" / "bytecode"  # fixed now: a job's chdir does not move it
 
 
 def test_every_process_the_sweep_starts_asks_for_it_first():
@@ -35,7 +37,7 @@ def test_every_process_the_sweep_starts_asks_for_it_first():
 def _mods(tmp_path: Path) -> Path:
     mods = tmp_path / "mods"
     mods.mkdir(exist_ok=True)
-    for name in ("zz_parent", "zz_child", "zz_compiled", "zz_stale"):
+    for name in ("zz_parent", "zz_child", "zz_compiled", "zz_stale", "zz_swapped", "zz_broken"):
         (mods / f"{name}.py").write_text(f"NAME = {name!r}\n")
     return mods
 
@@ -69,17 +71,37 @@ def test_a_process_and_its_children_keep_bytecode_in_the_cache_only(tmp_path):
 def test_what_an_install_compiled_is_read_where_it_is(tmp_path):
     mods = _mods(tmp_path)
     compiled = Path(py_compile.compile(str(mods / "zz_compiled.py"), doraise=True))
-    stale = Path(py_compile.compile(str(mods / "zz_stale.py"), doraise=True))
+    left = {}
+    for name in ("zz_stale", "zz_swapped", "zz_broken"):
+        left[name] = Path(py_compile.compile(str(mods / f"{name}.py"), doraise=True))
     later = time.time() + 10
     os.utime(mods / "zz_stale.py", (later, later))  # its source changed since
-    before = stale.read_bytes()
-    proc = _run(PREAMBLE + "import zz_compiled, zz_stale; print(zz_compiled.__cached__); print(zz_stale.__cached__)",
+    st = (mods / "zz_swapped.py").stat()  # another source put in place with an older time (cp -p, tar)
+    (mods / "zz_swapped.py").write_text("NAME = 'another source, longer'\n")
+    os.utime(mods / "zz_swapped.py", ns=(st.st_atime_ns, st.st_mtime_ns - 10**9))
+    left["zz_broken"].write_bytes(left["zz_broken"].read_bytes()[:10])  # cut short, newer than its source
+    before = {name: p.read_bytes() for name, p in left.items()}
+    names = ["zz_compiled", *left]
+    proc = _run(PREAMBLE + f"import {', '.join(names)}; " + "; ".join(f"print({n}.__cached__, {n}.NAME)" for n in names),
                 tmp_path)
     assert proc.returncode == 0, proc.stderr
-    cached = proc.stdout.split()
-    assert cached[0] == str(compiled)  # fresh beside its source: read there, nothing copied
-    assert cached[1].startswith(str(tmp_path / "cache" / "bytecode"))
-    assert _kept(tmp_path) == ["zz_stale"] and stale.read_bytes() == before  # the stale one left alone
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[0] == str(compiled)  # fresh beside its source: read there, nothing copied
+    assert all(line.startswith(str(tmp_path / "cache" / "bytecode")) for line in lines[1:])
+    assert "another source" in lines[2]  # the swapped source's own code, not the old bytecode's
+    assert _kept(tmp_path) == sorted(left)
+    assert {name: p.read_bytes() for name, p in left.items()} == before  # nothing beside rewritten
+
+
+def test_a_prefix_of_the_users_own_rules(tmp_path):
+    _mods(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != PREFIX}
+    env.update({DONT_WRITE: "1", "PLORA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run([sys.executable, "-X", f"pycache_prefix={tmp_path / 'mine'}", "-c",
+                           "from plora.bytecode_cache import use_here; print(use_here())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None" and not (tmp_path / "cache").exists()
 
 
 def test_switched_off_nothing_is_written(tmp_path):
@@ -90,8 +112,16 @@ def test_switched_off_nothing_is_written(tmp_path):
     assert not list(tmp_path.rglob("*.pyc"))
 
 
-def test_the_command_asks_for_it_before_its_imports(tmp_path):
+def test_the_program_asks_for_it_before_its_imports_and_an_import_does_not(tmp_path):
     _mods(tmp_path)
-    proc = _run("import plora.cli, zz_parent", tmp_path)
+    program = ("import sys; sys.argv = ['plora', '--help']\nfrom plora.command import main\n"
+               "try:\n    main()\nexcept SystemExit:\n    pass\nimport zz_parent")
+    proc = _run(program, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert _kept(tmp_path) == ["zz_parent"]
+    imported = _run("import sys, plora.cli; print(sys.dont_write_bytecode)", tmp_path)  # a test's import
+    assert imported.returncode == 0 and imported.stdout.strip() == "True", imported.stderr
+    module = _run("import runpy, sys; sys.argv = ['plora', '--help']\n"
+                  "try:\n    runpy.run_module('plora.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                  "print(sys.dont_write_bytecode)", tmp_path)  # python -m plora.cli
+    assert module.returncode == 0 and module.stdout.strip().endswith("False"), module.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plora.kernels.triton_key import fingerprint
+from plora.kernels.triton_key import fingerprint, well_formed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,23 @@ def test_the_fingerprint_follows_the_hashed_files(tmp_path):
     assert changed != first
     (tmp_path / "language" / "d.py").write_text("new")
     assert fingerprint(tmp_path, "3.6.0") not in (first, changed)
+
+
+def test_a_linked_backend_is_followed_as_triton_follows_it(tmp_path):
+    _tree(tmp_path / "triton")
+    (tmp_path / "third_party" / "amd").mkdir(parents=True)
+    (tmp_path / "third_party" / "amd" / "driver.py").write_text("one")
+    (tmp_path / "triton" / "backends" / "amd").symlink_to(tmp_path / "third_party" / "amd")
+    first = fingerprint(tmp_path / "triton", "3.6.0")
+    (tmp_path / "third_party" / "amd" / "driver.py").write_text("other, longer")
+    assert fingerprint(tmp_path / "triton", "3.6.0") != first
+
+
+def test_only_a_well_formed_key_is_taken():
+    digest = "0123456789abcdef" * 4
+    assert well_formed(f"3.6.0{digest}-{digest}", "3.6.0")
+    assert not well_formed("", "3.6.0") and not well_formed(f"3.6.0{digest[:-1]}", "3.6.0")
+    assert not well_formed(f"3.5.0{digest}", "3.6.0") and not well_formed(f"3.6.0{digest}-", "3.6.0")
 
 
 KEEP = """
@@ -68,3 +85,9 @@ def test_a_second_process_reads_the_key_the_first_computed(tmp_path):
                             text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout and first.stdout.strip()
+    kept = next((tmp_path / "triton-key").iterdir())
+    kept.write_text(first.stdout.strip()[:40])  # cut short: computed again, and kept whole
+    third = subprocess.run([sys.executable, "-c", KEEP, str(tmp_path), "compute"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert third.returncode == 0, third.stderr
+    assert kept.read_text() == first.stdout.strip() and [p.name for p in kept.parent.iterdir()] == [kept.name]

@@ -1,0 +1,17 @@
+"""The `plora` program: what the console script runs.
+
+Kept apart from `plora.cli` so that this process keeps its bytecode where Python may not write
+it (`plora.bytecode_cache`) before the command's own imports, and so that a test importing
+`plora.cli` leaves its interpreter as it is.
+"""
+
+from __future__ import annotations
+
+
+def main() -> None:
+    from plora.bytecode_cache import use_here
+
+    use_here()
+    from plora.cli import app
+
+    app()
