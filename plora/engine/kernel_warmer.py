@@ -21,16 +21,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from plora.bytecode_cache import PREAMBLE
 from plora.engine.job_env import job_env
+from plora.engine.spare import module_child
 from plora.settings import settings, triton_interpreted
 
 __all__ = ["WARMER_MODULE", "discard", "expected_packs", "order", "order_for_sweep", "running", "start", "wanted"]
 
 #: the child (`plora.kernels.warm_cache`), with the sweep's working folder left off its path
 WARMER_MODULE = "plora.kernels.warm_cache"
-CHILD = ("import sys, runpy; del sys.path[0]; " + PREAMBLE +
-         f"runpy.run_module({WARMER_MODULE!r}, run_name='__main__', alter_sys=True)")
+CHILD = module_child(WARMER_MODULE)
 
 _proc: subprocess.Popen | None = None
 

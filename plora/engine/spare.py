@@ -55,10 +55,18 @@ CHECKED = "checked "
 ADJUSTABLE = frozenset({"OMP_NUM_THREADS", ATTEMPT, HANDED_AT, TEST_HOOKS, "PYTHONUNBUFFERED"})
 #: variables a spare and its job always agree on, whoever changed them
 PINNED = frozenset({"CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF"})
-#: the child, with the sweep's working folder left off its import path (``python -m`` puts
-#: it first, where a stray module of the user's could shadow one the recipe imports)
-CHILD = ("import sys, runpy; del sys.path[0]; " + PREAMBLE +
-         f"runpy.run_module({CHILD_MODULE!r}, run_name='__main__', alter_sys=True)")
+
+
+def module_child(module: str) -> str:
+    """``python -c`` code that runs ``module`` as a program, with the sweep's working folder
+    left off its import path (``python -m`` puts it first, where a stray module of the user's
+    could shadow one the child imports) and its bytecode kept (`plora.bytecode_cache`)."""
+    return ("import sys, runpy; del sys.path[0]; " + PREAMBLE
+            + f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+
+
+#: the child process's code
+CHILD = module_child(CHILD_MODULE)
 #: how long a hand-over waits for a spare still importing (a cold start would take as long)
 READY_WAIT_S = 180.0
 

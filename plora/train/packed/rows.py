@@ -30,6 +30,8 @@ from plora.data.row_layout import SIZE_MULTIPLE, round_up
 #: rounding differs from the one of larger calls, so a short batch (an adapter alone) would
 #: round differently from the same rows inside a pack.
 MIN_TOKENS = 16
+
+
 def held_sizes(needed: Sequence[int], held: Sequence[int] | None, *, extra: int = 0,
                multiple: int = SIZE_MULTIPLE) -> list[int]:
     """Fixed sizes for these needs: each ``needed + extra`` rounded up to ``multiple``;
