@@ -34,6 +34,16 @@ def _own_profile_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PLORA_CACHE_DIR", str(tmp_path_factory.mktemp("profile-cache")))
 
 
+@pytest.fixture(autouse=True)
+def _no_spare_left():
+    """A job process one test started ahead of its job (a sweep's, a calibration's) never
+    takes another test's job: a sweep with spares off would otherwise be handed to it."""
+    yield
+    from plora.engine import spare
+
+    spare.discard()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     import torch
