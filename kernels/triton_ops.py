@@ -61,9 +61,11 @@ def kernels_module(file: str | Path = "_triton_kernels.py"):
         if not mode:  # compiled kernels' cache keys: Triton's own key, kept across processes
             from plora.settings import settings
 
+            from .launcher_modules import load_launchers_apart
             from .triton_key import remember_triton_key
 
             remember_triton_key(settings().cache_dir)
+            load_launchers_apart()  # before any launcher is loaded: threads load them side by side
         name = f"{__package__}.{Path(file).stem}_{'interp' if mode else 'jit'}"
         path = Path(file) if Path(file).is_absolute() else Path(__file__).with_name(str(file))
         spec = importlib.util.spec_from_file_location(name, path)
