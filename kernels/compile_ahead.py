@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,10 +45,19 @@ class CompileStats:
     seconds: float = 0.0
     failed: int = 0
     calls: int = 0
+    #: the variants that took long (compiled here, not read from Triton's cache): kernel, its
+    #: constants, seconds; what a process compiling ahead of this one missed
+    slow: list = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, float | int]:
+    def to_dict(self) -> dict[str, float | int | list]:
         return {"kernels": self.kernels, "seconds": round(self.seconds, 3), "failed": self.failed,
-                "calls": self.calls}
+                "calls": self.calls, "slow": self.slow[:SLOW_KEPT]}
+
+
+#: a variant that took this long was compiled, not loaded from Triton's cache
+SLOW_S = 0.1
+#: at most this many slow variants kept
+SLOW_KEPT = 64
 
 
 #: this process's totals (a job's summary.json keeps them)
@@ -136,11 +145,17 @@ def _warm(call: tuple, device: int) -> None:
     builds with the C compiler for each new signature): a launch would otherwise do that
     part, one kernel after another, at its first call."""
     kernel, grid, args, kwargs = call
+    t0 = time.perf_counter()
     torch.cuda.set_device(device)  # the launch's device: Triton compiles and loads for the current one
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
     load = getattr(compiled, "_init_handles", None)
     if callable(load):
         load()
+    seconds = time.perf_counter() - t0
+    if seconds >= SLOW_S and len(COMPILED.slow) < SLOW_KEPT:
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+        consts = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if isinstance(v, (int, bool, str)))
+        COMPILED.slow.append([name, consts, round(seconds, 3)])
 
 
 def compile_ahead(meta: LoRAMeta | None, shapes: Iterable[tuple[int, int]], dtype: torch.dtype,

@@ -7,10 +7,13 @@ follows from its layer shapes, ranks and tokens per adapter, which the sweep kno
 has decided its rows, seconds before the first job's process has imported torchtune. So a
 sweep on a GPU starts this process with its spare (`plora.engine.kernel_warmer`): it imports
 torch and the kernels only, says ``ready``, reads one `WarmOrder` line (the packs the sweep
-expects), compiles every variant of their steps on threads into Triton's cache (the same
-``TRITON_CACHE_DIR`` as the jobs'), prints one `WarmAnswer` line and exits. The job's own
-compile-ahead then finds them on disk and only loads them; a variant this missed, or has not
-finished, compiles there as before. Nothing here changes what any step computes.
+expects: their steps, and the forwards of the evals that score them), compiles every variant
+of those, and of the optimizer's norms and AdamW, on threads into Triton's cache (the same
+``TRITON_CACHE_DIR`` as the jobs'), prints one `WarmAnswer` line and exits. (Without the
+evals' and the optimizer's, the first job compiled 11 variants of its own on an H200: 1.4 s.)
+The job's own compile-ahead then finds them on disk and only loads them; a variant this
+missed, or has not finished, compiles there as before. Nothing here changes what any step
+computes.
 
     python -m plora.kernels.warm_cache < order.json
 """
@@ -26,8 +29,9 @@ __all__ = ["READY", "WarmAnswer", "WarmOrder", "WarmPack", "main", "warm"]
 
 
 def warm(order: WarmOrder) -> int:
-    """Compile the training step's kernels (forward and backward) of each of ``order``'s
-    packs; how many variants were compiled."""
+    """Compile the kernels of each of ``order``'s packs (a training step's forward and
+    backward, or an eval's forward), and with the first training step the optimizer's
+    (`optimizer_launches`); how many variants were compiled."""
     import torch
 
     from .compile_ahead import compile_ahead, compiles_here
@@ -38,12 +42,37 @@ def warm(order: WarmOrder) -> int:
         return 0
     dtype = getattr(torch, order.dtype)
     done = 0
+    optimizer = order.optimizer
     for pack in order.packs:
         if not pack.tokens or len(pack.tokens) != len(pack.ranks):
             continue
         meta = build_lora_meta(pack.tokens, pack.ranks, [1.0] * len(pack.ranks), device)
-        done += compile_ahead(meta, order.shapes, dtype, device, backward=True, accumulate_dx=order.accumulate_dx)
+        also = None
+        if optimizer and pack.backward:
+            also, optimizer = (lambda: optimizer_launches(dtype, device)), False
+        done += compile_ahead(meta, order.shapes, dtype, device, backward=pack.backward,
+                              accumulate_dx=order.accumulate_dx, also=also)
     return done
+
+
+def optimizer_launches(dtype, device) -> None:
+    """What a training step's norms and AdamW launch (`plora.train.packed.bank`) for adapters of
+    ``dtype``: the kernels take pointers only (and constants), so two adapters' worth of tiles
+    give the variants every pack of that dtype launches."""
+    import torch
+
+    from .segments import HP_COLUMNS, TILE, build_segments, segment_sq_norms, segmented_adamw_
+
+    n = 2 * TILE
+    seg = build_segments([(0, TILE, 0, 1.0), (TILE, TILE, 1, 1.0)], 2, n, device)
+    weights = torch.zeros(n, dtype=dtype, device=device)
+    grads = torch.zeros_like(weights)
+    moment = torch.float64 if dtype == torch.float64 else torch.float32
+    exp_avg = torch.zeros(n, dtype=moment, device=device)
+    exp_avg_sq = torch.zeros_like(exp_avg)
+    segment_sq_norms(grads, seg)
+    segmented_adamw_(weights, grads, exp_avg, exp_avg_sq, seg,
+                     torch.zeros(2, len(HP_COLUMNS), dtype=torch.float32, device=device))
 
 
 def main() -> None:

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Optional
 
 if __name__ == "__main__":  # ``python -m plora.cli``: as `plora.command` does, before the imports below
+    from plora.bytecode_ahead import start
     from plora.bytecode_cache import use_here
 
-    use_here()
+    start(use_here())
 
 import typer  # noqa: E402
 from rich.markup import escape  # noqa: E402
@@ -285,8 +286,8 @@ class _FirstModel:
 
 
 def _warm_kernels(spec, configs, rows, hw) -> None:
-    """The first job's likely kernels, compiled while this process plans (where a process
-    was started for them: `plora.engine.kernel_warmer`)."""
+    """The first job's likely kernels (its steps', its optimizer's and its evals'), compiled
+    while this process plans (where a process was started for them: `plora.engine.kernel_warmer`)."""
     from plora.engine import kernel_warmer
 
     if not kernel_warmer.running():
@@ -295,9 +296,13 @@ def _warm_kernels(spec, configs, rows, hw) -> None:
         kernel_warmer.discard()
         return
     from plora.cost.sweep_model import graphed_steps
+    from plora.cost.sweep_rows import eval_load_of
 
+    data = rows.data
+    evals = (eval_load_of(spec, data.num_eval, data.eval_row_tokens, data.eval_prompt_tokens, gpu=True)
+             if data is not None and data.num_eval and data.eval_row_tokens else None)
     kernel_warmer.order_for_sweep(spec, configs, layout=rows.layout, lengths=rows.lengths,
-                                  length_buckets=rows.length_buckets, graphed=graphed_steps(spec, hw))
+                                  length_buckets=rows.length_buckets, graphed=graphed_steps(spec, hw), eval_load=evals)
 
 
 def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False, on_cost_model=None):

@@ -238,7 +238,7 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     steps = {c.id: spec.steps_for(c, n_train) for c in configs}
     run = spec.run_dir(run_dir)
     hw = hardware or hardware_for(spec)
-    rows = decide_rows(spec, configs, steps, hw, None if fresh else run)
+    rows = replace(decide_rows(spec, configs, steps, hw, None if fresh else run), data=data)
     spec, layout, buckets, lengths = rows.spec, rows.layout, rows.length_buckets, rows.lengths
     moments["rows_decided_at"] = time.time()
     if on_rows is not None:
@@ -298,6 +298,9 @@ class SweepRows:
     length_buckets: int | str
     #: the training rows' token counts, where a decision needed them (None: not tokenized)
     lengths: list[int] | None = None
+    #: what the data check found: among it the eval rows each adapter is scored on (what the
+    #: first job's evals will launch, `plora.engine.kernel_warmer`); None where not told
+    data: DataReport | None = None
 
 
 def decide_rows(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: Mapping[str, int], hw: Hardware,

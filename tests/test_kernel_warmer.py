@@ -38,6 +38,37 @@ def test_expected_packs_price_each_adapters_rows_as_its_steps_lay_them_out():
     assert kernel_warmer.expected_packs([], row_tokens=256.0, max_adapters=4) == []
 
 
+def test_the_evals_forwards_are_expected_as_the_evaluator_groups_them():
+    from plora.cost.job import EvalLoad
+
+    configs = [Cfg("a", 8, 4), Cfg("b", 16, 2), Cfg("c", 64, 4), Cfg("d", 32, 2)]
+    load = EvalLoad(samples=32, row_tokens=250.5, prompt_tokens=200.0, batch_rows=64)
+    packs = kernel_warmer.expected_packs(configs, row_tokens=250.0, max_adapters=4, eval_load=load)
+    evals = [p for p in packs if not p.get("backward", True)]
+    assert [p for p in packs if p.get("backward", True)] == kernel_warmer.expected_packs(
+        configs, row_tokens=250.0, max_adapters=4)  # the training steps as before
+    # the batch-4 adapters finish first and are scored together, then the batch-2 ones: every
+    # adapter over all 32 rows (8,016 tokens), two adapters a forward (64 rows of 32 each)
+    assert evals == [{"tokens": [8016, 8016], "ranks": [8, 64], "backward": False},
+                     {"tokens": [8016, 8016], "ranks": [16, 32], "backward": False}]
+    one = kernel_warmer.eval_packs(configs[:1], EvalLoad(samples=4, row_tokens=30.0, prompt_tokens=20.0,
+                                                         max_new_tokens=6, batch_rows=2048))
+    # an answer decoded: the prompts' forward, then one token per row a step
+    assert one == [{"tokens": [t], "ranks": [8], "backward": False} for t in (120, 80, 4)]
+    assert kernel_warmer.eval_packs(configs, EvalLoad(samples=0, row_tokens=10.0)) == []
+    order = WarmOrder.model_validate_json(WarmOrder(dtype="bfloat16", shapes=[(8, 8)], packs=packs).model_dump_json())
+    assert [p.backward for p in order.packs] == [True, True, False, False] and order.optimizer
+
+
+def test_the_data_check_measures_the_eval_rows(tmp_path):
+    from plora.data.check import check_data
+    from plora.spec.loading import load_spec
+
+    report = check_data(load_spec(tiny_space_file(tmp_path)))
+    assert report.num_eval > 0
+    assert report.eval_row_tokens > report.eval_prompt_tokens > 0
+
+
 def _child(line: str) -> list[str]:
     out = subprocess.run([sys.executable, "-m", "plora.kernels.warm_cache"], input=line, capture_output=True,
                          text=True, timeout=120)
@@ -127,3 +158,14 @@ def test_the_cli_starts_no_process_for_a_cpu_sweep(tmp_path, device):
     cli._load(space, warm=True, check_later=True, kernels_ahead=True)
     assert not kernel_warmer.running()
     cli._PENDING_CHECK.clear()
+
+
+def test_the_optimizers_launches_are_those_of_a_pack_of_that_dtype():
+    """`optimizer_launches` drives the norms and AdamW a step launches (on the CPU, their torch
+    reference: what is checked here is that the calls are well formed)."""
+    import torch
+
+    from plora.kernels.warm_cache import optimizer_launches
+
+    optimizer_launches(torch.float32, torch.device("cpu"))
+    optimizer_launches(torch.bfloat16, torch.device("cpu"))

@@ -157,9 +157,6 @@ def eval_load_for(spec: "SweepSpec", gpu: bool | None = None) -> EvalLoad | None
     if not examples:
         return None
     seq = int(spec.model.max_seq_len)
-    metrics = [str(m) for m in spec.eval.metrics]
-    generates = bool(generated_metrics(metrics))
-    new = int(spec.eval.max_new_tokens) if generates else 0
     try:  # the rows a job scores: those left after tokenizing (as `prepare_data`), at most ``cap``
         from plora.data.dataset import tokenize_split
 
@@ -171,11 +168,20 @@ def eval_load_for(spec: "SweepSpec", gpu: bool | None = None) -> EvalLoad | None
         prompt = sum(sum(1 for x in s.labels if x < 0) for s in samples) / count
     except Exception:  # noqa: BLE001 - pricing only: the job itself reports bad data
         count, row, prompt = min(len(examples), cap), float(seq), float(seq)
+    return eval_load_of(spec, count, row, prompt, gpu)
+
+
+def eval_load_of(spec: "SweepSpec", samples: int, row_tokens: float, prompt_tokens: float,
+                 gpu: bool | None = None) -> EvalLoad:
+    """`eval_load_for` of eval rows already counted and measured (``samples`` rows of
+    ``row_tokens``, ``prompt_tokens`` of them prompt, on average)."""
+    metrics = [str(m) for m in spec.eval.metrics]
+    new = int(spec.eval.max_new_tokens) if generated_metrics(metrics) else 0
     scored = spec.scored_epochs
     if gpu is None:
         from plora.hardware import sweep_on_gpu
 
         gpu = sweep_on_gpu(spec)
-    return EvalLoad(samples=count, row_tokens=float(row), prompt_tokens=float(prompt), max_new_tokens=new,
-                    batch_rows=eval_batch_rows(spec.eval.batch_rows, "cuda" if gpu else "cpu"),
+    return EvalLoad(samples=int(samples), row_tokens=float(row_tokens), prompt_tokens=float(prompt_tokens),
+                    max_new_tokens=new, batch_rows=eval_batch_rows(spec.eval.batch_rows, "cuda" if gpu else "cpu"),
                     evals=int(scored) if isinstance(scored, int) else 1)

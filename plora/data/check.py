@@ -53,6 +53,9 @@ class DataReport:
     num_train: int
     num_eval: int
     notes: list[str] = field(default_factory=list)
+    #: the scored eval rows' mean tokens, and mean prompt tokens (those without a label)
+    eval_row_tokens: float = 0.0
+    eval_prompt_tokens: float = 0.0
 
 
 def check_data(spec: "SweepSpec") -> DataReport:
@@ -67,4 +70,7 @@ def check_data(spec: "SweepSpec") -> DataReport:
     data = prepare_data(data_config(spec), eval_config(spec), tok, max_len)
     if spec.data.eval is not None and not data.eval:
         raise DataError(f"data.eval: {spec.data.eval} has no usable rows")
-    return DataReport(len(data.train), len(data.eval), data.notes(max_len))
+    n_eval = len(data.eval)
+    row = sum(len(x.tokens) for x in data.eval) / n_eval if n_eval else 0.0
+    prompt = sum(sum(1 for t in x.labels if t < 0) for x in data.eval) / n_eval if n_eval else 0.0
+    return DataReport(len(data.train), n_eval, data.notes(max_len), eval_row_tokens=row, eval_prompt_tokens=prompt)

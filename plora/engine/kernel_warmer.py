@@ -25,7 +25,8 @@ from plora.engine.job_env import job_env
 from plora.engine.spare import module_child
 from plora.settings import settings, triton_interpreted
 
-__all__ = ["WARMER_MODULE", "discard", "expected_packs", "order", "order_for_sweep", "running", "start", "wanted"]
+__all__ = ["WARMER_MODULE", "discard", "eval_packs", "expected_packs", "order", "order_for_sweep", "running", "start",
+           "wanted"]
 
 #: the child (`plora.kernels.warm_cache`), with the sweep's working folder left off its path
 WARMER_MODULE = "plora.kernels.warm_cache"
@@ -75,11 +76,12 @@ def running() -> bool:
 
 
 def expected_packs(configs: Sequence[Any], *, row_tokens: float, max_adapters: int,
-                   micro_batch: Mapping[str, int] | int | None = None) -> list[dict]:
+                   micro_batch: Mapping[str, int] | int | None = None, eval_load: Any = None) -> list[dict]:
     """The packs a sweep of ``configs`` likely steps first: its adapters in plan order (as
     many as a job takes), each with ``row_tokens`` per row of its (micro-)batch, rounded up
     as a graphed step's segments are (`plora.data.row_layout.round_up`); then the pack
-    left when the adapters of the largest batch have finished."""
+    left when the adapters of the largest batch have finished. With ``eval_load``
+    (`plora.cost.job.EvalLoad`), also the forwards of their evals (`eval_packs`)."""
     from plora.data.row_layout import round_up
 
     def rows(c) -> int:
@@ -95,7 +97,30 @@ def expected_packs(configs: Sequence[Any], *, row_tokens: float, max_adapters: i
     rest = [c for c in first if int(c.batch_size) < biggest]  # steps per epoch: the larger batches finish first
     if rest and len(rest) < len(first):
         packs.append({"tokens": [per[c.id] for c in rest], "ranks": [int(c.rank) for c in rest]})
+    if eval_load is not None:
+        packs += eval_packs(first, eval_load)
     return packs
+
+
+def eval_packs(configs: Sequence[Any], load: Any) -> list[dict]:
+    """The forwards of the evals of ``configs`` as `plora.results.evaluate` makes them: the
+    adapters that finish together (one batch size) are scored together, as many per forward
+    as ``load.batch_rows`` rows hold of their ``load.samples`` rows each, every adapter over
+    all of them (the rows flattened: its segment is their tokens). Where a metric decodes
+    answers, also the prompts' forward and a decoding step's (one token per row)."""
+    n = int(load.samples)
+    if n <= 0:
+        return []
+    each = [int(round(n * float(load.row_tokens)))]
+    if int(load.max_new_tokens) > 0:
+        each += [int(round(n * float(load.prompt_tokens))), n]
+    out: list[dict] = []
+    for size in sorted({int(c.batch_size) for c in configs}, reverse=True):  # the order they finish in
+        group = [int(c.rank) for c in configs if int(c.batch_size) == size]
+        per = max(1, min(len(group), int(load.batch_rows) // n))
+        for ranks in dict.fromkeys(tuple(group[i:i + per]) for i in range(0, len(group), per)):
+            out += [{"tokens": [t] * len(ranks), "ranks": list(ranks), "backward": False} for t in each if t > 0]
+    return out
 
 
 def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict], accumulate_dx: bool = True) -> bool:
@@ -104,7 +129,7 @@ def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict
     if not running() or not packs or not shapes:
         discard()
         return False
-    from plora.job.warm_order import WarmOrder
+    from plora.job.warm_order import WarmOrder  # (a pack's ``backward`` key, absent: a training step)
 
     line = WarmOrder(dtype=dtype, shapes=[tuple(s) for s in shapes], packs=list(packs),
                      accumulate_dx=accumulate_dx).model_dump_json()
@@ -119,12 +144,13 @@ def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict
 
 
 def order_for_sweep(spec: Any, configs: Sequence[Any], *, layout: str, lengths: list[int] | None,
-                    length_buckets: int | str, graphed: bool) -> bool:
+                    length_buckets: int | str, graphed: bool, eval_load: Any = None) -> bool:
     """`order` what a sweep of ``spec`` is expected to step first, once its rows are decided
     (`plora.sweep.SweepRows`): its first `max_adapters_per_job` configurations in plan
     order, each row priced as its steps will lay it out (`plora.data.row_layout`), over the
-    model's targeted linears. Whether the process was told (never raises: nothing here may
-    stop a sweep)."""
+    model's targeted linears, and their evals' forwards where ``eval_load`` says what they
+    score (`eval_packs`). Whether the process was told (never raises: nothing here may stop
+    a sweep)."""
     if not running():
         return False
     try:
@@ -141,7 +167,7 @@ def order_for_sweep(spec: Any, configs: Sequence[Any], *, layout: str, lengths: 
         row_tokens = (priced_row_tokens(layout, graphed=graphed, lengths=lengths, max_seq_len=m.max_seq_len,
                                         length_buckets=length_buckets) if lengths else float(m.max_seq_len))
         packs = expected_packs(configs, row_tokens=row_tokens, max_adapters=spec.planner.max_adapters_per_job,
-                               micro_batch=spec.training.micro_batch_size)
+                               micro_batch=spec.training.micro_batch_size, eval_load=eval_load)
         no_dropout = all(not spec.settings(c).get("dropout") for c in configs)
         return order(dtype=m.dtype, shapes=shapes, packs=packs, accumulate_dx=no_dropout)
     except Exception:  # noqa: BLE001 - a guess that fails costs the first job its compile, as before

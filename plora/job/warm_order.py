@@ -13,12 +13,14 @@ READY = "ready"
 
 
 class WarmPack(BaseModel):
-    """One packed step as the sweep expects it: each adapter's tokens in a step and rank."""
+    """One packed step as the sweep expects it: each adapter's tokens in a step and rank;
+    ``backward``: a training step (forward and backward), else an eval's forward."""
 
     model_config = ConfigDict(extra="forbid")
 
     tokens: list[int]
     ranks: list[int]
+    backward: bool = True
 
 
 class WarmOrder(BaseModel):
@@ -31,6 +33,7 @@ class WarmOrder(BaseModel):
     shapes: list[tuple[int, int]]  #: (in, out) of each targeted linear
     packs: list[WarmPack]
     accumulate_dx: bool = True  #: False where LoRA dropout feeds the adapters another input
+    optimizer: bool = True  #: the training steps' norms and AdamW (`plora.kernels.segments`) too
 
 
 class WarmAnswer(BaseModel):
