@@ -31,7 +31,8 @@ from plora.settings import settings
 
 from .meta import LoRAMeta
 
-__all__ = ["COMPILED", "CompileStats", "compile_ahead", "compile_threads", "compiles_here", "launches_of"]
+__all__ = ["COMPILED", "CompileStats", "compile_ahead", "compile_threads", "compiles_here", "launches_of",
+           "scratch_views"]
 
 #: most threads one process compiles on
 MAX_THREADS = 32
@@ -45,8 +46,9 @@ class CompileStats:
     seconds: float = 0.0
     failed: int = 0
     calls: int = 0
-    #: the variants that took long (compiled here, not read from Triton's cache): kernel, its
-    #: constants, seconds; what a process compiling ahead of this one missed
+    #: the variants that took long (compiled here rather than read from Triton's cache, or kept
+    #: waiting by the threads beside): kernel, its constants, seconds; what a process compiling
+    #: ahead of this one likely missed
     slow: list = field(default_factory=list)
 
     def to_dict(self) -> dict[str, float | int | list]:
@@ -104,6 +106,11 @@ def _variant(call: tuple) -> tuple:
     return (id(kernel), tuple(_arg_key(a) for a in args), tuple(sorted(kwargs.items())))
 
 
+def scratch_views(backward: bool) -> int:
+    """Views of one token × width buffer a dry run holds: x and y, and for a backward dx."""
+    return 3 if backward else 2
+
+
 def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.dtype,
                 device: torch.device, *, backward: bool, accumulate_dx: bool = True,
                 also: Callable[[], None] | None = None) -> list[tuple]:
@@ -121,7 +128,7 @@ def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.
     n, r = max(meta.num_tokens, 1), max(meta.total_rank, 1)
     width = max((max(d_in, d_out) for d_in, d_out in shapes), default=1)
     part = -(-n * width // 64) * 64  # each view starts 64 elements on: as aligned as a tensor of its own
-    scratch = torch.empty(3 * part, dtype=dtype, device=device)
+    scratch = torch.empty(scratch_views(backward) * part, dtype=dtype, device=device)
 
     def view(d: int, at: int) -> torch.Tensor:
         return scratch[at * part: at * part + n * d].view(n, d)

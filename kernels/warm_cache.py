@@ -46,6 +46,8 @@ def warm(order: WarmOrder) -> int:
     for pack in order.packs:
         if not pack.tokens or len(pack.tokens) != len(pack.ranks):
             continue
+        if not _fits(pack, order.shapes, dtype, device):
+            continue  # an eval's forward larger than this process may hold beside the first job
         meta = build_lora_meta(pack.tokens, pack.ranks, [1.0] * len(pack.ranks), device)
         also = None
         if optimizer and pack.backward:
@@ -53,6 +55,26 @@ def warm(order: WarmOrder) -> int:
         done += compile_ahead(meta, order.shapes, dtype, device, backward=pack.backward,
                               accumulate_dx=order.accumulate_dx, also=also)
     return done
+
+
+#: most bytes a pack's dry run may hold (its one scratch buffer), and most of the free memory
+SCRATCH_MOST = 4 << 30
+SCRATCH_SHARE = 0.1
+
+
+def _fits(pack: WarmPack, shapes, dtype, device) -> bool:
+    """Whether ``pack``'s dry run (`compile_ahead.launches_of`: a buffer of its tokens × the
+    widest layer per view) stays small beside the first job on the same GPU: at most
+    `SCRATCH_MOST`, and `SCRATCH_SHARE` of the free memory. An eval's forward over every eval
+    row of several adapters can be far larger; the job compiles its variants itself."""
+    import torch
+
+    from .compile_ahead import scratch_views
+
+    width = max((max(d_in, d_out) for d_in, d_out in shapes), default=1)
+    need = scratch_views(pack.backward) * sum(pack.tokens) * width * torch.empty((), dtype=dtype).element_size()
+    free, _total = torch.cuda.mem_get_info(device)
+    return need <= min(SCRATCH_MOST, SCRATCH_SHARE * free)
 
 
 def optimizer_launches(dtype, device) -> None:

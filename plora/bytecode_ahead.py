@@ -48,37 +48,50 @@ def pool_size(cpus: int | None = None) -> int:
 
 
 def _mark(where: Path, listed: Path) -> Path:
-    """The file saying this list was compiled into ``where`` by this Python."""
+    """The file saying this list was compiled into ``where`` by this Python, with these
+    packages: an install or removal in a package folder changes its time, and the pool then
+    runs again (compiling only what changed)."""
     try:
         text = listed.read_bytes()
     except OSError:
         text = b""
-    key = hashlib.sha256(text + sys.version.encode() + sys.executable.encode()).hexdigest()[:16]
-    return where / f"ahead-{key}.done"
+    digest = hashlib.sha256(text + sys.version.encode() + sys.executable.encode())
+    for entry in sys.path:
+        if entry.rstrip(os.sep).endswith(("site-packages", "dist-packages")):
+            try:
+                digest.update(f"{entry}:{os.stat(entry).st_mtime_ns}".encode())
+            except OSError:
+                pass
+    return where / f"ahead-{digest.hexdigest()[:16]}.done"
 
 
 def start(where: Path | None, listed: Path = LIST, workers: int | None = None) -> subprocess.Popen | None:
     """Start compiling ``listed``'s modules into the bytecode folder ``where`` (the one
     `plora.bytecode_cache.use_here` answered: None, nothing to do), unless that was done
-    already; the pool's leading process, or None where nothing started. Never waited for."""
-    if where is None or not listed.is_file() or _mark(where, listed).exists():
-        return None
-    n = pool_size() if workers is None else workers
-    if n < 1:
-        return None
-    code = (f"from plora.bytecode_ahead import lead; lead({str(where)!r}, {str(listed)!r}, {n})")
+    already or ``PLORA_BYTECODE_AHEAD=0``; the pool's leading process, or None where nothing
+    started. Never waited for, and never raises: without it each import compiles its own."""
     try:
+        from plora.settings import settings
+
+        if where is None or not settings().bytecode_ahead or not listed.is_file() or _mark(where, listed).exists():
+            return None
+        n = pool_size() if workers is None else workers
+        if n < 1:
+            return None
+        code = f"from plora.bytecode_ahead import lead; lead({str(where)!r}, {str(listed)!r}, {n})"
         return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
-    except OSError:  # no process to spare: each import compiles its own, as before
+    except Exception:  # noqa: BLE001 - an unreadable list or cache, no process to spare: as before
         return None
 
 
 def lead(where: str, listed: str, workers: int) -> None:
     """The pool: ``workers - 1`` processes and this one each compile their share; the mark is
-    written once all have finished well."""
+    written once all have finished well. Its priority is lowered once, here: the others
+    inherit it."""
     _lower_priority()
-    code = "from plora.bytecode_ahead import compile_share; compile_share({!r}, {!r}, {}, {})"
+    code = ("from plora.bytecode_ahead import compile_share; "
+            "raise SystemExit(0 if compile_share({!r}, {!r}, {}, {}) else 1)")
     others = [subprocess.Popen([sys.executable, "-c", code.format(where, listed, i, workers)],
                                stdin=subprocess.DEVNULL, close_fds=True) for i in range(1, workers)]
     ok = compile_share(where, listed, 0, workers)
@@ -114,7 +127,6 @@ def compile_share(where: str, listed: str, share: int, workers: int) -> bool:
     """Every ``workers``-th of ``listed``'s modules from the ``share``-th, compiled to where this
     process's imports would read it (its fresh ``__pycache__`` file, else ``where``) unless a
     file is there; whether every one that could be compiled was."""
-    _lower_priority()
     from importlib import _bootstrap_external
 
     from plora.bytecode_cache import use_here

@@ -298,9 +298,12 @@ def _warm_kernels(spec, configs, rows, hw) -> None:
     from plora.cost.sweep_model import graphed_steps
     from plora.cost.sweep_rows import eval_load_of
 
-    data = rows.data
-    evals = (eval_load_of(spec, data.num_eval, data.eval_row_tokens, data.eval_prompt_tokens, gpu=True)
-             if data is not None and data.num_eval and data.eval_row_tokens else None)
+    data, evals = rows.data, None
+    try:  # a guess: what it cannot say, the first job compiles itself
+        if data is not None and data.num_eval and data.eval_row_tokens:
+            evals = eval_load_of(spec, data.num_eval, data.eval_row_tokens, data.eval_prompt_tokens, gpu=True)
+    except Exception:  # noqa: BLE001 - nothing here may stop a sweep
+        evals = None
     kernel_warmer.order_for_sweep(spec, configs, layout=rows.layout, lengths=rows.lengths,
                                   length_buckets=rows.length_buckets, graphed=graphed_steps(spec, hw), eval_load=evals)
 

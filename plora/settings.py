@@ -58,6 +58,8 @@ GGUF_CONVERTER = "PLORA_GGUF_CONVERTER"
 #: their imports afresh each time instead of keeping the bytecode in plora's cache
 #: (`plora.bytecode_cache`)
 BYTECODE_CACHE = "PLORA_BYTECODE_CACHE"
+#: 0 (false, no, off): no pool compiles a first sweep's modules ahead (`plora.bytecode_ahead`)
+BYTECODE_AHEAD = "PLORA_BYTECODE_AHEAD"
 REPORT_RUN_DIR = "PLORA_RUN_DIR"
 REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
 
@@ -96,6 +98,8 @@ class Settings:
     #: bytecode kept in plora's cache where ``PYTHONDONTWRITEBYTECODE`` forbids it beside the
     #: sources (`BYTECODE_CACHE`, `plora.bytecode_cache`)
     bytecode_cache: bool = True
+    #: a first sweep's modules compiled ahead into that cache (`BYTECODE_AHEAD`, `plora.bytecode_ahead`)
+    bytecode_ahead: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -123,6 +127,7 @@ class Settings:
             capture_first=env.get(CAPTURE_FIRST, "1").strip().lower() not in _OFF,
             overlap=env.get(OVERLAP, "1").strip().lower() not in _OFF,
             bytecode_cache=env.get(BYTECODE_CACHE, "1").strip().lower() not in _OFF,
+            bytecode_ahead=env.get(BYTECODE_AHEAD, "1").strip().lower() not in _OFF,
         )
 
     @property

@@ -35,6 +35,13 @@ def _own_profile_cache(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _no_bytecode_pool(monkeypatch):
+    """No command a test runs leaves a pool compiling a first sweep's modules behind it
+    (`plora.bytecode_ahead`; its own tests turn it on)."""
+    monkeypatch.setenv("PLORA_BYTECODE_AHEAD", "0")
+
+
+@pytest.fixture(autouse=True)
 def _no_spare_left():
     """A job process one test started ahead of its job (a sweep's, a calibration's) never
     takes another test's job: a sweep with spares off would otherwise be handed to it."""

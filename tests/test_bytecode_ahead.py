@@ -58,7 +58,7 @@ def _site(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _env(tmp_path: Path, site: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in (PREFIX, "PLORA_BYTECODE_CACHE")}
+    env = {k: v for k, v in os.environ.items() if k not in (PREFIX, "PLORA_BYTECODE_CACHE", "PLORA_BYTECODE_AHEAD")}
     env.update({DONT_WRITE: "1", "PLORA_CACHE_DIR": str(tmp_path / "cache"),
                 "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])})
     return env
@@ -100,6 +100,19 @@ def test_nothing_starts_where_python_writes_its_own_bytecode_or_no_worker_is_wan
     proc = _start(tmp_path, listed, env, workers=2)  # Python writes __pycache__ itself here
     assert proc.returncode == 0 and proc.stdout.strip() == "none", proc.stderr
     assert not (tmp_path / "cache").exists()
+    off = _start(tmp_path, listed, {**_env(tmp_path, site), "PLORA_BYTECODE_AHEAD": "0"}, workers=2)
+    assert off.returncode == 0 and off.stdout.strip() == "none", off.stderr  # turned off
+    assert not list((tmp_path / "cache" / "bytecode").rglob("*.pyc"))
+
+
+def test_no_mark_where_a_worker_could_not_compile_its_share(tmp_path):
+    site, listed = _site(tmp_path)
+    elsewhere = tmp_path / "not-the-cache"  # not the folder the workers' own cache answers
+    code = f"from plora.bytecode_ahead import lead; lead({str(elsewhere)!r}, {str(listed)!r}, 2)"
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path, site), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert not elsewhere.exists() or not list(elsewhere.glob("ahead-*.done"))  # the next sweep tries again
 
 
 def test_the_command_starts_the_pool_before_its_imports(tmp_path):

@@ -169,3 +169,21 @@ def test_the_optimizers_launches_are_those_of_a_pack_of_that_dtype():
 
     optimizer_launches(torch.float32, torch.device("cpu"))
     optimizer_launches(torch.bfloat16, torch.device("cpu"))
+
+
+def test_a_dry_run_too_large_beside_the_first_job_is_left_to_it(monkeypatch):
+    import torch
+
+    from plora.kernels import warm_cache
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
+    shapes = [(896, 4864)]
+    step = warm_cache.WarmPack(tokens=[1024] * 16, ranks=[8] * 16)
+    assert warm_cache._fits(step, shapes, torch.bfloat16, "cuda")
+    # an eval's forward: 8 adapters over 256 rows of 512 tokens, a forward holds x and y only
+    big = warm_cache.WarmPack(tokens=[256 * 512] * 8, ranks=[8] * 8, backward=False)
+    assert not warm_cache._fits(big, shapes, torch.bfloat16, "cuda")  # 9.5 GB: over 4 GiB
+    small = warm_cache.WarmPack(tokens=[8016] * 8, ranks=[8] * 8, backward=False)
+    assert warm_cache._fits(small, shapes, torch.bfloat16, "cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 << 30, 140 << 30))
+    assert not warm_cache._fits(small, shapes, torch.bfloat16, "cuda")  # over a tenth of what is free
