@@ -5,9 +5,9 @@ On such a machine a first sweep's processes (the sweep itself, the first job's p
 ahead, the kernel warmer) each compile what they import from source, one module after another,
 and their imports are the start of the sweep's critical path. On an H200 machine whose image
 ships torch without bytecode (`scripts/time_first_imports.py`: the sweep's imports and a job
-process's, in fresh processes started together), the job process was ready after 3.7 s
-compiling against 1.7 s reading its bytecode back, and the sweep's imports took 10.0 s against
-5.5 s. With the same modules compiled meanwhile by six processes: 1.7-2.1 s and 5.0 s. In
+process's, in fresh processes started together), the job process was ready after 3.7-4.9 s
+compiling against 1.6-1.7 s reading its bytecode back, and the sweep's imports took 10.0 s
+against 4.9-5.5 s. With the same modules compiled meanwhile by six processes: 1.7-2.1 s and 5.0 s. In
 first sweeps of SmolLM2 there (this code, and the code before it), the first job's process was
 ready at 3.7 s instead of 6.9 s, and the sweep's data was checked at 4.6 s instead of 8.0 s.
 
