@@ -32,7 +32,7 @@ from plora.settings import settings
 from .meta import LoRAMeta
 
 __all__ = ["COMPILED", "CompileStats", "compile_ahead", "compile_threads", "compiles_here", "launches_of",
-           "scratch_views"]
+           "scratch_bytes"]
 
 #: most threads one process compiles on
 MAX_THREADS = 32
@@ -106,9 +106,21 @@ def _variant(call: tuple) -> tuple:
     return (id(kernel), tuple(_arg_key(a) for a in args), tuple(sorted(kwargs.items())))
 
 
-def scratch_views(backward: bool) -> int:
+def _scratch_views(backward: bool) -> int:
     """Views of one token × width buffer a dry run holds: x and y, and for a backward dx."""
     return 3 if backward else 2
+
+
+def _scratch_part(num_tokens: int, shapes: Iterable[tuple[int, int]]) -> int:
+    """Elements of one view: the tokens × the widest layer, each view starting 64 elements on
+    (as aligned as a tensor of its own)."""
+    width = max((max(d_in, d_out) for d_in, d_out in shapes), default=1)
+    return -(-max(num_tokens, 1) * width // 64) * 64
+
+
+def scratch_bytes(num_tokens: int, shapes: Iterable[tuple[int, int]], dtype: torch.dtype, *, backward: bool) -> int:
+    """Bytes the one buffer of a dry run over ``num_tokens`` holds (`launches_of`)."""
+    return _scratch_views(backward) * _scratch_part(num_tokens, list(shapes)) * dtype.itemsize
 
 
 def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.dtype,
@@ -126,9 +138,8 @@ def launches_of(meta: LoRAMeta, shapes: Iterable[tuple[int, int]], dtype: torch.
 
     shapes = sorted(set(shapes))
     n, r = max(meta.num_tokens, 1), max(meta.total_rank, 1)
-    width = max((max(d_in, d_out) for d_in, d_out in shapes), default=1)
-    part = -(-n * width // 64) * 64  # each view starts 64 elements on: as aligned as a tensor of its own
-    scratch = torch.empty(scratch_views(backward) * part, dtype=dtype, device=device)
+    part = _scratch_part(n, shapes)
+    scratch = torch.empty(_scratch_views(backward) * part, dtype=dtype, device=device)
 
     def view(d: int, at: int) -> torch.Tensor:
         return scratch[at * part: at * part + n * d].view(n, d)

@@ -58,7 +58,7 @@ def kernels_module(file: str | Path = "_triton_kernels.py"):
     mode = _interpreting()
     mod = _MODULES.get((file, mode))
     if mod is None:
-        if not mode:  # compiled kernels' cache keys: Triton's own key, kept across processes
+        if not mode:  # compiled kernels: Triton's own key kept across processes, its launchers loaded apart
             from plora.settings import settings
 
             from .launcher_modules import load_launchers_apart

@@ -69,10 +69,9 @@ def _fits(pack: WarmPack, shapes, dtype, device) -> bool:
     row of several adapters can be far larger; the job compiles its variants itself."""
     import torch
 
-    from .compile_ahead import scratch_views
+    from .compile_ahead import scratch_bytes
 
-    width = max((max(d_in, d_out) for d_in, d_out in shapes), default=1)
-    need = scratch_views(pack.backward) * sum(pack.tokens) * width * torch.empty((), dtype=dtype).element_size()
+    need = scratch_bytes(sum(pack.tokens), shapes, dtype, backward=pack.backward)
     free, _total = torch.cuda.mem_get_info(device)
     return need <= min(SCRATCH_MOST, SCRATCH_SHARE * free)
 

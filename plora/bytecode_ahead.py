@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["LIST", "compile_share", "lead", "listed_sources", "pool_size", "start"]
+__all__ = ["LIST", "compile_share", "lead", "listed_sources", "pool_size", "set_up", "start"]
 
 #: the modules a sweep imports, one path per line relative to its import path entry
 LIST = Path(__file__).resolve().parent / "assets" / "bytecode_modules.txt"
@@ -63,6 +63,15 @@ def _mark(where: Path, listed: Path) -> Path:
             except OSError:
                 pass
     return where / f"ahead-{digest.hexdigest()[:16]}.done"
+
+
+def set_up() -> None:
+    """What a plora program (`plora.command`, ``python -m plora.cli``) does before its imports:
+    its bytecode kept (`plora.bytecode_cache.use_here`), and a first sweep's modules compiled
+    meanwhile (`start`)."""
+    from plora.bytecode_cache import use_here
+
+    start(use_here())
 
 
 def start(where: Path | None, listed: Path = LIST, workers: int | None = None) -> subprocess.Popen | None:
@@ -103,16 +112,17 @@ def lead(where: str, listed: str, workers: int) -> None:
             pass
 
 
-def listed_sources(listed: Path, path: list[str] | None = None) -> list[str]:
+def listed_sources(listed: Path, path: list[str] | None = None, share: int = 0, workers: int = 1) -> list[str]:
     """The sources of ``listed``'s modules on this machine, in its order: each relative path
-    under the first import path entry where it exists, as an import would find it."""
+    under the first import path entry where it exists, as an import would find it. With
+    ``workers``, only every ``workers``-th line from the ``share``-th (a worker's part)."""
     entries = [os.path.abspath(p) for p in (sys.path if path is None else path) if p]
     out = []
     try:
         lines = listed.read_text().splitlines()
     except OSError:
         return out
-    for rel in lines:
+    for rel in lines[share::workers]:
         if not rel or rel.startswith("#") or os.path.isabs(rel) or ".." in rel.split("/"):
             continue
         for entry in entries:
@@ -135,7 +145,7 @@ def compile_share(where: str, listed: str, share: int, workers: int) -> bool:
         return False
     import py_compile
 
-    for source in listed_sources(Path(listed))[share::workers]:
+    for source in listed_sources(Path(listed), share=share, workers=workers):
         target = _bootstrap_external.cache_from_source(source)
         if os.path.exists(target):
             continue

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 if __name__ == "__main__":  # ``python -m plora.cli``: as `plora.command` does, before the imports below
-    from plora.bytecode_ahead import start
-    from plora.bytecode_cache import use_here
+    from plora.bytecode_ahead import set_up
 
-    start(use_here())
+    set_up()
 
 import typer  # noqa: E402
 from rich.markup import escape  # noqa: E402

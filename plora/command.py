@@ -10,10 +10,9 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from plora.bytecode_ahead import start
-    from plora.bytecode_cache import use_here
+    from plora.bytecode_ahead import set_up
 
-    start(use_here())  # a first sweep's modules compiled meanwhile, in parallel
+    set_up()
     from plora.cli import app
 
     app()

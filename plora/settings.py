@@ -53,13 +53,13 @@ LOG_PROGRESS_S = "PLORA_LOG_PROGRESS_S"
 #: how a GGUF file becomes a model folder: "auto" (plora's own reader where it knows the file's
 #: layout, else transformers) or "transformers" (always through transformers' model classes)
 GGUF_CONVERTER = "PLORA_GGUF_CONVERTER"
-#: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
 #: 0 (false, no, off) leaves ``PYTHONDONTWRITEBYTECODE`` as it is: plora's processes compile
 #: their imports afresh each time instead of keeping the bytecode in plora's cache
 #: (`plora.bytecode_cache`)
 BYTECODE_CACHE = "PLORA_BYTECODE_CACHE"
 #: 0 (false, no, off): no pool compiles a first sweep's modules ahead (`plora.bytecode_ahead`)
 BYTECODE_AHEAD = "PLORA_BYTECODE_AHEAD"
+#: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
 REPORT_RUN_DIR = "PLORA_RUN_DIR"
 REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
 

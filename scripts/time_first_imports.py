@@ -11,7 +11,9 @@ says ready (``spare``) or what the sweep's own process imports before its data c
 * ``cold-deferred``: the same, its writes handed to a thread of their own;
 * ``warm``: the cache the cold run left;
 * ``x3`` variants: a spare, the main process and another spare at once, on one cache, as a first
-  sweep starts them.
+  sweep starts them;
+* ``ahead`` variants: those three beside the pool that compiles the modules a sweep imports
+  (`plora.bytecode_ahead`, its shipped list), with 12 and with 6 workers.
 
 Then the cold run's files written again by one process into an empty folder (the filesystem's
 share), and the cold spare under cProfile (its top entries by own time).
@@ -93,18 +95,17 @@ def child_code(kind: str, *, defer: bool, profile: bool) -> str:
                   "pstats.Stats(_p, stream=_s).sort_stats('tottime').print_stats(25)\n"
                   "print('PROFILE', json.dumps(_s.getvalue()))\n")
     tail = "" if kind == "spare" else "print('READY', round(time.time() - t0, 3), flush=True)\n"
-    tail += ("import os, sys\nif os.environ.get('RECORD_MODULES'):\n"
-             "    open(os.environ['RECORD_MODULES'], 'w').write('\\n'.join(getattr(m, '__file__', None) or '' for m in"
-             " list(sys.modules.values())))\n")
     return head + "import json\n" + body + tail
 
 
+def environment(cache: Path, on: bool = True) -> dict[str, str]:
+    return {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PLORA_CACHE_DIR": str(cache),
+            "PLORA_BYTECODE_CACHE": "1" if on else "0"}
+
+
 def start(kind: str, cache: Path, *, on: bool = True, defer: bool = False, profile: bool = False,
-          record: Path | None = None, importtime: bool = False) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PLORA_CACHE_DIR": str(cache),
-           "PLORA_BYTECODE_CACHE": "1" if on else "0"}
-    if record is not None:
-        env["RECORD_MODULES"] = str(record)
+          importtime: bool = False) -> subprocess.Popen:
+    env = environment(cache, on)
     flags = ["-X", "importtime"] if importtime else []
     return subprocess.Popen([sys.executable, *flags, "-c", child_code(kind, defer=defer, profile=profile)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -127,31 +128,12 @@ def finish(proc: subprocess.Popen, born: float) -> dict:
     return row
 
 
-def compile_share(listed: Path, cache: Path, share: int, of: int) -> None:
-    """Every ``of``-th file of ``listed`` from the ``share``-th, compiled into the bytecode cache
-    of ``cache`` where it is not there yet (what a pool started with the sweep would do)."""
-    os.environ.update(PYTHONDONTWRITEBYTECODE="1", PLORA_CACHE_DIR=str(cache))
-    import py_compile
-    from importlib import _bootstrap_external as be
-
-    from plora.bytecode_cache import use_here
-
-    use_here()
-    files = [f for f in listed.read_text().splitlines() if f.endswith(".py")]
-    for f in files[share::of]:
-        target = be.cache_from_source(f)
-        if os.path.exists(target):
-            continue
-        try:
-            py_compile.compile(f, cfile=target, doraise=True)
-        except Exception:
-            pass
-
-
-def run(kinds: list[str], cache: Path, *, ahead: Path | None = None, workers: int = 12, **kw) -> list[dict]:
+def run(kinds: list[str], cache: Path, *, ahead: int = 0, **kw) -> list[dict]:
+    """``kinds`` started together on ``cache``; with ``ahead``, beside a pool of that many
+    workers (`plora.bytecode_ahead.lead`, as the plora program starts it)."""
     born = time.time()
-    share = [sys.executable, __file__, "--compile-share", str(ahead), str(cache)]
-    pool = [subprocess.Popen([*share, str(i), str(workers)]) for i in range(workers)] if ahead is not None else []
+    code = f"from plora.bytecode_ahead import LIST, lead; lead({str(cache / 'bytecode')!r}, str(LIST), {ahead})"
+    pool = [subprocess.Popen([sys.executable, "-c", code], env=environment(cache))] if ahead else []
     procs = [start(k, cache, **kw) for k in kinds]
     for p in pool:
         p.wait()
@@ -188,12 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("first-imports"))
     ap.add_argument("--root", type=Path, default=None, help="where the caches go (default: a temporary folder)")
-    ap.add_argument("--compile-share", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.compile_share:
-        listed, cache, share, of = args.compile_share
-        compile_share(Path(listed), Path(cache), int(share), int(of))
-        return
     root = Path(tempfile.mkdtemp(prefix="plora-imports-", dir=args.root))
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -215,24 +192,17 @@ def main() -> None:
                   f"  flush {r.get('flush_s', '-')}  files {r.get('cache_files', '-')}"
                   + (f"  ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
 
-    listed = root / "modules.txt"
     for kind in ("spare", "main"):
-        note("source", run([kind], root / f"src-{kind}", on=False, record=root / f"modules-{kind}.txt"))
+        note("source", run([kind], root / f"src-{kind}", on=False))
         cold = root / f"cold-{kind}"
         note("cold", run([kind], cold), cold)
         note("warm", run([kind], cold), cold)
         deferred = root / f"deferred-{kind}"
         note("cold-deferred", run([kind], deferred, defer=True), deferred)
         note("warm-after-deferred", run([kind], deferred), deferred)
-    seen: dict[str, None] = {}
-    for kind in ("main", "spare"):
-        for f in (root / f"modules-{kind}.txt").read_text().splitlines():
-            seen.setdefault(f)
-    listed.write_text("\n".join(seen))
-    (args.out / "modules.txt").write_text("\n".join(seen))
     note("source-x3", run(["spare", "main", "spare"], root / "src-x3", on=False))
-    note("ahead-x3", run(["spare", "main", "spare"], root / "ahead-x3", ahead=listed), root / "ahead-x3")
-    note("ahead6-x3", run(["spare", "main", "spare"], root / "ahead6-x3", ahead=listed, workers=6), root / "ahead6-x3")
+    note("ahead-x3", run(["spare", "main", "spare"], root / "ahead-x3", ahead=12), root / "ahead-x3")
+    note("ahead6-x3", run(["spare", "main", "spare"], root / "ahead6-x3", ahead=6), root / "ahead6-x3")
     note("cold-x3", run(["spare", "main", "spare"], root / "cold-x3"), root / "cold-x3")
     note("cold-deferred-x3", run(["spare", "main", "spare"], root / "def-x3", defer=True), root / "def-x3")
     note("warm-x3", run(["spare", "main", "spare"], root / "cold-x3"), root / "cold-x3")

@@ -149,7 +149,7 @@ def eval_load_for(spec: "SweepSpec", gpu: bool | None = None) -> EvalLoad | None
 
     Where the rows cannot be tokenized here, each counts as ``max_seq_len`` tokens."""
     from plora.data.dataset import load_split
-    from plora.data.check import data_config
+    from plora.data.check import data_config, mean_row_sizes
 
     data = data_config(spec)
     cap = int(spec.data.max_eval_samples)
@@ -164,8 +164,7 @@ def eval_load_for(spec: "SweepSpec", gpu: bool | None = None) -> EvalLoad | None
         if not samples:
             return None
         count = len(samples)
-        row = sum(len(s.tokens) for s in samples) / count
-        prompt = sum(sum(1 for x in s.labels if x < 0) for s in samples) / count
+        row, prompt = mean_row_sizes(samples)
     except Exception:  # noqa: BLE001 - pricing only: the job itself reports bad data
         count, row, prompt = min(len(examples), cap), float(seq), float(seq)
     return eval_load_of(spec, count, row, prompt, gpu)

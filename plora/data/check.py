@@ -8,12 +8,14 @@ before a run directory exists: never a job that crashes, retries and leaves one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from plora.job.config import JobData, JobEval
 
 if TYPE_CHECKING:
+    from plora.data.dataset import Sample
     from plora.spec.schema import SweepSpec
 
 __all__ = ["DataReport", "check_data", "data_config", "eval_config"]
@@ -70,7 +72,15 @@ def check_data(spec: "SweepSpec") -> DataReport:
     data = prepare_data(data_config(spec), eval_config(spec), tok, max_len)
     if spec.data.eval is not None and not data.eval:
         raise DataError(f"data.eval: {spec.data.eval} has no usable rows")
-    n_eval = len(data.eval)
-    row = sum(len(x.tokens) for x in data.eval) / n_eval if n_eval else 0.0
-    prompt = sum(sum(1 for t in x.labels if t < 0) for x in data.eval) / n_eval if n_eval else 0.0
-    return DataReport(len(data.train), n_eval, data.notes(max_len), eval_row_tokens=row, eval_prompt_tokens=prompt)
+    row, prompt = mean_row_sizes(data.eval)
+    return DataReport(len(data.train), len(data.eval), data.notes(max_len), eval_row_tokens=row,
+                      eval_prompt_tokens=prompt)
+
+
+def mean_row_sizes(samples: Sequence["Sample"]) -> tuple[float, float]:
+    """Rows' mean tokens, and mean prompt tokens (those without a label); 0, 0 for none."""
+    if not samples:
+        return 0.0, 0.0
+    n = len(samples)
+    return (sum(len(x.tokens) for x in samples) / n,
+            sum(sum(1 for t in x.labels if t < 0) for x in samples) / n)

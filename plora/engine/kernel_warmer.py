@@ -129,7 +129,7 @@ def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict
     if not running() or not packs or not shapes:
         discard()
         return False
-    from plora.job.warm_order import WarmOrder  # (a pack's ``backward`` key, absent: a training step)
+    from plora.job.warm_order import WarmOrder
 
     line = WarmOrder(dtype=dtype, shapes=[tuple(s) for s in shapes], packs=list(packs),
                      accumulate_dx=accumulate_dx).model_dump_json()
