@@ -59,6 +59,10 @@ GGUF_CONVERTER = "PLORA_GGUF_CONVERTER"
 BYTECODE_CACHE = "PLORA_BYTECODE_CACHE"
 #: 0 (false, no, off): no pool compiles a first sweep's modules ahead (`plora.bytecode_ahead`)
 BYTECODE_AHEAD = "PLORA_BYTECODE_AHEAD"
+#: 0 (false, no, off) leaves a job's RoPE and RMSNorm modules as the model's builder made them,
+#: instead of in fewer kernels (`plora.train.packed.rope`: one autograd node per call, the same
+#: numbers; `plora.train.packed.norms`: torch's fused RMSNorm kernel)
+LEAN_STEP = "PLORA_LEAN_STEP"
 #: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
 REPORT_RUN_DIR = "PLORA_RUN_DIR"
 REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
@@ -100,6 +104,9 @@ class Settings:
     bytecode_cache: bool = True
     #: a first sweep's modules compiled ahead into that cache (`BYTECODE_AHEAD`, `plora.bytecode_ahead`)
     bytecode_ahead: bool = True
+    #: a job's RoPE in one autograd node per call, its tables made once per forward, and its
+    #: RMSNorms on torch's fused kernel (`LEAN_STEP`)
+    lean_step: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -128,6 +135,7 @@ class Settings:
             overlap=env.get(OVERLAP, "1").strip().lower() not in _OFF,
             bytecode_cache=env.get(BYTECODE_CACHE, "1").strip().lower() not in _OFF,
             bytecode_ahead=env.get(BYTECODE_AHEAD, "1").strip().lower() not in _OFF,
+            lean_step=env.get(LEAN_STEP, "1").strip().lower() not in _OFF,
         )
 
     @property

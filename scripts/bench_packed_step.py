@@ -76,7 +76,8 @@ def varied_samples(count: int, seq: int, vocab: int, answer: int, seed: int = 0)
     return out
 
 
-def time_steps(recipe: PackedLoRARecipe, warmup: int, steps: int) -> list[float]:
+def time_steps(recipe: PackedLoRARecipe, warmup: int, steps: int, every: list[float] | None = None) -> list[float]:
+    """The timed steps' seconds, after ``warmup`` steps; ``every`` gets every step's, warm-up included."""
     active = [r for r in recipe.runs]
     times = []
     with frozen_heap():  # as the recipe's own loop runs its steps
@@ -87,8 +88,11 @@ def time_steps(recipe: PackedLoRARecipe, warmup: int, steps: int) -> list[float]
             recipe.train_step(active, i)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            took = time.perf_counter() - t0
+            if every is not None:
+                every.append(took)
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(took)
     return times
 
 

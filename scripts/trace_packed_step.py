@@ -11,9 +11,12 @@ functions with the most host time.
     python scripts/trace_packed_step.py --shape qwen2.5-0.5b --seq 256 --adapters 16 --ranks 8,16,32,64 --out DIR
     python scripts/trace_packed_step.py --adapters 16 --ranks 8,8,16,16,32,32,64,64 \
         --batch-sizes 4,4,4,4,4,4,4,4,2,2,2,2,2,2,2,2 --out DIR    # the first-sweep benchmark's full pack
+    PLORA_LEAN_STEP=0 python scripts/trace_packed_step.py ...      # RoPE and RMSNorm as torchtune builds them
 
-Writes DIR/trace_summary.json, DIR/host_ops.txt, DIR/gpu_ops.txt (kernels by GPU time) and a
-Chrome trace DIR/trace.json.gz.
+Writes DIR/trace_summary.json (with the kernels launched most per step, `kernels_by_launches`,
+and a capture of the pack's graph timed with every kernel loaded, `capture`), DIR/host_ops.txt,
+DIR/gpu_ops.txt (kernels by GPU time), DIR/capture_profile.txt (that capture's host time by
+function) and a Chrome trace DIR/trace.json.gz.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_packed_step import make_recipe, time_steps  # noqa: E402
 
 from plora.job.step_settings import CUDA_GRAPHS_ENV as GRAPHS_ENV  # noqa: E402
+from plora.settings import settings  # noqa: E402
 from plora.models.shape import ModelShape  # noqa: E402
 from plora.train.heap import frozen_heap  # noqa: E402
 from plora.models.loading import write_shape_folder  # noqa: E402
@@ -69,10 +73,13 @@ def main() -> int:
         model_dir = write_shape_folder(DEEP_TINY if args.shape == "deep-tiny" else ModelShape.preset(args.shape),
                                        Path(tmp) / "model")
         graphed: list[float] = []
+        first_steps: list[float] = []  # every graphed step, warm-up included (the first captures)
+        capture: dict = {}
         if cuda:  # the step as a job runs it: replayed from a CUDA graph
             os.environ[GRAPHS_ENV] = "on"
             recipe = make_recipe(model_dir, Path(tmp) / "graph-out", ranks, sizes, args.seq, args.dtype)
-            graphed = time_steps(recipe, args.warmup, max(args.steps, 10))
+            graphed = time_steps(recipe, args.warmup, max(args.steps, 10), every=first_steps)
+            capture = _time_capture(recipe, args.out)  # a capture with every kernel loaded, its host time profiled
             del recipe
             torch.cuda.empty_cache()
         os.environ[GRAPHS_ENV] = "off"
@@ -97,9 +104,13 @@ def main() -> int:
                                                        "cudaLaunchKernelExC")]
     summary = {
         "shape": args.shape, "seq": args.seq, "ranks": ranks, "batch_sizes": sizes,
+        "lean_step": settings().lean_step,  # PLORA_LEAN_STEP: RoPE in one node per call, fused RMSNorm
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "step_ms": statistics.median(plain) * 1e3,
         "graph_step_ms": statistics.median(graphed) * 1e3 if graphed else None,
+        "graph_first_steps_ms": [t * 1e3 for t in first_steps[:args.warmup + 1]],
+        "capture": capture,
+        "kernels_by_launches": _kernels_by_launches(kernels, args.steps),
         "top_kernels": _top_kernels(kernels, args.steps),
         "gpu_busy_ms_per_step": gpu_busy_us / 1e3 / args.steps,
         "kernels_per_step": len(kernels) / args.steps,
@@ -115,6 +126,49 @@ def main() -> int:
     print(table)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _time_capture(recipe, out: Path) -> dict:
+    """The pack's graph dropped and captured again, with everything loaded: what a composition's
+    first step costs beyond a replay (the host issuing the step once under capture, the graph's
+    instantiation). Its host time by function goes to DIR/capture_profile.txt."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    active = list(recipe.runs)
+    with frozen_heap():
+        recipe.graphs.drop()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        recipe.train_step(active, 10_000)
+        torch.cuda.synchronize()
+        prof.disable()
+        took = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        recipe.train_step(active, 10_001)
+        torch.cuda.synchronize()
+        replay = time.perf_counter() - t0
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    stats = io.StringIO()
+    pstats.Stats(prof, stream=stats).sort_stats("tottime").print_stats(30)
+    (out / "capture_profile.txt").write_text(text.getvalue() + "\n\n" + stats.getvalue())
+    return {"capture_step_ms": took * 1e3, "replay_after_ms": replay * 1e3, "how": recipe.graphs.last_run}
+
+
+def _kernels_by_launches(kernels: list, steps: int, top: int = 40) -> list[dict]:
+    """The kernels launched most per step, grouped by name (cut to 70 characters): where a
+    step's fixed cost, its count of launches, comes from."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:70], []).append(e.device_time)
+    rows = [{"kernel": name, "launches_per_step": len(t) / steps, "us_each": sum(t) / len(t)}
+            for name, t in by_name.items()]
+    return sorted(rows, key=lambda r: -r["launches_per_step"])[:top]
 
 
 def _top_kernels(kernels: list, steps: int, top: int = 25) -> list[dict]:

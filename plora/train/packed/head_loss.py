@@ -24,6 +24,7 @@ from torch import nn
 
 from plora.cost.model import EVAL_HEAD_BYTES
 from plora.data.dataset import IGNORE_INDEX
+from plora.train.packed.rope import shared_tables
 from plora.train.packed.rows import LabelParts
 
 #: the float32 logits of one chunk (and their gradient) stay under this many bytes (the cost
@@ -75,14 +76,15 @@ def final_hidden(model: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor
     max_seq_len = getattr(model, "max_seq_len", None)
     model.output = capture
     try:
-        if input_pos is not None:
-            # A flattened batch is longer than the model's context; its rows are not, and
-            # their positions (which index the RoPE tables) restart at 0.
-            if max_seq_len is not None and tokens.shape[1] > max_seq_len:
-                model.max_seq_len = int(tokens.shape[1])
-            model(tokens, input_pos=input_pos)
-        else:
-            model(tokens)
+        with shared_tables():  # every layer's RoPE tables made once (`plora.train.packed.rope`)
+            if input_pos is not None:
+                # A flattened batch is longer than the model's context; its rows are not, and
+                # their positions (which index the RoPE tables) restart at 0.
+                if max_seq_len is not None and tokens.shape[1] > max_seq_len:
+                    model.max_seq_len = int(tokens.shape[1])
+                model(tokens, input_pos=input_pos)
+            else:
+                model(tokens)
     finally:
         model.output = output
         if max_seq_len is not None:

@@ -1,0 +1,219 @@
+"""A job's model in fewer kernels, computing the same function (``PLORA_LEAN_STEP``).
+
+`plora.train.packed.rope`: the same RoPE as the model's own modules, bit for bit, in fewer ops.
+
+Every family's RoPE module (torchtune's interleaved pairs in float32 for Llama and Mistral,
+with Llama 3's scaled tables; Hugging Face's rotate-half for Qwen2, Qwen3 and Gemma2; plora's
+partial LongRoPE for Phi-3) against `PackedRope` over it: outputs and input gradients equal
+(`torch.equal`), in float32 and bfloat16, for a flattened batch whose positions restart at
+each row, a padded batch and no positions at all. Then a whole model, with and without the
+swap: the same hidden states and the same gradients, and fewer ATen ops per forward and
+backward (a step's fixed cost is its count of kernels).
+
+`plora.train.packed.norms`: torchtune's RMSNorms given a float32 scale, so that CUDA runs torch's
+fused kernel; on the CPU (no fused kernel) the numbers are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from family_models import make_model
+from plora.models.loading import load_base_model
+from conftest import job_config
+from plora.settings import Settings
+from plora.train.packed.norms import fused_rms_norms
+from plora.train.packed_lora import PackedLoRARecipe
+from plora.train.packed.head_loss import final_hidden
+from plora.train.packed.rope import PAIRS, HALVES, PackedRope, install_packed_rope, rope_layout, shared_tables
+
+pytest.importorskip("transformers")
+
+LAYOUT = {"llama": PAIRS, "llama-tied-llama3": PAIRS, "mistral": PAIRS, "qwen2": HALVES, "qwen3": HALVES,
+          "gemma2": HALVES, "phi3": HALVES, "phi3-longrope-partial": HALVES}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, torch.nn.Module]:
+    root = tmp_path_factory.mktemp("rope-families")
+    out = {}
+    for name in LAYOUT:
+        model, _ = load_base_model(make_model(name, root / name), max_seq_len=64)
+        out[name] = model
+    return out
+
+
+def _rope(model: torch.nn.Module) -> torch.nn.Module:
+    return next(m.pos_embeddings for m in model.modules() if getattr(m, "pos_embeddings", None) is not None)
+
+
+def _packed_positions(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def _both_ways(rope, packed, x, input_pos, seed):
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype)
+    outs = []
+    for module in (rope, packed):
+        xx = x.detach().clone().requires_grad_(True)
+        y = module(xx, input_pos=input_pos)
+        y.backward(g)
+        outs.append((y.detach(), xx.grad))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(LAYOUT))
+def test_same_numbers_as_the_models_own_rope(models, name, dtype):
+    rope = _rope(models[name])
+    assert rope_layout(rope) == LAYOUT[name]
+    packed = PackedRope(rope, LAYOUT[name])
+    head_dim = models[name].layers[0].attn.head_dim
+    gen = torch.Generator().manual_seed(1)
+    cases = [
+        (torch.randn(1, 23, 4, head_dim, generator=gen), _packed_positions([9, 5, 9])),  # flattened rows
+        (torch.randn(2, 11, 2, head_dim, generator=gen), torch.arange(11).repeat(2, 1)),  # padded rows
+        (torch.randn(2, 11, 4, head_dim, generator=gen) * 30, None),  # no positions, larger values
+        (torch.randn(3, 1, 4, head_dim, generator=gen), torch.tensor([[4], [0], [17]])),  # a decode step
+    ]
+    for i, (x, pos) in enumerate(cases):
+        (y0, g0), (y1, g1) = _both_ways(rope, packed, x.to(dtype), pos, seed=i)
+        assert y1.dtype == y0.dtype and g1.dtype == g0.dtype == dtype
+        assert torch.equal(y0, y1), f"{name} {dtype} case {i}: outputs differ by {(y0 - y1).abs().max()}"
+        assert torch.equal(g0, g1), f"{name} {dtype} case {i}: gradients differ by {(g0 - g1).abs().max()}"
+        with shared_tables():  # tables made once and shared: the same numbers
+            (_, _), (y2, g2) = _both_ways(rope, packed, x.to(dtype), pos, seed=i)
+        assert torch.equal(y0, y2) and torch.equal(g0, g2)
+        with torch.no_grad():  # an eval's forward: no autograd node, the same numbers
+            assert torch.equal(packed(x.to(dtype), input_pos=pos), y0)
+
+
+def test_partial_rotary_passes_the_rest_through(models):
+    rope = _rope(models["phi3-longrope-partial"])
+    head_dim = models["phi3-longrope-partial"].layers[0].attn.head_dim
+    assert rope.rotary_dim < head_dim
+    x = torch.randn(1, 7, 2, head_dim)
+    y = PackedRope(rope, HALVES)(x, input_pos=_packed_positions([4, 3]))
+    assert torch.equal(y[..., rope.rotary_dim:], x[..., rope.rotary_dim:])
+
+
+class _Ops(TorchDispatchMode):
+    """ATen ops that compute something (views and allocations left out): about a GPU's kernels."""
+
+    NOT_KERNELS = {"view", "_unsafe_view", "t", "transpose", "reshape", "expand", "unsqueeze", "squeeze", "permute",
+                   "slice", "select", "alias", "detach", "split", "split_with_sizes", "as_strided", "unbind",
+                   "_reshape_alias", "empty", "empty_strided", "new_empty", "unflatten", "flatten"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.NOT_KERNELS:
+            self.count[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_backward(model, tokens, positions):
+    """The final hidden states, the gradient reaching the embeddings' output, and the ops counted."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    h0 = model.tok_embeddings(tokens).detach().requires_grad_(True)
+    ops = _Ops()
+    hook = model.tok_embeddings.register_forward_hook(lambda _m, _i, _o: h0)
+    try:
+        with ops:
+            h = final_hidden(model, tokens, positions)
+            h.float().square().sum().backward()
+    finally:
+        hook.remove()
+    return h.detach(), h0.grad, sum(ops.count.values())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3-longrope-partial", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_model_same_numbers_fewer_ops(models, name, dtype):
+    base = copy.deepcopy(models[name]).to(dtype)
+    swapped = copy.deepcopy(base)
+    layers = len(base.layers)
+    assert install_packed_rope(swapped) == layers
+    assert install_packed_rope(swapped) == 0  # already swapped: nothing more
+    assert len({id(m.pos_embeddings) for m in swapped.modules() if isinstance(getattr(m, "pos_embeddings", None), PackedRope)}) == 1
+    tokens = torch.randint(4, 60, (1, 21), generator=torch.Generator().manual_seed(3))
+    positions = _packed_positions([8, 6, 7])
+    h0, g0, n0 = _forward_backward(base, tokens, positions)
+    h1, g1, n1 = _forward_backward(swapped, tokens, positions)
+    assert torch.equal(h0, h1) and torch.equal(g0, g1)
+    # per layer, q and k: the tables made once, one node each way
+    assert n1 < n0 - 6 * layers, (n0, n1)
+
+
+def test_tables_made_once_per_forward(models, monkeypatch):
+    model = copy.deepcopy(models["qwen2"])
+    install_packed_rope(model)
+    made = []
+    real = PackedRope._make_tables
+    monkeypatch.setattr(PackedRope, "_make_tables", lambda self, *a: made.append(1) or real(self, *a))
+    tokens = torch.randint(4, 60, (1, 12))
+    with torch.no_grad():
+        final_hidden(model, tokens, _packed_positions([5, 7]))
+    assert len(made) == 1  # two layers, q and k: one set of tables
+    with torch.no_grad():
+        model(tokens)  # outside a packed forward: each call makes its own
+    assert len(made) == 1 + 2 * len(model.layers)
+
+
+def test_an_unknown_rope_is_left_alone():
+    class Other(torch.nn.Module):
+        def forward(self, x, *, input_pos=None):
+            return x
+
+    holder = torch.nn.Module()
+    holder.pos_embeddings = Other()
+    assert rope_layout(holder.pos_embeddings) is None
+    assert install_packed_rope(holder) == 0 and isinstance(holder.pos_embeddings, Other)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_norms_take_a_float32_scale_and_keep_their_numbers(models, name):
+    base = copy.deepcopy(models[name]).to(torch.bfloat16)
+    lean = copy.deepcopy(base)
+    norms = [m for m in lean.modules() if type(m).__name__ == "RMSNorm"]
+    assert fused_rms_norms(lean) == len(norms) >= 2 * len(lean.layers) + 1  # qwen3: q and k norms too
+    assert all(m.scale.dtype == torch.float32 and not m.scale.requires_grad for m in norms)
+    assert fused_rms_norms(lean) == 0
+    install_packed_rope(lean)
+    tokens = torch.randint(4, 60, (1, 19), generator=torch.Generator().manual_seed(5))
+    positions = _packed_positions([10, 9])
+    h0, g0, _ = _forward_backward(base, tokens, positions)
+    h1, g1, _ = _forward_backward(lean, tokens, positions)
+    assert torch.equal(h0, h1) and torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("lean", ["1", "0"])
+def test_a_job_installs_them_unless_switched_off(tiny_model, reverse_data, tmp_path, monkeypatch, lean):
+    monkeypatch.setenv("PLORA_LEAN_STEP", lean)
+    cfg = job_config(tiny_model, reverse_data, tmp_path / "out", [{"id": "a", "rank": 4, "alpha": 8.0,
+                                                                  "learning_rate": 1e-3, "batch_size": 2, "steps": 2,
+                                                                  "seed": 0}])
+    cfg["model"]["dtype"] = "bfloat16"
+    recipe = PackedLoRARecipe(cfg)
+    try:
+        recipe.setup()
+        model = recipe.pm.model
+        ropes = {type(m.pos_embeddings) for m in model.modules() if getattr(m, "pos_embeddings", None) is not None}
+        assert (ropes == {PackedRope}) == (lean == "1")
+        assert (model.norm.scale.dtype == torch.float32) == (lean == "1")
+    finally:
+        recipe.cleanup()
+
+
+def test_switch():
+    assert Settings.from_env({}).lean_step
+    assert not Settings.from_env({"PLORA_LEAN_STEP": "0"}).lean_step
