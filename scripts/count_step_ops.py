@@ -45,7 +45,7 @@ from plora.train.heap import frozen_heap  # noqa: E402
 NOT_KERNELS = {"view", "_unsafe_view", "t", "transpose", "reshape", "expand", "unsqueeze", "squeeze", "permute",
                "slice", "select", "alias", "detach", "split", "split_with_sizes", "as_strided", "unbind",
                "_reshape_alias", "lift_fresh", "empty", "empty_strided", "new_empty", "unflatten", "flatten",
-               "set_", "resize_"}
+               "set_", "resize_", "promote_types"}
 
 
 class OpCount(TorchDispatchMode):

@@ -107,7 +107,7 @@ class _Ops(TorchDispatchMode):
 
     NOT_KERNELS = {"view", "_unsafe_view", "t", "transpose", "reshape", "expand", "unsqueeze", "squeeze", "permute",
                    "slice", "select", "alias", "detach", "split", "split_with_sizes", "as_strided", "unbind",
-                   "_reshape_alias", "empty", "empty_strided", "new_empty", "unflatten", "flatten"}
+                   "_reshape_alias", "empty", "empty_strided", "new_empty", "unflatten", "flatten", "promote_types"}
 
     def __init__(self) -> None:
         super().__init__()

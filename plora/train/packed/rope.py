@@ -80,7 +80,12 @@ class _Rotate(torch.autograd.Function):
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    return x * cos + _swap(x, layout) * sin
+    """``x·cos + swap(x)·sin``, written contiguous: a gradient arriving in attention's
+    transposed layout would otherwise leave it strided, and the view before RoPE (heads
+    split off the projection's output) would copy it once more in backward."""
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    torch.mul(x, cos, out=out)
+    return out.add_(_swap(x, layout) * sin)
 
 
 def _swap(x: torch.Tensor, layout: str) -> torch.Tensor:
