@@ -11,7 +11,8 @@ swap: the same hidden states and the same gradients, and fewer ATen ops per forw
 backward (a step's fixed cost is its count of kernels).
 
 `plora.train.packed.norms`: torchtune's RMSNorms given a float32 scale, so that CUDA runs torch's
-fused kernel; on the CPU (no fused kernel) the numbers are the same bit for bit.
+fused kernel; on the CPU (no fused kernel) the numbers are the same bit for bit. Both are
+applied as a job's model loads (`plora.train.packed.lean_step`, from `plora.train.preload`).
 """
 
 from __future__ import annotations
@@ -212,6 +213,21 @@ def test_a_job_installs_them_unless_switched_off(tiny_model, reverse_data, tmp_p
         assert (model.norm.scale.dtype == torch.float32) == (lean == "1")
     finally:
         recipe.cleanup()
+
+
+def test_a_held_model_is_lean_before_its_job(tiny_model, monkeypatch):
+    """A spare's model is made lean as it loads: its GPU warm-up runs the job's kernels."""
+    from plora.train import preload
+
+    monkeypatch.delenv("PLORA_LEAN_STEP", raising=False)
+    key = preload.ModelKey.of(tiny_model, "auto", 64, "bfloat16", "cpu", False)
+    preload.hold(key)
+    try:
+        model = preload.held_model(key)
+        assert isinstance(model.layers[0].attn.pos_embeddings, PackedRope)
+        assert model.norm.scale.dtype == torch.float32
+    finally:
+        preload.release()
 
 
 def test_switch():

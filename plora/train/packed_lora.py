@@ -79,8 +79,6 @@ from plora.train.heap import frozen_heap
 from plora.train.job_files import JobFiles
 from plora.train.joins import JoinDesk
 from plora.train.packed.inject import inject_packed_lora
-from plora.train.packed.norms import fused_rms_norms
-from plora.train.packed.rope import install_packed_rope
 from plora.train.packed.tp import TensorParallel, close_tp, init_tp, tp_degree
 from plora.train.packed.varlen_attention import install_row_attention
 from plora.train.packed_step import PackedStep
@@ -156,9 +154,6 @@ class PackedLoRARecipe:
         self.pm = inject_packed_lora(model, [adapter_spec(a) for a in adapters], self.targets)
         # rows flattened without padding, attention confined to each (None: padded rows)
         self.row_attn = install_row_attention(self.pm.model)
-        if settings().lean_step:  # the same function in fewer kernels (`plora.train.packed.rope`, `.norms`)
-            install_packed_rope(self.pm.model)
-            fused_rms_norms(self.pm.model)
         if self.tp is not None:  # before the optimizer: it must see the local shards
             self.tp.shard(self.pm)
         if c.model.quantize:  # the block linears to NF4, the adapters stay in the dtype (`plora.quantize.nf4`)

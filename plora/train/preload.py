@@ -10,7 +10,8 @@ A held model is given to one job only, and only to a job that asks for exactly t
 (path, family, sequence length, dtype, device, random or read weights); any other request
 loads its own and frees the held one. Loading is deterministic and draws no random numbers
 (random-init weights come from their own generator), so a job that takes a held model
-trains exactly as one that loads it.
+trains exactly as one that loads it. Either way the model is made lean as it loads
+(`plora.train.packed.lean_step`: the same function in fewer kernels).
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ _held: tuple[ModelKey, Any, Any] | None = None
 
 def _load(key: ModelKey) -> tuple[Any, Any]:
     from plora.models.loading import load_base_model
+    from plora.train.packed.lean_step import make_lean
 
-    return load_base_model(key.path, family=key.family, max_seq_len=key.max_seq_len, dtype=key.dtype,
-                           device=key.device, random_init=key.random_init)
+    model, info = load_base_model(key.path, family=key.family, max_seq_len=key.max_seq_len, dtype=key.dtype,
+                                  device=key.device, random_init=key.random_init)
+    make_lean(model)  # before a spare's warm-up: it runs the kernels the job's steps will
+    return model, info
 
 
 def hold(key: ModelKey) -> None:
