@@ -28,7 +28,7 @@ from family_models import make_model
 from plora.models.loading import load_base_model
 from conftest import job_config
 from plora.settings import Settings
-from plora.train.packed.norms import fused_rms_norms
+from plora.train.packed.norms import GemmaFusedRMSNorm, fused_rms_norms
 from plora.train.packed_lora import PackedLoRARecipe
 from plora.train.packed.head_loss import final_hidden
 from plora.train.packed.rope import PAIRS, HALVES, PackedRope, install_packed_rope, rope_layout, shared_tables
@@ -181,13 +181,19 @@ def test_an_unknown_rope_is_left_alone():
     assert install_packed_rope(holder) == 0 and isinstance(holder.pos_embeddings, Other)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_norms_take_a_float32_scale_and_keep_their_numbers(models, name):
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
+def test_norms_on_the_fused_kernel_keep_their_numbers(models, name):
     base = copy.deepcopy(models[name]).to(torch.bfloat16)
     lean = copy.deepcopy(base)
-    norms = [m for m in lean.modules() if type(m).__name__ == "RMSNorm"]
-    assert fused_rms_norms(lean) == len(norms) >= 2 * len(lean.layers) + 1  # qwen3: q and k norms too
-    assert all(m.scale.dtype == torch.float32 and not m.scale.requires_grad for m in norms)
+    norms = [m for m in lean.modules() if type(m).__name__ in ("RMSNorm", "GemmaRMSNorm")]
+    # llama: 2 a layer and the last; qwen3: q and k norms too; gemma2: 4 a layer
+    assert fused_rms_norms(lean) == len(norms) >= 2 * len(lean.layers) + 1
+    if name == "gemma2":
+        fused = [m for m in lean.modules() if isinstance(m, GemmaFusedRMSNorm)]
+        assert len(fused) == len(norms) and not any(type(m).__name__ == "GemmaRMSNorm" for m in lean.modules())
+        assert {n for n, _ in lean.named_parameters()} == {n for n, _ in base.named_parameters()}
+    else:
+        assert all(m.scale.dtype == torch.float32 and not m.scale.requires_grad for m in norms)
     assert fused_rms_norms(lean) == 0
     install_packed_rope(lean)
     tokens = torch.randint(4, 60, (1, 19), generator=torch.Generator().manual_seed(5))

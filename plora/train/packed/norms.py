@@ -13,22 +13,53 @@ bfloat16 scale read as float32 is the same number, and the composite promotes it
 so. What differs on a GPU is the order in which the fused kernel sums ``x²`` (float32 ulps
 of the mean, before the cast to the model's dtype). The CPU has no fused kernel: there the
 composite runs either way, and the numbers are equal bit for bit (`tests/test_lean_step.py`).
+
+Gemma's `GemmaRMSNorm` (Gemma2) writes the composite out by hand, ``x·rsqrt(mean(x²) + eps)``
+then ``·(1 + scale)``, four of them per layer: `GemmaFusedRMSNorm` computes it as
+``F.rms_norm(x.float(), weight=1 + scale)`` with ``1 + scale`` made once in float32, which is
+the same sequence of operations where the composite runs and the fused kernel on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
+class GemmaFusedRMSNorm(nn.Module):
+    """`GemmaRMSNorm` (frozen) as one ``F.rms_norm`` call with the weight ``1 + scale``,
+    kept in float32; its ``scale`` stays the parameter it was (same name, same values)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.eps = float(norm.eps)
+        self.scale = norm.scale
+        self.register_buffer("weight", 1.0 + norm.scale.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight=self.weight, eps=self.eps).type_as(x)
+
+
 def fused_rms_norms(model: nn.Module) -> int:
-    """Every torchtune `RMSNorm` of ``model`` given a float32 scale (its frozen parameter
-    converted in place, its ``requires_grad`` kept); how many were converted."""
+    """Every frozen RMSNorm of ``model`` put on torch's fused kernel: torchtune's given a
+    float32 scale (its parameter converted in place), Gemma's replaced by a
+    `GemmaFusedRMSNorm`; how many."""
+    from torchtune.models.gemma.rms_norm import GemmaRMSNorm
     from torchtune.modules import RMSNorm
 
     converted = 0
-    for module in model.modules():
-        if type(module) is RMSNorm and module.scale.dtype != torch.float32:
-            module.scale.data = module.scale.data.float()
-            converted += 1
-    return converted
+    gemma: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in model.modules():
+        for name, module in parent.named_children():
+            scale = getattr(module, "scale", None)
+            if not isinstance(scale, torch.Tensor) or scale.requires_grad:
+                continue  # not a norm, or a trained one (none in a LoRA job): left as it is
+            if type(module) is RMSNorm and module.scale.dtype != torch.float32:
+                module.scale.data = module.scale.data.float()
+                converted += 1
+            elif type(module) is GemmaRMSNorm:
+                gemma.append((parent, name, module))
+    for parent, name, module in gemma:
+        setattr(parent, name, GemmaFusedRMSNorm(module))
+    return converted + len(gemma)
