@@ -28,6 +28,7 @@ from family_models import make_model
 from plora.models.loading import load_base_model
 from conftest import job_config
 from plora.settings import Settings
+from plora.train.packed.lean_step import make_lean
 from plora.train.packed.norms import GemmaFusedRMSNorm, fused_rms_norms
 from plora.train.packed_lora import PackedLoRARecipe
 from plora.train.packed.head_loss import final_hidden
@@ -40,13 +41,20 @@ LAYOUT = {"llama": PAIRS, "llama-tied-llama3": PAIRS, "mistral": PAIRS, "qwen2":
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, torch.nn.Module]:
+def folders(tmp_path_factory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("rope-families")
-    out = {}
-    for name in LAYOUT:
-        model, _ = load_base_model(make_model(name, root / name), max_seq_len=64)
-        out[name] = model
-    return out
+    return {name: make_model(name, root / name) for name in LAYOUT}
+
+
+@pytest.fixture(scope="module")
+def models(folders) -> dict[str, torch.nn.Module]:
+    return {name: load_base_model(folder, max_seq_len=64)[0] for name, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def bf16_models(folders) -> dict[str, torch.nn.Module]:
+    """Loaded in bfloat16, as a GPU job loads them: their RoPE caches are bfloat16 too."""
+    return {name: load_base_model(folder, max_seq_len=64, dtype="bfloat16")[0] for name, folder in folders.items()}
 
 
 def _rope(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,8 +65,10 @@ def _packed_positions(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])[None]
 
 
-def _both_ways(rope, packed, x, input_pos, seed):
+def _both_ways(rope, packed, x, input_pos, seed, transposed: bool = False):
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype)
+    if transposed:  # the gradient as attention sends it back: [b, h, s, d] memory, seen as [b, s, h, d]
+        g = g.transpose(1, 2).contiguous().transpose(1, 2)
     outs = []
     for module in (rope, packed):
         xx = x.detach().clone().requires_grad_(True)
@@ -92,6 +102,48 @@ def test_same_numbers_as_the_models_own_rope(models, name, dtype):
         assert torch.equal(y0, y2) and torch.equal(g0, g2)
         with torch.no_grad():  # an eval's forward: no autograd node, the same numbers
             assert torch.equal(packed(x.to(dtype), input_pos=pos), y0)
+
+
+@pytest.mark.parametrize("name", list(LAYOUT))
+def test_same_numbers_from_bfloat16_caches_and_transposed_gradients(bf16_models, name):
+    rope = _rope(bf16_models[name])
+    assert rope_layout(rope) == LAYOUT[name]
+    packed = PackedRope(rope, LAYOUT[name])
+    head_dim = bf16_models[name].layers[0].attn.head_dim
+    x = torch.randn(1, 23, 4, head_dim, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    for transposed in (False, True):
+        (y0, g0), (y1, g1) = _both_ways(rope, packed, x, _packed_positions([9, 5, 9]), seed=2, transposed=transposed)
+        assert torch.equal(y0, y1) and torch.equal(g0, g1)
+        assert g1.is_contiguous()  # written contiguous: the heads' view before RoPE copies nothing
+
+
+def test_checkpointed_layers_same_numbers(bf16_models):
+    """Recomputed in backward (activation checkpointing), outside the forward's shared tables."""
+    from torch.utils.checkpoint import checkpoint
+
+    base = copy.deepcopy(bf16_models["qwen2"])
+    lean = copy.deepcopy(base)
+    make_lean(lean)
+    tokens = torch.randint(4, 60, (1, 17), generator=torch.Generator().manual_seed(4))
+    positions = _packed_positions([9, 8])
+    results = []
+    for model in (base, lean):
+        for layer in model.layers:
+            layer.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
+        results.append(_forward_backward(model, tokens, positions)[:2])
+    (h0, g0), (h1, g1) = results
+    assert torch.equal(h0, h1) and torch.equal(g0, g1)
+
+
+def test_gemma_norm_weight_follows_its_scale(bf16_models):
+    lean = copy.deepcopy(bf16_models["gemma2"])
+    make_lean(lean)
+    norm = lean.norm
+    assert isinstance(norm, GemmaFusedRMSNorm) and norm.weight().dtype == torch.float32
+    assert torch.equal(norm.weight(), 1.0 + norm.scale.float())
+    with torch.no_grad():
+        norm.scale.add_(0.5)  # a scale loaded again: the weight is made again
+    assert torch.equal(norm.weight(), 1.0 + norm.scale.float())
 
 
 def test_partial_rotary_passes_the_rest_through(models):

@@ -10,7 +10,8 @@ running the eval.
 The key: the model's folder (each file's name, size, modification time, inode and change
 time: changed or copied-over weights are another model), family, sequence length, dtype,
 random init and quantization; the device's kind (a GPU's numbers differ in their last bits
-from a CPU's) and whether eval rows are flattened or padded; every eval row's tokens,
+from a CPU's), whether eval rows are flattened or padded and whether the lean step is on
+(`PLORA_LEAN_STEP`: fused norms round otherwise on a GPU); every eval row's tokens,
 labels, prompt, reference and choices and every raw example; the eval's metrics and
 generation settings; the versions of torch and the packages the scores follow from, and
 every source file of plora. A metric of the user's is code this cannot see change: such an
@@ -62,6 +63,7 @@ def key_of(model: Any, evaluation: Any, samples: list, examples: list, device: A
                   json.dumps(model.quantize, default=str, sort_keys=True)],
         "device": kind,
         "flat_rows": flash_varlen() is not None,  # an eval's rows flattened, or padded
+        "lean_step": settings().lean_step,  # fused norms on a GPU: other float32 roundings
         "eval": {f: getattr(evaluation, f, None) for f in _EVAL_FIELDS},
         "versions": [__version__, torch.__version__, *(_package_version(p) for p in _PACKAGES), _code_version()],
     }

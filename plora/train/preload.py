@@ -33,11 +33,16 @@ class ModelKey:
     dtype: str
     device: str
     random_init: bool
+    #: made lean as it loads (`PLORA_LEAN_STEP`, `plora.train.packed.lean_step`)
+    lean: bool = True
 
     @classmethod
     def of(cls, path: str | Path, family: str, max_seq_len: int, dtype: str, device: Any,
            random_init: bool) -> "ModelKey":
-        return cls(str(path), str(family), int(max_seq_len), str(dtype), str(device), bool(random_init))
+        from plora.settings import settings
+
+        return cls(str(path), str(family), int(max_seq_len), str(dtype), str(device), bool(random_init),
+                   settings().lean_step)
 
 
 #: the model loaded ahead and its key, until a job takes it
@@ -50,7 +55,7 @@ def _load(key: ModelKey) -> tuple[Any, Any]:
 
     model, info = load_base_model(key.path, family=key.family, max_seq_len=key.max_seq_len, dtype=key.dtype,
                                   device=key.device, random_init=key.random_init)
-    make_lean(model)  # before a spare's warm-up: it runs the kernels the job's steps will
+    make_lean(model, key.lean)  # before a spare's warm-up: it runs the kernels the job's steps will
     return model, info
 
 

@@ -90,14 +90,15 @@ def _device_info(device: str) -> tuple[str, str, float | None]:
 
 
 def _backend(device: str, activation_checkpointing: bool = False, cuda_graphs: Any = "auto") -> str:
-    """How a job's steps run on ``device``: the kernels, and "+graph" when they are replayed
-    from CUDA graphs (a profile measured one way does not predict the other)."""
+    """How a job's steps run on ``device``: the kernels, "+graph" when they are replayed from
+    CUDA graphs, "+lean" with the lean step's RoPE and fused norms (`plora.train.packed.lean_step`):
+    a profile measured one way does not predict the other."""
     if not device.startswith("cuda"):
         return "torch"
     kernels = "torch" if settings().kernels == "torch" else "triton"
     graphed = graphs_wanted(cuda_graphs, device, tp=False,
                             activation_checkpointing=activation_checkpointing)
-    return kernels + ("+graph" if graphed else "")
+    return kernels + ("+graph" if graphed else "") + ("+lean" if settings().lean_step else "")
 
 
 def _sweep_cache_path(spec, shape: ModelShape, device: str, device_name: str) -> Path:

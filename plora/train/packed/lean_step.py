@@ -16,9 +16,9 @@ from plora.train.packed.norms import fused_rms_norms
 from plora.train.packed.rope import install_packed_rope
 
 
-def make_lean(model: nn.Module) -> tuple[int, int]:
-    """The attentions given a `PackedRope` and the norms given a float32 scale, unless
-    ``PLORA_LEAN_STEP=0``; idempotent."""
-    if not settings().lean_step:
+def make_lean(model: nn.Module, lean: bool | None = None) -> tuple[int, int]:
+    """The attentions given a `PackedRope` and the norms put on the fused kernel, where
+    ``lean`` (None: unless ``PLORA_LEAN_STEP=0``); idempotent."""
+    if not (settings().lean_step if lean is None else lean):
         return 0, 0
     return install_packed_rope(model), fused_rms_norms(model)

@@ -10,9 +10,11 @@ norms. With the scale held in float32 (frozen, a few kilobytes), CUDA runs
 
 The function is the same, ``x·rsqrt(mean(x²) + eps)·scale`` in float32 then cast: a
 bfloat16 scale read as float32 is the same number, and the composite promotes it exactly
-so. What differs on a GPU is the order in which the fused kernel sums ``x²`` (float32 ulps
-of the mean, before the cast to the model's dtype). The CPU has no fused kernel: there the
-composite runs either way, and the numbers are equal bit for bit (`tests/test_lean_step.py`).
+so. On a GPU the fused kernel computes it its own way (its own reduction for the mean, its
+own rsqrt, its own formula for the backward): float32 roundings differ, before the cast to
+the model's dtype, so a GPU job's numbers with and without the lean step are close, not
+equal. The CPU has no fused kernel: there the composite runs either way, and the numbers
+are equal bit for bit (`tests/test_lean_step.py`).
 
 Gemma's `GemmaRMSNorm` (Gemma2) writes the composite out by hand, ``x·rsqrt(mean(x²) + eps)``
 then ``·(1 + scale)``, four of them per layer: `GemmaFusedRMSNorm` computes it as
@@ -28,17 +30,28 @@ from torch import nn
 
 
 class GemmaFusedRMSNorm(nn.Module):
-    """`GemmaRMSNorm` (frozen) as one ``F.rms_norm`` call with the weight ``1 + scale``,
-    kept in float32; its ``scale`` stays the parameter it was (same name, same values)."""
+    """`GemmaRMSNorm` (frozen) as one ``F.rms_norm`` call with the weight ``1 + scale`` in
+    float32, made once (not a buffer: a cast of the model would round it); its ``scale`` stays
+    the parameter it was (same name, same values)."""
 
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         self.eps = float(norm.eps)
         self.scale = norm.scale
-        self.register_buffer("weight", 1.0 + norm.scale.detach().float(), persistent=False)
+        self._weight: torch.Tensor | None = None  # 1 + scale in float32, and what it was made from
+        self._made_from: tuple | None = None
+        self.weight()  # now, not in a step's first forward: that may be a CUDA graph's capture
+
+    def weight(self) -> torch.Tensor:
+        """``1 + scale`` in float32, made again where the scale changed (loaded, moved, cast)."""
+        scale = self.scale
+        now = (scale._version, scale.device, scale.dtype, scale.data_ptr())
+        if self._weight is None or self._made_from != now:
+            self._weight, self._made_from = 1.0 + scale.detach().float(), now
+        return self._weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), weight=self.weight, eps=self.eps).type_as(x)
+        return F.rms_norm(x.float(), (x.shape[-1],), weight=self.weight(), eps=self.eps).type_as(x)
 
 
 def fused_rms_norms(model: nn.Module) -> int:

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 #: how a RoPE module lays out the two halves of each rotation
 PAIRS, HALVES = "pairs", "halves"
@@ -74,6 +75,7 @@ class _Rotate(torch.autograd.Function):
         return _apply(x, cos, sin_f, layout).to(x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         cos, sin_b = ctx.saved_tensors
         return _apply(g, cos, sin_b, ctx.layout).to(ctx.dtype), None, None, None, None
@@ -117,8 +119,10 @@ class PackedRope(nn.Module):
         self.rotary_dim: int | None = getattr(inner, "rotary_dim", None)
 
     def forward(self, x: torch.Tensor, *, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        if not getattr(self.inner, "is_cache_built", True):
-            return self.inner(x, input_pos=input_pos)  # raises as the module itself does
+        if not getattr(self.inner, "is_cache_built", True) or x.dtype == torch.float64:
+            # the module itself: it raises where its cache is not built; in float64 the pairs'
+            # products are float32 there and the halves' would not be
+            return self.inner(x, input_pos=input_pos)
         r = self.rotary_dim or x.shape[-1]
         backward = torch.is_grad_enabled() and x.requires_grad
         cos, sin_f, sin_b = self._tables(x, input_pos, r, backward)
