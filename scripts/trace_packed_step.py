@@ -160,25 +160,25 @@ def _time_capture(recipe, out: Path) -> dict:
     return {"capture_step_ms": took * 1e3, "replay_after_ms": replay * 1e3, "how": recipe.graphs.last_run}
 
 
-def _kernels_by_launches(kernels: list, steps: int, top: int = 40) -> list[dict]:
-    """The kernels launched most per step, grouped by name (cut to 70 characters): where a
-    step's fixed cost, its count of launches, comes from."""
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name[:70], []).append(e.device_time)
-    rows = [{"kernel": name, "launches_per_step": len(t) / steps, "us_each": sum(t) / len(t)}
-            for name, t in by_name.items()]
-    return sorted(rows, key=lambda r: -r["launches_per_step"])[:top]
-
-
-def _top_kernels(kernels: list, steps: int, top: int = 25) -> list[dict]:
-    """The kernels with the most GPU time per step, grouped by name (a name cut to 90 characters)."""
+def _kernel_rows(kernels: list, steps: int) -> list[dict]:
+    """Per kernel name (cut to 90 characters): its GPU time and launches per step, and the
+    mean time of one launch."""
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name[:90], []).append(e.device_time)
-    rows = [{"kernel": name, "ms_per_step": sum(t) / 1e3 / steps, "launches_per_step": len(t) / steps}
-            for name, t in by_name.items()]
-    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+    return [{"kernel": name, "ms_per_step": sum(t) / 1e3 / steps, "launches_per_step": len(t) / steps,
+             "us_each": sum(t) / len(t)} for name, t in by_name.items()]
+
+
+def _kernels_by_launches(kernels: list, steps: int, top: int = 40) -> list[dict]:
+    """The kernels launched most per step: where a step's fixed cost, its count of launches,
+    comes from."""
+    return sorted(_kernel_rows(kernels, steps), key=lambda r: -r["launches_per_step"])[:top]
+
+
+def _top_kernels(kernels: list, steps: int, top: int = 25) -> list[dict]:
+    """The kernels with the most GPU time per step."""
+    return sorted(_kernel_rows(kernels, steps), key=lambda r: -r["ms_per_step"])[:top]
 
 
 if __name__ == "__main__":

@@ -102,11 +102,6 @@ def _neg_first_half(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((-t[..., :h], t[..., h:]), dim=-1)
 
 
-def _neg_second_half_swapped(t: torch.Tensor) -> torch.Tensor:
-    h = t.shape[-1] // 2
-    return torch.cat((t[..., h:], -t[..., :h]), dim=-1)
-
-
 class PackedRope(nn.Module):
     """One of torchtune's RoPE modules (or plora's `PartialRotaryEmbedding`) computed in one
     autograd node per call, from its own tables; ``x``: ``[b, s, n_heads, head_dim]``."""
@@ -147,7 +142,8 @@ class PackedRope(nn.Module):
     def _make_tables(self, x: torch.Tensor, input_pos: torch.Tensor | None, r: int,
                      backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """cos, sin_f and (for a backward) sin_b, broadcastable against ``x[..., :r]``, as the
-        module's own forward would gather and cast them (pairs: float32; halves: x's dtype)."""
+        module's own forward would gather and cast them (pairs: float32; halves: x's dtype).
+        ``sin_b`` is ``swap(sin_f)`` in either layout: the sine with its other half negated."""
         s = x.shape[1]
         inner = self.inner
         if self.layout == PAIRS:  # cache [L, r/2, 2]: (cos, sin) per pair, torchtune's interleaved RoPE
@@ -156,17 +152,17 @@ class PackedRope(nn.Module):
             c, sn = cache[..., 0], cache[..., 1]
             cos = torch.stack((c, c), dim=-1).flatten(-2)
             sin_f = torch.stack((-sn, sn), dim=-1).flatten(-2)
-            sin_b = torch.stack((sn, -sn), dim=-1).flatten(-2) if backward else None
-            return cos, sin_f, sin_b
-        if hasattr(inner, "cache"):  # Qwen2's: cache [L, 2·dim], cos then sin
-            cache = inner.cache[:s] if input_pos is None else inner.cache[input_pos]
-            cache = cache.view(-1, s, 1, r * 2)
-            cos, sin = cache[..., :r].to(x.dtype), cache[..., r:].to(x.dtype)
-        else:  # plora's PartialRotaryEmbedding: cos and sin [L, rotary_dim]
-            cos = inner.cos[:s] if input_pos is None else inner.cos[input_pos]
-            sin = inner.sin[:s] if input_pos is None else inner.sin[input_pos]
-            cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
-        return cos, _neg_first_half(sin), _neg_second_half_swapped(sin) if backward else None
+        else:
+            if hasattr(inner, "cache"):  # Qwen2's: cache [L, 2·dim], cos then sin
+                cache = inner.cache[:s] if input_pos is None else inner.cache[input_pos]
+                cache = cache.view(-1, s, 1, r * 2)
+                cos, sin = cache[..., :r].to(x.dtype), cache[..., r:].to(x.dtype)
+            else:  # plora's PartialRotaryEmbedding: cos and sin [L, rotary_dim]
+                cos = inner.cos[:s] if input_pos is None else inner.cos[input_pos]
+                sin = inner.sin[:s] if input_pos is None else inner.sin[input_pos]
+                cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+            sin_f = _neg_first_half(sin)
+        return cos, sin_f, _swap(sin_f, self.layout) if backward else None
 
     def extra_repr(self) -> str:
         return f"layout={self.layout}"
