@@ -5,7 +5,10 @@ first adapters' leaving (their evals and saves, the next composition's first ste
 A diagnostic for the GPU machine, installed through the test-hook variable the engine passes to
 every job (`plora.train.hooks`), with the folder the pieces go to:
 
-    PLORA_TEST_HOOKS=scripts/job_profile_hooks.py PLORA_PROFILE_OUT=DIR python scripts/bench_first_sweep.py ...
+    PLORA_TEST_HOOKS=$PWD/scripts/job_profile_hooks.py PLORA_PROFILE_OUT=DIR python scripts/bench_first_sweep.py ...
+
+(the file by its absolute path: each job runs in its own folder, where a relative one names
+nothing and the job fails at start).
 
 Writes DIR/<pid>-<piece>.txt (top entries by own and by cumulative time) and DIR/<pid>.json
 (each piece's wall seconds).

@@ -136,9 +136,9 @@ def test_a_gpu_sweep_is_planned_without_importing_torch(tmp_path):
     assert facts == {"torch": False, "ordered": 1, "gpu": True, "slots": 1, "memory": 85_045_395_456.0, "graphed": True,
                      "jobs": facts["jobs"], "makespan": facts["makespan"]} and facts["jobs"] >= 1
     # nothing measured yet: each job's set-up, first steps, evals and saves are priced all the same
-    from plora.cost.sweep_model import GPU_JOB_OVERHEAD_S
+    from plora.cost.sweep_model import GPU_JOB_TERMS
 
-    assert facts["makespan"] >= GPU_JOB_OVERHEAD_S
+    assert facts["makespan"] >= GPU_JOB_TERMS.fixed_s
 
 
 def test_without_torch_the_driver_answers_unless_torch_is_a_cpu_build(monkeypatch, driver):

@@ -110,6 +110,42 @@ def test_job_time_prices_start_captures_evals_and_saves():
     assert cm.step_time([a, b], 1) == base.step_time([a, b], 1)  # the planner's step is untouched
 
 
+def test_adapters_scored_beside_training_hold_their_job_up_for_their_saves_only():
+    """On one GPU a job scores leaving adapters on its side lane while the others train on:
+    only the last group's eval (nothing stays) is paid in line, and a TP job pays all."""
+    from dataclasses import replace
+
+    load = EvalLoad(samples=200, row_tokens=40.0, prompt_tokens=38.0, max_new_tokens=6)
+    inline, beside = model(TRUTH, load), model(TRUTH, replace(load, beside_training=True))
+    a, b, c = AdapterLoad("a", 8, 2, 100), AdapterLoad("b", 16, 4, 100), AdapterLoad("c", 64, 2, 200)
+    hidden = TRUTH.exit_time(2, load) - 2 * TRUTH.save_s  # a and b scored while c trains
+    assert beside.job_time([a, b, c], 1) == pytest.approx(inline.job_time([a, b, c], 1) - hidden)
+    assert beside.job_time([a, b], 1) == pytest.approx(inline.job_time([a, b], 1))  # they leave last
+    assert beside.exit_pause(2, 1, inline=True) == TRUTH.exit_time(2, load)
+    assert beside.exit_pause(2, 1, inline=False) == pytest.approx(2 * TRUTH.save_s)
+    assert beside.exit_pause(2, 2, inline=False) == TRUTH.exit_time(2, load)  # no lane in a TP job
+    assert EvalLoad.from_dict(replace(load, beside_training=True).to_dict()).beside_training
+    assert not EvalLoad.from_dict({"samples": 4, "row_tokens": 9.0}).beside_training  # older caches
+
+
+def test_a_gpu_sweep_scores_beside_training_unless_the_lane_is_off(tmp_path, monkeypatch):
+    from plora.cost.sweep_rows import eval_load_for
+    from plora.spec.loading import load_spec
+
+    def spec(name: str, **training):
+        path = tiny_space_file(tmp_path / name, name=name, data={"task": "builtin:shift", "num_train": 16, "num_eval": 4},
+                               space={"rank": [2], "batch_size": [2]}, training={"steps": 2, **training})
+        return load_spec(path)
+
+    plain = spec("plain")
+    assert eval_load_for(plain, gpu=True).beside_training
+    assert not eval_load_for(plain, gpu=False).beside_training  # a CPU job has no lane
+    assert not eval_load_for(spec("micro", micro_batch_size=1), gpu=True).beside_training
+    assert not eval_load_for(spec("eager", cuda_graphs=False), gpu=True).beside_training
+    monkeypatch.setenv("PLORA_OVERLAP", "0")
+    assert not eval_load_for(plain, gpu=True).beside_training
+
+
 def test_steps_are_timed_by_the_sweeps_real_tokens_and_memory_by_the_longest_row():
     cm = model()
     a = AdapterLoad("a", 8, 4, 10)
@@ -313,3 +349,36 @@ def test_a_job_evaluates_with_its_devices_rows_and_records_them(tmp_path):
     event = clock.eval_event(2, 4, "cpu", batch_rows=ev.batch_rows)
     event.done()
     assert clock.to_dict()["evals"][-1]["batch_rows"] == 256
+
+
+def test_a_gpu_sweeps_first_plan_prices_its_evals_generation_included(tmp_path, monkeypatch):
+    """Before anything is measured on a GPU, the prior's job terms price each group of
+    adapters leaving together: its eval's tokens and, where a metric generates, a forward per
+    new token of each eval batch. A flat per-job overhead had priced no generation."""
+    from plora import gpu_facts
+    from plora.cost.sweep_model import GPU_JOB_TERMS
+    from plora.spec.defaults import EVAL_BATCH_ROWS_GPU
+    from plora.spec.loading import load_spec
+    from plora.sweep import prepare
+
+    monkeypatch.setattr(gpu_facts, "visible_gpus", lambda: (gpu_facts.GpuFacts("NVIDIA H200", 150_000_000_000),))
+    monkeypatch.setenv("PLORA_CACHE_DIR", str(tmp_path / "cache"))  # nothing measured here yet
+
+    def first_model(name: str, **eval_section):
+        path = tiny_space_file(tmp_path / name, name=name, data={"task": "builtin:shift", "num_train": 24, "num_eval": 8},
+                               space={"rank": [2], "batch_size": [2]}, training={"steps": 2},
+                               hardware={"device": "cuda", "gpus": 1}, eval=eval_section)
+        prep = prepare(load_spec(path), probe=False, check_model=False)
+        assert "analytic" in prep.plan.cost_model_source
+        return prep.cost_model
+
+    loss = first_model("loss", metrics=["loss"], max_new_tokens=6)
+    generated = first_model("gen", metrics=["loss", "exact_match"], max_new_tokens=6)
+    assert loss.overheads == generated.overheads == GPU_JOB_TERMS
+    assert loss.job_overhead_s == GPU_JOB_TERMS.fixed_s
+    assert generated.eval_load.max_new_tokens == 6 and loss.eval_load.max_new_tokens == 0
+    assert generated.eval_load.batch_rows == EVAL_BATCH_ROWS_GPU
+    adapters = [AdapterLoad(f"a{i}", 2, 2, 2) for i in range(4)]
+    extra = generated.job_time(adapters, 1) - loss.job_time(adapters, 1)
+    # 4 adapters x 8 rows: one batch, a forward for each of the 6 new tokens (and their tokens)
+    assert extra >= 6 * GPU_JOB_TERMS.eval_gen_fwd_s

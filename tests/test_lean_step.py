@@ -291,3 +291,24 @@ def test_a_held_model_is_lean_before_its_job(tiny_model, monkeypatch):
 def test_switch():
     assert Settings.from_env({}).lean_step
     assert not Settings.from_env({"PLORA_LEAN_STEP": "0"}).lean_step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(LAYOUT))
+def test_on_cuda_rope_equal_and_fused_norms_close(bf16_models, name):
+    """On a GPU: the RoPE still equal bit for bit; the fused norms round their own way in float32."""
+    base = copy.deepcopy(bf16_models[name]).cuda()
+    rope_only = copy.deepcopy(base)
+    install_packed_rope(rope_only)
+    lean = copy.deepcopy(base)
+    make_lean(lean)
+    tokens = torch.randint(4, 60, (1, 37), generator=torch.Generator().manual_seed(6)).cuda()
+    positions = _packed_positions([16, 9, 12]).cuda()
+    h0, g0, _ = _forward_backward(base, tokens, positions)
+    h1, g1, _ = _forward_backward(rope_only, tokens, positions)
+    assert torch.equal(h0, h1) and torch.equal(g0, g1)
+    h2, g2, _ = _forward_backward(lean, tokens, positions)
+    for a, b in ((h0, h2), (g0, g2)):
+        a, b = a.float(), b.float()
+        assert (a - b).norm() <= 0.02 * a.norm(), f"{name}: relative difference {(a - b).norm() / a.norm():.4f}"

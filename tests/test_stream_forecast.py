@@ -44,6 +44,22 @@ def test_without_joins_the_forecast_is_the_plans_own_makespan():
     assert got == pytest.approx(model.job_time(loads, 1), rel=1e-9)
 
 
+def test_without_joins_adapters_scored_beside_training_are_forecast_as_the_job_prices_them():
+    """With nothing queued, a one-GPU pack scores leaving adapters beside its training: the
+    forecast holds the pack up for their saves only, as `CostModel.job_time` does."""
+    from plora.cost.job import EvalLoad
+
+    model = cost_model_holding(3, c0=1.0, c_tok=0.05, overhead_s=7.0)
+    load = EvalLoad(samples=64, row_tokens=40.0, prompt_tokens=38.0, max_new_tokens=6, beside_training=True)
+    model = model.with_overheads(JobOverheads(start_s=7.0, capture_s=0.5, save_s=0.1, eval_call_s=3.0)).for_eval(load)
+    loads = [AdapterLoad("a", 4, 2, 4), AdapterLoad("b", 8, 4, 8), AdapterLoad("c", 16, 2, 12)]
+    plan = plan_of([["a", "b", "c"]], loads, model)
+    got = streamed_makespan(plan, model, loads, fits_for(model))
+    assert got == pytest.approx(model.job_time(loads, 1), rel=1e-9)
+    inline = model.for_eval(EvalLoad(samples=64, row_tokens=40.0, prompt_tokens=38.0, max_new_tokens=6))
+    assert got == pytest.approx(inline.job_time(loads, 1) - 2 * 3.0, rel=1e-9)  # two evals of three beside
+
+
 def test_two_jobs_in_a_row_that_fit_one_pack_are_forecast_as_one():
     """The planner put two adapters after two others (its packs run one after another); the
     GPU holds all four, so the engine sends the second job's adapters into the first at

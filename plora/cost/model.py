@@ -359,7 +359,8 @@ class CostModel:
         n_(i) - n_(i-1) steps with adapters i..K still in the pack, after
         ``job_overhead_s`` (process start, model load) paid once. With measured job terms
         (``overheads``), each later pack composition adds a capture, and the adapters that
-        leave at each step count add their packed eval and saves (`exit_time`).
+        leave at each step count add their packed eval and saves, or only their saves where
+        they are scored beside the pack's training (`exit_pause`).
         """
         order = sorted(adapters, key=lambda a: a.steps)
         total, done, phases = self.job_overhead_s if order else 0.0, 0, 0
@@ -373,7 +374,8 @@ class CostModel:
             leaving: dict[int, int] = {}
             for a in order:
                 leaving[a.steps] = leaving.get(a.steps, 0) + 1
-            total += sum(self.exit_time(n) for n in leaving.values())
+            last = max(leaving)
+            total += sum(self.exit_pause(n, d, inline=s == last) for s, n in leaving.items())
         return total
 
     @property
@@ -394,6 +396,17 @@ class CostModel:
         """Seconds ``adapters`` adapters leaving a pack together add to its job: their packed
         eval on the sweep's eval rows and their checkpoints (0 without measured job terms)."""
         return self.overheads.exit_time(adapters, self.eval_load) if self.overheads is not None else 0.0
+
+    def exit_pause(self, adapters: int, d: int, *, inline: bool) -> float:
+        """Seconds ``adapters`` adapters leaving a pack together hold up its job at degree
+        ``d``: their eval and saves (`exit_time`) where the job scores them in line (nothing
+        stays in the pack, or a join may still change it), else only their saves: a one-GPU
+        job scores them beside the others' training (`EvalLoad.beside_training`)."""
+        if self.overheads is None or adapters <= 0:
+            return 0.0
+        if not inline and d == 1 and self.eval_load is not None and self.eval_load.beside_training:
+            return self.overheads.save_s * adapters
+        return self.exit_time(adapters)
 
     def with_overheads(self, overheads: JobOverheads | None) -> "CostModel":
         """The same model with measured job terms; their fixed part becomes ``job_overhead_s``

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
+from plora.cost.job import JobOverheads
 from plora.cost.profiling.calibrate import CALIBRATED_SOURCE
 from plora.hardware import Hardware, hardware_for
 from plora.spec.schema import SweepSpec
@@ -64,18 +65,28 @@ CALIBRATED_SOURCE_NOW = "the analytic cost model calibrated on this GPU just now
 #: Only a starting point: a sweep calibrates its model from its own jobs. The Hopper
 #: fractions are what those calibrations measured: packed steps of the 0.5B shape and of
 #: SmolLM2-135M took 1.5-2.0x the time per token that the default 0.45 gives on an H200,
-#: 1.9x on an H100 (a first sweep's prediction had been 37-54 % short).
+#: 1.9x on an H100 (a first sweep's prediction had been 37-54 % short). The lean step
+#: (`plora.train.packed.lean_step`) made the H200's 0.5B packed steps 15 % shorter (full pack
+#: 118.5 -> 100.8 ms), and a first sweep's prediction 18 % long at 0.27; 0.35 prices them.
+#: The H100's is from before the lean step (long, so on the safe side).
 GPU_PRIORS = {
-    "H200": dict(device_flops=989e12, device_bandwidth=4.8e12, mfu=0.27),
+    "H200": dict(device_flops=989e12, device_bandwidth=4.8e12, mfu=0.35),
     "H100": dict(device_flops=989e12, device_bandwidth=3.35e12, mfu=0.24),
     "A100": dict(device_flops=312e12, device_bandwidth=2.0e12),
 }
 
-#: what a GPU job pays once besides its steps before anything of it is measured: its
-#: set-up, each pack's eager and captured first steps, the base and final evals and the
-#: saves (4-6 s of 0.5B-shape jobs of 16 adapters on H100s and H200s). Measured job terms
-#: replace it once a job has run (`recalibrated`, the cached calibration's job runs).
-GPU_JOB_OVERHEAD_S = 4.0
+#: what a GPU job pays besides its steady steps before anything of it is measured, in the
+#: terms a sweep's own jobs are fitted in (`plora.cost.job`): the process's start and the
+#: hand-over, set-up, the first step over a steady one (kernels compiled and loaded, the
+#: first capture), the exit, and each group of adapters leaving together: its packed eval
+#: (per eval token, and per generated token's forward of a batch) and saves. Fitted on the
+#: first sweeps of the 0.5B benchmark and of SmolLM2-135M on an H200 (4 jobs; the exit is
+#: what the journal's end of a job was past its own, 0.26-0.34 s). A flat 4 s, which had
+#: stood for all of it, priced no generation: SmolLM2's evals (12 adapters x 200 rows, 6 new
+#: tokens: 2 s each) put its first prediction 24 % short. Measured job terms replace these
+#: once a job has run (`recalibrated`, the cached calibration's job runs).
+GPU_JOB_TERMS = JobOverheads(start_s=0.9, setup_s=0.35, warm_s=1.25, tail_s=0.3, eval_tok_s=4.5e-6,
+                             eval_gen_fwd_s=0.135, save_s=0.0026)
 
 
 def gpu_prior(device_name: str | None) -> dict[str, float]:
@@ -105,7 +116,7 @@ def analytic_prior(spec: SweepSpec, hw: Hardware) -> CostModel:
         prior = CostModel.analytic(shape, seq, hw.gpu_memory_bytes, targets, max_tp=hw.max_tp or hw.slots,
                                    activation_checkpointing=spec.training.checkpointing,
                                    **gpu_prior(name))
-        return replace(prior, job_overhead_s=GPU_JOB_OVERHEAD_S)
+        return prior.with_overheads(GPU_JOB_TERMS)
     return cpu_cost_model(shape, seq, targets, **CPU_PRIOR)
 
 

@@ -183,4 +183,17 @@ def eval_load_of(spec: "SweepSpec", samples: int, row_tokens: float, prompt_toke
         gpu = sweep_on_gpu(spec)
     return EvalLoad(samples=int(samples), row_tokens=float(row_tokens), prompt_tokens=float(prompt_tokens),
                     max_new_tokens=new, batch_rows=eval_batch_rows(spec.eval.batch_rows, "cuda" if gpu else "cpu"),
-                    evals=int(scored) if isinstance(scored, int) else 1)
+                    evals=int(scored) if isinstance(scored, int) else 1,
+                    beside_training=bool(gpu) and scores_beside_training(spec))
+
+
+def scores_beside_training(spec: "SweepSpec") -> bool:
+    """Whether a one-GPU job of this sweep scores leaving adapters beside its training: its
+    steps replay CUDA graphs, the side lane is on (``PLORA_OVERLAP``) and no
+    ``training.micro_batch_size`` is set (`plora.train.packed_lora`, `_leaves_on_lane`)."""
+    from plora.job.step_settings import graphs_wanted
+    from plora.settings import settings
+
+    return (settings().overlap and getattr(spec.training, "micro_batch_size", None) is None
+            and graphs_wanted(spec.training.cuda_graphs, "cuda", tp=False,
+                              activation_checkpointing=spec.training.checkpointing))

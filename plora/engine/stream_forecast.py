@@ -19,7 +19,7 @@ this replays the engine's own rule on the cost model:
   the adapters it makes room for are leaving waits in the job until they have left;
 * a pack steps at the cost model's step time of its adapters; each composition after its
   first pays a capture, and adapters that leave together pay their eval and saves
-  (`CostModel.exit_time`), exactly as `CostModel.job_time` prices a job that takes no joins
+  (`CostModel.exit_pause`), exactly as `CostModel.job_time` prices a job that takes no joins
   (with no joins this replay gives the plan's own times);
 * a pack that is empty and is sent nothing ends, and its GPU takes the next queued job.
 
@@ -162,6 +162,8 @@ def streamed_makespan(plan: Plan, cost: CostModel, loads: Sequence[AdapterLoad],
                 for a in leaving:
                     del p.left[a]
                 p.admit()
-                p.ready_at = nxt + cost.exit_time(len(leaving)) + (capture if p.left else 0.0)
+                # scored in line where nothing stays or a join may still change the pack (the job's rule)
+                inline = not p.left or bool(queue) or bool(p.pending)
+                p.ready_at = nxt + cost.exit_pause(len(leaving), p.tp, inline=inline) + (capture if p.left else 0.0)
         now = nxt
     return None

@@ -5,10 +5,10 @@ that finished leave the pack) with keyword arguments; every function registered 
 event is called in turn. Nothing is registered unless a test installs it: in-process with
 `installed`, or in a job process the engine launches through the environment variable
 ``PLORA_TEST_HOOKS``, which names modules (``tests.fault_hooks``) or files
-(``/path/fault_hooks.py``), comma-separated, that the job imports at start
-(`load_env_hooks`) and that register their hooks when imported. That is how tests make a
-job run out of memory, crash or be killed at a given step without a branch for it in the
-recipe.
+(``/path/fault_hooks.py``: absolute, since a job runs in its own folder), comma-separated,
+that the job imports at start (`load_env_hooks`) and that register their hooks when
+imported. That is how tests make a job run out of memory, crash or be killed at a given
+step without a branch for it in the recipe.
 """
 
 from __future__ import annotations
