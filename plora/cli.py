@@ -84,9 +84,10 @@ def _root(
 
 def write_timings(run_dir: Path, **moments: float) -> None:
     """timings.json: where the wait of this command went (seconds since the process started:
-    imported, space loaded, model checked, data checked, rows decided, cost model ready, jobs
-    planned, planned (with the run's notes), engine started, engine ended with the results
-    written). A file to look at, never needed to resume."""
+    imported, space loaded, model checked, planning begun, configurations expanded, data
+    checked, rows decided, cost model ready, jobs planned, planned (with the run's notes),
+    engine started, engine ended with the results written). A file to look at, never needed
+    to resume."""
     import json
 
     from plora.job.phases import process_started_at

@@ -229,9 +229,10 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
 
     if check_model is True:
         check_spec_model(spec)  # a broken model folder is refused before any planning
-    moments: dict[str, float] = {}
+    moments: dict[str, float] = {"prepare_began_at": time.time()}
     configs = spec.expand()
     check_target_sets(spec, configs)
+    moments["configs_expanded_at"] = time.time()
     data = check_data(spec)  # bad data is refused here, before anything is written
     n_train = data.num_train
     moments["data_checked_at"] = time.time()

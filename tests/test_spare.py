@@ -49,7 +49,8 @@ def test_a_job_handed_to_a_spare_trains_as_a_fresh_process(tmp_path, monkeypatch
     # where the wait went: the sweep's moments in order, and when its first job's spare was ready
     run = tmp_path / "warm" / "runs" / "spare"
     t = json.loads((run / "timings.json").read_text())
-    order = ["spec_loaded_s", "model_checked_s", "data_checked_s", "rows_decided_s", "cost_model_s",
+    order = ["spec_loaded_s", "model_checked_s", "prepare_began_s", "configs_expanded_s", "data_checked_s",
+             "rows_decided_s", "cost_model_s",
              "jobs_planned_s", "planned_s", "started_s", "ended_s"]
     assert [t[k] for k in order] == sorted(t[k] for k in order)
     assert t["model_checked_s"] <= t["weights_checked_s"] <= t["planned_s"]
