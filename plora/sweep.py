@@ -111,6 +111,8 @@ def plan_target_sets(spec: SweepSpec, configs: Sequence[AdapterConfig], steps: M
         if micro is None:  # the planner's micro-batch where a batch does not fit one pass
             micro = micro_batches_for(sweep_loads(group, steps), model, spec.planner.memory_load_factor)
             chosen.update(micro)
+            if micro:  # a job that accumulates captures nothing ahead: it scores in line
+                model = model.scored_in_line()
         plans.append(planned(spec, sweep_loads(group, steps, micro), model, gpus, time_limit_s / len(sets)))
     return (plans[0] if len(plans) == 1 else one_after_another(plans, sets)), chosen
 
@@ -260,6 +262,8 @@ def prepare(spec: SweepSpec, run_dir: Path | None = None, *, probe: bool = False
     if on_cost_model is not None:
         on_cost_model()
     plan = plan_jobs(spec, configs, steps, cost_model, hw)
+    if plan.micro_batches:  # its accumulating jobs score in line (as `plan_target_sets` priced them)
+        cost_model = cost_model.scored_in_line()
     moments["jobs_planned_at"] = time.time()
     prep = PreparedSweep(spec, run, configs, steps, plan, cost_model, hw, data, length_buckets=buckets,
                          row_layout=layout, prior=prior, calibration=calibration, moments=moments)

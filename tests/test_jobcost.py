@@ -126,6 +126,12 @@ def test_adapters_scored_beside_training_hold_their_job_up_for_their_saves_only(
     assert beside.exit_pause(2, 2, inline=False) == TRUTH.exit_time(2, load)  # no lane in a TP job
     assert EvalLoad.from_dict(replace(load, beside_training=True).to_dict()).beside_training
     assert not EvalLoad.from_dict({"samples": 4, "row_tokens": 9.0}).beside_training  # older caches
+    # per-epoch scoring: the epoch-end evals before the final one run in line
+    epochs = model(TRUTH, replace(load, beside_training=True, evals=3))
+    assert epochs.exit_pause(2, 1, inline=False) == pytest.approx(2 * TRUTH.eval_time(2, load) + 2 * TRUTH.save_s)
+    # jobs that never score beside training (joins, accumulation): every eval in line
+    assert beside.scored_in_line().job_time([a, b, c], 1) == pytest.approx(inline.job_time([a, b, c], 1))
+    assert inline.scored_in_line() is inline
 
 
 def test_a_gpu_sweep_scores_beside_training_unless_the_lane_is_off(tmp_path, monkeypatch):

@@ -96,6 +96,24 @@ def test_a_space_that_fits_is_planned_as_before(tmp_path):
     assert _fits(prep)
 
 
+def test_a_sweep_whose_jobs_accumulate_is_priced_with_its_evals_in_line(tmp_path):
+    """A job that accumulates micro-batches captures no graph ahead, so the adapters leaving
+    it are scored in line, not beside its training: the plan and the forecast price them so."""
+    def with_eval(root: Path, batch_sizes: list[int]) -> Path:
+        root.mkdir()
+        space = _long_rows_space(root, batch_sizes)
+        data = yaml.safe_load(space.read_text())
+        data["data"].update(eval=data["data"]["train"], max_eval_samples=4)
+        space.write_text(yaml.safe_dump(data))
+        return space
+
+    accumulating = _prepare(with_eval(tmp_path / "a", [8, 64]), 40)
+    one_pass = _prepare(with_eval(tmp_path / "b", [2, 4]), 80)
+    assert accumulating.plan.micro_batches and not one_pass.plan.micro_batches
+    assert not accumulating.cost_model.eval_load.beside_training
+    assert one_pass.cost_model.eval_load.beside_training  # scored on each job's side lane
+
+
 def test_the_users_micro_batch_size_wins(tmp_path):
     prep = _prepare(_long_rows_space(tmp_path, [8, 64], micro_batch_size=4), 40)
     assert prep.plan.micro_batches == {}

@@ -60,6 +60,23 @@ def test_without_joins_adapters_scored_beside_training_are_forecast_as_the_job_p
     assert got == pytest.approx(inline.job_time(loads, 1) - 2 * 3.0, rel=1e-9)  # two evals of three beside
 
 
+def test_adapters_leaving_while_a_join_waits_for_them_are_forecast_in_line():
+    """A join sent for the room of adapters about to leave waits in the job until they have
+    left: the job then scores them in line (a join may still change its pack), and so does
+    the forecast, although nothing is queued any more once the join was sent."""
+    from plora.cost.job import EvalLoad
+
+    base = cost_model_holding(2, c0=1.0, c_tok=0.01, overhead_s=5.0)
+    base = base.with_overheads(JobOverheads(start_s=5.0, save_s=0.1, eval_call_s=3.0))
+    beside = base.for_eval(EvalLoad(samples=8, row_tokens=40.0, beside_training=True))
+    inline = base.for_eval(EvalLoad(samples=8, row_tokens=40.0))
+    loads = [AdapterLoad("a", 8, 2, 10), AdapterLoad("b", 8, 2, 40), AdapterLoad("c", 8, 2, 10)]
+    plan = plan_of([["a", "b"], ["c"]], loads, beside)
+    got = streamed_makespan(plan, beside, loads, fits_for(beside, max_adapters=2))
+    assert got == pytest.approx(streamed_makespan(plan, inline, loads, fits_for(inline, max_adapters=2)) - 3.0,
+                                rel=1e-9)  # c's leaving (nothing queued, no join waiting) is the only one beside
+
+
 def test_two_jobs_in_a_row_that_fit_one_pack_are_forecast_as_one():
     """The planner put two adapters after two others (its packs run one after another); the
     GPU holds all four, so the engine sends the second job's adapters into the first at

@@ -49,10 +49,11 @@ class EvalLoad:
     #: their epochs together too (same batch size, same steps), so each eval is of the same group
     evals: int = 1
     #: whether a one-GPU job scores adapters that leave while others stay beside its training
-    #: (its side lane, `plora.train.side_lane`): their eval then holds the pack up for nothing
-    #: but their saves. On an H200, SmolLM2's first eval of 12 adapters (2.0-2.4 s) left its
-    #: job's wall where setup, steps and the last eval put it; priced in line, warm sweeps'
-    #: predictions had run 11-28 % long.
+    #: (its side lane, `plora.train.side_lane`): their final eval then holds the pack up for
+    #: nothing but their saves. On an H200, SmolLM2's first eval of 12 adapters (2.0-2.4 s)
+    #: left its job's wall where setup, steps and the last eval put it; priced in line, warm
+    #: sweeps' predictions had run 11-28 % long. As a rule, not always: a pack too tight for
+    #: the eval beside its graphs, or rows of a shape not captured ahead, wait for the lane.
     beside_training: bool = False
 
     def to_dict(self) -> dict[str, Any]:

@@ -399,14 +399,26 @@ class CostModel:
 
     def exit_pause(self, adapters: int, d: int, *, inline: bool) -> float:
         """Seconds ``adapters`` adapters leaving a pack together hold up its job at degree
-        ``d``: their eval and saves (`exit_time`) where the job scores them in line (nothing
-        stays in the pack, or a join may still change it), else only their saves: a one-GPU
-        job scores them beside the others' training (`EvalLoad.beside_training`)."""
+        ``d``: their evals and saves (`exit_time`) where the job scores them in line (nothing
+        stays in the pack, or a join may still change it), else their saves and any
+        epoch-end evals before their last: a one-GPU job scores the final one beside the
+        others' training (`EvalLoad.beside_training`)."""
         if self.overheads is None or adapters <= 0:
             return 0.0
-        if not inline and d == 1 and self.eval_load is not None and self.eval_load.beside_training:
-            return self.overheads.save_s * adapters
+        load = self.eval_load
+        if not inline and d == 1 and load is not None and load.beside_training:
+            # the final eval beside; epoch-end evals before it (per-epoch scoring) run in line
+            earlier = self.overheads.eval_time(adapters, load) * (max(1, load.evals) - 1)
+            return earlier + self.overheads.save_s * adapters
         return self.exit_time(adapters)
+
+    def scored_in_line(self) -> "CostModel":
+        """The same model with every leaving group's eval paid in line: for jobs that never
+        score beside training (they wait for joins, or accumulate micro-batches)."""
+        load = self.eval_load
+        if load is None or not load.beside_training:
+            return self
+        return replace(self, eval_load=replace(load, beside_training=False))
 
     def with_overheads(self, overheads: JobOverheads | None) -> "CostModel":
         """The same model with measured job terms; their fixed part becomes ``job_overhead_s``

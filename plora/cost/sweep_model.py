@@ -83,8 +83,9 @@ GPU_PRIORS = {
 #: first sweeps of the 0.5B benchmark and of SmolLM2-135M on an H200 (4 jobs; the exit is
 #: what the journal's end of a job was past its own, 0.26-0.34 s). A flat 4 s, which had
 #: stood for all of it, priced no generation: SmolLM2's evals (12 adapters x 200 rows, 6 new
-#: tokens: 2 s each) put its first prediction 24 % short. Measured job terms replace these
-#: once a job has run (`recalibrated`, the cached calibration's job runs).
+#: tokens: 2 s each) put its first prediction 24 % short. The job terms measured from a
+#: sweep's finished jobs replace these (`Calibration.apply`, the running sweep's calibration
+#: and the cached one's job runs).
 GPU_JOB_TERMS = JobOverheads(start_s=0.9, setup_s=0.35, warm_s=1.25, tail_s=0.3, eval_tok_s=4.5e-6,
                              eval_gen_fwd_s=0.135, save_s=0.0026)
 

@@ -161,9 +161,10 @@ def streamed_makespan(plan: Plan, cost: CostModel, loads: Sequence[AdapterLoad],
             if leaving:
                 for a in leaving:
                     del p.left[a]
-                p.admit()
-                # scored in line where nothing stays or a join may still change the pack (the job's rule)
+                # scored in line where nothing stays or a join may still change the pack (the job's
+                # rule: a join waiting for these adapters is still pending when they are scored)
                 inline = not p.left or bool(queue) or bool(p.pending)
+                p.admit()
                 p.ready_at = nxt + cost.exit_pause(len(leaving), p.tp, inline=inline) + (capture if p.left else 0.0)
         now = nxt
     return None

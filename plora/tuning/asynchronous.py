@@ -381,6 +381,7 @@ def tune_async(
                         "tune it in batches")
     if cost_model is None:
         cost_model = sweep_cost_model(spec, state.run_dir)
+    cost_model = cost_model.scored_in_line()  # its jobs linger for joins: none scores beside training
     batch = state.next_batch()
     n_jobs = max(1, min(len(slots), in_flight))
     cap = min(spec.planner.max_adapters_per_job, math.ceil(in_flight / n_jobs))
