@@ -63,6 +63,8 @@ BYTECODE_AHEAD = "PLORA_BYTECODE_AHEAD"
 #: instead of in fewer kernels (`plora.train.packed.rope`: one autograd node per call, the same
 #: numbers; `plora.train.packed.norms`: torch's fused RMSNorm kernel)
 LEAN_STEP = "PLORA_LEAN_STEP"
+#: a GPU job lays out its next step's rows while the step before runs on the device
+STEP_AHEAD = "PLORA_STEP_AHEAD"
 #: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
 REPORT_RUN_DIR = "PLORA_RUN_DIR"
 REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
@@ -107,6 +109,9 @@ class Settings:
     #: a job's RoPE in one autograd node per call, its tables made once per forward, and its
     #: RMSNorms on torch's fused kernel (`LEAN_STEP`)
     lean_step: bool = True
+    #: a GPU job's next step's rows drawn and laid out while its step before runs on the
+    #: device, not after it (`STEP_AHEAD`, `plora.train.packed_step`)
+    step_ahead: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -136,6 +141,7 @@ class Settings:
             bytecode_cache=env.get(BYTECODE_CACHE, "1").strip().lower() not in _OFF,
             bytecode_ahead=env.get(BYTECODE_AHEAD, "1").strip().lower() not in _OFF,
             lean_step=env.get(LEAN_STEP, "1").strip().lower() not in _OFF,
+            step_ahead=env.get(STEP_AHEAD, "1").strip().lower() not in _OFF,
         )
 
     @property

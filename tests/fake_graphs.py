@@ -63,3 +63,21 @@ class FakeGraphs:
 
     def release(self) -> None:
         self.released += 1
+
+
+def install(monkeypatch, made: list) -> None:
+    """Jobs built from here on replay their steps from `FakeGraphs` (their `StepGraph`s go
+    to ``made``, in order), with the scales read from the segment metadata as the Triton
+    kernels read them (on a CPU the torch path reads its host numbers, which
+    `LoRAMeta.set_scale` writes too)."""
+    from plora.train import packed_lora
+    from plora.train.step_graph import StepGraph
+
+    def step_graph(device, **kw):
+        sg = StepGraph(device, backend=FakeGraphs(), **kw)
+        made.append(sg)
+        return sg
+
+    monkeypatch.setattr(packed_lora, "graphs_wanted", lambda *a, **k: True)
+    monkeypatch.setattr(packed_lora, "scales_on_device", lambda device: True)
+    monkeypatch.setattr(packed_lora, "StepGraph", step_graph)

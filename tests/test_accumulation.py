@@ -157,11 +157,11 @@ def test_a_job_killed_mid_batch_resumes_to_the_uninterrupted_result(tiny_model, 
 def test_graphed_steps_with_accumulation_equal_eager_ones(tiny_model, reverse_data, tmp_path, monkeypatch):
     """Steps replayed from (fake) CUDA graphs read the accumulation flags from their held
     buffers: the job equals the eager one; the graphs are keyed on the rows per packed step."""
-    from test_graph_reuse import _fake_graphs_in
+    from fake_graphs import install as install_fake_graphs
 
     eager, _ = _run(tiny_model, reverse_data, tmp_path / "eager", [BIG, SMALL], micro=2, length_buckets=1)
     made: list = []
-    _fake_graphs_in(monkeypatch, made)
+    install_fake_graphs(monkeypatch, made)
     graphed, summary = _run(tiny_model, reverse_data, tmp_path / "graphed", [BIG, SMALL], micro=2, length_buckets=1)
     assert summary["adapters"] == {"big": "done", "small": "done"}
     [sg] = made

@@ -14,6 +14,7 @@ import torch
 
 from conftest import adapter_weights, job_config, max_weight_diff
 from fake_graphs import FakeGraphs
+from fake_graphs import install as install_fake_graphs
 from plora.train import hooks
 from plora.job.config import JobAdapter
 from plora.job.control import request, request_join
@@ -201,27 +202,11 @@ E = dict(id="e", rank=4, alpha=8.0, learning_rate=2e-3, batch_size=2, seed=24, s
 F = dict(id="f", rank=2, alpha=4.0, learning_rate=4e-3, batch_size=2, seed=25, steps=4, warmup_steps=0)  # A's shape
 
 
-def _fake_graphs_in(monkeypatch, made: list) -> None:
-    """Jobs built from here on replay their steps from `FakeGraphs` (their `StepGraph`s go
-    to ``made``, in order), with the scales read from the segment metadata as the Triton
-    kernels read them (on a CPU the torch path reads its host numbers, which
-    `LoRAMeta.set_scale` writes too)."""
-
-    def step_graph(device, **kw):
-        sg = StepGraph(device, backend=FakeGraphs(), **kw)
-        made.append(sg)
-        return sg
-
-    monkeypatch.setattr(packed_lora, "graphs_wanted", lambda *a, **k: True)
-    monkeypatch.setattr(packed_lora, "scales_on_device", lambda device: True)
-    monkeypatch.setattr(packed_lora, "StepGraph", step_graph)
-
-
 @pytest.fixture
 def fake_graphs(monkeypatch):
     """The `StepGraph`s of the jobs built in this test, each on `FakeGraphs`."""
     made: list[StepGraph] = []
-    _fake_graphs_in(monkeypatch, made)
+    install_fake_graphs(monkeypatch, made)
     return made
 
 
@@ -235,7 +220,7 @@ def alone(tiny_model, reverse_data, tmp_path_factory):
         if adapter["id"] not in done:
             out = tmp_path_factory.mktemp(f"alone-{adapter['id']}")
             with pytest.MonkeyPatch.context() as mp:
-                _fake_graphs_in(mp, [])
+                install_fake_graphs(mp, [])
                 PackedLoRARecipe(_graphed_config(tiny_model, reverse_data, out, [adapter])).run()
             done[adapter["id"]] = out
         return adapter_weights(done[adapter["id"]], adapter["id"])

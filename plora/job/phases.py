@@ -132,6 +132,8 @@ class PhaseClock:
         self.phases: list[dict[str, Any]] = []
         #: what the job's steps did with CUDA graphs (`plora.train.step_graph.GraphCounts`), or None
         self.graphs: dict[str, int] | None = None
+        #: steps whose rows were laid out ahead and ``used``, or ``given_back`` (`plora.train.packed_step`)
+        self.rows_ahead: dict[str, int] | None = None
         self._pack: tuple | None = None
         self.evals: list[dict[str, Any]] = []
         self.saves: list[dict[str, Any]] = []
@@ -228,6 +230,7 @@ class PhaseClock:
             "evals": self.evals,
             "saves": self.saves,
             "graphs": self.graphs,
+            "rows_ahead": self.rows_ahead,
             "compiled_ahead": _compiled_ahead(),
             "spare_moments": dict(SPARE_MOMENTS),
             # whether anything in the job imported torch's compiler front end (seconds of a

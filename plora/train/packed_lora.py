@@ -104,6 +104,14 @@ class _Leaving:
         self.runs, self.status, self.checkpoints, self.scores = runs, status, checkpoints, scores
 
 
+
+def step_ahead_wanted(device: torch.device) -> bool:
+    """Whether a job lays out its next step's rows while a step runs (`plora.train.packed_step`):
+    on a GPU, whose steps run while the host goes on, unless ``PLORA_STEP_AHEAD=0``. (A CPU's
+    step is done when it returns: there is nothing to overlap.)"""
+    return device.type == "cuda" and settings().step_ahead
+
+
 class PackedLoRARecipe:
     """One packed job, shaped as torchtune's recipes are: `__init__` reads the (typed) job
     config, `setup` builds the model and the components, `train` runs the loop (evaluating
@@ -206,6 +214,7 @@ class PackedLoRARecipe:
                                   graphs=self.graphs, tp=self.tp,
                                   # where a capture would bake the scales in, a graph is only for those it saw
                                   scales_in_key=graphed and not scales_on_device(self.device))
+        self.stepper.step_ahead = step_ahead_wanted(self.device)
         self._ahead = None  # (key, the lane's future) of a composition being captured ahead
         self._ahead_tried: set = set()  # compositions captured ahead already (or found not wanted)
         self._leaving: list[_Leaving] = []
@@ -317,7 +326,7 @@ class PackedLoRARecipe:
                     self._finish(finished, "done")
                 self._lane_news()
                 # a checkpoint follows the results of every adapter that left before it
-                if self.checkpointer.maybe_save(step, self.runs, before=self._lane_idle):
+                if self.checkpointer.maybe_save(step, self.runs, before=self._before_checkpoint):
                     self.files.flush()  # the log holds at least what the checkpoint does
                 self._capture_ahead()
                 self._write_progress(step)
@@ -326,6 +335,7 @@ class PackedLoRARecipe:
         self.checkpointer.discard(self.runs)
         self._write_progress(step, final=True)
         self.clock.graphs = self.graphs.counts.to_dict() if self.graphs is not None else None
+        self.clock.rows_ahead = dict(self.stepper.ahead_counts) if self.stepper.step_ahead else None
         summary = JobSummary(
             job_id=self.job_id,
             steps=step,
@@ -530,7 +540,14 @@ class PackedLoRARecipe:
             if self.epochs.record(r, m):
                 r.best_weights = self.pack.keep_weights(r.index)
         if self.checkpointer.enabled:
+            self.stepper.discard_ahead()  # the streams where this step left them
             self.checkpointer.save(step, self.runs)
+
+    def _before_checkpoint(self) -> None:
+        """A checkpoint is due: the side lane's work done, and the rows laid out ahead given
+        back (a checkpoint saves where each adapter's stream is)."""
+        self._lane_idle()
+        self.stepper.discard_ahead()
 
     def _intermediate_eval(self, stepped: list[AdapterRun]) -> None:
         """Adapters due an intermediate eval (`Evaluator.intermediate_due`), evaluated packed;

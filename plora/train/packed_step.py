@@ -5,6 +5,18 @@ norm, the clipping coefficient) are made on the device (`PackedStep.device_step`
 reads the losses and norms back once and keeps the books (`PackedStep.account`): so the same
 step runs eagerly or replayed from a CUDA graph (`plora.train.step_graph.StepGraph`), its own
 or that of a held composition covering it (the rows this step lacks fed padding).
+
+**The next step's rows, ahead** (`PackedStep.step_ahead`; ``PLORA_STEP_AHEAD``, on a GPU). The
+host's part of a step (each adapter's rows drawn from its stream, the batch laid out) is the
+GPU's idle time between two replays when it follows the wait for the step before: on an
+H200, 7.7 ms of a 130 ms step of the first-sweep benchmark's full pack, 3.6 ms of the
+47 ms step it drains to (`scripts/step_gap.py`). So once a step is on the device, the next
+one's rows are drawn and laid out while it runs, where nothing can change the pack before it
+(no adapter ends with this step, no join can come, no adapter accumulates its batch). They are
+used as they are when the next step's adapters and held shapes are those they were laid out
+for; otherwise (an adapter diverged or was pruned, a checkpoint is due: `discard_ahead`) each
+adapter's stream is put back where it was, and the next step draws its rows itself. Either
+way every adapter trains on the rows, in the order, it would have trained on without.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from typing import Any
 
 import torch
 
+from plora.data.dataset import Sample
 from plora.job.config import JobTraining
 from plora.train.adapter_pack import AdapterPack
 from plora.train.adapter_run import AdapterRun
@@ -26,6 +39,20 @@ from plora.train.packed.step_batch import StepBatch
 from plora.train.packed.tp import TensorParallel
 from plora.train.row_stream import TrainRows
 from plora.train.step_graph import Composition, StepBuffers, StepGraph, step_inputs
+
+
+@dataclass
+class RowsAhead:
+    """The next step's rows, drawn and laid out while the step before ran (module docstring):
+    for the adapters ``runs`` in ``slots``, each one's stream before they were drawn, and the
+    batch as laid out against the shapes ``held`` then."""
+
+    runs: list[AdapterRun]
+    slots: list[int]
+    streams: list[dict[str, Any]]
+    parts: list[list[Sample]]
+    held: tuple
+    batch: StepBatch
 
 
 @dataclass
@@ -64,12 +91,23 @@ class PackedStep:
         self.lane = None
         #: each slot's rows in the last step (what a composition captured ahead is shaped by)
         self.last_parts: dict[int, list] = {}
+        #: whether the next step's rows are laid out while a step runs (module docstring)
+        self.step_ahead = False
+        self._ahead: RowsAhead | None = None
+        #: steps whose rows were laid out ahead: ``used``, or ``given_back`` (the job's summary)
+        self.ahead_counts = {"used": 0, "given_back": 0}
 
     def run(self, active: list[AdapterRun], steps_left: int | None) -> list[list[float]]:
         """One optimizer step of ``active``; what the device reported (`device_step`'s ``out``).
         ``steps_left``: how many more steps this pack runs as it is (None: a join may change
         it first)."""
-        parts = self.rows.next_parts(active)
+        ahead = self._take_ahead(active)
+        if ahead is not None:
+            parts = ahead.parts
+            for r, p in zip(active, parts):
+                r.last_rows = len(p)
+        else:
+            parts = self.rows.next_parts(active)
         rows = [len(p) for p in parts]
         ids = [r.index for r in active]
         self.last_parts = dict(zip(ids, parts))
@@ -86,9 +124,12 @@ class PackedStep:
                     self.graphs.decline(own)
                     use = own
         if batch is None:
-            batch = self.rows.step_batch([x for part in parts for x in part], rows, graphed,
-                               self.graphs.held_shapes(own) if graphed else (),
-                               self.rows.floors(active) if graphed else None)
+            held = tuple(self.graphs.held_shapes(own)) if graphed else ()
+            if ahead is not None and use == own and ahead.held == held:
+                batch = ahead.batch
+            else:
+                batch = self.rows.step_batch([x for part in parts for x in part], rows, graphed, held,
+                                             self.rows.floors(active) if graphed else None)
         slots = list(use.slots)
         key = (use, batch.shape)
         inputs = step_inputs(batch)
@@ -108,7 +149,51 @@ class PackedStep:
                 state.clear()
         self.real_tokens += sum(len(x.tokens) for part in parts for x in part)
         self.stepped_tokens += batch.num_tokens
+        if self.step_ahead and steps_left is not None and steps_left > 1 and not self.rows.accumulates:
+            self._lay_out_ahead(active, graphed)  # while the device runs this step
         return _read_back(buffers.out)
+
+    def _lay_out_ahead(self, active: list[AdapterRun], graphed: bool) -> None:
+        """The next step's rows for ``active`` (none of which ends with this step), drawn and
+        laid out now (module docstring); each adapter's ``last_rows`` stays this step's."""
+        if graphed and self.rows.row_layout == "balanced" and any(r.floor is None for r in active):
+            return  # a balanced step's sizes are an adapter's from where its stream is at its own step
+        floors = self.rows.floors(active) if graphed else None
+        streams = [r.stream.state_dict() for r in active]
+        last = [r.last_rows for r in active]
+        parts = self.rows.next_parts(active)
+        for r, n in zip(active, last):
+            r.last_rows = n
+        rows = [len(p) for p in parts]
+        own = self.composition([r.index for r in active], rows)
+        held = tuple(self.graphs.held_shapes(own)) if graphed else ()
+        batch = self.rows.step_batch([x for part in parts for x in part], rows, graphed, held, floors)
+        self._ahead = RowsAhead(list(active), [r.index for r in active], streams, parts, held, batch)
+
+    def _take_ahead(self, active: list[AdapterRun]) -> RowsAhead | None:
+        """The rows laid out ahead, where they were laid out for ``active`` (the same adapters
+        in the same slots); otherwise they are given back (`discard_ahead`) and None."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if (len(ahead.runs) == len(active) and all(a is b and a.active for a, b in zip(ahead.runs, active))
+                and ahead.slots == [r.index for r in active]):
+            self.ahead_counts["used"] += 1
+            return ahead
+        self._give_back(ahead)
+        return None
+
+    def discard_ahead(self) -> None:
+        """Give back the rows laid out ahead, if any: each adapter's stream where it was before
+        they were drawn. Before anything reads where a stream is (a checkpoint)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._give_back(ahead)
+
+    def _give_back(self, ahead: RowsAhead) -> None:
+        for r, state in zip(ahead.runs, ahead.streams):
+            r.stream.load_state_dict(state)
+        self.ahead_counts["given_back"] += 1
 
     def _step_fns(self, key: tuple, slots: list[int], batch: StepBatch, inputs: dict[str, torch.Tensor],
                   planned: torch.Tensor):
