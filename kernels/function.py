@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from plora.settings import settings
+from plora.settings import kernels_choice
 
 from . import reference
 from .meta import LoRAMeta
@@ -33,7 +33,7 @@ def _triton_interpreting() -> bool:
 
 def backend_for(t: torch.Tensor, backend: str | None = None) -> str:
     """"torch" or "triton" for a tensor's device, from ``backend`` or ``PLORA_KERNELS``."""
-    want = (backend or settings().kernels).lower()
+    want = (backend or kernels_choice()).lower()
     if want not in ("auto", *_BACKENDS):
         raise ValueError(f"PLORA_KERNELS: expected auto, torch or triton, got {want!r}")
     if t.is_cuda:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from plora.settings import settings
+from plora.settings import kernels_choice
 
 M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # the multiplier of the 32-bit integer hash (< 2**31: products stay < 2**63)
@@ -91,7 +91,7 @@ def _mask(shape: tuple[int, int], h: torch.Tensor, p: torch.Tensor, layer: int, 
 
 def _apply(x: torch.Tensor, h: torch.Tensor, p: torch.Tensor, layer: int, col_offset: int) -> torch.Tensor:
     """x with the mask applied: one Triton pass on CUDA (the same bits), torch ops elsewhere."""
-    if x.is_cuda and settings().kernels != "torch":
+    if x.is_cuda and kernels_choice() != "torch":
         from plora.kernels.triton_ops import kernels_module
 
         x = x.contiguous()
