@@ -362,12 +362,43 @@ def test_planning_may_measure_only_on_this_machines_gpu_with_nothing_measured(tm
     from plora.sweep import may_measure_before_planning
 
     spec = load_spec(_space(tmp_path))
-    gpu = Hardware(True, 1, 80 * 2**30)
+    gpu = Hardware(True, 1, 2 * 2**30)  # the sweep's largest pack may not fit it unmeasured
     monkeypatch.setattr(sweep_model, "profiled_model", lambda *a: None)
     monkeypatch.setattr(sweep_model, "cached_calibration", lambda *a: Calibration())
     assert may_measure_before_planning(spec, None, gpu, probe=True)
+    # where it fits even with every row at its longest, nothing is measured: the model goes at once
+    assert not may_measure_before_planning(spec, None, Hardware(True, 1, 80 * 2**30), probe=True)
     assert not may_measure_before_planning(spec, None, gpu, probe=False)  # --no-profile
     assert not may_measure_before_planning(spec, None, Hardware(False, 2), probe=True)
     assert not may_measure_before_planning(spec, None, Hardware(True, 1, 80 * 2**30, local=False), probe=True)
     monkeypatch.setattr(sweep_model, "profiled_model", lambda *a: (object(), "a profile"))
     assert not may_measure_before_planning(spec, None, gpu, probe=True)
+
+
+@pytest.mark.parametrize("gib", [2, 3.4, 3.7, 4, 8, 80])
+def test_a_sweep_found_to_fit_before_its_data_is_checked_measures_nothing_before_planning(tmp_path, monkeypatch, gib):
+    """`fits_before_measuring` (every row at its longest, before the data check) is never
+    wrong the unsafe way: where it says the largest pack fits, planning with the rows the data
+    check finds runs no quick calibration either, whatever the GPU's size."""
+    from plora.cost import sweep_model
+    from plora.cost.profiling import profile
+    from plora.cost.profiling.calibrate import Calibration
+    from plora.hardware import Hardware
+    from plora.spec.loading import load_spec
+    from plora.sweep import fits_before_measuring, prepare
+
+    spec = load_spec(_space(tmp_path))
+    hw = Hardware(True, 1, int(gib * 2**30))
+    monkeypatch.setattr(sweep_model, "profiled_model", lambda *a: None)
+    monkeypatch.setattr(sweep_model, "cached_calibration", lambda *a: Calibration())
+    measured: list = []
+    monkeypatch.setattr(profile, "quick_calibration", lambda *a, **k: measured.append(a) or Calibration())
+    sure = fits_before_measuring(spec, hw)
+    try:
+        prepare(spec, probe=True, hardware=hw, check_model=False, fresh=True)
+    except Exception:  # noqa: BLE001 - a GPU too small to plan on: what matters is what was measured first
+        pass
+    assert not (sure and measured)
+    assert sure == (gib >= 3.7)  # 3.3 GiB a pack at its longest rows, counted 3 times, within 0.9 of the GPU
+    if gib == 2:  # (and a pack that may not fit is measured: the probe above is the one planning calls)
+        assert measured

@@ -104,7 +104,6 @@ class _Leaving:
         self.runs, self.status, self.checkpoints, self.scores = runs, status, checkpoints, scores
 
 
-
 def step_ahead_wanted(device: torch.device) -> bool:
     """Whether a job lays out its next step's rows while a step runs (`plora.train.packed_step`):
     on a GPU, whose steps run while the host goes on, unless ``PLORA_STEP_AHEAD=0``. (A CPU's
