@@ -12,16 +12,37 @@
 * :mod:`~plora.planner.simulate` -- replay and check any plan on a cost model.
 """
 
-from plora.planner.baselines import BASELINES, baseline_jobs
-from plora.planner.bounds import lower_bound
-from plora.planner.compact import compact
-from plora.planner.errors import PlannerError
-from plora.planner.exact import EXACT_MAX_ADAPTERS, ExactResult, solve_exact
-from plora.planner.ilp import GUROBI_SIZE_LIMIT, Pack, PackSolver, SolverLog
-from plora.planner.plan import Job, Plan
-from plora.planner.scheduler import PLANNING_BUDGET_S, baseline_plan, plan_sweep, schedule
-from plora.planner.simulate import SimulationResult, simulate
-from plora.planner.workload import AdapterType, Workload
+import importlib
+from typing import Any
+
+#: each public name, and the module it comes from: imported when first asked for, so that
+#: importing a light part of the planner (its errors, `plora.planner.plan`) does not import
+#: cvxpy (2.7 s on an H200 machine, 5 s and more on a first use, before the sweep could plan)
+_EXPORTS = {
+    "BASELINES": "plora.planner.baselines",
+    "baseline_jobs": "plora.planner.baselines",
+    "lower_bound": "plora.planner.bounds",
+    "compact": "plora.planner.compact",
+    "PlannerError": "plora.planner.errors",
+    "EXACT_MAX_ADAPTERS": "plora.planner.exact",
+    "ExactResult": "plora.planner.exact",
+    "solve_exact": "plora.planner.exact",
+    "GUROBI_SIZE_LIMIT": "plora.planner.ilp",
+    "Pack": "plora.planner.ilp",
+    "PackSolver": "plora.planner.ilp",
+    "SolverLog": "plora.planner.ilp",
+    "Job": "plora.planner.plan",
+    "Plan": "plora.planner.plan",
+    "PLANNING_BUDGET_S": "plora.planner.scheduler",
+    "baseline_plan": "plora.planner.scheduler",
+    "plan_sweep": "plora.planner.scheduler",
+    "schedule": "plora.planner.scheduler",
+    "SimulationResult": "plora.planner.simulate",
+    "simulate": "plora.planner.simulate",
+    "AdapterType": "plora.planner.workload",
+    "Workload": "plora.planner.workload",
+}
+
 
 __all__ = [
     "BASELINES",
@@ -47,3 +68,16 @@ __all__ = [
     "simulate",
     "solve_exact",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'plora.planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
