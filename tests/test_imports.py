@@ -153,3 +153,22 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {_module_name(p) for p in ROOT.rglob("__init__.py")}
     assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
+def test_reading_a_plan_or_the_planners_errors_imports_no_solver():
+    """cvxpy (seconds to import on a GPU machine) comes with making a plan, not with what
+    only reads one (`plora.planner.plan`, the report) or catches the planner's errors: a sweep
+    checks its data and decides its rows before it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from plora.planner import Plan, PlannerError\n"
+            "import plora.planner.plan, plora.results.run_data, plora.sweep\n"
+            "assert 'cvxpy' not in sys.modules, 'cvxpy imported'\n"
+            "from plora.planner import plan_sweep\n"
+            "assert 'cvxpy' in sys.modules and callable(plan_sweep)\n"
+            "import plora.planner as p\n"
+            "assert set(p.__all__) <= set(dir(p))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
+    assert done.returncode == 0, done.stderr
