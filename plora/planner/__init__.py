@@ -44,30 +44,7 @@ _EXPORTS = {
 }
 
 
-__all__ = [
-    "BASELINES",
-    "EXACT_MAX_ADAPTERS",
-    "ExactResult",
-    "GUROBI_SIZE_LIMIT",
-    "PLANNING_BUDGET_S",
-    "AdapterType",
-    "Job",
-    "Pack",
-    "PackSolver",
-    "Plan",
-    "PlannerError",
-    "SimulationResult",
-    "SolverLog",
-    "Workload",
-    "baseline_jobs",
-    "compact",
-    "lower_bound",
-    "baseline_plan",
-    "plan_sweep",
-    "schedule",
-    "simulate",
-    "solve_exact",
-]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -102,13 +102,10 @@ class PackedStep:
         ``steps_left``: how many more steps this pack runs as it is (None: a join may change
         it first)."""
         ahead = self._take_ahead(active)
-        if ahead is not None:
-            parts = ahead.parts
-            for r, p in zip(active, parts):
-                r.last_rows = len(p)
-        else:
-            parts = self.rows.next_parts(active)
+        parts = ahead.parts if ahead is not None else self.rows.next_parts(active)
         rows = [len(p) for p in parts]
+        for r, n in zip(active, rows):
+            r.last_rows = n
         ids = [r.index for r in active]
         self.last_parts = dict(zip(ids, parts))
         graphed = self.graphs is not None and self.graphs.enabled
@@ -155,15 +152,12 @@ class PackedStep:
 
     def _lay_out_ahead(self, active: list[AdapterRun], graphed: bool) -> None:
         """The next step's rows for ``active`` (none of which ends with this step), drawn and
-        laid out now (module docstring); each adapter's ``last_rows`` stays this step's."""
+        laid out now (module docstring)."""
         if graphed and self.rows.row_layout == "balanced" and any(r.floor is None for r in active):
             return  # a balanced step's sizes are an adapter's from where its stream is at its own step
         floors = self.rows.floors(active) if graphed else None
         streams = [r.stream.state_dict() for r in active]
-        last = [r.last_rows for r in active]
         parts = self.rows.next_parts(active)
-        for r, n in zip(active, last):
-            r.last_rows = n
         rows = [len(p) for p in parts]
         own = self.composition([r.index for r in active], rows)
         held = tuple(self.graphs.held_shapes(own)) if graphed else ()
@@ -176,7 +170,7 @@ class PackedStep:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        if (len(ahead.runs) == len(active) and all(a is b and a.active for a, b in zip(ahead.runs, active))
+        if (len(ahead.runs) == len(active) and all(a is b for a, b in zip(ahead.runs, active))
                 and ahead.slots == [r.index for r in active]):
             self.ahead_counts["used"] += 1
             return ahead

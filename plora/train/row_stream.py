@@ -66,13 +66,8 @@ class TrainRows:
                           parts=accumulation_steps(a.batch_size, micro))
 
     def next_parts(self, active: Sequence[AdapterRun]) -> list[list[Sample]]:
-        """Each active adapter's rows of the next packed step (its ``last_rows`` set)."""
-        parts = []
-        for r in active:
-            idx = r.next_rows(self.label_counts)
-            parts.append([self.samples[i] for i in idx])
-            r.last_rows = len(idx)
-        return parts
+        """Each active adapter's rows of the next packed step, drawn from its stream."""
+        return [[self.samples[i] for i in r.next_rows(self.label_counts)] for r in active]
 
     def floors(self, active: Sequence[AdapterRun]) -> tuple[list[int], list[int]] | None:
         """For a replayed step of balanced rows, each adapter's largest batch to come (tokens,
