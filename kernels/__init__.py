@@ -8,7 +8,9 @@ Imported as ``plora.kernels`` (``plora/kernels`` links here). The public surface
   as one autograd function (Triton on CUDA, the torch reference on CPU);
 - `packed_lora_delta`: the LoRA term alone;
 - `build_segments`, `segment_sq_norms`, `segmented_adamw_`: per-adapter norms and AdamW
-  over one flat buffer that holds every adapter, one launch for the whole pack.
+  over one flat buffer that holds every adapter, one launch for the whole pack;
+- `cross_entropy.cross_entropy_rows`: the LM head's loss and the gradient of its logits in
+  one pass over them (imported where the loss runs, not here).
 
 Tuned tiles are data, one file per GPU model in ``tiles/`` (`tile_tables`). Experiments that
 the packed layer does not use (the expand fused into the base GEMM) live with the benchmarks

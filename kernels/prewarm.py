@@ -21,7 +21,8 @@ from .compile_ahead import compiles_here
 __all__ = ["KERNEL_FILES", "prewarm"]
 
 #: the files whose jitted kernels a job launches (`triton_ops.kernels_module`)
-KERNEL_FILES = ("_triton_kernels.py", "_triton_segment_kernels.py", "_triton_dropout_kernels.py")
+KERNEL_FILES = ("_triton_kernels.py", "_triton_segment_kernels.py", "_triton_dropout_kernels.py",
+                "_triton_loss_kernels.py")
 
 
 def prewarm(device: torch.device | str) -> dict[str, float]:

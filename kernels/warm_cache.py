@@ -8,7 +8,7 @@ has decided its rows, seconds before the first job's process has imported torcht
 sweep on a GPU starts this process with its spare (`plora.engine.kernel_warmer`): it imports
 torch and the kernels only, says ``ready``, reads one `WarmOrder` line (the packs the sweep
 expects: their steps, and the forwards of the evals that score them), compiles every variant
-of those, and of the optimizer's norms and AdamW, on threads into Triton's cache (the same
+of those, and of the optimizer's norms and AdamW and the loss's, on threads into Triton's cache (the same
 ``TRITON_CACHE_DIR`` as the jobs'), prints one `WarmAnswer` line and exits. (Without the
 evals' and the optimizer's, the first job compiled 11 variants of its own on an H200: 1.4 s.)
 The job's own compile-ahead then finds them on disk and only loads them; a variant this
@@ -51,7 +51,7 @@ def warm(order: WarmOrder) -> int:
         meta = build_lora_meta(pack.tokens, pack.ranks, [1.0] * len(pack.ranks), device)
         also = None
         if optimizer and pack.backward:
-            also, optimizer = (lambda: optimizer_launches(dtype, device)), False
+            also, optimizer = (lambda: optimizer_launches(dtype, device, order.vocab)), False
         done += compile_ahead(meta, order.shapes, dtype, device, backward=pack.backward,
                               accumulate_dx=order.accumulate_dx, also=also)
     return done
@@ -76,13 +76,18 @@ def _fits(pack: WarmPack, shapes, dtype, device) -> bool:
     return need <= min(SCRATCH_MOST, SCRATCH_SHARE * free)
 
 
-def optimizer_launches(dtype, device) -> None:
+def optimizer_launches(dtype, device, vocab: int | None = None) -> None:
     """What a training step's norms and AdamW launch (`plora.train.packed.bank`) for adapters of
     ``dtype``: the kernels take pointers only (and constants), so two adapters' worth of tiles
-    give the variants every pack of that dtype launches."""
+    give the variants every pack of that dtype launches. With ``vocab``, also its loss's and
+    its evals' (`cross_entropy.loss_launches`)."""
     import torch
 
+    from .cross_entropy import loss_launches
     from .segments import HP_COLUMNS, TILE, build_segments, segment_sq_norms, segmented_adamw_
+
+    if vocab:
+        loss_launches(dtype, device, vocab)
 
     n = 2 * TILE
     seg = build_segments([(0, TILE, 0, 1.0), (TILE, TILE, 1, 1.0)], 2, n, device)

@@ -65,6 +65,9 @@ BYTECODE_AHEAD = "PLORA_BYTECODE_AHEAD"
 LEAN_STEP = "PLORA_LEAN_STEP"
 #: a GPU job lays out its next step's rows while the step before runs on the device
 STEP_AHEAD = "PLORA_STEP_AHEAD"
+#: 0 (false, no, off): the LM head's loss in torch's ops (float32 log-softmax and NLL) where
+#: the Triton kernels run, not in one kernel (`plora.kernels.cross_entropy`)
+FUSED_LOSS = "PLORA_FUSED_LOSS"
 #: the report notebook's parameters: the run directory, and more runs to compare (os.pathsep-separated)
 REPORT_RUN_DIR = "PLORA_RUN_DIR"
 REPORT_COMPARE_DIRS = "PLORA_COMPARE_DIRS"
@@ -112,6 +115,9 @@ class Settings:
     #: a GPU job's next step's rows drawn and laid out while its step before runs on the
     #: device, not after it (`STEP_AHEAD`, `plora.train.packed_step`)
     step_ahead: bool = True
+    #: the LM head's loss and its gradient in one Triton kernel where the packed LoRA kernels
+    #: run on Triton (`FUSED_LOSS`, `fused_loss_on`)
+    fused_loss: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -142,6 +148,7 @@ class Settings:
             bytecode_ahead=env.get(BYTECODE_AHEAD, "1").strip().lower() not in _OFF,
             lean_step=env.get(LEAN_STEP, "1").strip().lower() not in _OFF,
             step_ahead=env.get(STEP_AHEAD, "1").strip().lower() not in _OFF,
+            fused_loss=fused_loss_on(env),
         )
 
     @property
@@ -188,6 +195,13 @@ def kernels_choice(environ: Mapping[str, str] | None = None) -> str:
     every other setting each time."""
     env = os.environ if environ is None else environ
     return env.get(KERNELS, "auto").strip().lower() or "auto"
+
+
+def fused_loss_on(environ: Mapping[str, str] | None = None) -> bool:
+    """``PLORA_FUSED_LOSS`` alone (`Settings.fused_loss`), read now: asked at every chunk of
+    the LM head's loss."""
+    env = os.environ if environ is None else environ
+    return env.get(FUSED_LOSS, "1").strip().lower() not in _OFF
 
 
 def settings(environ: Mapping[str, str] | None = None) -> Settings:

@@ -14,7 +14,9 @@ def test_frozen_heap_freezes_what_exists_and_unfreezes_on_exit():
         assert frozen > 0
         with frozen_heap():  # re-entrant: the inner exit keeps the freeze
             pass
-        assert gc.get_freeze_count() == frozen
+        # still frozen (an unfreeze empties the permanent generation); a thread another test
+        # left running may free a few frozen objects meanwhile, which leave it
+        assert frozen - 1000 < gc.get_freeze_count() <= frozen
         garbage = []
         garbage.append(garbage)  # a cycle made inside is still collectable
         del garbage

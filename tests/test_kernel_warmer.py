@@ -133,6 +133,7 @@ def test_a_sweep_tells_the_process_its_first_jobs_packs_once_its_rows_are_decide
     assert all(t % 64 == 0 and t > 0 for t in order.packs[0].tokens)
     assert order.packs[0].tokens[1] >= order.packs[0].tokens[0]
     assert order.dtype == spec.model.dtype and order.accumulate_dx
+    assert order.vocab == info["vocab_size"]  # the loss's kernel too
     assert kernel_warmer._proc is reader  # told, left to finish on its own
     kernel_warmer.discard()
     assert not kernel_warmer.running()
@@ -168,7 +169,7 @@ def test_the_optimizers_launches_are_those_of_a_pack_of_that_dtype():
     from plora.kernels.warm_cache import optimizer_launches
 
     optimizer_launches(torch.float32, torch.device("cpu"))
-    optimizer_launches(torch.bfloat16, torch.device("cpu"))
+    optimizer_launches(torch.bfloat16, torch.device("cpu"), vocab=50)
 
 
 def test_a_dry_run_too_large_beside_the_first_job_is_left_to_it(monkeypatch):

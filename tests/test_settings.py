@@ -17,6 +17,7 @@ def test_defaults():
     assert s.kernels == "auto" and s.cuda_graphs is None and s.attempt is None and s.job_attempt == 1
     assert not s.launched_by_engine and s.handed_at is None and s.test_hooks == ()
     assert s.spare_jobs and s.cpu_share and s.cpus is None and s.log_progress_s == 30.0
+    assert s.fused_loss and not Settings.from_env({"PLORA_FUSED_LOSS": "off"}).fused_loss
 
 
 def test_values_are_typed(tmp_path):

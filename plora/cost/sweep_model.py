@@ -67,10 +67,13 @@ CALIBRATED_SOURCE_NOW = "the analytic cost model calibrated on this GPU just now
 #: SmolLM2-135M took 1.5-2.0x the time per token that the default 0.45 gives on an H200,
 #: 1.9x on an H100 (a first sweep's prediction had been 37-54 % short). The lean step
 #: (`plora.train.packed.lean_step`) made the H200's 0.5B packed steps 15 % shorter (full pack
-#: 118.5 -> 100.8 ms), and a first sweep's prediction 18 % long at 0.27; 0.35 prices them.
-#: The H100's is from before the lean step (long, so on the safe side).
+#: 118.5 -> 100.8 ms), and a first sweep's prediction 18 % long at 0.27; 0.35 priced them.
+#: The model sent to the first job's process at once and the fused loss
+#: (`plora.kernels.cross_entropy`: full pack 95 -> 89 ms) put it 15-18 % long again at 0.35;
+#: 0.45 prices the full pack at 97 ms. (SmolLM2-135M's narrow steps it prices about 20 % short:
+#: its later sweeps calibrate.) The H100's is from before the lean step (long, so on the safe side).
 GPU_PRIORS = {
-    "H200": dict(device_flops=989e12, device_bandwidth=4.8e12, mfu=0.35),
+    "H200": dict(device_flops=989e12, device_bandwidth=4.8e12, mfu=0.45),
     "H100": dict(device_flops=989e12, device_bandwidth=3.35e12, mfu=0.24),
     "A100": dict(device_flops=312e12, device_bandwidth=2.0e12),
 }

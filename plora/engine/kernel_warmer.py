@@ -123,16 +123,17 @@ def eval_packs(configs: Sequence[Any], load: Any) -> list[dict]:
     return out
 
 
-def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict], accumulate_dx: bool = True) -> bool:
-    """Tell the started process what to compile (one line; it exits when done). Whether it
-    was told."""
+def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict], accumulate_dx: bool = True,
+          vocab: int | None = None) -> bool:
+    """Tell the started process what to compile (one line; it exits when done), with the
+    loss's kernel for ``vocab`` columns where given. Whether it was told."""
     if not running() or not packs or not shapes:
         discard()
         return False
     from plora.job.warm_order import WarmOrder
 
     line = WarmOrder(dtype=dtype, shapes=[tuple(s) for s in shapes], packs=list(packs),
-                     accumulate_dx=accumulate_dx).model_dump_json()
+                     accumulate_dx=accumulate_dx, vocab=vocab).model_dump_json()
     try:
         assert _proc is not None and _proc.stdin is not None
         _proc.stdin.write((line + "\n").encode())
@@ -162,14 +163,15 @@ def order_for_sweep(spec: Any, configs: Sequence[Any], *, layout: str, lengths: 
         if m.quantize:  # a 4-bit base: its first job's kernels are left to that job
             discard()
             return False
-        dims = shape_from_model(m.resolved_path(), m.family, m.dtype, m.quantize).linear_dims()
+        shape = shape_from_model(m.resolved_path(), m.family, m.dtype, m.quantize)
+        dims = shape.linear_dims()
         shapes = sorted({dims[t] for t in resolve_lora_targets(spec.lora.targets) if t in dims})
         row_tokens = (priced_row_tokens(layout, graphed=graphed, lengths=lengths, max_seq_len=m.max_seq_len,
                                         length_buckets=length_buckets) if lengths else float(m.max_seq_len))
         packs = expected_packs(configs, row_tokens=row_tokens, max_adapters=spec.planner.max_adapters_per_job,
                                micro_batch=spec.training.micro_batch_size, eval_load=eval_load)
         no_dropout = all(not spec.settings(c).get("dropout") for c in configs)
-        return order(dtype=m.dtype, shapes=shapes, packs=packs, accumulate_dx=no_dropout)
+        return order(dtype=m.dtype, shapes=shapes, packs=packs, accumulate_dx=no_dropout, vocab=shape.vocab)
     except Exception:  # noqa: BLE001 - a guess that fails costs the first job its compile, as before
         discard()
         return False

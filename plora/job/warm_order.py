@@ -34,6 +34,8 @@ class WarmOrder(BaseModel):
     packs: list[WarmPack]
     accumulate_dx: bool = True  #: False where LoRA dropout feeds the adapters another input
     optimizer: bool = True  #: the training steps' norms and AdamW (`plora.kernels.segments`) too
+    #: the model's vocabulary: its loss's kernel (`plora.kernels.cross_entropy`) too (None: not)
+    vocab: int | None = None
 
 
 class WarmAnswer(BaseModel):

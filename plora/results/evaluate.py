@@ -30,7 +30,7 @@ from plora.spec.defaults import EVAL_BATCH_ROWS
 from plora.results.metrics import choice_accuracy, generated_metrics, needs_eval_loss, perplexity, score_predictions
 from plora.results.eval_forward import eval_batch, eval_hidden, vocab_size
 from plora.results.generate import decode_cache_bytes, greedy_generate
-from plora.train.packed.head_loss import adapter_loss_sums, chunk_rows, labels_to
+from plora.train.packed.head_loss import adapter_loss_sums, head_chunk_rows, labels_to
 from plora.train.packed.inject import PackedModel
 from plora.train.packed.rows import LabelParts
 from plora.train.packed.step_batch import label_counts
@@ -200,7 +200,7 @@ def _eval_loss(pm, adapters, samples, device, budget, batch_rows, pad_id) -> lis
     """Token-weighted mean loss over the eval set, per adapter."""
     sums = [0.0] * len(adapters)
     counts = [0] * len(adapters)
-    chunk = chunk_rows(vocab_size(pm))
+    chunk = head_chunk_rows(vocab_size(pm), pm.model, device)
 
     def run(group: list[int], piece: tuple[int, int]) -> None:
         loss_sums, loss_counts = eval_loss_piece(pm, [adapters[j] for j in group], samples[piece[0] : piece[1]],
@@ -276,7 +276,7 @@ def _choice_accuracy(pm, adapters, samples: Sequence[Sample], device, budget, ba
     if not rows:
         return [math.nan] * len(adapters)
     logliks: list[list[float]] = [[0.0] * len(rows) for _ in adapters]
-    chunk = chunk_rows(vocab_size(pm))
+    chunk = head_chunk_rows(vocab_size(pm), pm.model, device)
 
     def run(group: list[int], piece: tuple[int, int]) -> None:
         part = rows[piece[0] : piece[1]]

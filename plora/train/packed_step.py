@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from plora.data.dataset import Sample
+from plora.data.dataset import IGNORE_INDEX, Sample
 from plora.job.config import JobTraining
 from plora.train.adapter_pack import AdapterPack
 from plora.train.adapter_run import AdapterRun
 from plora.train.packed.inject import PackedModel
-from plora.train.packed.head_loss import adapter_loss_sums, adapter_mean_losses, chunk_rows, final_hidden
+from plora.train.packed.head_loss import (adapter_loss_sums, adapter_mean_losses, final_hidden, head_chunk_rows,
+                                          head_dtype)
 from plora.train.packed.rows import LabelParts
 from plora.train.packed.step_batch import StepBatch
 from plora.train.packed.tp import TensorParallel
@@ -81,7 +82,8 @@ class PackedStep:
         self.grad_clip = training.grad_clip
         self.divergence_loss = training.divergence_loss
         self.micro_batch_size = training.micro_batch_size
-        self.head_chunk = chunk_rows(int(vocab_size))
+        self.vocab_size = int(vocab_size)
+        self.head_chunk = head_chunk_rows(self.vocab_size, pm.model, device)
         #: where a capture would bake the adapters' scales in, a graph is only for the scales it saw
         self.scales_in_key = scales_in_key
         self.real_tokens = 0  # non-padding tokens trained on (throughput)
@@ -189,6 +191,15 @@ class PackedStep:
             r.stream.load_state_dict(state)
         self.ahead_counts["given_back"] += 1
 
+    def _launches_beside_layers(self) -> None:
+        """What a step launches besides its layers' kernels, for `compile_kernels_ahead` to
+        collect: the optimizer's norms and AdamW, and the loss's (in training and in evals)."""
+        self.pack.optimizer_launches()
+        if self.tp is None:
+            from plora.kernels.cross_entropy import loss_launches
+
+            loss_launches(head_dtype(self.pm.model), self.device, self.vocab_size, IGNORE_INDEX)
+
     def _step_fns(self, key: tuple, slots: list[int], batch: StepBatch, inputs: dict[str, torch.Tensor],
                   planned: torch.Tensor):
         """``make()``: a key's buffers, with the pack state its body reads (the kernels'
@@ -198,7 +209,7 @@ class PackedStep:
         def make() -> StepBuffers:
             buffers = StepBuffers.allocate(key, inputs, planned, slots, self.pack.num_slots, self.device)
             state.set_batch(slots, batch.segment_tokens, self.device)
-            self.pm.compile_kernels_ahead(training=True, also=self.pack.optimizer_launches)
+            self.pm.compile_kernels_ahead(training=True, also=self._launches_beside_layers)
             buffers.meta = state.meta
             return buffers
 
