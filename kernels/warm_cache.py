@@ -31,7 +31,7 @@ __all__ = ["READY", "WarmAnswer", "WarmOrder", "WarmPack", "main", "warm"]
 def warm(order: WarmOrder) -> int:
     """Compile the kernels of each of ``order``'s packs (a training step's forward and
     backward, or an eval's forward), and with the first training step the optimizer's
-    (`optimizer_launches`); how many variants were compiled."""
+    and loss's (`launches_beside_layers`); how many variants were compiled."""
     import torch
 
     from .compile_ahead import compile_ahead, compiles_here
@@ -51,7 +51,7 @@ def warm(order: WarmOrder) -> int:
         meta = build_lora_meta(pack.tokens, pack.ranks, [1.0] * len(pack.ranks), device)
         also = None
         if optimizer and pack.backward:
-            also, optimizer = (lambda: optimizer_launches(dtype, device, order.vocab)), False
+            also, optimizer = (lambda: launches_beside_layers(dtype, device, order.vocab)), False
         done += compile_ahead(meta, order.shapes, dtype, device, backward=pack.backward,
                               accumulate_dx=order.accumulate_dx, also=also)
     return done
@@ -76,18 +76,24 @@ def _fits(pack: WarmPack, shapes, dtype, device) -> bool:
     return need <= min(SCRATCH_MOST, SCRATCH_SHARE * free)
 
 
-def optimizer_launches(dtype, device, vocab: int | None = None) -> None:
-    """What a training step's norms and AdamW launch (`plora.train.packed.bank`) for adapters of
-    ``dtype``: the kernels take pointers only (and constants), so two adapters' worth of tiles
-    give the variants every pack of that dtype launches. With ``vocab``, also its loss's and
-    its evals' (`cross_entropy.loss_launches`)."""
-    import torch
-
+def launches_beside_layers(dtype, device, vocab: int | None) -> None:
+    """What a training step launches besides its layers' kernels: its optimizer's, and with
+    ``vocab`` its loss's and its evals' (`cross_entropy.loss_launches`), as a job's
+    `PackedStep` collects them."""
     from .cross_entropy import loss_launches
-    from .segments import HP_COLUMNS, TILE, build_segments, segment_sq_norms, segmented_adamw_
 
+    optimizer_launches(dtype, device)
     if vocab:
         loss_launches(dtype, device, vocab)
+
+
+def optimizer_launches(dtype, device) -> None:
+    """What a training step's norms and AdamW launch (`plora.train.packed.bank`) for adapters of
+    ``dtype``: the kernels take pointers only (and constants), so two adapters' worth of tiles
+    give the variants every pack of that dtype launches."""
+    import torch
+
+    from .segments import HP_COLUMNS, TILE, build_segments, segment_sq_norms, segmented_adamw_
 
     n = 2 * TILE
     seg = build_segments([(0, TILE, 0, 1.0), (TILE, TILE, 1, 1.0)], 2, n, device)

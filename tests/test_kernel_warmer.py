@@ -166,10 +166,11 @@ def test_the_optimizers_launches_are_those_of_a_pack_of_that_dtype():
     reference: what is checked here is that the calls are well formed)."""
     import torch
 
-    from plora.kernels.warm_cache import optimizer_launches
+    from plora.kernels.warm_cache import launches_beside_layers, optimizer_launches
 
     optimizer_launches(torch.float32, torch.device("cpu"))
-    optimizer_launches(torch.bfloat16, torch.device("cpu"), vocab=50)
+    optimizer_launches(torch.bfloat16, torch.device("cpu"))
+    launches_beside_layers(torch.bfloat16, torch.device("cpu"), 50)  # and the loss's
 
 
 def test_a_dry_run_too_large_beside_the_first_job_is_left_to_it(monkeypatch):
