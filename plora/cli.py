@@ -140,7 +140,7 @@ def _load(space: Path, *, sampled: bool = False, warm: bool = False, overrides: 
             # them (`ensure_weights`), so it starts first (nothing to start for any other model)
             _AHEAD.append(convert_weights_ahead(spec.model.path, spec.model.dtype, preexec_fn=spare.die_with_parent))
             for gpus in spare.first_wave(spec.hardware.device, spec.hardware.gpus):
-                spare.prime(gpus)
+                spare.prime(gpus, gpu_idle=True)
             if kernels_ahead:
                 from plora.engine import kernel_warmer
 

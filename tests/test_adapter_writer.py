@@ -75,7 +75,9 @@ def test_a_failed_save_is_raised_at_drain_and_its_adapter_gets_no_result(tmp_pat
     assert blocked.is_file() and (tmp_path / "ok" / "metrics.json").is_file()
 
 
-def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own(tiny_model):
+@pytest.mark.parametrize("ks", [[2, 0], [0, 1, 2], [1, 2], [2, 1, 0], [1]])
+def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own(tiny_model, ks):
+    """Whatever the leaving slots and their order (consecutive ones are gathered as one range)."""
     from plora.train.packed.bank import LoRABank
     from plora.train.packed.inject import inject_packed_lora
     from plora.train.packed.layer import AdapterSpec
@@ -86,8 +88,9 @@ def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own
     bank = LoRABank(pm)
     with torch.no_grad():
         bank.weights.copy_(torch.randn_like(bank.weights))
-    states = bank.host_states([2, 0])
-    for state, k in zip(states, [2, 0]):
+    states = bank.host_states(ks)
+    assert len(states) == len(ks)
+    for state, k in zip(states, ks):
         want = pm.adapter_state_dict(k)
         assert list(state) == list(want)
         for name, t in want.items():
@@ -99,13 +102,17 @@ def test_the_banks_host_states_are_each_adapters_weights_and_a_copy_of_their_own
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_device_snapshot_is_taken_at_once_and_written_by_the_writer_as_the_adapters_were(tiny_model, info, tmp_path,
-                                                                                            device):
+                                                                                            device, monkeypatch):
     """`LoRABank.snapshot` copies the leaving adapters' rows when they leave; the writer
-    brings them to the host on its thread (a callable state) and writes the same files as
-    from their state dicts taken at once, whatever the bank holds by then."""
+    brings them to the host on its thread (a callable state), on a GPU through the pinned
+    staging buffer piece by piece (made small here: several pieces), and writes the same
+    files as from their state dicts taken at once, whatever the bank holds by then."""
     from safetensors.torch import load_file
 
+    from plora.train.packed import bank as bank_module
     from plora.train.packed.bank import LoRABank
+
+    monkeypatch.setattr(bank_module, "STAGING_BYTES", 96)
     from plora.train.packed.inject import inject_packed_lora
     from plora.train.packed.layer import AdapterSpec
 

@@ -156,11 +156,14 @@ def test_each_gpu_of_the_first_wave_finds_its_own_spare(tmp_path, monkeypatch):
     monkeypatch.setenv(spare.ENV_SWITCH, "1")
     made: list[tuple[int, ...]] = []
 
+    idle: list[bool] = []
+
     class FakeSpare:
-        def __init__(self, env, gpus=()):
+        def __init__(self, env, gpus=(), *, gpu_idle=False):
             self.env, self.gpus, self.killed, self.handed = env, tuple(gpus), False, None
             self.proc = type("P", (), {"poll": lambda self: None})()
             made.append(self.gpus)
+            idle.append(gpu_idle)
 
         def compatible(self, env):
             return env.get("CUDA_VISIBLE_DEVICES") == self.env.get("CUDA_VISIBLE_DEVICES")
@@ -182,8 +185,9 @@ def test_each_gpu_of_the_first_wave_finds_its_own_spare(tmp_path, monkeypatch):
     monkeypatch.setattr(spare, "spare_env", lambda gpus=(): {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))})
     try:
         for g in (0, 1, 0):
-            spare.prime([g])
+            spare.prime([g], gpu_idle=True)
         assert made == [(0,), (1,)] and set(spare._spares) == {(0,), (1,)}
+        assert idle == [True, True]  # the first wave's GPUs are idle: their spares start CUDA early
         assert spare.preload(spare.PreloadOrder(path="m", family="llama", max_seq_len=8, dtype="float32",
                                                 device="cuda", random_init=True))
         second = spare._spares[(1,)]
@@ -402,3 +406,21 @@ def test_a_sweep_found_to_fit_before_its_data_is_checked_measures_nothing_before
     assert sure == (gib >= 3.7)  # 3.3 GiB a pack at its longest rows, counted 3 times, within 0.9 of the GPU
     if gib == 2:  # (and a pack that may not fit is measured: the probe above is the one planning calls)
         assert measured
+
+
+def test_only_a_spare_of_an_idle_gpu_is_told_to_start_cuda_early(monkeypatch):
+    """A spare started beside a running job takes no GPU memory before its job: only the
+    first wave's spares (``gpu_idle``) get the argument that starts CUDA beside the imports."""
+    argvs: list[list[str]] = []
+
+    class FakePopen:
+        def __init__(self, args, **kwargs):
+            argvs.append(list(args))
+
+    monkeypatch.setattr(spare.subprocess, "Popen", FakePopen)
+    spare.Spare({"A": "1"}, (0,), gpu_idle=True)
+    spare.Spare({"A": "1"}, (0,))
+    assert argvs[0][-1] == spare.GPU_IDLE and spare.GPU_IDLE not in argvs[1]
+    from plora.train import spare as child
+
+    assert child.GPU_IDLE == spare.GPU_IDLE

@@ -67,6 +67,9 @@ def module_child(module: str) -> str:
 
 #: the child process's code
 CHILD = module_child(CHILD_MODULE)
+#: the child's argument saying no job runs on its GPUs: it may take GPU memory (a CUDA
+#: context) before its job, and starts CUDA beside its imports (`plora.train.spare`)
+GPU_IDLE = "--gpu-idle"
 #: how long a hand-over waits for a spare still importing (a cold start would take as long)
 READY_WAIT_S = 180.0
 
@@ -144,7 +147,9 @@ def child_setup(env: Mapping[str, str]) -> Callable[[], None]:
 class Spare:
     """One started spare process and the environment it started with."""
 
-    def __init__(self, env: dict[str, str], gpus: Sequence[int] = ()):
+    def __init__(self, env: dict[str, str], gpus: Sequence[int] = (), *, gpu_idle: bool = False):
+        """``gpu_idle``: no job runs on its GPUs (the sweep's first wave), so the child starts
+        CUDA while it imports (`GPU_IDLE`)."""
         self.env, self.gpus = env, tuple(gpus)
         #: this process's environment when the spare started: what this process changes in it
         #: afterwards (its own imports' settings) its job passes on without them mattering
@@ -152,7 +157,8 @@ class Spare:
         self.ready = False  #: the child said ready (read from its stdout)
         self._pending = b""  #: what was read of the child's stdout past the last line
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-c", CHILD, *([GPU_IDLE] if gpu_idle else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, start_new_session=True, preexec_fn=child_setup(env),
         )
 
@@ -308,10 +314,10 @@ def spare_env(gpus: Sequence[int] = ()) -> dict[str, str]:
     return job_env(gpus)
 
 
-def prime(gpus: Sequence[int] = ()) -> None:
+def prime(gpus: Sequence[int] = (), *, gpu_idle: bool = False) -> None:
     """Start a spare for a job on ``gpus`` unless one is alive (a no-op when spares are off).
     Spares for other GPUs stay: on a host of several GPUs, the jobs that start side by side
-    each find their own."""
+    each find their own. ``gpu_idle``: no job runs on those GPUs (`Spare`)."""
     if not enabled():
         return
     key = tuple(gpus)
@@ -321,7 +327,7 @@ def prime(gpus: Sequence[int] = ()) -> None:
             _give_up()
         return
     try:
-        _spares[key] = Spare(spare_env(gpus), gpus)
+        _spares[key] = Spare(spare_env(gpus), gpus, gpu_idle=gpu_idle)
     except OSError:  # no process to spare (memory, file handles): jobs start the ordinary way
         _give_up()
 

@@ -90,8 +90,9 @@ class AdapterWriter:
             if callable(state):  # a device snapshot: brought to the host here, while the pack trains on
                 state = state()
             # views of one host copy (`host_copy`, `LoRABank.host_states`): each its own storage,
-            # as safetensors wants
-            state = {k: v.contiguous().clone() if not v.is_cuda else v for k, v in state.items()}
+            # as safetensors wants, in one copy (a transposed view made contiguous is one already)
+            state = {k: v if v.is_cuda else (v.clone() if v.is_contiguous() else v.contiguous())
+                     for k, v in state.items()}
             save_peft_adapter(out, state, info, **peft)
         except BaseException:
             self._unsaved.add(out)

@@ -48,7 +48,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -750,17 +750,32 @@ def _job_dir_of(cfg: DictConfig) -> Path:
         return Path(cfg["job_dir"]) if "job_dir" in cfg else Path.cwd()
 
 
-def leave(code: int | None) -> None:
+def leave(code: int | str | None) -> None:
     """End the job process once `recipe_main` has returned: every file it wrote is closed
     and its summary printed, so a one-process job skips the interpreter's teardown (freeing
     the CUDA context and every module's objects: a second or more on a GPU, during which
     the engine cannot start the next job). A TP job leaves the ordinary way (its process
-    group is torchrun's)."""
+    group is torchrun's). ``code`` as `sys.exit` takes it (a message: printed, exit 1)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.exit(code)
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code or 0))
+
+
+def run_then_leave(main: Callable[[], object]) -> None:
+    """Run the job's parsed main and `leave` with its exit code. torchtune's `config.parse`
+    ends the main it wraps with `sys.exit`: a `leave` put after it was never reached, and
+    every job process went through the interpreter's teardown."""
+    try:
+        main()
+        code: int | str | None = 0
+    except SystemExit as e:
+        code = e.code
+    leave(code)
 
 
 if __name__ == "__main__":
@@ -769,4 +784,4 @@ if __name__ == "__main__":
     watch_dynamo_import()
     from torchtune import config as tune_config
 
-    leave(tune_config.parse(recipe_main)())
+    run_then_leave(tune_config.parse(recipe_main))

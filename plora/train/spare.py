@@ -22,6 +22,10 @@ def main() -> int:
     watch_dynamo_import()  # who imports torch._dynamo, if anything does (the job's summary says)
     import torch
 
+    from plora.job.phases import SPARE_MOMENTS
+
+    if GPU_IDLE in sys.argv[1:]:
+        _cuda_start_thread(SPARE_MOMENTS)
     from plora.models.torchtune_imports import LATE_GPU_MODULES, import_job_modules, import_late_modules, lean_job_imports
 
     # no torchtune dataset builders, generation or tokenizers, no torchao beyond a QLoRA job's
@@ -30,10 +34,10 @@ def main() -> int:
     from torchtune import config as tune_config
 
     from plora.engine.spare import CHECKED, READY, PreloadOrder, SpareOrder
-    from plora.job.phases import SPARE_MOMENTS, process_started_at
+    from plora.job.phases import process_started_at
     from plora.train import preload
     from plora.train.packed.flash_varlen import flash_varlen
-    from plora.train.packed_lora import _pick_device, leave, recipe_main
+    from plora.train.packed_lora import _pick_device, recipe_main, run_then_leave
 
     import_job_modules()  # what the job's model build imports, whatever its family
     born = process_started_at()  # (no job yet: the process's creation)
@@ -103,8 +107,43 @@ def main() -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.argv = ["plora/train/packed_lora.py", "--config", order.config]
-    leave(tune_config.parse(recipe_main)())
+    run_then_leave(tune_config.parse(recipe_main))
     return 0
+
+
+#: the argument a spare of an idle GPU is started with (`plora.engine.spare.GPU_IDLE`)
+GPU_IDLE = "--gpu-idle"
+
+
+def _cuda_start_thread(moments: dict):
+    """CUDA's start (the context, a cuBLAS handle and its first product) on a thread begun
+    right after ``import torch``, while the rest of the spare's imports run: where the
+    GPU is idle (the sweep's first wave), nothing is lost by taking a context early, and
+    the warm-up (`_warming_thread`) that waited for imports, then the preload, finds it made.
+    The two share the interpreter lock, but CUDA's start is mostly driver calls, which run
+    without it: on an H200, done beside the imports it ended before them (0.25-0.3 s of
+    the spare's time gone; `scripts/probe_spare_warm.py`)."""
+    import threading
+    import time
+
+    import torch
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            if not torch.cuda.is_available():
+                return
+            device = torch.device("cuda", torch.cuda.current_device())
+            x = torch.zeros(16, 16, device=device, dtype=torch.bfloat16)
+            torch.nn.functional.linear(x, x, x[0])
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - the warm-up, or the job, starts CUDA then
+            return
+        moments["cuda_started_s"] = round(time.perf_counter() - t0, 3)
+
+    thread = threading.Thread(target=run, name="plora-cuda-start", daemon=True)
+    thread.start()
+    return thread
 
 
 #: seconds a job waits at its handover for the spare's warming threads (a second or two, as a
@@ -169,6 +208,12 @@ def _warming_thread(key, moments: dict):
             moments["prewarmed_at"] = time.time()
             moments["prewarm_s"] = round(sum(parts.values()), 3)
             moments["prewarm_parts"] = {k: round(v, 3) for k, v in parts.items()}
+        try:  # the pinned buffer leaving adapters' weights go through (`plora.train.packed.bank`)
+            from plora.train.packed.bank import host_staging
+
+            host_staging()
+        except Exception:  # noqa: BLE001 - the job's bank pins it at set-up then
+            pass
         moments["ready_for_job_at"] = time.time()
 
     thread = threading.Thread(target=run, name="plora-warming", daemon=True)

@@ -31,6 +31,43 @@ from plora.train.packed.inject import PackedModel
 STACKED = ("a_all", "bt_all")
 
 
+#: bytes of the pinned buffer a snapshot's host copy goes through, in pieces
+STAGING_BYTES = 32 << 20
+_staging: torch.Tensor | None = None
+_staging_lock = threading.Lock()
+
+
+def host_staging() -> torch.Tensor:
+    """The process's pinned staging buffer (made at the first call: a spare makes it while
+    it waits for its job, `plora.train.spare`, else a job's bank at set-up).
+
+    Pinned host memory is what a device-to-host copy wants (a copy to pageable memory is
+    staged by the driver and holds the copy engine several times as long), but pinning
+    takes the driver's lock for as long as it runs: on an H200 a leaving group's 256 MB
+    buffer pinned on the writer's thread held it 136 ms, and the main loop's next copy, and
+    so the GPU, waited all that time. So one small buffer is pinned once, ahead, and every
+    snapshot goes through it into ordinary memory."""
+    global _staging
+    with _staging_lock:
+        if _staging is None:
+            _staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+        return _staging
+
+
+def _through_staging(flat: torch.Tensor, host: torch.Tensor, stream) -> None:
+    """``flat`` (on the device) into ``host`` (pageable), piece by piece through the pinned
+    staging buffer, on ``stream``."""
+    staging = host_staging()
+    per = max(1, STAGING_BYTES // flat.element_size())
+    for start in range(0, flat.numel(), per):
+        n = min(per, flat.numel() - start)
+        piece = staging[: n * flat.element_size()].view(flat.dtype)
+        with torch.cuda.stream(stream):
+            piece.copy_(flat[start : start + n], non_blocking=True)
+        stream.synchronize()
+        host[start : start + n].copy_(piece)
+
+
 class BankSnapshot:
     """Leaving adapters' weights, copied on the device at once (`LoRABank.snapshot`) and
     brought to the host once, by whoever needs them first (`states`).
@@ -39,8 +76,9 @@ class BankSnapshot:
     to pageable memory, 0.3-0.4 s of every group on the 16-adapter benchmark (an H200), the
     GPU idle. Now only the group's rows are gathered, in one device copy that takes
     milliseconds, and the adapter writer's thread brings them over on a stream of its own
-    while the pack trains on and the group is evaluated. It holds `CAPTURE_LOCK` meanwhile:
-    a capture in global mode forbids any thread's synchronising copy."""
+    while the pack trains on and the group is evaluated, through a pinned buffer made ahead
+    (`host_staging`). It holds `CAPTURE_LOCK` meanwhile: a capture in global mode forbids
+    any thread's synchronising copy."""
 
     def __init__(self, flat: torch.Tensor, layout: list[list[tuple[str, int, tuple[int, ...], bool]]]):
         self._flat: torch.Tensor | None = flat
@@ -71,13 +109,8 @@ class BankSnapshot:
         with CAPTURE_LOCK:
             stream = torch.cuda.Stream(flat.device)
             stream.wait_event(self._ready)
-            # into pinned memory: a copy to pageable memory is staged by the driver and holds
-            # the copy engine several times as long, and the eval running meanwhile queues
-            # its own small copies to the host behind it
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            with torch.cuda.stream(stream):
-                host.copy_(flat, non_blocking=True)
-            stream.synchronize()
+            host = torch.empty(flat.shape, dtype=flat.dtype)
+            _through_staging(flat, host, stream)
             del flat
         return host
 
@@ -90,6 +123,17 @@ class BankSnapshot:
                 state[key] = part.t() if transposed else part
             out.append(state)
         return out
+
+
+def _consecutive_runs(ks: Sequence[int]) -> list[tuple[int, int]]:
+    """``ks`` in order as runs of consecutive slots, ``[(first, last + 1), ...]``."""
+    runs: list[tuple[int, int]] = []
+    for k in ks:
+        if runs and runs[-1][1] == k:
+            runs[-1] = (runs[-1][0], k + 1)
+        else:
+            runs.append((k, k + 1))
+    return runs
 
 
 class LoRABank:
@@ -124,6 +168,8 @@ class LoRABank:
                 self._views.append((p, off))
                 off += n
         self.segments = build_segments(ranges, self.num_adapters, numel, device)
+        if device.type == "cuda":
+            host_staging()  # pinned now, before any step runs, where no spare pinned it already
         self._run_owner: torch.Tensor | None = None  # `zero_grad_where`'s runs, built on first use
         self._run_lengths: torch.Tensor | None = None
 
@@ -143,17 +189,22 @@ class LoRABank:
         while the pack trains on)."""
         rows = self.pm.state.row_starts
         names = [(name, which) for name in self.pm.layers for which in STACKED]
+        runs = _consecutive_runs(ks)
         pieces: list[torch.Tensor] = []
         layout: list[list[tuple[str, int, tuple[int, ...], bool]]] = [[] for _ in ks]
         off = 0
         for (p, start), (name, which) in zip(self._views, names):
-            stacked = self.weights[start : start + p.numel()].view(p.shape)
+            width = p.shape[1]
+            # adapters of consecutive slots own one contiguous range of the buffer: one piece
+            # each, not one per adapter (a leaving group of 8 over 336 tensors: 336 pieces,
+            # not 2,688 slices on the main loop while the GPU waits)
+            for k0, k1 in runs:
+                pieces.append(self.weights.narrow(0, start + rows[k0] * width, (rows[k1] - rows[k0]) * width))
+            a = which == "a_all"
             for entries, k in zip(layout, ks):
-                part = stacked[rows[k] : rows[k + 1]]
-                pieces.append(part.reshape(-1))
-                a = which == "a_all"
-                entries.append((f"{name}.lora_{'a' if a else 'b'}.weight", off, tuple(part.shape), not a))
-                off += part.numel()
+                shape = (rows[k + 1] - rows[k], width)
+                entries.append((f"{name}.lora_{'a' if a else 'b'}.weight", off, shape, not a))
+                off += shape[0] * shape[1]
         flat = torch.cat(pieces) if pieces else self.weights.new_empty(0)
         return BankSnapshot(flat, layout)
 
