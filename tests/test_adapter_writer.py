@@ -113,6 +113,7 @@ def test_a_device_snapshot_is_taken_at_once_and_written_by_the_writer_as_the_ada
     from plora.train.packed.bank import LoRABank
 
     monkeypatch.setattr(bank_module, "STAGING_BYTES", 96)
+    monkeypatch.setattr(bank_module, "_staging", None)  # pinned at 96 bytes here, the process's own after
     from plora.train.packed.inject import inject_packed_lora
     from plora.train.packed.layer import AdapterSpec
 
@@ -171,3 +172,36 @@ def test_an_adapters_curve_is_on_disk_before_its_metrics_json(tmp_path, monkeypa
     files.close()
     writer.close()
     assert seen == [5] and (out / "adapters" / "a" / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize("staging_bytes", [16, 40, 1 << 20])
+def test_a_snapshot_comes_over_as_contiguous_views_whatever_the_staging_size(monkeypatch, staging_bytes):
+    """A GPU snapshot's host copy (`_host_states`, driven here on the CPU without a stream):
+    every tensor a contiguous view of one host copy, a transposed entry turned, through a
+    staging buffer smaller than one entry, than two, or larger than all."""
+    from plora.train.packed import bank as bank_module
+
+    monkeypatch.setattr(bank_module, "host_staging", lambda: torch.empty(staging_bytes, dtype=torch.uint8))
+    flat = torch.randn(65, dtype=torch.float32)
+    # two adapters: plain (2, 5) and (3, 5) blocks side by side, then transposed (2, 7) and (3, 7)
+    layout = [[("x.lora_a.weight", 0, (2, 5), False), ("x.lora_b.weight", 25, (2, 7), True)],
+              [("x.lora_a.weight", 10, (3, 5), False), ("x.lora_b.weight", 39, (3, 7), True)],
+              [("y.lora_a.weight", 62, (1, 3), False)]]  # after a gap of 2
+    states = bank_module._host_states(flat, layout, None)
+    for state, entries in zip(states, layout):
+        assert list(state) == [e[0] for e in entries]
+        for key, off, shape, transposed in entries:
+            want = flat[off : off + shape[0] * shape[1]].view(shape)
+            want = want.t() if transposed else want
+            assert torch.equal(state[key], want) and state[key].is_contiguous(), key
+
+
+def test_safetensors_writes_views_of_one_buffer_that_do_not_overlap(tmp_path):
+    """What the writer counts on to write a snapshot's views without copying each."""
+    from safetensors.torch import load_file, save_file
+
+    buf = torch.randn(100).to(torch.bfloat16)
+    views = {"a": buf[:30].view(5, 6), "b": buf[30:].view(7, 10)}
+    save_file(views, str(tmp_path / "v.safetensors"))
+    back = load_file(str(tmp_path / "v.safetensors"))
+    assert all(torch.equal(back[k], views[k]) for k in views)

@@ -137,6 +137,8 @@ class PhaseClock:
         self._pack: tuple | None = None
         self.evals: list[dict[str, Any]] = []
         self.saves: list[dict[str, Any]] = []
+        #: the adapter writer's, per adapter (`plora.train.adapter_writer.AdapterWriter.times`)
+        self.writes: list[dict[str, float]] = []
 
     def loaded(self, seconds: float) -> None:
         self.load_s = float(seconds)
@@ -229,6 +231,7 @@ class PhaseClock:
             "phases": self.phases,
             "evals": self.evals,
             "saves": self.saves,
+            "writes": self.writes,
             "graphs": self.graphs,
             "rows_ahead": self.rows_ahead,
             "compiled_ahead": _compiled_ahead(),

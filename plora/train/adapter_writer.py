@@ -16,6 +16,7 @@ collective), and so does a job with ``background=False``.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -60,6 +61,9 @@ class AdapterWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-writer") if background else None
         self._pending: list[Future] = []
         self._unsaved: set[Path] = set()  # adapters whose save failed: no metrics.json for them
+        #: per adapter saved: seconds bringing its weights to the host and writing its files,
+        #: and when it was done (a job's summary says where its end went: `PhaseClock.writes`)
+        self.times: list[dict[str, float]] = []
 
     def _do(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         if self._pool is None:
@@ -87,13 +91,16 @@ class AdapterWriter:
     def _save(self, out: Path, state: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
               info: Any, peft: dict[str, Any]) -> None:
         try:
+            t0 = time.perf_counter()
             if callable(state):  # a device snapshot: brought to the host here, while the pack trains on
                 state = state()
-            # views of one host copy (`host_copy`, `LoRABank.host_states`): each its own storage,
-            # as safetensors wants, in one copy (a transposed view made contiguous is one already)
-            state = {k: v if v.is_cuda else (v.clone() if v.is_contiguous() else v.contiguous())
-                     for k, v in state.items()}
+            t1 = time.perf_counter()
+            # views of one private host copy (`host_copy`, `LoRABank.host_states`) that do not
+            # overlap: safetensors writes them as they are; a transposed one is made contiguous
+            state = {k: v if v.is_cuda or v.is_contiguous() else v.contiguous() for k, v in state.items()}
             save_peft_adapter(out, state, info, **peft)
+            self.times.append({"host_s": round(t1 - t0, 4), "file_s": round(time.perf_counter() - t1, 4),
+                               "at": time.time()})
         except BaseException:
             self._unsaved.add(out)
             raise

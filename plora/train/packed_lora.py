@@ -331,6 +331,7 @@ class PackedLoRARecipe:
                 self._write_progress(step)
         self._lane_idle()
         self.writer.drain()  # every leaving adapter's files are on disk before the job says it is done
+        self.clock.writes = list(self.writer.times)
         self.checkpointer.discard(self.runs)
         self._write_progress(step, final=True)
         self.clock.graphs = self.graphs.counts.to_dict() if self.graphs is not None else None

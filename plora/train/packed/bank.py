@@ -15,6 +15,7 @@ whatever the weight dtype.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -54,18 +55,67 @@ def host_staging() -> torch.Tensor:
         return _staging
 
 
-def _through_staging(flat: torch.Tensor, host: torch.Tensor, stream) -> None:
-    """``flat`` (on the device) into ``host`` (pageable), piece by piece through the pinned
-    staging buffer, on ``stream``."""
+Entry = tuple[str, int, tuple[int, ...], bool]  # (key, offset in the snapshot, shape, transposed)
+
+
+def _host_states(flat: torch.Tensor, layout: list[list[Entry]], stream) -> list[dict[str, torch.Tensor]]:
+    """``flat`` (a snapshot on the device) as each adapter's state dict on the host: views of
+    one host copy, each contiguous in the orientation it is read in (a ``transposed`` entry
+    is turned on the device, in place of the same size), so that the adapter writer copies
+    nothing more (safetensors writes views of one buffer that do not overlap as they are).
+    The entries go, a scratch buffer at a time, through the pinned staging buffer on
+    ``stream`` (None: the current one, synchronously: how a CPU test drives it) into the
+    host copy, one piece of up to the staging buffer's size at a time."""
     staging = host_staging()
-    per = max(1, STAGING_BYTES // flat.element_size())
-    for start in range(0, flat.numel(), per):
-        n = min(per, flat.numel() - start)
-        piece = staging[: n * flat.element_size()].view(flat.dtype)
-        with torch.cuda.stream(stream):
-            piece.copy_(flat[start : start + n], non_blocking=True)
-        stream.synchronize()
-        host[start : start + n].copy_(piece)
+    dtype, item = flat.dtype, flat.element_size()
+    per = max(1, staging.numel() // item)
+    entries = sorted((off, shape[0] * shape[1], shape, transposed) for adapter in layout
+                     for _, off, shape, transposed in adapter)
+    host = torch.empty(flat.numel(), dtype=dtype)
+    with _on(stream):
+        scratch = torch.empty(max([per, *(e[1] for e in entries)]), dtype=dtype, device=flat.device)
+    g0 = 0
+    while g0 < len(entries):  # a group: the entries whose span fills the scratch buffer at most
+        base, g1, total = entries[g0][0], g0 + 1, entries[g0][1]
+        while g1 < len(entries) and entries[g1][0] + entries[g1][1] - base <= scratch.numel():
+            total = entries[g1][0] + entries[g1][1] - base
+            g1 += 1
+        with _on(stream):
+            _lay_out(flat, scratch, entries[g0:g1], base)
+        for a in range(0, total, per):
+            b = min(total, a + per)
+            piece = staging[: (b - a) * item].view(dtype)
+            with _on(stream):
+                piece.copy_(scratch[a:b], non_blocking=stream is not None)
+            if stream is not None:
+                stream.synchronize()
+            host[base + a : base + b].copy_(piece)
+        g0 = g1
+    return [{key: host[off : off + shape[0] * shape[1]].view((shape[1], shape[0]) if transposed else shape)
+             for key, off, shape, transposed in adapter} for adapter in layout]
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _lay_out(flat: torch.Tensor, scratch: torch.Tensor, group: list, base: int) -> None:
+    """The ``group``'s entries of ``flat`` (side by side from offset ``base``) at the same
+    places of ``scratch`` (from 0), each transposed one turned; plain entries in a row in
+    one copy."""
+    run: list[int] | None = None  # [offset, length] of plain entries in a row
+    for off, n, shape, transposed in group:
+        if transposed:
+            scratch[off - base : off - base + n].view(shape[1], shape[0]).copy_(flat[off : off + n].view(shape).t())
+            continue
+        if run is not None and run[0] + run[1] == off:
+            run[1] += n
+            continue
+        if run is not None:
+            scratch[run[0] - base : run[0] - base + run[1]].copy_(flat[run[0] : run[0] + run[1]])
+        run = [off, n]
+    if run is not None:
+        scratch[run[0] - base : run[0] - base + run[1]].copy_(flat[run[0] : run[0] + run[1]])
 
 
 class BankSnapshot:
@@ -80,7 +130,7 @@ class BankSnapshot:
     (`host_staging`). It holds `CAPTURE_LOCK` meanwhile: a capture in global mode forbids
     any thread's synchronising copy."""
 
-    def __init__(self, flat: torch.Tensor, layout: list[list[tuple[str, int, tuple[int, ...], bool]]]):
+    def __init__(self, flat: torch.Tensor, layout: list[list[Entry]]):
         self._flat: torch.Tensor | None = flat
         self._layout = layout
         self._states: list[dict[str, torch.Tensor]] | None = None
@@ -91,28 +141,28 @@ class BankSnapshot:
             self._ready.record(torch.cuda.current_stream(flat.device))
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """Each adapter's state dict, as views of the one host copy (made by the first call)."""
+        """Each adapter's state dict, made by the first call: views of one host copy of a CPU
+        snapshot; from a GPU, contiguous views in the orientation they are read in (`_host_states`)."""
         with self._lock:
             if self._states is None:
-                self._states = self._split(self._to_host())
+                self._states = self._to_host()
             return self._states
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         """The ``i``-th adapter's state dict (`states`)."""
         return self.states()[i]
 
-    def _to_host(self) -> torch.Tensor:
+    def _to_host(self) -> list[dict[str, torch.Tensor]]:
         flat, self._flat = self._flat, None  # the device copy goes once copied: nothing else reads it
         assert flat is not None
         if self._ready is None:
-            return flat if flat.device.type == "cpu" else flat.to("cpu")
+            return self._split(flat if flat.device.type == "cpu" else flat.to("cpu"))
         with CAPTURE_LOCK:
             stream = torch.cuda.Stream(flat.device)
             stream.wait_event(self._ready)
-            host = torch.empty(flat.shape, dtype=flat.dtype)
-            _through_staging(flat, host, stream)
+            states = _host_states(flat, self._layout, stream)
             del flat
-        return host
+        return states
 
     def _split(self, host: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         out: list[dict[str, torch.Tensor]] = []
@@ -191,7 +241,7 @@ class LoRABank:
         names = [(name, which) for name in self.pm.layers for which in STACKED]
         runs = _consecutive_runs(ks)
         pieces: list[torch.Tensor] = []
-        layout: list[list[tuple[str, int, tuple[int, ...], bool]]] = [[] for _ in ks]
+        layout: list[list[Entry]] = [[] for _ in ks]
         off = 0
         for (p, start), (name, which) in zip(self._views, names):
             width = p.shape[1]
