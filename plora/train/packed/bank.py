@@ -72,7 +72,7 @@ def _host_states(flat: torch.Tensor, layout: list[list[Entry]], stream) -> list[
     entries = sorted((off, shape[0] * shape[1], shape, transposed) for adapter in layout
                      for _, off, shape, transposed in adapter)
     host = torch.empty(flat.numel(), dtype=dtype)
-    with _on(stream):
+    with _on(stream):  # freed, it stays cached for that stream: the next snapshot's (`copy_stream`)
         scratch = torch.empty(max([per, *(e[1] for e in entries)]), dtype=dtype, device=flat.device)
     g0 = 0
     while g0 < len(entries):  # a group: the entries whose span fills the scratch buffer at most
@@ -93,6 +93,19 @@ def _host_states(flat: torch.Tensor, layout: list[list[Entry]], stream) -> list[
         g0 = g1
     return [{key: host[off : off + shape[0] * shape[1]].view((shape[1], shape[0]) if transposed else shape)
              for key, off, shape, transposed in adapter} for adapter in layout]
+
+
+_copy_streams: dict[str, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream snapshots come to the host on, per device: what a snapshot's scratch
+    buffer is allocated on stays cached for the next one, not for a stream never used again."""
+    with _staging_lock:
+        key = str(device)
+        if key not in _copy_streams:
+            _copy_streams[key] = torch.cuda.Stream(device)
+        return _copy_streams[key]
 
 
 def _on(stream):
@@ -157,8 +170,8 @@ class BankSnapshot:
         assert flat is not None
         if self._ready is None:
             return self._split(flat if flat.device.type == "cpu" else flat.to("cpu"))
-        with CAPTURE_LOCK:
-            stream = torch.cuda.Stream(flat.device)
+        with CAPTURE_LOCK:  # (one snapshot at a time on the copy stream too)
+            stream = copy_stream(flat.device)
             stream.wait_event(self._ready)
             states = _host_states(flat, self._layout, stream)
             del flat
