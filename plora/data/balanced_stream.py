@@ -38,7 +38,7 @@ __all__ = ["BALANCED_MULTIPLE", "GROUP_STEPS", "BalancedStream", "balanced_batch
 GROUP_STEPS = 64
 GROUP_ROWS = 256
 #: a balanced segment's size is a multiple of this (`plora.train.packed.rows.held_sizes`)
-BALANCED_MULTIPLE = 16
+BALANCED_MULTIPLE = 8
 
 
 def balanced_batches(rows: Sequence[int], lengths: Sequence[int], batch_size: int) -> list[list[int]]:

@@ -47,7 +47,9 @@ def warm_up(model: Any, device: torch.device | str) -> float | None:
             logits = model.output(model.norm(x))
             F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
             attn = getattr(model.layers[0], "attn", None)
-            _row_attention(h.dtype, device, int(getattr(attn, "num_heads", 2)), int(getattr(attn, "head_dim", 64)))
+            heads = int(getattr(attn, "num_heads", 2))
+            _row_attention(h.dtype, device, heads, int(getattr(attn, "num_kv_heads", 0) or heads),
+                           int(getattr(attn, "head_dim", 64)))
         torch.cuda.synchronize(device)
     finally:
         for p, wanted in trained:
@@ -55,15 +57,17 @@ def warm_up(model: Any, device: torch.device | str) -> float | None:
     return time.perf_counter() - t0
 
 
-def _row_attention(dtype: torch.dtype, device: torch.device, heads: int, head_dim: int) -> None:
+def _row_attention(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> None:
     """The packed rows' causal flash attention, forward and backward, on two short rows of
-    the model's own heads (flash attention picks its kernel by the head's size)."""
+    the model's own heads (flash attention picks its kernel by the head's size; grouped
+    key-value heads add the sum of their gradients, as `plora.train.packed.row_forward`
+    calls it)."""
     from plora.train.packed.flash_varlen import flash_varlen
 
     fn = flash_varlen()
     if fn is None or dtype not in (torch.float16, torch.bfloat16):
         return
-    q, k, v = (torch.zeros(TOKENS, heads, head_dim, dtype=dtype, device=device, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.zeros(TOKENS, n, head_dim, dtype=dtype, device=device, requires_grad=True)
+               for n in (heads, kv_heads, kv_heads))
     cu = torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32, device=device)
     fn(q, k, v, cu, TOKENS // 2).sum().backward()

@@ -19,6 +19,10 @@ Backends:
 - otherwise (the CPU path, float32 on CUDA): one causal SDPA per row. Each row's
   attention is then exactly what it would be alone, bit for bit.
 
+With the lean step (`install_row_attention`'s ``lean``), each attention's forward goes straight
+to the flash kernel while it can, with no expand or copies (`plora.train.packed.row_forward`);
+this call then serves the other cases.
+
 Models whose attention is not a `MultiHeadAttention` (torchtune's Gemma2 attention, for
 one) are not touched: `install_row_attention` returns None and the recipe keeps padded rows.
 """
@@ -34,7 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plora.train.packed.decode_cache import DecodeCache
+from plora.settings import settings
 from plora.train.packed.flash_varlen import flash_varlen
+from plora.train.packed.row_forward import install_row_forward
 
 _ATTR = "_plora_row_attention"
 
@@ -75,6 +81,13 @@ class RowAttention:
 
     def clear(self) -> None:
         self.lengths, self.cu_seqlens, self.max_len = None, None, 0
+
+    def direct(self, x: torch.Tensor) -> bool:
+        """Whether attention over ``x`` (``[1, T, features]``) is one call of the flash varlen
+        kernel now, on the rows set (`plora.train.packed.row_forward` then skips the copies
+        torchtune makes for the other paths)."""
+        return (self.lengths is not None and self.cu_seqlens is not None and self.cache is None
+                and x.shape[0] == 1 and self.graph_safe(x.device, x.dtype) and flash_varlen() is not None)
 
     @contextlib.contextmanager
     def rows(self, lengths: Sequence[int], cu_seqlens: torch.Tensor | None = None,
@@ -162,9 +175,11 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: RowAttenti
     return out.transpose(0, 1).unsqueeze(0)
 
 
-def install_row_attention(model: nn.Module) -> RowAttention | None:
+def install_row_attention(model: nn.Module, lean: bool | None = None) -> RowAttention | None:
     """Swap every decoder layer's attention call for the row-confined one; None (and the
-    model untouched) when a layer's attention has no ``_attention_call`` to swap."""
+    model untouched) when a layer's attention has no ``_attention_call`` to swap. ``lean``
+    (None: unless ``PLORA_LEAN_STEP=0``): each attention's forward also goes straight to the
+    flash kernel while it can (`plora.train.packed.row_forward`)."""
     existing = row_attention(model)
     if existing is not None:
         return existing
@@ -181,6 +196,8 @@ def install_row_attention(model: nn.Module) -> RowAttention | None:
         heads, kv_heads = int(getattr(attn, "num_heads", 1)), int(getattr(attn, "num_kv_heads", 0) or 0)
         q_per_kv = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 1
         attn._attention_call = _RowAttentionCall(state, attn._attention_call, q_per_kv)
+    if settings().lean_step if lean is None else lean:
+        install_row_forward(attns, state)
     setattr(model, _ATTR, state)
     return state
 
