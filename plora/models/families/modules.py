@@ -34,9 +34,9 @@ class HFOrderAttention(MultiHeadAttention):
         # set after init: the parent's q_norm/k_norm slots, used here before RoPE
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, mask=None, input_pos=None) -> torch.Tensor:
-        if y is None:
-            raise ValueError(f"{type(self).__name__} is self-attention only (no KV cache): pass y = x")
+    def project(self, x: torch.Tensor, y: torch.Tensor, input_pos=None) -> tuple[torch.Tensor, ...]:
+        """q, k and v as ``[b, s, heads, head_dim]``: projected, (q/k-normed,) rotated, in
+        Hugging Face's order (`plora.train.packed.row_forward` attends them as they are)."""
         b, s, _ = x.shape
         hd = self.head_dim
         if self.qkv_proj is not None:
@@ -53,6 +53,14 @@ class HFOrderAttention(MultiHeadAttention):
         if self.pos_embeddings is not None:
             q = self.pos_embeddings(q, input_pos=input_pos)
             k = self.pos_embeddings(k, input_pos=input_pos)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *, mask=None, input_pos=None) -> torch.Tensor:
+        if y is None:
+            raise ValueError(f"{type(self).__name__} is self-attention only (no KV cache): pass y = x")
+        b, s, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.project(x, y, input_pos)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         n_h, n_kv = q.shape[1], k.shape[1]
         if n_h != n_kv:

@@ -33,27 +33,21 @@ __all__ = ["RowsForward", "install_row_forward", "project_qkv"]
 def project_qkv(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """q, k and v of self-attention over ``x`` as ``[b, s, heads, d]``, computed as the
     module's own forward computes them (RoPE and q/k norms in its order), before any
-    transpose or expand."""
+    transpose or expand: plora's `HFOrderAttention` says so itself (`project`), torchtune's
+    `MultiHeadAttention` as its forward does."""
+    if hasattr(attn, "project"):
+        return attn.project(x, x, input_pos)
     b, s, _ = x.shape
     hd = attn.head_dim
-    hf_order = hasattr(attn, "qkv_proj")  # plora's HFOrderAttention: norms before RoPE, maybe fused qkv
-    if hf_order and attn.qkv_proj is not None:
-        qkv = attn.qkv_proj(x)
-        kv = attn.num_kv_heads * hd
-        q, k, v = qkv.split([qkv.shape[-1] - 2 * kv, kv, kv], dim=-1)
-    else:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    q, k, v = q.reshape(b, s, -1, hd), k.reshape(b, s, -1, hd), v.reshape(b, s, -1, hd)
-    if hf_order and attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = (proj(x).reshape(b, s, -1, hd) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
     if attn.pos_embeddings is not None:
         q = attn.pos_embeddings(q, input_pos=input_pos)
         k = attn.pos_embeddings(k, input_pos=input_pos)
-    if not hf_order:  # torchtune's order: its norms after RoPE (over head_dim: any layout)
-        if attn.q_norm is not None:
-            q = attn.q_norm(q)
-        if attn.k_norm is not None:
-            k = attn.k_norm(k)
+    # torchtune's norms come after RoPE (over head_dim: any layout)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
     return q, k, v
 
 
