@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from dataclasses import dataclass
-from functools import lru_cache
 
-__all__ = ["GpuFacts", "visible_gpus"]
+__all__ = ["GpuFacts", "look_ahead", "visible_gpus"]
 
 #: the driver's "no CUDA-capable device is detected" (``CUDA_VISIBLE_DEVICES`` empty, say)
 _CUDA_ERROR_NO_DEVICE = 100
@@ -57,9 +57,30 @@ def _torch_imported() -> bool:
     return "torch" in sys.modules
 
 
-@lru_cache(maxsize=1)
+_DRIVER_LOCK = threading.Lock()
+_driver_answer: list[tuple[GpuFacts, ...] | None] = []  # the answer, once there is one
+
+
+def look_ahead() -> None:
+    """Ask the driver now, on a thread of its own, for whoever asks next (`visible_gpus`).
+    Starting the driver (``cuInit``) took 0.2-0.5 s of a sweep on an H200 machine, its main
+    thread waiting, before its plan; it runs outside the interpreter's lock, beside the
+    sweep's imports and its space's checks."""
+    if _driver_answer or _torch_imported() or not cuda_torch_build():
+        return
+    threading.Thread(target=_from_driver, name="plora-gpu-facts", daemon=True).start()
+
+
 def _from_driver() -> tuple[GpuFacts, ...] | None:
-    """The driver's answer; None where it cannot give one (no driver library, a failed call)."""
+    """The driver's answer, asked once per process (a second caller waits for the first's);
+    None where it cannot give one (no driver library, a failed call)."""
+    with _DRIVER_LOCK:
+        if not _driver_answer:
+            _driver_answer.append(_ask_driver())
+        return _driver_answer[0]
+
+
+def _ask_driver() -> tuple[GpuFacts, ...] | None:
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:

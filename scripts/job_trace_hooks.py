@@ -10,8 +10,8 @@ every job (`plora.train.hooks`), with the folder the pieces go to:
         python scripts/bench_first_sweep.py --parts plora-fixed ...
 
 (the file by its absolute path: each job runs in its own folder). ``PLORA_TRACE_PIECES``
-overrides the pieces: ``name:begin:end,...``, after which steps each begins and ends (end
--1: the process's exit); ``PLORA_TRACE_ONCE=1`` traces the first job process only.
+overrides the pieces: ``name:begin:end,...``, after which steps each begins and ends (begin
+-1: at the job's start, its set-up and first step; end -1: the process's exit); ``PLORA_TRACE_ONCE=1`` traces the first job process only.
 
 Writes, per job process and piece, DIR/<pid>-<piece>.txt (wall seconds, the GPU's busy time,
 the operators by GPU time and by host time) and DIR/<pid>-<piece>.json.gz (a Chrome trace
@@ -38,7 +38,7 @@ _DEFAULT = "steady:20:22,leaving:126:129,drain:200:202,end:253:-1"
 PIECES = [(n, int(b), int(e)) for n, b, e in
           (p.split(":") for p in os.environ.get("PLORA_TRACE_PIECES", _DEFAULT).split(","))]
 #: pieces whose Chrome trace is kept (the steady ones are read from their tables)
-TRACED = {"leaving", "end"}
+TRACED = {"leaving", "end", "first"}
 _state: dict = {"prof": None, "piece": None, "t": 0.0, "walls": {}}
 
 
@@ -101,3 +101,7 @@ if os.environ.get("PLORA_TRACE_ONCE") != "1" or not _ONCE.exists():
     hooks.register("after_step", after_step)
     atexit.register(_end)
     os._exit = _exit_after_end
+    for _name, _begin_at, _ in PIECES:
+        if _begin_at < 0:  # a piece from the job's start (the hooks load as it begins): its set-up and first step
+            _begin(_name)
+            break

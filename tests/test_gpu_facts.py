@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +48,7 @@ class _FakeDriver:
 @pytest.fixture
 def driver(monkeypatch):
     def install(fake: _FakeDriver | None):
-        gpu_facts._from_driver.cache_clear()
+        gpu_facts._driver_answer.clear()
 
         def cdll(name):
             assert name == "libcuda.so.1"
@@ -57,7 +59,7 @@ def driver(monkeypatch):
         monkeypatch.setattr(ctypes, "CDLL", cdll)
 
     yield install
-    gpu_facts._from_driver.cache_clear()
+    gpu_facts._driver_answer.clear()
 
 
 def test_the_drivers_devices_are_listed_as_torch_names_them(driver):
@@ -74,6 +76,44 @@ def test_no_device_is_none_and_a_failing_driver_leaves_it_to_torch(driver):
     assert gpu_facts._from_driver() is None
     driver(None)  # no driver library at all
     assert gpu_facts._from_driver() is None
+
+
+def test_the_driver_is_asked_once_whoever_asks_and_ahead_on_a_thread(driver, monkeypatch):
+    fake = _FakeDriver([("NVIDIA H200", 150_000_000_000)])
+    calls = []
+    init = fake.cuInit
+
+    def slow_init(flags):
+        calls.append(flags)
+        time.sleep(0.2)  # starting the driver takes a while: a second caller waits for it
+        return init(flags)
+
+    fake.cuInit = slow_init
+    driver(fake)
+    monkeypatch.setattr(gpu_facts, "cuda_torch_build", lambda: True)
+    monkeypatch.setattr(gpu_facts, "_torch_imported", lambda: False)
+    gpu_facts.look_ahead()
+    time.sleep(0.05)
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(gpu_facts._from_driver())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert answers == [(gpu_facts.GpuFacts("NVIDIA H200", 150_000_000_000),)] * 3
+    assert len(calls) == 1
+    gpu_facts.look_ahead()  # answered already: nothing more
+    time.sleep(0.05)
+    assert len(calls) == 1
+
+
+def test_nothing_is_asked_ahead_with_a_cpu_torch(driver, monkeypatch):
+    driver(None)
+    monkeypatch.setattr(gpu_facts, "cuda_torch_build", lambda: False)
+    started = []
+    monkeypatch.setattr(gpu_facts.threading, "Thread", lambda *a, **k: started.append(k))
+    gpu_facts.look_ahead()
+    assert started == []
 
 
 def test_once_torch_is_imported_torch_answers(driver):

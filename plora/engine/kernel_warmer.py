@@ -26,13 +26,18 @@ from plora.engine.spare import module_child
 from plora.settings import settings, triton_interpreted
 
 __all__ = ["WARMER_MODULE", "discard", "eval_packs", "expected_packs", "order", "order_for_sweep", "running", "start",
-           "wanted"]
+           "told", "wanted"]
 
 #: the child (`plora.kernels.warm_cache`), with the sweep's working folder left off its path
 WARMER_MODULE = "plora.kernels.warm_cache"
 CHILD = module_child(WARMER_MODULE)
 
 _proc: subprocess.Popen | None = None
+#: the size of the log when the process started: its answer is written past it
+_log_offset = 0
+#: the order the process was given (`order`), for the first job's process to load the same
+#: kernels once they are compiled (`told`)
+_told: Any = None
 
 
 def wanted(device: str) -> bool:
@@ -53,9 +58,12 @@ def start(device: str) -> bool:
         return _proc is not None
     from plora.engine.spare import child_setup, first_gpus
 
+    global _log_offset, _told
     env = job_env(first_gpus(device))
+    _told = None
     try:
         log_path().parent.mkdir(parents=True, exist_ok=True)
+        _log_offset = log_path().stat().st_size if log_path().is_file() else 0
         with open(log_path(), "ab") as log:
             _proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=log,
                                      stderr=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -132,16 +140,26 @@ def order(*, dtype: str, shapes: Sequence[tuple[int, int]], packs: Sequence[dict
         return False
     from plora.job.warm_order import WarmOrder
 
-    line = WarmOrder(dtype=dtype, shapes=[tuple(s) for s in shapes], packs=list(packs),
-                     accumulate_dx=accumulate_dx, vocab=vocab).model_dump_json()
+    global _told
+    warm = WarmOrder(dtype=dtype, shapes=[tuple(s) for s in shapes], packs=list(packs),
+                     accumulate_dx=accumulate_dx, vocab=vocab)
     try:
         assert _proc is not None and _proc.stdin is not None
-        _proc.stdin.write((line + "\n").encode())
+        _proc.stdin.write((warm.model_dump_json() + "\n").encode())
         _proc.stdin.close()
     except (OSError, ValueError):
         discard()
         return False
+    _told = warm
     return True
+
+
+def told() -> tuple[Any, Path, int] | None:
+    """What the process was told to compile (a `WarmOrder`), the log it answers in and the
+    offset its answer comes past; None where it was told nothing."""
+    if _told is None:
+        return None
+    return _told, log_path(), _log_offset
 
 
 def order_for_sweep(spec: Any, configs: Sequence[Any], *, layout: str, lengths: list[int] | None,
@@ -179,8 +197,8 @@ def order_for_sweep(spec: Any, configs: Sequence[Any], *, layout: str, lengths: 
 
 def discard() -> None:
     """Stop the process if it is still there (a sweep that ends, or needs it no more)."""
-    global _proc
-    proc, _proc = _proc, None
+    global _proc, _told
+    proc, _proc, _told = _proc, None, None
     if proc is None or proc.poll() is not None:
         return
     try:

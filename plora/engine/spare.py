@@ -18,7 +18,9 @@ that is never used is killed; one whose sweep dies dies with it (parent-death si
 On a host of several GPUs, each job planned to start at once gets a spare of its own (one per
 GPU). The sweep's first spares are also told its base model (`preload`, a `PreloadOrder` line ahead
 of the job's): it loads it once its imports are done, while the sweep plans, and the job
-takes it (`plora.train.preload`).
+takes it (`plora.train.preload`); and the Triton kernels the sweep expects it to launch
+(`kernels_ahead`, a `KernelsOrder`), which it loads once the sweep's kernel-warming process
+has compiled them.
 Setting ``PLORA_SPARE_JOBS=0`` turns spares off.
 """
 
@@ -123,6 +125,19 @@ class PreloadOrder(BaseModel):
     random_init: bool
 
 
+class KernelsOrder(BaseModel):
+    """A line a spare may read before its job: the Triton kernels the sweep expects its first
+    job to launch (``order``: the `plora.job.warm_order.WarmOrder` its kernel-warming process
+    compiles), to load once that process has answered in ``warmer_log`` past byte
+    ``warmer_offset``, so that they are in Triton's cache: the spare compiles nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    order: dict
+    warmer_log: str
+    warmer_offset: int = 0
+
+
 def die_with_parent() -> None:
     """Linux parent-death signal: the process gets SIGKILL when the sweep process dies."""
     try:
@@ -221,8 +236,8 @@ class Spare:
             return False
         return True
 
-    def tell(self, order: PreloadOrder) -> bool:
-        """Send a preload order ahead of the job (read once the child has imported)."""
+    def tell(self, order: PreloadOrder | KernelsOrder) -> bool:
+        """Send a preload or kernels order ahead of the job (read once the child has imported)."""
         return self._send(order)
 
     def hand(self, order: SpareOrder) -> bool:
@@ -335,6 +350,19 @@ def prime(gpus: Sequence[int] = (), *, gpu_idle: bool = False) -> None:
 def preload(order: PreloadOrder) -> bool:
     """Have the spares there are load the sweep's base model before their jobs come (only
     for GPUs no job is running on: the first jobs'). Whether an order went out."""
+    told = False
+    for spare in list(_spares.values()):
+        if spare.proc.poll() is None:
+            told = spare.tell(order) or told
+    return told
+
+
+def kernels_ahead(order: KernelsOrder) -> bool:
+    """Have the spares there are load the kernels their jobs will likely launch (as
+    `preload`: only the first jobs' spares, on idle GPUs, are there when the sweep sends it;
+    ``PLORA_SPARE_KERNELS=0`` sends nothing). Whether an order went out."""
+    if not settings().spare_kernels:
+        return False
     told = False
     for spare in list(_spares.values()):
         if spare.proc.poll() is None:

@@ -87,7 +87,10 @@ class _EvalEvent:
             torch.cuda.reset_peak_memory_stats(device)
         self.t0 = time.perf_counter()
 
-    def done(self) -> None:
+    def done(self, release: bool = True) -> None:
+        """The eval has finished (on a GPU, once its work is done); ``release``: the memory
+        its batches left cached goes back to the device (not after a job's last eval, when
+        nothing trains after it: giving gigabytes back costs its end time)."""
         row: dict[str, Any] = {"adapters": self.adapters, "samples": self.samples,
                                "max_new_tokens": self.max_new_tokens,
                                "seconds": time.perf_counter() - self.t0}
@@ -99,10 +102,12 @@ class _EvalEvent:
             torch.cuda.synchronize(self.device)
             row["seconds"] = time.perf_counter() - self.t0
             row["peak_reserved"] = float(torch.cuda.max_memory_reserved(self.device))
-            # the eval's batches (up to 2048 rows on a GPU) are not the next pack's: its
-            # footprint, which the memory calibration reads, starts from what training holds
-            torch.cuda.empty_cache()
+            if release:
+                # the eval's batches (up to 2048 rows on a GPU) are not the next pack's: its
+                # footprint, which the memory calibration reads, starts from what training holds
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+        row["at"] = time.time()  # when it ended (where a job's end goes: its summary)
         self.clock.evals.append(row)
 
 
@@ -183,6 +188,7 @@ class PhaseClock:
         phase = self.phases[-1]
         phase["steps"] += 1
         phase["rest_s"] += float(seconds)
+        phase["last_at"] = time.time()  # its last step's end so far (where a job's end goes)
         wider = False
         if tokens is not None and "rest_tokens" in phase:
             phase["rest_tokens"] += int(tokens)

@@ -4,9 +4,11 @@ sweep writes its order without importing torch (`plora.engine.kernel_warmer`).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["READY", "WarmAnswer", "WarmOrder", "WarmPack"]
+__all__ = ["READY", "WarmAnswer", "WarmOrder", "WarmPack", "answered"]
 
 #: what the child prints once its imports are done
 READY = "ready"
@@ -47,3 +49,22 @@ class WarmAnswer(BaseModel):
     seconds: float = 0.0
     finished_at: float = 0.0  #: epoch seconds (where a sweep's wait went: the log beside its caches)
     error: str | None = None
+
+
+def answered(log: str | Path, offset: int = 0) -> WarmAnswer | None:
+    """The `WarmAnswer` the kernel-warming process wrote to ``log`` past byte ``offset`` (its
+    log is appended to by every sweep's process: ``offset`` is its size when this sweep's
+    started), or None while it has not answered (or the log cannot be read)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, int(offset)))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in tail.splitlines():
+        if line.startswith("{"):
+            try:
+                return WarmAnswer.model_validate_json(line)
+            except ValueError:
+                continue
+    return None

@@ -64,18 +64,20 @@ class Evaluator:
         model's fit counts the forwards by)."""
         return self.clock.eval_event(adapters, max_new_tokens, self.device, samples, batch_rows=self.batch_rows)
 
-    def full(self, adapters: list[int], metrics: list[str]) -> list[dict[str, float]]:
+    def full(self, adapters: list[int], metrics: list[str], *, last: bool = False) -> list[dict[str, float]]:
         """Every metric of ``metrics`` on the whole eval set (an adapter's final or epoch-end
-        scores), timed as one eval event. The room is the caller's to make."""
+        scores), timed as one eval event. The room is the caller's to make. ``last``: nothing
+        trains after it (its batches' memory is not given back: `PhaseClock.eval_event`)."""
         max_new = self.cfg.max_new_tokens
         clock = self._timed(len(adapters), max_new if generated_metrics(metrics) else 0)
         out = self.evaluate(adapters, metrics=metrics, max_new_tokens=max_new)
-        clock.done()
+        clock.done(release=not last)
         return out
 
-    def final(self, adapters: list[int]) -> list[dict[str, float]]:
-        """Leaving adapters' scores: every metric where the job has eval rows (none without)."""
-        return self.full(adapters, list(self.cfg.metrics) if self.examples else [])
+    def final(self, adapters: list[int], *, last: bool = False) -> list[dict[str, float]]:
+        """Leaving adapters' scores: every metric where the job has eval rows (none without);
+        ``last``: the job's last adapters, nothing trains after them."""
+        return self.full(adapters, list(self.cfg.metrics) if self.examples else [], last=last)
 
     def epoch_end(self, adapters: list[int]) -> list[dict[str, float]]:
         """Adapters at an epoch end: every metric on the whole eval set."""

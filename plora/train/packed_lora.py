@@ -435,15 +435,23 @@ class PackedLoRARecipe:
             self._leaving.append(_Leaving(runs, status, checkpoints,
                                           self.lane.submit_after(lambda: self.evaluator.final(indices))))
             return
-        self._finish_scored(runs, status, checkpoints, self.evaluator.final(indices))
+        self._finish_scored(runs, status, checkpoints, self.evaluator.final(indices, last=not self._trains_beside(runs)))
 
     def _leaves_on_lane(self, runs: list[AdapterRun]) -> bool:
         """Whether leaving ``runs`` are scored on the side lane: the job has one, no join can
         take their slots while they are scored, and the pack trains on without them (the
         last adapters' scores are waited for at once)."""
+        return self.lane is not None and not self.joins.may_change_pack and self._stays_beside(runs)
+
+    def _stays_beside(self, runs: list[AdapterRun]) -> bool:
+        """Whether adapters stay in the pack beside leaving ``runs``."""
         leaving = {id(r) for r in runs}
-        return (self.lane is not None and not self.joins.may_change_pack
-                and any(r.active and id(r) not in leaving for r in self.runs))
+        return any(r.active and id(r) not in leaving for r in self.runs)
+
+    def _trains_beside(self, runs: list[AdapterRun]) -> bool:
+        """Whether the pack may train on beside leaving ``runs``: adapters stay in it, or a
+        join may still bring some."""
+        return self.joins.may_change_pack or self._stays_beside(runs)
 
     def _finish_scored(self, runs: list[AdapterRun], status: str, checkpoints: list[Path | None],
                        metrics: list[dict[str, Any]]) -> None:

@@ -1,5 +1,6 @@
 """A job process waiting for its job: imports the recipe first, then reads one `SpareOrder`
-(after, perhaps, a `PreloadOrder`: the sweep's base model, loaded while it waits).
+(after, perhaps, a `PreloadOrder`: the sweep's base model, loaded while it waits; and a
+`KernelsOrder`: the Triton kernels its job will likely launch, loaded once compiled).
 
 Started by `plora.engine.spare` ahead of a job, with that job's environment. Once its
 imports are done it prints ``ready`` and blocks on stdin. Given its order it becomes the job exactly as
@@ -52,6 +53,7 @@ def main() -> int:
     # directly (`plora.train.packed.flash_varlen`: no torch._dynamo)
     import_late_modules(SPARE_MOMENTS, () if flash_varlen() is not None else LATE_GPU_MODULES)
     warming: list = []  # threads its job waits for at the handover
+    kernels = KernelsAhead(SPARE_MOMENTS)  # the sweep's expected kernels, loaded before the job comes
     # what is alive now (torch, torchtune, the recipe: most of a job's objects) moved where
     # garbage collections do not walk it: the job's first collection (`plora.train.heap`)
     # walks the model and its own objects only
@@ -69,6 +71,11 @@ def main() -> int:
             fields = {}
         if not isinstance(fields, dict) or "config" in fields:
             break
+        if "warmer_log" in fields:  # a `KernelsOrder`: loaded after the warm-up, or now where it is done
+            later = kernels.take(fields)
+            if later is not None:
+                warming.append(later)
+            continue
         if "check" in fields:  # the sweep's model check, done here where torchtune is imported
             answer = answer_check(fields)
             try:
@@ -91,8 +98,9 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - the job loads its own model then
             key = None
         if not warming:
-            warming.append(_warming_thread(key, SPARE_MOMENTS))
+            warming.append(_warming_thread(key, SPARE_MOMENTS, kernels))
     order = SpareOrder.model_validate_json(line)
+    kernels.job_came.set()  # a load still waiting for the warming process's answer is let go
     _join_warming(warming, SPARE_MOMENTS)
     SPARE_MOMENTS["dynamo_at_handover"] = "torch._dynamo" in sys.modules
     os.chdir(order.cwd)
@@ -170,13 +178,14 @@ def _join_warming(threads: list, moments: dict) -> None:
             preload.release()
 
 
-def _warming_thread(key, moments: dict):
+def _warming_thread(key, moments: dict, kernels: "KernelsAhead | None" = None):
     """What a job's first GPU work would pay, paid on a thread while the spare waits: the
     held model (of ``key``, if one is held) once forward and backward (`plora.train.gpu_warm_up`),
-    then Triton's once-a-process costs (`plora.kernels.prewarm`: the job's first step then
-    only loads its kernels). A thread, so that the spare answers the sweep's model check
-    meanwhile (1.8-2.3 s of warm-up on a machine's first use, which the check, and so the
-    sweep's first job, had waited for); the thread, or None where there is no GPU."""
+    then Triton's once-a-process costs (`plora.kernels.prewarm`), then the kernels the sweep
+    expects the job to launch (``kernels``, where its order came: `KernelsAhead`). A thread,
+    so that the spare answers the sweep's model check meanwhile (1.8-2.3 s of warm-up on a
+    machine's first use, which the check, and so the sweep's first job, had waited for); the
+    thread, or None where there is no GPU."""
     import threading
     import time
 
@@ -214,11 +223,98 @@ def _warming_thread(key, moments: dict):
             host_staging()
         except Exception:  # noqa: BLE001 - the job's bank pins it at set-up then
             pass
+        if kernels is not None:
+            kernels.load(kernels.close())
         moments["ready_for_job_at"] = time.time()
 
     thread = threading.Thread(target=run, name="plora-warming", daemon=True)
     thread.start()
     return thread
+
+
+class KernelsAhead:
+    """The Triton kernels the sweep expects its first job to launch (a `KernelsOrder`),
+    loaded in the spare before the job comes: its first step's capture then loads none of
+    them (the job's own compile-ahead finds them loaded: `plora.kernels.compile_ahead`).
+
+    Loaded only once the sweep's kernel-warming process has answered, so that every one is
+    in Triton's cache and the spare compiles nothing (on a machine's first sweep the warming
+    process compiles for seconds: a spare compiling beside it would hold up the handover).
+    The warming thread loads them at its end (`close`); an order that comes after that gets
+    a thread of its own (`take`). A load waiting for the warming process's answer gives up
+    when the job comes (`job_came`)."""
+
+    #: how often, and at most how long, a load looks for the warming process's answer
+    POLL_S = 0.02
+    WAIT_S = 30.0
+
+    def __init__(self, moments: dict):
+        import threading
+
+        self.moments = moments
+        self.job_came = threading.Event()
+        self._lock = threading.Lock()
+        self._order: dict | None = None
+        self._closed = False  # the warming thread has looked for an order
+
+    def take(self, fields: dict):
+        """An order read by the spare: kept for the warming thread, or, where that has looked
+        already, loaded on a thread of its own (returned, for the handover to wait for)."""
+        import threading
+
+        with self._lock:
+            if not self._closed:
+                self._order = fields
+                return None
+        thread = threading.Thread(target=self.load, args=(fields,), name="plora-kernels", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> dict | None:
+        """The order kept so far (None: none came yet); a later one gets a thread of its own."""
+        with self._lock:
+            self._closed = True
+            order, self._order = self._order, None
+            return order
+
+    def load(self, fields: dict | None) -> None:
+        """Load ``fields``' kernels once the warming process has answered (`plora.kernels.warm_cache.warm`,
+        which finds each in Triton's cache); what happened goes to the spare's moments."""
+        import time
+
+        if fields is None:
+            return
+        from plora.engine.spare import KernelsOrder
+        from plora.job.warm_order import WarmOrder, answered
+
+        t0 = time.perf_counter()
+        try:
+            ahead = KernelsOrder.model_validate(fields)
+            order = WarmOrder.model_validate(ahead.order)
+        except ValueError:
+            self.moments["kernels_skipped"] = "order"
+            return
+        deadline = time.monotonic() + self.WAIT_S
+        while answered(ahead.warmer_log, ahead.warmer_offset) is None:
+            if self.job_came.is_set() or time.monotonic() > deadline:
+                self.moments["kernels_skipped"] = "not compiled yet"
+                return
+            time.sleep(self.POLL_S)
+        waited = time.perf_counter() - t0
+        try:
+            import torch
+
+            from plora.kernels.compile_ahead import COMPILED
+            from plora.kernels.warm_cache import warm
+
+            before = COMPILED.seconds
+            loaded = warm(order)
+            torch.cuda.empty_cache()  # a dry run's scratch back to the device, as before it
+        except Exception as e:  # noqa: BLE001 - the job loads its kernels itself, as before
+            self.moments["kernels_skipped"] = f"{type(e).__name__}: {e}"[:200]
+            return
+        self.moments["kernels_ahead"] = {"loaded": loaded, "waited_s": round(waited, 3),
+                                         "load_s": round(COMPILED.seconds - before, 3), "at": time.time()}
 
 
 def answer_check(fields: dict):
