@@ -205,4 +205,3 @@ def test_safetensors_writes_views_of_one_buffer_that_do_not_overlap(tmp_path):
     save_file(views, str(tmp_path / "v.safetensors"))
     back = load_file(str(tmp_path / "v.safetensors"))
     assert all(torch.equal(back[k], views[k]) for k in views)
-
