@@ -11,8 +11,10 @@ expects: their steps, and the forwards of the evals that score them), compiles e
 of those, and of the optimizer's norms and AdamW and the loss's, on threads into Triton's cache (the same
 ``TRITON_CACHE_DIR`` as the jobs'), prints one `WarmAnswer` line and exits. (Without the
 evals' and the optimizer's, the first job compiled 11 variants of its own on an H200: 1.4 s.)
-The job's own compile-ahead then finds them on disk and only loads them; a variant this
-missed, or has not finished, compiles there as before. Nothing here changes what any step
+The first job's spare then loads them before its job comes, once this process has answered
+(`plora.train.spare.KernelsAhead`, which calls `warm` in that process: every variant is then a
+load from Triton's cache), and the job's own compile-ahead finds them loaded (where the spare
+had no time, on disk); a variant this missed, or has not finished, compiles there as before. Nothing here changes what any step
 computes.
 
     python -m plora.kernels.warm_cache < order.json
