@@ -323,7 +323,7 @@ def _spare_kernels(told) -> None:
     if told is None:
         return
     order, log, offset = told
-    spare.kernels_ahead(spare.KernelsOrder(order=order.model_dump(), warmer_log=str(log), warmer_offset=offset))
+    spare.kernels_ahead(spare.KernelsOrder(order=order, warmer_log=str(log), warmer_offset=offset))
 
 
 def _plan(spec, output: Optional[Path], *, probe: bool, fresh: bool = False, on_cost_model=None):

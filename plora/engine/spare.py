@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict
 from plora.bytecode_cache import PREAMBLE
 from plora.engine.cpu_share import bind_to_share, host_gpu_count
 from plora.engine.job_env import job_env
+from plora.job.warm_order import WarmOrder
 from plora.settings import ATTEMPT, SPARE_JOBS, TEST_HOOKS, settings
 from plora.settings import HANDED_AT as settings_HANDED_AT
 
@@ -133,7 +134,7 @@ class KernelsOrder(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    order: dict
+    order: WarmOrder
     warmer_log: str
     warmer_offset: int = 0
 
@@ -350,19 +351,18 @@ def prime(gpus: Sequence[int] = (), *, gpu_idle: bool = False) -> None:
 def preload(order: PreloadOrder) -> bool:
     """Have the spares there are load the sweep's base model before their jobs come (only
     for GPUs no job is running on: the first jobs'). Whether an order went out."""
-    told = False
-    for spare in list(_spares.values()):
-        if spare.proc.poll() is None:
-            told = spare.tell(order) or told
-    return told
+    return _tell_all(order)
 
 
 def kernels_ahead(order: KernelsOrder) -> bool:
     """Have the spares there are load the kernels their jobs will likely launch (as
     `preload`: only the first jobs' spares, on idle GPUs, are there when the sweep sends it;
     ``PLORA_SPARE_KERNELS=0`` sends nothing). Whether an order went out."""
-    if not settings().spare_kernels:
-        return False
+    return settings().spare_kernels and _tell_all(order)
+
+
+def _tell_all(order: PreloadOrder | KernelsOrder) -> bool:
+    """Send ``order`` to every spare still alive; whether one took it."""
     told = False
     for spare in list(_spares.values()):
         if spare.proc.poll() is None:

@@ -285,12 +285,11 @@ class KernelsAhead:
         if fields is None:
             return
         from plora.engine.spare import KernelsOrder
-        from plora.job.warm_order import WarmOrder, answered
+        from plora.job.warm_order import answered
 
         t0 = time.perf_counter()
         try:
             ahead = KernelsOrder.model_validate(fields)
-            order = WarmOrder.model_validate(ahead.order)
         except ValueError:
             self.moments["kernels_skipped"] = "order"
             return
@@ -308,7 +307,7 @@ class KernelsAhead:
             from plora.kernels.warm_cache import warm
 
             before = COMPILED.seconds
-            loaded = warm(order)
+            loaded = warm(ahead.order)
             torch.cuda.empty_cache()  # a dry run's scratch back to the device, as before it
         except Exception as e:  # noqa: BLE001 - the job loads its kernels itself, as before
             self.moments["kernels_skipped"] = f"{type(e).__name__}: {e}"[:200]

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plora.train.packed.decode_cache import DecodeCache
 from plora.settings import settings
+from plora.train.packed.decode_cache import DecodeCache
 from plora.train.packed.flash_varlen import flash_varlen
 from plora.train.packed.row_forward import install_row_forward
 
